@@ -1,0 +1,27 @@
+"""Dispatch ``python -m mix_src.bench NAME [args...]`` to ``mix_src.bench.NAME.main(args)``."""
+
+import importlib
+import sys
+
+BENCHMARKS = {
+    "core": "grpo_split vs loop and its floor; mixed token loss vs plain PPO-clip (time, peak memory)",
+    "rewards": "math-verify reward: sequential vs batch API throughput, worst-case latency",
+    "step": "CPU tiny config: stock verl GRPO vs MIX trainer at n_prefix=0, step-time ratio",
+}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in (*BENCHMARKS, "all"):
+        print("usage: python -m mix_src.bench {" + ",".join([*BENCHMARKS, "all"]) + "} [args...]")
+        for name, what in BENCHMARKS.items():
+            print(f"  {name:8s} {what}")
+        return 2
+    names = list(BENCHMARKS) if argv[0] == "all" else [argv[0]]
+    for name in names:
+        print(f"=== bench {name} ===", flush=True)
+        importlib.import_module(f"mix_src.bench.{name}").main(argv[1:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,57 @@
+"""mix_src: LUFFY-style off-policy guided RL on top of verl 0.9.1.
+
+Install on a CPU machine with ``make install`` (it installs ``torch==2.13.0`` first so that pip never
+pulls a CUDA build), or by hand::
+
+    pip install torch==2.13.0 && pip install -e '.[test]'
+
+On a GPU machine add the ``gpu`` extra (vLLM rollout, flash-attn).
+"""
+
+from setuptools import find_packages, setup
+
+# verl 0.9.1 imports these on the path we use (ray_trainer, main_ppo, agent_loop) but declares them
+# only in optional extras; tests/test_packaging.py imports those modules to prove the list complete.
+VERL_UNDECLARED = [
+    "cachetools",  # verl/workers/rollout/router.py (reached from ray_trainer via llm_server)
+    "fastapi",  # verl/workers/rollout/utils.py, reward_loop/router
+    "uvicorn",  # same
+    "msgspec",  # verl/utils/vllm/utils.py
+    "pyzmq",  # verl/checkpoint_engine/delta_checkpoint_engine.py
+]
+
+setup(
+    name="mix_src",
+    version="0.1.0",
+    description="LUFFY-style off-policy guided RL for LLM reasoning, as recipes on verl 0.9.1",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["mix_src", "mix_src.*"]),
+    package_data={"mix_src": ["config/*.yaml", "config/**/*.yaml"]},
+    include_package_data=True,
+    python_requires=">=3.10,<3.13",
+    install_requires=[
+        "verl==0.9.1",
+        *VERL_UNDECLARED,
+        "transformers>=4.51",
+        "tokenizers",
+        "math-verify>=0.7",
+        "hydra-core>=1.3",
+        "omegaconf>=2.3",
+        "pandas",
+        "pyarrow",
+        "ray[default]>=2.40",
+        "wandb",
+        "matplotlib",
+        "numpy",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout"],
+        "gpu": ["verl[vllm]==0.9.1", "flash-attn"],
+    },
+    entry_points={
+        # verl/__init__.py imports every "verl.plugins" entry point in every process (driver and Ray
+        # workers). mix_src.cpu registers the CPU backend only when it is selected; see its docstring.
+        "verl.plugins": ["mix_src_cpu = mix_src.cpu"],
+    },
+)
