@@ -1,0 +1,101 @@
+"""Prefix-guided agent loop: a rollout that starts from a prefix of the row's off-policy target.
+
+Registered as ``prefix_guided`` through ``mix_src/config/agent_loops.yaml`` (loaded by verl's
+AgentLoopWorker from ``actor_rollout_ref.rollout.agent.agent_loop_config_path``; the MIX entry point sets
+it). Per row it receives, as keyword arguments from the batch's non-tensor fields:
+
+* ``raw_prompt`` — the chat messages (verl's RLHFDataset);
+* ``target`` — the expert solution text (``""`` = none; :class:`mix_src.dataset.RLHFDatasetWithTarget`);
+* ``prefix_ratio`` — drawn on the driver by the trainer (absent in validation, where no row is prefixed).
+
+With ``target_ids = tokenize(target) + [eos]`` and ``prefix = target_ids[:floor(ratio * len)]``
+(:func:`mix_src.prefix.build_prefix`), the response is ``prefix + generate(prompt + prefix)`` with
+``max_tokens`` reduced by the prefix length. A row whose prefix fills the response (ratio 1.0: the whole
+target + EOS) makes **no server call** — LUFFY generated a full, discarded continuation there.
+
+Returned ``extra_fields``: ``prefix_token_mask`` (uint8 array, 1 on prefix tokens, length of the
+response), ``prefix_ratio`` (float) and ``prefix_truncated`` (bool: the prefix did not fit the response
+length and was cut, counted by the trainer). Rollout log-probs of prefix tokens do not exist; when the
+server returns log-probs, prefix positions hold 0.0 and the trainer keeps them out of rollout metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+from uuid import uuid4
+
+import numpy as np
+
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
+from verl.utils.profiler import simple_timer
+
+from mix_src.prefix import build_prefix
+
+logger = logging.getLogger(__name__)
+logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
+
+
+class PrefixGuidedAgentLoop(AgentLoopBase):
+    """Single-turn agent loop whose response may start with a prefix of the off-policy target."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.response_length = int(self.rollout_config.response_length)
+        self.eos_token_id = self.tokenizer.eos_token_id
+
+    def target_prefix_ids(self, target: Any, ratio: float) -> list[int]:
+        """Token ids of ``floor(ratio * len(target + EOS))`` leading target tokens (empty if no target)."""
+        if ratio <= 0.0 or not isinstance(target, str) or not target:
+            return []
+        target_ids = self.tokenizer.encode(target, add_special_tokens=False)
+        return list(build_prefix(target_ids, ratio, self.eos_token_id))
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
+        messages = list(kwargs["raw_prompt"])
+        prompt_ids = await self.ct_build_initial_tokens(messages)
+
+        ratio = float(kwargs.get("prefix_ratio", 0.0) or 0.0)
+        prefix_ids = self.target_prefix_ids(kwargs.get("target"), ratio)
+        truncated = len(prefix_ids) > self.response_length
+        prefix_ids = prefix_ids[: self.response_length]
+        remaining = self.response_length - len(prefix_ids)
+        ends_with_eos = bool(prefix_ids) and prefix_ids[-1] == self.eos_token_id
+
+        metrics: dict[str, Any] = {}
+        gen_ids: list[int] = []
+        gen_logprobs = None
+        extra: dict[str, Any] = {}
+        if remaining > 0 and not ends_with_eos:  # a whole target (+EOS) needs no generation at all
+            with simple_timer("generate_sequences", metrics):
+                out = await self.server_manager.generate(
+                    request_id=uuid4().hex,
+                    prompt_ids=prompt_ids + prefix_ids,
+                    sampling_params={**sampling_params, "max_tokens": remaining},
+                )
+            gen_ids = list(out.token_ids)[:remaining]
+            gen_logprobs = list(out.log_probs)[:remaining] if out.log_probs else None
+            extra.update(out.extra_fields or {})
+            metrics["num_preempted"] = out.num_preempted if out.num_preempted is not None else -1
+
+        response_ids = prefix_ids + gen_ids
+        # verl stacks rollout log-probs only if every row has them: keep one rule for all rows.
+        response_logprobs = None
+        if self.rollout_config.calculate_log_probs:
+            gen_logprobs = gen_logprobs if gen_logprobs is not None else [0.0] * len(gen_ids)
+            response_logprobs = [0.0] * len(prefix_ids) + gen_logprobs
+        prefix_mask = np.zeros(len(response_ids), dtype=np.uint8)
+        prefix_mask[: len(prefix_ids)] = 1
+        extra.update(prefix_token_mask=prefix_mask, prefix_ratio=ratio, prefix_truncated=truncated)
+        extra.update(turn_scores=[], tool_rewards=[])  # same schema as verl's single/tool agent loops
+
+        return AgentLoopOutput(
+            prompt_ids=prompt_ids,
+            response_ids=response_ids,
+            response_mask=[1] * len(response_ids),
+            response_logprobs=response_logprobs,
+            num_turns=2,
+            metrics=AgentLoopMetrics(**metrics),
+            extra_fields=extra,
+        )

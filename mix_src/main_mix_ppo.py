@@ -1,0 +1,147 @@
+"""Entry point: ``python -m mix_src.main_mix_ppo key=value ...`` (Hydra; config ``mix_src/config/mix_ppo_trainer.yaml``).
+
+On the driver, before Ray starts: validate the ``mix:`` section and its ties to verl's keys, point verl
+at our agent loop and dataset class, check that the data and model paths exist, then run verl's own
+``run_ppo`` with :class:`MixTaskRunner`, which builds :class:`~mix_src.mix_trainer.MIXRayPPOTrainer`.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+from pathlib import Path
+from pprint import pprint
+
+import hydra
+import ray
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+
+from verl.trainer.main_ppo_v0 import BaseTaskRunner
+
+from mix_src.mix_config import MixConfigError, validate_mix_config
+
+CONFIG_DIR = Path(__file__).resolve().parent / "config"
+AGENT_LOOPS_YAML = CONFIG_DIR / "agent_loops.yaml"
+
+
+def prepare_config(config: DictConfig) -> None:
+    """Fill in what the MIX trainer needs from verl's config and check local paths. Raises on bad input."""
+    validate_mix_config(config)
+    agent = config.actor_rollout_ref.rollout.agent
+    with open_dict(config):
+        if not agent.get("agent_loop_config_path"):
+            agent.agent_loop_config_path = str(AGENT_LOOPS_YAML)
+    _check_paths(config)
+
+
+def _local_paths(value) -> list[str]:
+    values = list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
+    return [str(v) for v in values if v is not None and "://" not in str(v)]
+
+
+def _check_paths(config: DictConfig) -> None:
+    checks = {
+        "data.train_files": _local_paths(config.data.train_files),
+        "data.val_files": _local_paths(config.data.val_files),
+        "actor_rollout_ref.model.path": _local_paths(config.actor_rollout_ref.model.path),
+    }
+    tok = config.actor_rollout_ref.model.get("tokenizer_path")
+    if tok:
+        checks["actor_rollout_ref.model.tokenizer_path"] = _local_paths(tok)
+    for key, paths in checks.items():
+        for path in paths:
+            if not os.path.exists(os.path.expanduser(path)) and (key.startswith("data.") or not _is_hub_id(path)):
+                raise FileNotFoundError(
+                    f"{key}: '{path}' does not exist (cwd {os.getcwd()}); fix the path, or build the files first "
+                    "(e.g. `python scripts/make_tiny_assets.py DIR` for the CPU demo)"
+                )
+
+
+def _is_hub_id(path: str) -> bool:
+    """'Qwen/Qwen2.5-Math-7B'-style model ids are resolved by transformers, not checked here."""
+    return not path.startswith(("/", ".", "~")) and path.count("/") == 1
+
+
+class MixTaskRunner(BaseTaskRunner):
+    """verl's legacy TaskRunner flow (``main_ppo_v0.TaskRunner.run``) with MIXRayPPOTrainer.
+
+    ``main_ppo_v0.TaskRunner`` is already a Ray actor class and cannot be subclassed, so this subclasses
+    its ``BaseTaskRunner`` (worker/resource-pool set-up) and keeps ``run`` short.
+    """
+
+    def run(self, config: DictConfig) -> None:
+        from verl.trainer.ppo.utils import create_rl_dataset, create_rl_sampler, need_critic, need_reference_policy
+        from verl.utils.config import omega_conf_to_dataclass, validate_config
+        from verl.utils.dataset.rl_dataset import collate_fn
+        from verl.workers.config import HFModelConfig
+
+        from mix_src.mix_trainer import MIXRayPPOTrainer
+
+        print(f"MixTaskRunner hostname: {socket.gethostname()}, PID: {os.getpid()}")
+        pprint(OmegaConf.to_container(config, resolve=True))
+        OmegaConf.resolve(config)
+        mix = validate_mix_config(config)
+
+        _, ray_worker_group_cls = self.add_actor_rollout_worker(config)
+        self.add_critic_worker(config)
+        self.add_reward_model_resource_pool(config)
+        self.add_teacher_model_resource_pool(config)
+        validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+
+        model_config: HFModelConfig = omega_conf_to_dataclass(config.actor_rollout_ref.model)
+        tokenizer, processor = model_config.tokenizer, model_config.processor
+
+        # the training set gets the mix settings (targets); validation rows never get a prefix
+        train_data_cfg = copy.deepcopy(config.data)
+        with open_dict(train_data_cfg):
+            train_data_cfg.mix = copy.deepcopy(config.mix)
+        train_dataset = create_rl_dataset(
+            config.data.train_files, train_data_cfg, tokenizer, processor, is_train=True,
+            max_samples=config.data.get("train_max_samples", -1),
+        )  # fmt: skip
+        val_dataset = create_rl_dataset(
+            config.data.val_files, config.data, tokenizer, processor, is_train=False,
+            max_samples=config.data.get("val_max_samples", -1),
+        )  # fmt: skip
+
+        trainer = MIXRayPPOTrainer(
+            config=config,
+            tokenizer=tokenizer,
+            processor=processor,
+            role_worker_mapping=self.role_worker_mapping,
+            resource_pool_manager=self.init_resource_pool_mgr(config),
+            ray_worker_group_cls=ray_worker_group_cls,
+            train_dataset=train_dataset,
+            val_dataset=val_dataset,
+            collate_fn=collate_fn,
+            train_sampler=create_rl_sampler(config.data, train_dataset),
+            mix_config=mix,
+        )
+        trainer.init_workers()
+        trainer.fit()
+
+
+def run_mix_ppo(config: DictConfig) -> None:
+    """Validate on the driver, then start Ray and train."""
+    from verl.trainer.main_ppo import run_ppo
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+    from verl.utils.device import auto_set_device
+
+    if config.trainer.get("use_v1", False):
+        raise MixConfigError("trainer.use_v1=true: the MIX trainer builds on verl's RayPPOTrainer; set trainer.use_v1=false")
+    prepare_config(config)
+    auto_set_device(config)
+    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+
+    run_ppo(config, task_runner_class=ray.remote(num_cpus=1)(MixTaskRunner))
+
+
+@hydra.main(config_path="config", config_name="mix_ppo_trainer", version_base=None)
+def main(config: DictConfig) -> None:
+    run_mix_ppo(config)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""The ``mix:`` config section: one typed, validated place for every key mix_src adds to verl's config.
+
+verl's own dataclasses reject unknown keys under ``actor_rollout_ref.*`` and ``algorithm.*``, so our keys
+live in a top-level ``mix:`` section. Key names follow LUFFY's (``n_prefix``, ``prefix_strategy``,
+``off_policy_reshape`` ...) so users of the original can find them. Where verl already has a key we use
+verl's (``actor_rollout_ref.rollout.n``, ``algorithm.adv_estimator``, ``algorithm.filter_groups.*``,
+``actor_rollout_ref.actor.{clip_ratio, entropy_coeff, use_kl_loss, kl_loss_coef, kl_loss_type}``).
+
+:func:`validate_mix_config` runs on the driver before Ray starts. It rejects unknown keys (listing the
+valid ones), wrong types and out-of-range values, naming the full key, the value and the allowed range,
+and checks the few cross-section rules (e.g. ``n_prefix <= rollout.n``).
+
+This module imports no verl and no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, get_args, get_origin, get_type_hints
+
+PrefixStrategy = Literal["random", "linear", "linear_max", "reverse_linear", "fixed"]
+OffPolicyReshape = Literal["no_reshape", "logp", "p_logp", "square_root", "pow", "p_div_p"]
+OnPolicyReshape = Literal["no_reshape", "logp", "p_logp", "square_root", "pow", "p_div_p"]
+LossAggMode = Literal[
+    "token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+    "luffy-token-sum-norm",
+]  # fmt: skip
+# The original LUFFY baked gamma into the option name; accepted as aliases of ("p_div_p", gamma).
+RESHAPE_ALIASES = {"p_div_p_0.1": 0.1, "p_div_p_0.3": 0.3, "p_div_p_0.5": 0.5}
+
+
+class MixConfigError(ValueError):
+    """A bad value in the ``mix:`` section (or a rule that ties it to verl's keys)."""
+
+
+@dataclass
+class DataConfig:
+    """Off-policy targets (expert solutions) read by :class:`mix_src.dataset.RLHFDatasetWithTarget`."""
+
+    target_key: str = "target"  # parquet column with the target: [{role: assistant, content}] or a string
+    sample_target_ratio: float = 1.0  # probability that a row keeps its target (drawn once per row, seeded)
+    max_target_length: int = 8192  # targets longer than this (tokens) are dropped and counted ...
+    truncate_targets: bool = False  # ... or truncated to it when true (also counted)
+
+    def check(self, p: str) -> None:
+        _in_range(f"{p}.sample_target_ratio", self.sample_target_ratio, 0.0, 1.0)
+        _in_range(f"{p}.max_target_length", self.max_target_length, 1, None)
+        if not self.target_key:
+            raise MixConfigError(f"{p}.target_key must be a non-empty column name")
+
+
+@dataclass
+class LossConfig:
+    """Actor loss options (worker side, :mod:`mix_src.loss`). Formulas: README "Loss" and core_alg."""
+
+    off_policy_reshape: str = "p_div_p"  # f(p) on target tokens; p_div_p: p/(p+gamma)
+    off_policy_reshape_gamma: float = 0.1  # gamma of p_div_p (LUFFY: 0.1)
+    off_policy_reshape_weight: float = 0.1  # w of logp / p_logp
+    off_policy_reshape_pow_exp: float = 0.5  # k of pow
+    on_policy_reshape: str = "no_reshape"  # ratio shaping on on-policy tokens
+    on_policy_reshape_weight: float = 0.1
+    on_policy_reshape_pow_exp: float = 0.5
+    on_policy_reshape_gamma: float = 0.1  # gamma of on-policy p_div_p
+    off_max_clip: Optional[float] = None  # f <= c on target tokens (None = off)
+    off_min_clip: Optional[float] = None  # f >= c on target tokens (None = off)
+    all_max_clip: Optional[float] = None  # drop tokens whose p > c from loss and normaliser (None = off)
+    loss_remove_clip: bool = False  # no PPO clipping on on-policy tokens (LUFFY main recipe: true)
+    clip_upper_bound: float = 1.0  # upper clip = max(clip_upper_bound, 1 + clip_ratio_high)
+    loss_agg_mode: Optional[LossAggMode] = None  # None = actor_rollout_ref.actor.loss_agg_mode
+    use_sft_multitask_loss: bool = False  # instead of the shaped term: NLL on target tokens + PPO on on-policy rows
+    sft_loss_coef: float = 1.0
+    use_adaptive_entropy: bool = False  # learn the entropy coefficient towards target_entropy (LUFFY §5.4)
+    target_entropy: float = 1.0
+    alpha_lr: float = 1e-2
+    entropy_coeff_max: Optional[float] = None  # clamp of the adaptive coefficient (None = off)
+
+    def check(self, p: str) -> None:
+        for key in ("off_policy_reshape", "on_policy_reshape"):
+            value = getattr(self, key)
+            if value in RESHAPE_ALIASES:  # the original's names: keep the number in its own key
+                setattr(self, key, "p_div_p")
+                setattr(self, key.replace("reshape", "reshape_gamma"), RESHAPE_ALIASES[value])
+            elif value not in get_args(OffPolicyReshape):
+                allowed = [*get_args(OffPolicyReshape), *RESHAPE_ALIASES]
+                raise MixConfigError(f"{p}.{key}={value!r} is not one of {allowed}")
+        for key in ("off_policy_reshape_gamma", "on_policy_reshape_gamma"):
+            if not getattr(self, key) > 0:
+                raise MixConfigError(f"{p}.{key}={getattr(self, key)!r} must be > 0 (p/(p+gamma))")
+        for key in ("off_policy_reshape_pow_exp", "on_policy_reshape_pow_exp", "alpha_lr"):
+            if not getattr(self, key) > 0:
+                raise MixConfigError(f"{p}.{key}={getattr(self, key)!r} must be > 0")
+        for key in ("off_max_clip", "off_min_clip", "all_max_clip", "entropy_coeff_max"):
+            value = getattr(self, key)
+            if value is not None and value == -1:  # the original's "off"
+                setattr(self, key, None)
+            elif value is not None and not value > 0:
+                raise MixConfigError(f"{p}.{key}={value!r} must be > 0, or null/-1 to switch it off")
+        if self.off_max_clip is not None and self.off_min_clip is not None and self.off_min_clip > self.off_max_clip:
+            raise MixConfigError(f"{p}.off_min_clip={self.off_min_clip} > {p}.off_max_clip={self.off_max_clip}")
+        _in_range(f"{p}.clip_upper_bound", self.clip_upper_bound, 0.0, None)
+        _in_range(f"{p}.sft_loss_coef", self.sft_loss_coef, 0.0, None)
+
+
+@dataclass
+class FilterGroupsConfig:
+    """Extras on top of verl's ``algorithm.filter_groups.{enable, metric, max_num_gen_batches}``."""
+
+    carry_over: bool = False  # keep surplus kept groups for the next step instead of discarding them
+    on_policy_only: bool = False  # compute a group's metric std over its on-policy rows only
+
+    def check(self, p: str) -> None:
+        pass
+
+
+@dataclass
+class MixConfig:
+    """Everything under ``mix:``. Prefix keys follow LUFFY's ``actor_rollout_ref.rollout.*`` names."""
+
+    n_prefix: int = 0  # rows per group (of rollout.n) that start from a target prefix; -1 = all, 0 = none
+    prefix_strategy: PrefixStrategy = "random"  # how each prefixed row's ratio is drawn (mix_src.prefix)
+    prefix_share_across_samples: bool = False  # one ratio per prompt instead of one per row
+    min_prefix_ratio: float = 1.0  # random: ratio ~ U(min, max); 1.0 = the whole target + EOS
+    max_prefix_ratio: float = 1.0
+    prefix_steps: int = 1000  # linear schedules: steps over which the ratio window moves
+    prefix_linear_max_ratio: float = 0.8  # linear schedules: starting ratio
+    prefix_fix_ratios: Optional[list] = None  # fixed: the ratios, one per prefixed row of a group
+    prefix_reward_weight_alpha: float = 1.0  # A <- A * alpha on target tokens ...
+    prefix_reward_weight_beta: float = 1.0  # ... and A * beta on the other tokens
+    seed: Optional[int] = None  # seed of the prefix-ratio generator (None = data.seed or 0)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+
+    def check(self, p: str = "mix") -> None:
+        _in_range(f"{p}.n_prefix", self.n_prefix, -1, None)
+        _in_range(f"{p}.min_prefix_ratio", self.min_prefix_ratio, 0.0, 1.0)
+        _in_range(f"{p}.max_prefix_ratio", self.max_prefix_ratio, 0.0, 1.0)
+        if self.min_prefix_ratio > self.max_prefix_ratio:
+            raise MixConfigError(
+                f"{p}.min_prefix_ratio={self.min_prefix_ratio} > {p}.max_prefix_ratio={self.max_prefix_ratio}"
+            )
+        _in_range(f"{p}.prefix_steps", self.prefix_steps, 1, None)
+        _in_range(f"{p}.prefix_linear_max_ratio", self.prefix_linear_max_ratio, 0.0, 1.0)
+        if self.prefix_strategy == "fixed":
+            if not self.prefix_fix_ratios:
+                raise MixConfigError(f"{p}.prefix_strategy=fixed needs {p}.prefix_fix_ratios (a list of ratios)")
+        if self.prefix_fix_ratios is not None:
+            self.prefix_fix_ratios = [float(r) for r in self.prefix_fix_ratios]
+            for i, r in enumerate(self.prefix_fix_ratios):
+                _in_range(f"{p}.prefix_fix_ratios[{i}]", r, 0.0, 1.0)
+        _in_range(f"{p}.prefix_reward_weight_alpha", self.prefix_reward_weight_alpha, 0.0, None)
+        _in_range(f"{p}.prefix_reward_weight_beta", self.prefix_reward_weight_beta, 0.0, None)
+        self.data.check(f"{p}.data")
+        self.loss.check(f"{p}.loss")
+        self.filter_groups.check(f"{p}.filter_groups")
+
+
+# --------------------------------------------------------------------------------------------------------
+# building from a (Omega)dict, with errors that name the key
+
+
+def _in_range(key: str, value: Any, lo: Optional[float], hi: Optional[float]) -> None:
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        raise MixConfigError(f"{key}={value!r} is out of range {bounds}")
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Check ``value`` against the type hint ``hint``; return it converted (int -> float where allowed)."""
+    origin = get_origin(hint)
+    if origin is Literal:
+        if value not in get_args(hint):
+            raise MixConfigError(f"{key}={value!r} is not one of {list(get_args(hint))}")
+        return value
+    if origin is not None and type(None) in get_args(hint):  # Optional[X]
+        if value is None:
+            return None
+        inner = [a for a in get_args(hint) if a is not type(None)][0]
+        return _coerce(key, value, inner)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise MixConfigError(f"{key}={value!r} must be true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise MixConfigError(f"{key}={value!r} must be an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise MixConfigError(f"{key}={value!r} must be a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise MixConfigError(f"{key}={value!r} must be a string")
+        return value
+    if hint is list or origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise MixConfigError(f"{key}={value!r} must be a list")
+        return list(value)
+    return value
+
+
+def _build(cls: type, values: Any, prefix: str):
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise MixConfigError(f"{prefix} must be a mapping of keys to values, got {values!r}")
+    hints = get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise MixConfigError(f"unknown key(s) {[f'{prefix}.{k}' for k in unknown]}; valid keys of {prefix}: {names}")
+    kwargs = {name: _coerce(f"{prefix}.{name}", values[name], hints[name]) for name in names if name in values}
+    return cls(**kwargs)
+
+
+def mix_config_from_dict(values: Optional[dict], prefix: str = "mix") -> MixConfig:
+    """Build and check a :class:`MixConfig` from a plain dict (e.g. ``OmegaConf.to_container(cfg.mix)``)."""
+    cfg = _build(MixConfig, values, prefix)
+    cfg.check(prefix)
+    return cfg
+
+
+def validate_mix_config(config: Any) -> MixConfig:
+    """Validate ``config.mix`` and its ties to verl's keys; return the typed :class:`MixConfig`.
+
+    ``config`` is the whole composed (Omega)config. Raises :class:`MixConfigError` naming the key.
+    """
+    from omegaconf import OmegaConf  # hydra's dependency; imported here to keep the module import-light
+
+    mix_values = OmegaConf.to_container(config.get("mix"), resolve=True) if config.get("mix") is not None else {}
+    mix = mix_config_from_dict(mix_values)
+
+    n = int(config.actor_rollout_ref.rollout.n)
+    if mix.n_prefix > n:
+        raise MixConfigError(f"mix.n_prefix={mix.n_prefix} > actor_rollout_ref.rollout.n={n}; use 0..{n} or -1 (all)")
+    if mix.prefix_strategy == "fixed":
+        want = n if mix.n_prefix == -1 else mix.n_prefix
+        if not mix.prefix_share_across_samples and len(mix.prefix_fix_ratios) not in (1, want):
+            raise MixConfigError(
+                f"mix.prefix_fix_ratios has {len(mix.prefix_fix_ratios)} ratios; give 1 or one per prefixed row "
+                f"({want} = {'rollout.n' if mix.n_prefix == -1 else 'mix.n_prefix'})"
+            )
+    if mix.n_prefix != 0:
+        rc = config.algorithm.get("rollout_correction") or {}
+        active = [k for k in ("rollout_is", "rollout_rs") if rc.get(k)] + (["bypass_mode"] if rc.get("bypass_mode") else [])
+        if active:
+            raise MixConfigError(
+                f"algorithm.rollout_correction.{active[0]} is set, but rollout correction needs a behaviour "
+                "log-prob for every token and target (prefix) tokens have none; switch it off or set mix.n_prefix=0"
+            )
+    actor = config.actor_rollout_ref.actor
+    if mix.loss.use_adaptive_entropy and not (actor.get("calculate_entropy", False) or actor.entropy_coeff != 0):
+        raise MixConfigError(
+            "mix.loss.use_adaptive_entropy=true needs the entropy on the worker: set "
+            "actor_rollout_ref.actor.entropy_coeff (its initial value) to a value > 0"
+        )
+    fg = config.algorithm.get("filter_groups") or {}
+    if (mix.filter_groups.carry_over or mix.filter_groups.on_policy_only) and not fg.get("enable", False):
+        raise MixConfigError(
+            "mix.filter_groups.* is set but algorithm.filter_groups.enable=false; set algorithm.filter_groups.enable=true"
+        )
+    return mix

@@ -1,0 +1,488 @@
+"""``MIXRayPPOTrainer``: LUFFY's off-policy guided GRPO with DAPO-style filter groups, on verl's RayPPOTrainer.
+
+The trainer only orchestrates; the maths lives in :mod:`mix_src.core_alg`, :mod:`mix_src.prefix` and
+:mod:`mix_src.filter_groups`, the worker loss in :mod:`mix_src.loss`, and the rollout in
+:mod:`mix_src.agent_loop`. One training step (``_step``) is a list of numbered stages:
+
+1. generate  — draw one prefix ratio per row on the driver (seeded from ``(seed, global_step, gen batch)``,
+   so a resumed run draws the same ratios), roll out through the prefix-guided agent loop, build the
+   ``prefix_mask`` tensor (bsz x response_len) from the rows' ``prefix_token_mask``;
+2. reward    — the rule reward was computed inside the agent loop (verl's reward loop); extract it;
+3. filter    — (``algorithm.filter_groups.enable``) drop prompt groups whose metric std is 0 and go back to
+   1 until ``data.train_batch_size`` groups are collected; train on exactly that many; surplus groups are
+   discarded, or kept for the next step with ``mix.filter_groups.carry_over``;
+4. log-probs — old (and reference) log-probs through the parent's helpers;
+5. advantage — ``grpo_split`` (baseline from on-policy rows only) or any verl estimator, then LUFFY's
+   alpha/beta prefix weights;
+6. update    — actor update with the mixed loss (installed on the workers by ``init_workers``),
+   checkpoint, weight sync to the rollout;
+7. metrics   — verl's data/timing metrics plus LUFFY's (``batch/avg_prefix_ratio``, ``batch/on_solved`` ...)
+   and the filter-group counters (``train/num_gen_batches``, ``train/filter_rate``, ``train/num_kept_prompts``).
+
+How it departs from LUFFY's trainer (luffy_spec.md §3, §10): ratios are drawn on the driver, not with
+Python's global ``random`` on each TP rank; ratio-1.0 rows never reach the inference server; filter
+groups are applied (LUFFY computed its ``valid_mask`` and never used it); metric denominators never divide
+by zero.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from functools import partial
+from pprint import pprint
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from verl import DataProto
+from verl.trainer.ppo import core_algos
+from verl.trainer.ppo.metric_utils import compute_data_metrics, compute_throughout_metrics, compute_timing_metrics
+from verl.trainer.ppo.ray_trainer import (
+    RayPPOTrainer,
+    apply_kl_penalty,
+    compute_advantage,
+    compute_response_mask,
+)
+from verl.trainer.ppo.reward import extract_reward
+from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.debug import marked_timer
+from verl.utils.metric import reduce_metrics
+from verl.utils.skip.skip_manager import SkipManager
+
+from mix_src import adv_estimators  # noqa: F401  (registers grpo_split with verl)
+from mix_src.core_alg import apply_prefix_advantage_weights, compute_grpo_outcome_advantage_split
+from mix_src.filter_groups import filter_group_stats, group_keep_mask
+from mix_src.mix_config import MixConfig
+from mix_src.prefix import draw_prefix_ratios
+
+MIX_STATE_FILE = "mix_state.pt"
+
+
+class FilterGroupsExhausted(RuntimeError):
+    """Filter groups could not fill a training batch within ``algorithm.filter_groups.max_num_gen_batches``."""
+
+
+class MIXRayPPOTrainer(RayPPOTrainer):
+    """RayPPOTrainer with prefix-guided rollouts, the mixed on/off-policy loss and filter groups."""
+
+    def __init__(self, *args, mix_config: MixConfig, **kwargs):
+        self.mix = mix_config
+        super().__init__(*args, **kwargs)
+        self.n = int(self.config.actor_rollout_ref.rollout.n)
+        self.n_prefix = self.n if self.mix.n_prefix == -1 else self.mix.n_prefix
+        seed = self.mix.seed if self.mix.seed is not None else self.config.data.get("seed", None)
+        self.prefix_seed = 0 if seed is None else int(seed)
+        self.filter_cfg = self.config.algorithm.filter_groups
+        self._carry: Optional[DataProto] = None  # kept groups left over from the last step (carry_over)
+        self._epoch = 0
+
+    # ------------------------------------------------------------------------------------------------
+    # set-up
+    def init_workers(self):
+        super().init_workers()
+        self.actor_rollout_wg.set_loss_fn(self._make_loss_fn())
+
+    def _make_loss_fn(self):
+        from mix_src.loss import MixLoss
+
+        actor_cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
+        return partial(MixLoss(self.mix.loss), config=actor_cfg)
+
+    # ------------------------------------------------------------------------------------------------
+    # the loop
+    def fit(self):
+        from verl.utils.tracking import Tracking
+
+        if self._dump_executor._shutdown:
+            self._init_dump_executor()
+        tracker = Tracking(
+            project_name=self.config.trainer.project_name,
+            experiment_name=self.config.trainer.experiment_name,
+            default_backend=self.config.trainer.logger,
+            config=OmegaConf.to_container(self.config, resolve=True),
+        )
+        self.global_steps = 0
+        self._load_checkpoint()
+        self.checkpoint_manager.update_weights(self.global_steps)
+        SkipManager.init(self.config)
+
+        if self.config.trainer.get("val_before_train", True):
+            val_metrics = self._validate()
+            pprint(f"Initial validation metrics: {val_metrics}")
+            tracker.log(data=val_metrics, step=self.global_steps)
+            if self.config.trainer.get("val_only", False):
+                self._shutdown_dump_executor()
+                return
+
+        self.global_steps += 1
+        SkipManager.set_step(self.global_steps)
+        batches = self._train_batches()
+        try:
+            while self.global_steps <= self.total_training_steps:
+                metrics = self._step(batches)
+                if metrics is None:  # the data ran out (see _collect_batch)
+                    break
+                tracker.log(data=metrics, step=self.global_steps)
+                self.global_steps += 1
+                SkipManager.set_step(self.global_steps)
+        finally:
+            self._shutdown_dump_executor()
+
+    def _train_batches(self) -> Iterator[dict]:
+        """Batches of ``data.train_batch_size`` prompts across epochs (resumes mid-epoch via the dataloader)."""
+        for epoch in range(self._epoch, self.config.trainer.total_epochs):
+            self._epoch = epoch
+            yield from self.train_dataloader
+
+    def _step(self, batches: Iterator[dict]) -> Optional[dict[str, Any]]:
+        metrics: dict[str, Any] = {}
+        timing: dict[str, float] = {}
+        is_last_step = self.global_steps >= self.total_training_steps
+        with marked_timer("step", timing):
+            batch = self._collect_batch(batches, metrics, timing)  # stages 1-3
+            if batch is None:
+                return None
+            self.checkpoint_manager.sleep_replicas()
+            batch = self._compute_log_probs(batch, metrics, timing)  # stage 4
+            batch = self._compute_advantages(batch, metrics, timing)  # stage 5
+            self._update(batch, metrics, timing, is_last_step)  # stage 6
+        if self.config.trainer.test_freq > 0 and (is_last_step or self.global_steps % self.config.trainer.test_freq == 0):
+            with marked_timer("testing", timing):
+                metrics.update(self._validate())
+        self._add_step_metrics(batch, metrics, timing)  # stage 7
+        return metrics
+
+    # ------------------------------------------------------------------------------------------------
+    # stages 1-3: generate with prefixes, reward, filter groups / accumulate
+    def _collect_batch(self, batches: Iterator[dict], metrics: dict, timing: dict) -> Optional[DataProto]:
+        target_groups = int(self.config.data.train_batch_size)
+        filtering = bool(self.filter_cfg.enable)
+        max_gen = int(self.filter_cfg.get("max_num_gen_batches", 0) or 0)
+        pool: list[DataProto] = []
+        n_groups = 0
+        if self._carry is not None:
+            pool.append(self._carry)
+            n_groups = _num_groups(self._carry)
+            metrics["train/num_carried_prompts"] = n_groups
+            self._carry = None
+        stats = {"generated": 0, "kept": 0}
+        generated: list[DataProto] = []
+        num_gen = 0
+        while (not filtering and num_gen == 0) or (filtering and n_groups < target_groups):
+            if filtering and max_gen > 0 and num_gen >= max_gen:
+                raise FilterGroupsExhausted(
+                    f"filter groups: after {num_gen} generation batches (algorithm.filter_groups.max_num_gen_batches="
+                    f"{max_gen}) only {n_groups} of data.train_batch_size={target_groups} prompt groups had a non-zero "
+                    f"std of '{self.filter_cfg.metric}' ({stats['generated'] - stats['kept']} of {stats['generated']} "
+                    "groups dropped). Raise algorithm.filter_groups.max_num_gen_batches (0 = no limit), lower "
+                    "data.train_batch_size, or use prompts of a difficulty where some but not all samples succeed."
+                )
+            batch_dict = next(batches, None)
+            if batch_dict is None:
+                if pool:
+                    print(
+                        f"[mix_src] the training data ran out with {n_groups} of {target_groups} prompt groups "
+                        f"collected for step {self.global_steps}; those {n_groups} groups are dropped and training ends."
+                    )
+                return None
+            with marked_timer("gen", timing):
+                gen = self._generate(batch_dict, gen_index=num_gen, timing=timing)  # stage 1
+            num_gen += 1
+            gen = self._extract_reward(gen)  # stage 2
+            generated.append(gen)
+            if filtering:  # stage 3
+                keep = self._keep_groups(gen)
+                stats["generated"] += _num_groups(gen)
+                gen = gen[np.flatnonzero(keep)] if not keep.all() else gen
+                stats["kept"] += _num_groups(gen) if len(gen) else 0
+            if len(gen):
+                pool.append(gen)
+                n_groups += _num_groups(gen)
+
+        self._add_rollout_metrics(DataProto.concat(generated), metrics)
+        batch = DataProto.concat(pool)
+        if filtering:
+            batch = self._take_groups(batch, target_groups, metrics)
+            metrics["train/num_gen_batches"] = num_gen
+            metrics["train/filter_rate"] = 1.0 - stats["kept"] / max(stats["generated"], 1)
+            metrics["train/num_kept_prompts"] = _num_groups(batch)
+        return batch
+
+    def _generate(self, batch_dict: dict, gen_index: int, timing: dict) -> DataProto:
+        """Stage 1: one generation batch of ``len(batch_dict) * n`` rows, rows ``i*n + j`` of prompt i."""
+        batch = DataProto.from_single_dict(batch_dict)
+        batch.meta_info["temperature"] = self.config.actor_rollout_ref.rollout.temperature
+        batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
+        gen_batch = self._get_gen_batch(batch)
+        gen_batch.meta_info["global_steps"] = self.global_steps
+        gen_batch = gen_batch.repeat(repeat_times=self.n, interleave=True)
+        gen_batch.non_tensor_batch["prefix_ratio"] = self._prefix_ratios(gen_batch, gen_index)
+
+        out = self.async_rollout_manager.generate_sequences(gen_batch)
+        for key, value in out.meta_info.pop("timing", {}).items():
+            timing[key] = timing.get(key, 0.0) + value
+
+        batch = batch.repeat(repeat_times=self.n, interleave=True).union(out)
+        if "response_mask" not in batch.batch.keys():
+            batch.batch["response_mask"] = compute_response_mask(batch)
+        batch.batch["prefix_mask"] = _prefix_mask_tensor(
+            batch.non_tensor_batch.pop("prefix_token_mask"), batch.batch["response_mask"]
+        )
+        return batch
+
+    def _prefix_ratios(self, gen_batch: DataProto, gen_index: int) -> np.ndarray:
+        """One ratio per row (float64, rows ``i*n + j``); rows without a target get 0."""
+        rng = np.random.default_rng([self.prefix_seed, self.global_steps, gen_index])
+        n_prompts = len(gen_batch) // self.n
+        ratios = draw_prefix_ratios(
+            n_prompts=n_prompts,
+            n=self.n,
+            n_prefix=self.mix.n_prefix,
+            strategy=self.mix.prefix_strategy,
+            share_across_samples=self.mix.prefix_share_across_samples,
+            min_ratio=self.mix.min_prefix_ratio,
+            max_ratio=self.mix.max_prefix_ratio,
+            prefix_steps=self.mix.prefix_steps,
+            linear_max_ratio=self.mix.prefix_linear_max_ratio,
+            fix_ratios=self.mix.prefix_fix_ratios,
+            global_step=self.global_steps,
+            rng=rng,
+        )
+        targets = gen_batch.non_tensor_batch.get("target")
+        if targets is not None:
+            has_target = np.array([isinstance(t, str) and len(t) > 0 for t in targets])
+            ratios = np.where(has_target, ratios, 0.0)
+        else:
+            ratios = np.zeros(len(gen_batch))
+        return np.asarray(ratios, dtype=np.float64)
+
+    def _extract_reward(self, batch: DataProto) -> DataProto:
+        """Stage 2: the rule reward was computed in the agent loop (``rm_scores``); move it into place."""
+        if self.use_rm and "rm_scores" not in batch.batch.keys():
+            batch = batch.union(self._compute_reward_colocate(batch))
+        reward_tensor, extra = extract_reward(batch)
+        batch.batch["token_level_scores"] = reward_tensor
+        for key, values in extra.items():
+            batch.non_tensor_batch[key] = np.asarray(values)
+        return batch
+
+    def _filter_metric(self, batch: DataProto) -> np.ndarray:
+        name = self.filter_cfg.metric or "reward"
+        if name in ("reward", "seq_reward"):
+            return batch.batch["token_level_scores"].sum(-1).numpy()
+        if name not in batch.non_tensor_batch:
+            raise KeyError(
+                f"algorithm.filter_groups.metric='{name}' is not in the batch; use 'reward' or one of the reward's "
+                f"extra keys: {sorted(batch.meta_info.get('reward_extra_keys', []))}"
+            )
+        return np.asarray(batch.non_tensor_batch[name], dtype=np.float64)
+
+    def _keep_groups(self, batch: DataProto) -> np.ndarray:
+        """Stage 3: rows of the prompt groups whose metric std is > 0 (or that have a single sample)."""
+        values = self._filter_metric(batch)
+        group_ids = _group_ids(batch.non_tensor_batch["uid"])
+        on_policy = None
+        if self.mix.filter_groups.on_policy_only:
+            on_policy = ~batch.batch["prefix_mask"].any(-1).numpy()
+        return group_keep_mask(group_ids, values, on_policy_mask=on_policy)
+
+    def _take_groups(self, batch: DataProto, n_groups: int, metrics: dict) -> DataProto:
+        """Exactly ``n_groups`` whole groups; the rest are carried to the next step or discarded (counted)."""
+        group_ids = _group_ids(batch.non_tensor_batch["uid"])
+        order = _first_occurrence_order(group_ids)
+        take = set(order[:n_groups].tolist())
+        rows_take = np.flatnonzero(np.isin(group_ids, list(take)))
+        rows_rest = np.flatnonzero(~np.isin(group_ids, list(take)))
+        surplus = len(order) - min(n_groups, len(order))
+        if surplus and self.mix.filter_groups.carry_over:
+            self._carry = batch[rows_rest]
+            metrics["train/num_surplus_carried"] = surplus
+        else:
+            metrics["train/num_surplus_discarded"] = surplus
+        return batch[rows_take] if len(rows_rest) else batch
+
+    # ------------------------------------------------------------------------------------------------
+    # stage 4: old and reference log-probs
+    def _compute_log_probs(self, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
+        if self.config.trainer.balance_batch:
+            self._balance_batch(batch, metrics=metrics)
+        batch.meta_info["global_token_num"] = torch.sum(batch.batch["attention_mask"], dim=-1).tolist()
+        batch.meta_info["images_seqlens"] = []
+        with marked_timer("old_log_prob", timing):
+            old_log_prob, mfu = self._compute_old_log_prob(batch)
+            entropys = old_log_prob.batch.pop("entropys")
+            actor_cfg = self.config.actor_rollout_ref.actor
+            metrics["actor/entropy"] = core_algos.agg_loss(
+                loss_mat=entropys, loss_mask=batch.batch["response_mask"], loss_agg_mode=actor_cfg.loss_agg_mode
+            ).item()
+            metrics["perf/mfu/actor_infer"] = mfu
+            batch = batch.union(old_log_prob)
+        if "rollout_log_probs" in batch.batch.keys():
+            metrics.update(_rollout_vs_actor_metrics(batch))
+        if self.use_reference_policy:
+            with marked_timer("ref", timing):
+                batch = batch.union(self._compute_ref_log_prob(batch))
+        return batch
+
+    # ------------------------------------------------------------------------------------------------
+    # stage 5: advantages
+    def _compute_advantages(self, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
+        algo = self.config.algorithm
+        with marked_timer("adv", timing):
+            if algo.use_kl_in_reward:
+                batch, kl_metrics = apply_kl_penalty(batch, kl_ctrl=self.kl_ctrl_in_reward, kl_penalty=algo.kl_penalty)
+                metrics.update(kl_metrics)
+            else:
+                batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+            prefix_mask = batch.batch["prefix_mask"]
+            if algo.adv_estimator == adv_estimators.GRPO_SPLIT:
+                advantages, returns = compute_grpo_outcome_advantage_split(
+                    token_level_rewards=batch.batch["token_level_rewards"],
+                    response_mask=batch.batch["response_mask"],
+                    index=torch.as_tensor(_group_ids(batch.non_tensor_batch["uid"])),
+                    on_policy_mask=~prefix_mask.any(-1),
+                    use_std=algo.get("norm_adv_by_std_in_grpo", True),
+                )
+                batch.batch["advantages"], batch.batch["returns"] = advantages, returns
+            else:
+                batch = compute_advantage(
+                    batch,
+                    adv_estimator=algo.adv_estimator,
+                    gamma=algo.gamma,
+                    lam=algo.lam,
+                    num_repeat=self.n,
+                    norm_adv_by_std_in_grpo=algo.get("norm_adv_by_std_in_grpo", True),
+                    config=algo,
+                )
+            alpha, beta = self.mix.prefix_reward_weight_alpha, self.mix.prefix_reward_weight_beta
+            if alpha != 1.0 or beta != 1.0:
+                batch.batch["advantages"] = apply_prefix_advantage_weights(batch.batch["advantages"], prefix_mask, alpha, beta)
+        return batch
+
+    # ------------------------------------------------------------------------------------------------
+    # stage 6: update, checkpoint, weight sync
+    def _update(self, batch: DataProto, metrics: dict, timing: dict, is_last_step: bool) -> None:
+        if self.use_critic:
+            with marked_timer("update_critic", timing):
+                metrics.update(reduce_metrics(self._update_critic(batch).meta_info["metrics"]))
+        if self.config.trainer.critic_warmup > self.global_steps:
+            self.checkpoint_manager.update_weights(self.global_steps)
+            return
+        with marked_timer("update_actor", timing):
+            actor_output = self._update_actor(batch)
+        save_freq = self.config.trainer.save_freq
+        if save_freq > 0 and (is_last_step or self.global_steps % save_freq == 0):
+            with marked_timer("save_checkpoint", timing):
+                self._save_checkpoint()
+        with marked_timer("update_weights", timing):
+            self.checkpoint_manager.update_weights(self.global_steps)
+        metrics.update(reduce_metrics(actor_output.meta_info["metrics"]))
+
+    def _save_checkpoint(self):
+        super()._save_checkpoint()
+        folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
+        torch.save({"epoch": self._epoch, "carry": self._carry}, os.path.join(folder, MIX_STATE_FILE))
+
+    def _load_checkpoint(self):
+        result = super()._load_checkpoint()
+        if self.global_steps > 0:
+            folder = self.config.trainer.default_local_dir
+            if not os.path.isabs(folder):
+                folder = os.path.join(os.getcwd(), folder)
+            path = os.path.join(folder, f"global_step_{self.global_steps}", MIX_STATE_FILE)
+            if self.config.trainer.resume_mode == "resume_path":
+                path = os.path.join(self.config.trainer.resume_from_path, MIX_STATE_FILE)
+            if os.path.exists(path):
+                state = torch.load(path, weights_only=False)
+                self._epoch, self._carry = state["epoch"], state["carry"]
+        return result
+
+    # ------------------------------------------------------------------------------------------------
+    # stage 7: metrics
+    def _add_rollout_metrics(self, batch: DataProto, metrics: dict) -> None:
+        """LUFFY's solve metrics over every generated row of the step (before filtering)."""
+        solved = _solved(batch)
+        off = batch.batch["prefix_mask"].any(-1).numpy()
+        group_ids = _group_ids(batch.non_tensor_batch["uid"])
+        n_groups = group_ids.max() + 1
+        solved_per_group = np.bincount(group_ids, weights=solved, minlength=n_groups)
+        size = np.bincount(group_ids, minlength=n_groups)
+        metrics["batch/solve_none"] = float(np.mean(solved_per_group == 0))
+        metrics["batch/solve_all"] = float(np.mean(solved_per_group == size))
+        metrics["batch/solved"] = float(solved.mean())
+        metrics["batch/on_solved"] = float(solved[~off].mean()) if (~off).any() else 0.0
+        metrics["batch/off_solved"] = float(solved[off].mean()) if off.any() else 0.0
+        truncated = batch.non_tensor_batch.get("prefix_truncated")
+        if truncated is not None:
+            metrics["batch/prefix_truncated"] = int(sum(bool(t) for t in truncated))
+
+    def _add_step_metrics(self, batch: DataProto, metrics: dict, timing: dict) -> None:
+        ratios = np.asarray(batch.non_tensor_batch["prefix_ratio"], dtype=np.float64)
+        off = batch.batch["prefix_mask"].any(-1)
+        metrics["batch/avg_prefix_ratio"] = float(ratios.mean())
+        metrics["batch/off_policy_rows"] = int(off.sum())
+        metrics["batch/prefix_token_frac"] = float(
+            (batch.batch["prefix_mask"].sum() / batch.batch["response_mask"].sum().clamp(min=1)).item()
+        )
+        metrics["training/global_step"] = self.global_steps
+        metrics["training/epoch"] = self._epoch
+        metrics.update(compute_data_metrics(batch=batch, use_critic=self.use_critic))
+        metrics.update(compute_timing_metrics(batch=batch, timing_raw=timing))
+        metrics.update(
+            compute_throughout_metrics(batch=batch, timing_raw=timing, n_gpus=self.resource_pool_manager.get_n_gpus())
+        )
+
+
+# ----------------------------------------------------------------------------------------------------
+# small helpers (numpy/torch only)
+def _group_ids(uids: np.ndarray) -> np.ndarray:
+    """Dense int64 group id per row from the per-prompt uid strings."""
+    return np.unique(np.asarray(uids, dtype=object).astype(str), return_inverse=True)[1].astype(np.int64)
+
+
+def _num_groups(batch: DataProto) -> int:
+    return len(set(batch.non_tensor_batch["uid"].tolist()))
+
+
+def _first_occurrence_order(group_ids: np.ndarray) -> np.ndarray:
+    """Group ids in the order they first appear (keeps generation order when taking groups)."""
+    _, first = np.unique(group_ids, return_index=True)
+    return group_ids[np.sort(first)]
+
+
+def _solved(batch: DataProto) -> np.ndarray:
+    if "acc" in batch.non_tensor_batch:
+        return np.asarray(batch.non_tensor_batch["acc"], dtype=np.float64) > 0
+    return (batch.batch["token_level_scores"].sum(-1) > 0).numpy()
+
+
+def _prefix_mask_tensor(row_masks: np.ndarray, response_mask: torch.Tensor) -> torch.Tensor:
+    """(bsz, response_len) bool: the rows' ``prefix_token_mask`` arrays, right-padded, within the response."""
+    bsz, width = response_mask.shape
+    out = torch.zeros(bsz, width, dtype=torch.bool)
+    for i, m in enumerate(row_masks):
+        if m is not None and len(m):
+            k = min(len(m), width)
+            out[i, :k] = torch.as_tensor(np.asarray(m[:k], dtype=bool))
+    return out & response_mask.bool()
+
+
+def _rollout_vs_actor_metrics(batch: DataProto) -> dict[str, float]:
+    """verl's rollout-vs-actor log-prob metrics, over on-policy tokens only (prefix tokens have no rollout log-prob)."""
+    from verl.utils.debug.metrics import calculate_debug_metrics
+
+    on_policy_tokens = batch.batch["response_mask"] * (~batch.batch["prefix_mask"]).to(batch.batch["response_mask"].dtype)
+    if on_policy_tokens.sum() == 0:
+        return {}
+    view = DataProto.from_dict(
+        tensors={
+            "rollout_log_probs": batch.batch["rollout_log_probs"],
+            "old_log_probs": batch.batch["old_log_probs"],
+            "response_mask": on_policy_tokens,
+            "responses": batch.batch["responses"],
+        }
+    )
+    return calculate_debug_metrics(view)
