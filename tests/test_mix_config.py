@@ -1,0 +1,75 @@
+"""The `mix:` section: schema, ranges, aliases and cross-section rules (no Ray, no training)."""
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from mix_src.mix_config import MixConfigError, mix_config_from_dict, validate_mix_config
+
+
+def compose_mix(*overrides):
+    with initialize_config_module(config_module="mix_src.config", version_base=None):
+        return compose(config_name="mix_ppo_trainer", overrides=list(overrides))
+
+
+def test_packaged_defaults_validate():
+    cfg = compose_mix()
+    mix = validate_mix_config(cfg)
+    assert mix.n_prefix == 0 and mix.loss.off_policy_reshape == "p_div_p" and mix.loss.off_policy_reshape_gamma == 0.1
+    assert cfg.data.custom_cls.name == "RLHFDatasetWithTarget"
+    assert cfg.actor_rollout_ref.rollout.agent.default_agent_loop == "prefix_guided"
+    assert cfg.trainer.use_v1 is False
+
+
+def test_unknown_key_lists_valid_keys():
+    with pytest.raises(MixConfigError) as err:
+        validate_mix_config(compose_mix("+mix.loss.off_policy_reshap=p_div_p"))
+    msg = str(err.value)
+    assert "mix.loss.off_policy_reshap" in msg and "off_policy_reshape_gamma" in msg
+    with pytest.raises(MixConfigError, match=r"unknown key.*mix\.nprefix.*valid keys of mix"):
+        validate_mix_config(compose_mix("+mix.nprefix=1"))
+
+
+@pytest.mark.parametrize(
+    "overrides, pattern",
+    [
+        (["mix.n_prefix=5", "actor_rollout_ref.rollout.n=4"], r"mix\.n_prefix=5 > actor_rollout_ref\.rollout\.n=4"),
+        (["mix.n_prefix=-2"], r"mix\.n_prefix=-2 is out of range \[-1, inf\]"),
+        (["mix.min_prefix_ratio=1.5"], r"mix\.min_prefix_ratio=1\.5 is out of range \[0\.0, 1\.0\]"),
+        (["mix.min_prefix_ratio=0.8", "mix.max_prefix_ratio=0.5"], r"min_prefix_ratio=0\.8 > mix\.max_prefix_ratio=0\.5"),
+        (["mix.prefix_strategy=linear_variance"], r"mix\.prefix_strategy='linear_variance' is not one of"),
+        (["mix.prefix_strategy=fixed"], r"needs mix\.prefix_fix_ratios"),
+        (["mix.loss.off_policy_reshape=p_div_p_0.2"], r"mix\.loss\.off_policy_reshape='p_div_p_0\.2' is not one of"),
+        (["mix.loss.off_policy_reshape_gamma=0"], r"off_policy_reshape_gamma=0\.0 must be > 0"),
+        (["mix.loss.off_max_clip=0.5", "mix.loss.off_min_clip=0.9"], r"off_min_clip=0\.9 > mix\.loss\.off_max_clip=0\.5"),
+        (["mix.data.sample_target_ratio=2"], r"mix\.data\.sample_target_ratio=2\.0 is out of range"),
+        (["mix.loss.loss_remove_clip=yes"], r"mix\.loss\.loss_remove_clip='yes' must be true or false"),
+        (["mix.n_prefix=0.5"], r"mix\.n_prefix=0\.5 must be an integer"),
+        (["mix.filter_groups.carry_over=true"], r"algorithm\.filter_groups\.enable=false"),
+        (["mix.loss.use_adaptive_entropy=true", "actor_rollout_ref.actor.entropy_coeff=0"], r"entropy_coeff"),
+        (["mix.n_prefix=1", "algorithm.rollout_correction.rollout_is=token"], r"rollout_correction\.rollout_is"),
+    ],
+)
+def test_bad_values_name_key_and_range(overrides, pattern):
+    with pytest.raises(MixConfigError, match=pattern):
+        validate_mix_config(compose_mix(*overrides))
+
+
+def test_luffy_reshape_aliases_become_gamma():
+    for alias, gamma in (("p_div_p_0.1", 0.1), ("p_div_p_0.3", 0.3), ("p_div_p_0.5", 0.5)):
+        mix = mix_config_from_dict({"loss": {"off_policy_reshape": alias}})
+        assert (mix.loss.off_policy_reshape, mix.loss.off_policy_reshape_gamma) == ("p_div_p", gamma)
+
+
+def test_minus_one_switches_clips_off_like_luffy():
+    mix = mix_config_from_dict({"loss": {"off_max_clip": -1, "all_max_clip": -1, "off_min_clip": 0.1}})
+    assert mix.loss.off_max_clip is None and mix.loss.all_max_clip is None and mix.loss.off_min_clip == 0.1
+
+
+def test_fixed_ratio_count_must_match_prefixed_rows():
+    cfg = compose_mix("mix.n_prefix=2", "actor_rollout_ref.rollout.n=4", "mix.prefix_strategy=fixed",
+                      "mix.prefix_fix_ratios=[0.2,0.5,0.8]")  # fmt: skip
+    with pytest.raises(MixConfigError, match=r"3 ratios; give 1 or one per prefixed row \(2"):
+        validate_mix_config(cfg)
+    ok = compose_mix("mix.n_prefix=2", "actor_rollout_ref.rollout.n=4", "mix.prefix_strategy=fixed",
+                     "mix.prefix_fix_ratios=[0.2,0.5]")  # fmt: skip
+    assert validate_mix_config(ok).prefix_fix_ratios == [0.2, 0.5]
