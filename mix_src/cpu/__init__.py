@@ -1,0 +1,194 @@
+"""CPU backend for verl 0.9.1: run the real Ray trainer, FSDP2 workers and agent loop on a CPU-only host.
+
+Loaded in every process (driver and Ray workers) by verl itself: ``verl/__init__.py`` imports every
+``verl.plugins`` entry point, and setup.py declares ``mix_src_cpu = mix_src.cpu``. Importing this
+module *activates* the backend only when it is selected:
+
+* ``VERL_PLATFORM=cpu``                      -> active;
+* ``VERL_PLATFORM`` set to anything else      -> inactive (e.g. ``nvidia`` on a GPU box);
+* ``VERL_PLATFORM`` unset                     -> active iff verl detects no accelerator: none of the
+  registered platforms (nvidia, npu, rocm) reports ``is_platform_available(use_smi_check=True)``, the
+  same probe verl's own auto-detection runs. On a GPU machine this is a no-op.
+
+When active it (1) registers verl platform "cpu" (``platform.PlatformCPU``: gloo, device shims) and sets
+``VERL_PLATFORM=cpu`` so Ray workers started later agree; and, lazily, right after the verl module in
+question is first imported (no heavy import at plugin load):
+(2) registers the FSDP/FSDP2 engines for device "cpu"   (``verl.workers.engine.fsdp.transformer_impl``);
+(3) patches the process-group backend string to "gloo"  (``verl.utils.distributed``, see ``_patch_gloo``);
+(4) registers the "hf" rollout replica and server adapter (``verl.workers.rollout.replica`` / ``.base``).
+It logs one line ``mix_src.cpu: CPU backend active (...)`` per process, and logs failures at ERROR level
+(verl itself only logs a failing plugin import at DEBUG).
+
+The Hydra side (fake Ray GPUs, eager attention, fsdp2 fp32, rollout name hf, ...) is the config fragment
+``mix_src/config/backend/cpu.yaml``.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import logging
+import os
+import sys
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
+
+ROLLOUT_NAME = "hf"
+_ACTIVE = False
+
+
+def _accelerator_detected() -> bool:
+    """verl's own probe (``platform_manager._detect_platform_name``) without its fallback to nvidia."""
+    from verl.plugin.platform import PlatformRegistry
+
+    for name in PlatformRegistry.registered_names():
+        cls = PlatformRegistry.get(name)
+        try:
+            if cls is not None and cls().is_platform_available(use_smi_check=True):
+                return True
+        except Exception:
+            continue
+    return False
+
+
+def is_selected() -> bool:
+    """Whether this process should run verl on CPU (see the module docstring)."""
+    choice = os.environ.get("VERL_PLATFORM", "").strip().lower()
+    if choice:
+        return choice == "cpu"
+    return not _accelerator_detected()
+
+
+def is_active() -> bool:
+    return _ACTIVE
+
+
+# --------------------------------------------------------------------------- post-import hooks
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Run callbacks right after a given module finishes executing (the first time it is imported)."""
+
+    def __init__(self):
+        self.callbacks: dict[str, list[Callable]] = {}
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in self.callbacks:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader, callbacks = spec.loader, self.callbacks.pop(fullname)
+        exec_module = loader.exec_module
+
+        def exec_then_hook(module):
+            exec_module(module)
+            for cb in callbacks:
+                _run_hook(cb, module)
+
+        loader.exec_module = exec_then_hook  # per-module loader instance
+        return spec
+
+
+_HOOKS = _AfterImport()
+
+
+def _run_hook(cb: Callable, module) -> None:
+    try:
+        cb(module)
+    except Exception:
+        logger.exception("mix_src.cpu: hook %s on %s failed", cb.__name__, module.__name__)
+        raise
+
+
+def after_import(module_name: str, cb: Callable) -> None:
+    if module_name in sys.modules:
+        _run_hook(cb, sys.modules[module_name])
+        return
+    _HOOKS.callbacks.setdefault(module_name, []).append(cb)
+    if _HOOKS not in sys.meta_path:
+        sys.meta_path.insert(0, _HOOKS)
+
+
+# --------------------------------------------------------------------------- the registrations
+def _register_engines(mod) -> None:
+    """FSDPEngine is registered for devices ["cuda", "npu"] only (transformer_impl.py:1143, :1594)."""
+    from verl.workers.engine.base import EngineRegistry
+
+    registry = EngineRegistry._engines
+    for model_type, cls in (("language_model", mod.FSDPEngineWithLMHead), ("value_model", mod.FSDPEngineWithValueHead)):
+        backends = [b for b in ("fsdp", "fsdp2") if "cpu" not in registry.get(model_type, {}).get(b, {})]
+        if backends:
+            EngineRegistry.register(model_type=model_type, backend=backends, device="cpu")(cls)
+
+
+def _patch_gloo(mod) -> None:
+    """Monkeypatch, documented: ``verl/utils/distributed.py:89`` (initialize_global_process_group_ray)
+    builds ``backend=f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}"``, which on the cpu platform is
+    ``"cpu:gloo,cpu:gloo"`` and torch rejects it ("Duplicate device type cpu"). Callers that pass an
+    explicit backend are untouched; the default becomes plain "gloo". Remove when verl dedups the string.
+    """
+    original = mod.initialize_global_process_group_ray
+    if getattr(original, "_mix_src_cpu", False):
+        return
+
+    def initialize_global_process_group_ray(timeout_second=None, backend=None):
+        return original(timeout_second=timeout_second, backend=backend or "gloo")
+
+    initialize_global_process_group_ray._mix_src_cpu = True
+    initialize_global_process_group_ray.__doc__ = original.__doc__
+    mod.initialize_global_process_group_ray = initialize_global_process_group_ray
+
+
+def _register_rollout_adapter(mod) -> None:
+    mod._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = "mix_src.cpu.hf_rollout.HFServerAdapter"
+
+
+def _load_hf_replica():
+    from mix_src.cpu.hf_rollout import HFReplica
+
+    return HFReplica
+
+
+def _register_replica(mod) -> None:
+    mod.RolloutReplicaRegistry.register(ROLLOUT_NAME, _load_hf_replica)
+
+
+def activate() -> None:
+    """Register everything (idempotent). Called at import when ``is_selected()``."""
+    global _ACTIVE
+    if _ACTIVE:
+        return
+    from verl.plugin.platform import PlatformRegistry
+
+    from .platform import PlatformCPU
+
+    PlatformRegistry.register(platform="cpu")(PlatformCPU)
+    os.environ["VERL_PLATFORM"] = "cpu"  # inherited by the Ray cluster this process may start
+    after_import("verl.utils.distributed", _patch_gloo)
+    after_import("verl.workers.engine.fsdp.transformer_impl", _register_engines)
+    after_import("verl.workers.rollout.base", _register_rollout_adapter)
+    after_import("verl.workers.rollout.replica", _register_replica)
+    _ACTIVE = True
+    logger.info(
+        "mix_src.cpu: CPU backend active (pid %d; platform cpu/gloo, fsdp engines on cpu, rollout '%s')",
+        os.getpid(),
+        ROLLOUT_NAME,
+    )
+
+
+def _activate_if_selected() -> None:
+    try:
+        if is_selected():
+            activate()
+    except Exception:
+        logger.exception("mix_src.cpu: failed to activate the CPU backend")
+        raise
+
+
+_activate_if_selected()

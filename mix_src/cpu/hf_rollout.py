@@ -1,0 +1,305 @@
+"""The "hf" rollout: a transformers model served from a Ray actor, plugged into verl's rollout registries.
+
+Three pieces, mirroring verl's vLLM backend (``verl/workers/rollout/vllm_rollout/``):
+
+* ``HFRolloutServer`` -- Ray actor holding an fp32 copy of the policy. ``generate`` is token-in /
+  token-out (``TokenOutput`` with ids, log-probs, ``extra_fields["global_steps"]``); concurrent requests
+  are decoded together in one batch (see ``sampling.generate_batch``). Memory lifecycle calls
+  (sleep, wake_up, kv-cache release, abort ...) are no-ops: there is no device memory to juggle.
+* ``HFReplica`` (``RolloutReplicaRegistry["hf"]``) -- starts one server per replica; verl's
+  ``LLMServerManager`` routes the agent loops' requests to it.
+* ``HFServerAdapter`` (``_ROLLOUT_REGISTRY[("hf", "async")]``) -- lives in the actor worker (hybrid
+  engine); ``update_weights`` receives the FSDP engine's full tensors and pushes them to the server
+  (through the Ray object store: fine for tiny models), so the server samples from the current policy.
+
+Only text prompts; rollout TP/DP/PP must be 1 per replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any, Generator, Optional
+
+import ray
+import torch
+
+from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.torch_dtypes import PrecisionType
+from verl.workers.config import HFModelConfig, RolloutConfig
+from verl.workers.rollout.base import BaseRollout
+from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
+
+from .sampling import SamplingSpec, generate_batch
+
+logger = logging.getLogger(__name__)
+logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
+
+# Short window during which concurrent requests are gathered into one decoding batch.
+_BATCH_WINDOW_S = 0.01
+
+
+def server_name(replica_rank: int, name_suffix: str = "") -> str:
+    """Ray actor name of a replica's server; the in-worker adapter finds its server by this name."""
+    return f"mix_src_hf_rollout_server_{replica_rank}{name_suffix}"
+
+
+def _eos_ids(model_config: HFModelConfig) -> set[int]:
+    ids: set[int] = set()
+    for src in (model_config.generation_config, model_config.hf_config):
+        eos = getattr(src, "eos_token_id", None) if src is not None else None
+        if eos is not None:
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    tok = model_config.tokenizer
+    if tok is not None and tok.eos_token_id is not None:
+        ids.add(tok.eos_token_id)
+    return {int(i) for i in ids}
+
+
+class HFRolloutServer:
+    """Token-in/token-out generation server (wrapped with ``ray.remote`` by ``HFReplica``)."""
+
+    def __init__(self, config: RolloutConfig, model_config: HFModelConfig, replica_rank: int = 0):
+        from transformers import AutoModelForCausalLM
+
+        self.config: RolloutConfig = omega_conf_to_dataclass(config)
+        # The replica hands over the model config as a DictConfig (verl_0_9_1_notes §2, blocker 9).
+        self.model_config: HFModelConfig = omega_conf_to_dataclass(model_config, dataclass_type=HFModelConfig)
+        self.replica_rank = replica_rank
+        self.global_steps: Optional[int] = None
+
+        attn = dict(self.model_config.override_config or {}).get("attn_implementation", "eager")
+        self.dtype = PrecisionType.to_dtype(self.config.dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.model_config.local_path,
+            dtype=self.dtype,
+            attn_implementation=attn,
+            trust_remote_code=self.model_config.trust_remote_code,
+        )
+        self.model.eval()
+        self.eos_token_ids = _eos_ids(self.model_config)
+        tok = self.model_config.tokenizer
+        pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else None
+        self.pad_token_id = int(pad if pad is not None else min(self.eos_token_ids or {0}))
+        self.max_model_len = self.config.max_model_len or (self.config.prompt_length + self.config.response_length)
+        self.max_batch = max(1, int(self.config.max_num_seqs))
+        self.generator = torch.Generator().manual_seed(int(self.config.seed) + replica_rank)
+
+        self._pending: list[tuple[list[int], SamplingSpec, asyncio.Future]] = []
+        self._worker: Optional[asyncio.Task] = None
+        self._model_lock: Optional[asyncio.Lock] = None
+        logger.info(
+            "mix_src.cpu: hf rollout server %d ready (%s, attn=%s, %s, eos=%s)",
+            replica_rank,
+            self.model_config.local_path,
+            attn,
+            self.dtype,
+            sorted(self.eos_token_ids),
+        )
+
+    def ready(self) -> bool:
+        return True
+
+    # ------------------------------------------------------------------ generation
+    def _default_max_tokens(self, prompt_len: int) -> int:
+        # Same default as verl's vLLM server (vllm_async_server.py::generate).
+        return min(self.config.response_length, self.config.prompt_length + self.config.response_length - prompt_len)
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        request_id: str,
+        image_data: Optional[list[Any]] = None,
+        video_data: Optional[list[Any]] = None,
+        audio_data: Optional[list[Any]] = None,
+        mm_processor_kwargs: Optional[dict[str, Any]] = None,
+        priority: int = 0,
+        **kwargs,
+    ) -> TokenOutput:
+        if image_data or video_data or audio_data:
+            raise NotImplementedError("hf rollout serves text prompts only")
+        prompt_ids = [int(t) for t in prompt_ids]
+        max_possible = self.max_model_len - len(prompt_ids)
+        if max_possible < 0:
+            raise ValueError(f"hf rollout: prompt of {len(prompt_ids)} tokens exceeds max_model_len {self.max_model_len}")
+        spec = SamplingSpec.from_params(sampling_params, self._default_max_tokens(len(prompt_ids)), max_possible)
+
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((prompt_ids, spec, future))
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._drain())
+        token_ids, log_probs = await future
+        return TokenOutput(
+            token_ids=token_ids,
+            log_probs=log_probs if spec.logprobs else None,
+            stop_reason="completed",
+            extra_fields={"global_steps": self.global_steps},
+        )
+
+    def _lock(self) -> asyncio.Lock:
+        if self._model_lock is None:
+            self._model_lock = asyncio.Lock()
+        return self._model_lock
+
+    async def _drain(self):
+        """Decode everything pending, in batches of at most ``max_num_seqs`` requests."""
+        await asyncio.sleep(_BATCH_WINDOW_S)
+        while self._pending:
+            batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
+            prompts, specs, futures = zip(*batch, strict=True)
+            try:
+                async with self._lock():
+                    results = await asyncio.to_thread(
+                        generate_batch,
+                        self.model,
+                        list(prompts),
+                        list(specs),
+                        self.eos_token_ids,
+                        self.pad_token_id,
+                        self.generator,
+                    )
+            except Exception as e:  # hand the error to every waiting request
+                for f in futures:
+                    if not f.done():
+                        f.set_exception(e)
+                continue
+            for f, r in zip(futures, results, strict=True):
+                if not f.done():
+                    f.set_result(r)
+
+    # ------------------------------------------------------------------ weights
+    async def update_weights(self, state_dict: dict[str, torch.Tensor], global_steps: Optional[int] = None) -> None:
+        """Load the actor's full weights (HF names) between decoding batches."""
+        async with self._lock():
+            await asyncio.to_thread(self._load, state_dict)
+        if global_steps is not None:
+            self.global_steps = global_steps
+
+    def _load(self, state_dict: dict[str, torch.Tensor]) -> None:
+        own = self.model.state_dict()
+        unexpected = sorted(set(state_dict) - set(own))
+        if unexpected:
+            raise KeyError(f"hf rollout: weights not in the rollout model: {unexpected[:5]} ...")
+        with torch.no_grad():
+            for name, tensor in state_dict.items():
+                own[name].copy_(tensor.to(own[name].dtype))
+        received = {own[n].data_ptr() for n in state_dict}
+        missing = [n for n in own if n not in state_dict and own[n].data_ptr() not in received]
+        if missing:  # tied weights share storage with a received tensor and are fine
+            raise KeyError(f"hf rollout: actor sent no value for {missing[:5]} ...")
+
+    async def set_global_steps(self, global_steps: int):
+        self.global_steps = global_steps
+
+    # ------------------------------------------------------------------ lifecycle: nothing to free on CPU
+    async def wake_up(self, tags: Optional[list[str]] = None):
+        pass
+
+    async def sleep(self):
+        pass
+
+    async def clear_kv_cache(self):
+        pass
+
+    async def release_kv_cache(self):
+        pass
+
+    async def resume_kv_cache(self):
+        pass
+
+    async def wait_for_requests_to_drain(self):
+        while self._pending or (self._worker is not None and not self._worker.done()):
+            await asyncio.sleep(0.01)
+
+    async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict:
+        return {}
+
+    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict:
+        return {}
+
+    async def resume_generation(self):
+        pass
+
+    async def start_profile(self, **kwargs):
+        pass
+
+    async def stop_profile(self):
+        pass
+
+
+class HFReplica(RolloutReplica):
+    """One ``HFRolloutServer`` per replica (world size 1)."""
+
+    async def launch_servers(self):
+        if self.world_size != 1:
+            raise ValueError(
+                f"hf rollout needs one rank per replica, got tensor*data*pipeline parallel = {self.world_size}; "
+                "set actor_rollout_ref.rollout.tensor_model_parallel_size=1 (the CPU backend config does)"
+            )
+        options: dict[str, Any] = {"name": server_name(self.replica_rank, self.name_suffix)}
+        options["max_concurrency"] = self.max_concurrency
+        if self.workers:  # place the server next to the worker that pushes weights to it
+            node_id = await self.workers[0].__ray_call__.remote(lambda w: ray.get_runtime_context().get_node_id())
+            options["scheduling_strategy"] = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+                node_id=node_id, soft=False
+            )
+        server = (
+            ray.remote(HFRolloutServer)
+            .options(**options)
+            .remote(config=self.config, model_config=self.model_config, replica_rank=self.replica_rank)
+        )
+        await server.ready.remote()
+        self.servers = [server]
+        self._server_handle = server
+        self._server_address = f"hf-{options['name']}"
+        if self.rollout_mode != RolloutMode.HYBRID:
+            logger.warning("hf rollout in %s mode: weights are only synced in hybrid mode", self.rollout_mode)
+
+
+class HFServerAdapter(BaseRollout):
+    """In-worker side of the hf rollout: forwards ``update_weights`` to this replica's server."""
+
+    def __init__(self, config: RolloutConfig, model_config: HFModelConfig, device_mesh, replica_rank: int = -1):
+        super().__init__(config, model_config, device_mesh)
+        rollout_world_size = (
+            self.config.tensor_model_parallel_size
+            * self.config.data_parallel_size
+            * self.config.pipeline_model_parallel_size
+        )
+        rank = int(os.environ.get("RANK", 0))
+        self.replica_rank = rank // rollout_world_size if replica_rank == -1 else replica_rank
+        self.rollout_rank = rank % rollout_world_size
+        self._server = None
+
+    def _server_handle(self):
+        if self._server is None:
+            self._server = ray.get_actor(server_name(self.replica_rank))
+        return self._server
+
+    async def resume(self, tags: list[str]):
+        pass
+
+    async def release(self):
+        pass
+
+    async def update_weights(
+        self,
+        weights: Generator[tuple[str, torch.Tensor], None, None],
+        wire_format: str = "named_tensors",
+        peft_config: Any = None,
+        global_steps: Optional[int] = None,
+        **kwargs,
+    ):
+        if wire_format != "named_tensors":
+            raise NotImplementedError(f"hf rollout: wire_format={wire_format!r} (only named_tensors)")
+        if peft_config is not None:
+            raise NotImplementedError("hf rollout: LoRA adapter sync is not supported; set model.lora.merge=True")
+        state_dict = {}
+        # Every rank must drain the generator: DTensor.full_tensor() inside it is a collective.
+        for name, tensor in weights:
+            if self.rollout_rank == 0:
+                state_dict[name] = tensor.detach().to("cpu", copy=True)
+        if self.rollout_rank == 0:
+            await self._server_handle().update_weights.remote(state_dict, global_steps)

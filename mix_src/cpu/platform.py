@@ -1,0 +1,152 @@
+"""verl platform "cpu": torch CPU device, gloo collectives, Ray's (fake) "GPU" resource.
+
+verl resolves every device question through ``verl.plugin.platform.get_platform()``; this class answers
+them for a CPU-only host. Ray scheduling still asks for "GPU" bundles (verl's resource pools are
+expressed in GPUs), so the CPU backend starts Ray with fake GPUs (``ray_kwargs.ray_init.num_gpus``,
+see ``mix_src/config/backend/cpu.yaml``); a "GPU" there is just a slot for one FSDP rank.
+"""
+
+from __future__ import annotations
+
+import types
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import torch
+import torch.cpu
+
+from verl.plugin.platform import PlatformBase
+
+
+def _noop(*args, **kwargs):
+    return None
+
+
+def _host_mem_get_info(device=None) -> tuple[int, int]:
+    """(free, total) bytes of host memory, what ``torch.cuda.mem_get_info`` reports for a GPU."""
+    try:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return int(vm.available), int(vm.total)
+    except Exception:  # psutil is a Ray dependency, but stay usable without it
+        return 0, 0
+
+
+def _make_device_module() -> types.ModuleType:
+    """``torch.cpu`` plus the ``torch.cuda``-style calls verl makes on ``get_torch_device()``.
+
+    verl calls (grep ``get_torch_device()\\.`` in verl 0.9.1): empty_cache, synchronize, is_available,
+    current_stream, set_device, mem_get_info, stream, Stream, set_rng_state, get_rng_state,
+    set_per_process_memory_fraction, ipc_collect, device_count, memory_{allocated,reserved},
+    max_memory_{allocated,reserved}, get_device_name, Event, manual_seed(_all).
+    """
+    mod = types.ModuleType("mix_src.cpu.device_module", "torch.cpu with torch.cuda-style memory/RNG no-ops")
+    for name in dir(torch.cpu):
+        if not name.startswith("_"):
+            setattr(mod, name, getattr(torch.cpu, name))
+    mod.is_available = lambda: True
+    mod.device_count = lambda: 1
+    mod.current_device = lambda: "cpu"
+    mod.set_device = _noop
+    mod.synchronize = _noop
+    mod.empty_cache = _noop
+    mod.ipc_collect = _noop
+    mod.reset_peak_memory_stats = _noop
+    mod.set_per_process_memory_fraction = _noop
+    mod.mem_get_info = _host_mem_get_info
+    for name in ("memory_allocated", "memory_reserved", "max_memory_allocated", "max_memory_reserved"):
+        setattr(mod, name, lambda device=None: 0)
+    mod.get_device_name = lambda device=None: "cpu"
+    mod.get_rng_state = lambda device=None: torch.get_rng_state()
+    mod.set_rng_state = lambda state, device=None: torch.set_rng_state(state)
+    mod.manual_seed = torch.manual_seed
+    mod.manual_seed_all = torch.manual_seed
+    return mod
+
+
+DEVICE_MODULE = _make_device_module()
+
+
+class PlatformCPU(PlatformBase):
+    """CPU platform: ``device_name="cpu"``, gloo, no profiler, no IPC."""
+
+    @property
+    def device_name(self) -> str:
+        return "cpu"
+
+    @property
+    def vendor_name(self) -> str:
+        return "cpu"
+
+    @property
+    def device_module(self) -> types.ModuleType:
+        return DEVICE_MODULE
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_platform_available(self, use_smi_check=False) -> bool:
+        # Only registered when the CPU backend is selected (see mix_src.cpu), so always the answer then.
+        return True
+
+    def current_device(self):
+        # verl passes this straight to ``tensor.to(...)`` / ``device=`` (e.g. FSDPEngine.forward_step,
+        # fsdp_utils); an int 0 would mean cuda:0, so return the CPU device string.
+        return "cpu"
+
+    def device_count(self) -> int:
+        return 1
+
+    def set_device(self, device_index: int) -> None:
+        return None
+
+    def synchronize(self, device_index: Optional[int] = None) -> None:
+        return None
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def set_allocator_settings(self, settings: str) -> None:
+        return None
+
+    def empty_cache(self) -> None:
+        return None
+
+    def get_device_capability(self, device_index: int = 0) -> tuple[Optional[int], Optional[int]]:
+        return None, None
+
+    def communication_backend_name(self) -> str:
+        return "gloo"
+
+    def visible_devices_envvar(self) -> str:
+        # Ray sets CUDA_VISIBLE_DEVICES for the fake GPUs it hands out; verl only records it.
+        return "CUDA_VISIBLE_DEVICES"
+
+    @contextmanager
+    def nvtx_range(self, msg: str):
+        yield
+
+    def profiler_start(self) -> None:
+        return None
+
+    def profiler_stop(self) -> None:
+        return None
+
+    def ray_resource_name(self) -> str:
+        return "GPU"
+
+    def ray_resource_options(self, num_gpus: float) -> dict[str, Any]:
+        return {"num_gpus": num_gpus}
+
+    def ray_noset_envvars(self) -> list[str]:
+        return []
+
+    def is_ipc_supported(self) -> bool:
+        return False
+
+    def cudart(self) -> Any:
+        return None

@@ -1,0 +1,168 @@
+"""Batched token-in/token-out sampling with a Hugging Face causal LM (no ``model.generate``).
+
+Own decoding loop instead of ``generate()`` so that nothing from a ``generation_config`` (top_k=50,
+repetition penalty, ...) can leak into sampling, and so that log-probs come from the raw logits:
+
+    logprob(token) = log_softmax(logits / T)[token]          (T = 1 for greedy, temperature <= 0)
+
+i.e. exactly what verl's actor computes for ``old_log_probs`` (it divides the logits by the rollout
+temperature and applies no top-k / top-p). top-k / top-p only restrict *which* token is drawn (vLLM
+order: top-k, renormalise, top-p); they do not change the reported log-prob.
+
+Requests in one batch may have different prompts and sampling params; prompts are left-padded and
+decoded together with a KV cache, each row stopping at its own ``max_tokens`` or stop token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+# Sampling keys this backend understands; anything else that would change the distribution is refused.
+_NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}
+_IGNORED = {"n", "seed", "skip_special_tokens", "spaces_between_special_tokens", "detokenize", "prompt_logprobs"}
+
+
+@dataclass
+class SamplingSpec:
+    """One request's decoding parameters (vLLM semantics: top_k <= 0 and top_p = 1 mean off)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    logprobs: bool = False
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any], default_max_tokens: int, max_possible_tokens: int) -> "SamplingSpec":
+        """Parse a verl/vLLM-style ``sampling_params`` dict.
+
+        ``max_tokens`` (or sglang's ``max_new_tokens``) is honoured, clamped to ``[0, max_possible_tokens]``
+        (the room left in the context window); without it ``default_max_tokens`` is used.
+        """
+        params = dict(params)
+        for key, neutral in _NEUTRAL.items():
+            value = params.pop(key, None)
+            if value is not None and float(value) != neutral:
+                raise ValueError(f"hf rollout: sampling param {key}={value} is not supported (only {neutral})")
+        for key in _IGNORED:
+            params.pop(key, None)
+        max_tokens = params.pop("max_tokens", None)
+        if max_tokens is None:
+            max_tokens = params.pop("max_new_tokens", None)
+        else:
+            params.pop("max_new_tokens", None)
+        if max_tokens is None:
+            max_tokens = default_max_tokens
+        top_k = params.pop("top_k", -1)
+        top_p = params.pop("top_p", 1.0)
+        temperature = params.pop("temperature", 1.0)
+        spec = cls(
+            max_tokens=max(0, min(int(max_tokens), int(max_possible_tokens))),
+            temperature=1.0 if temperature is None else float(temperature),
+            top_p=1.0 if top_p is None else float(top_p),
+            top_k=-1 if top_k is None else int(top_k),
+            logprobs=bool(params.pop("logprobs", False)),
+            ignore_eos=bool(params.pop("ignore_eos", False)),
+            stop_token_ids=tuple(int(t) for t in (params.pop("stop_token_ids", None) or ())),
+        )
+        if params:
+            raise ValueError(f"hf rollout: unsupported sampling params {sorted(params)}")
+        if not 0.0 < spec.top_p <= 1.0:
+            raise ValueError(f"hf rollout: top_p must be in (0, 1], got {spec.top_p}")
+        return spec
+
+
+def filter_top_k_top_p(scaled_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k, then outside its top-p nucleus.
+
+    Args:
+        scaled_logits: (B, V) logits already divided by the temperature.
+        top_k: (B,) long, V (or more) = off.
+        top_p: (B,) float in (0, 1], 1 = off.
+    Returns:
+        (B, V) masked logits; the most likely token of each row is always kept.
+    """
+    sorted_logits, sorted_idx = scaled_logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(sorted_logits.size(-1), device=scaled_logits.device).unsqueeze(0)
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    return torch.full_like(scaled_logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
+
+
+@torch.no_grad()
+def generate_batch(
+    model,
+    prompts: list[list[int]],
+    specs: list[SamplingSpec],
+    eos_token_ids: set[int],
+    pad_token_id: int,
+    generator: Optional[torch.Generator] = None,
+) -> list[tuple[list[int], list[float]]]:
+    """Decode ``prompts`` (token ids) with per-row ``specs``; returns ``[(token_ids, logprobs)]``.
+
+    Each row stops after ``max_tokens`` tokens or right after emitting a stop token (EOS unless
+    ``ignore_eos``, plus ``stop_token_ids``); the stop token is included, as vLLM does.
+    """
+    bsz = len(prompts)
+    assert bsz == len(specs) and bsz > 0
+    outputs: list[tuple[list[int], list[float]]] = [([], []) for _ in range(bsz)]
+    max_new = max(s.max_tokens for s in specs)
+    if max_new <= 0:
+        return outputs
+    device = next(model.parameters()).device
+
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((bsz, width), pad_token_id, dtype=torch.long, device=device)
+    attention_mask = torch.zeros((bsz, width), dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError("hf rollout: empty prompt")
+        input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long, device=device)
+        attention_mask[i, width - len(p) :] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+    greedy = torch.tensor([s.temperature <= 0 for s in specs], device=device)
+    temps = torch.tensor([s.temperature if s.temperature > 0 else 1.0 for s in specs], device=device).unsqueeze(1)
+    big = torch.iinfo(torch.long).max
+    top_k = torch.tensor([s.top_k if s.top_k > 0 else big for s in specs], dtype=torch.long, device=device)
+    top_p = torch.tensor([s.top_p for s in specs], dtype=torch.float32, device=device)
+    stops = [set(s.stop_token_ids) | (set() if s.ignore_eos else set(eos_token_ids)) for s in specs]
+    done = [s.max_tokens <= 0 for s in specs]
+
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
+    next_pos = position_ids[:, -1:] + 1
+    for _ in range(max_new):
+        scaled = out.logits[:, -1, :].float() / temps
+        logprobs = torch.log_softmax(scaled, dim=-1)
+        filtered = filter_top_k_top_p(scaled, top_k, top_p)
+        sampled = torch.multinomial(filtered.softmax(dim=-1), 1, generator=generator).squeeze(1)
+        tokens = torch.where(greedy, scaled.argmax(dim=-1), sampled)
+        token_lp = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        for i in range(bsz):
+            if done[i]:
+                continue
+            tok = int(tokens[i])
+            outputs[i][0].append(tok)
+            outputs[i][1].append(float(token_lp[i]))
+            if tok in stops[i] or len(outputs[i][0]) >= specs[i].max_tokens:
+                done[i] = True
+        if all(done):
+            break
+        feed = torch.where(torch.tensor(done, device=device), pad_token_id, tokens).unsqueeze(1)
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(bsz, 1)], dim=1)
+        out = model(
+            input_ids=feed,
+            attention_mask=attention_mask,
+            position_ids=next_pos,
+            past_key_values=out.past_key_values,
+            use_cache=True,
+        )
+        next_pos = next_pos + 1
+    return outputs
