@@ -263,4 +263,10 @@ def validate_mix_config(config: Any) -> MixConfig:
         raise MixConfigError(
             "mix.filter_groups.* is set but algorithm.filter_groups.enable=false; set algorithm.filter_groups.enable=true"
         )
+    gen_bs = config.data.get("gen_batch_size", None)
+    if gen_bs is not None and gen_bs != config.data.train_batch_size and not fg.get("enable", False):
+        raise MixConfigError(
+            f"data.gen_batch_size={gen_bs} differs from data.train_batch_size={config.data.train_batch_size} but "
+            "algorithm.filter_groups.enable=false; a generation batch is the training batch then: unset it or enable filter groups"
+        )
     return mix
