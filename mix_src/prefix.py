@@ -1,0 +1,157 @@
+"""Prefix-ratio schedules and prefix assembly (pure numpy; spec §2.3 steps 3-5, §10 item 8).
+
+Rows are ordered `i*n + j` (prompt i, sample j), as after verl's `repeat(interleave=True)`. A row's ratio
+rho says how much of the prompt's off-policy target becomes the start of its response:
+`prefix = (target + [EOS])[: floor(rho * len)]`. rho = 0: a plain on-policy sample; rho = 1: the whole
+demonstration.
+
+Which rows get a ratio (n_prefix):
+    -1  every sample of every prompt;
+    0   none (all ratios 0, in both modes; the original's shared mode gave every sample a ratio);
+    k   samples 0..k-1 of every prompt (the original's convention); samples k..n-1 get 0.
+
+Strategies (S = prefix_steps, M = prefix_linear_max_ratio, s = global_step - 1, and window
+k = the first k in 0..9 with s in [k*S/10, (k+1)*S/10]; steps past S stay in the last window on purpose):
+    random          U(min_prefix_ratio, max_prefix_ratio)
+    linear          M * (1 - min(s / S, 1))  (deterministic; in both modes, where the original allowed
+                    it only in shared mode)
+    linear_max      U(0, (10 - k) * M / 10)  (upper bound falls from M to M/10)
+    reverse_linear  U(0, (k + 1) * M / 10)   (upper bound rises from M/10 to M)
+    fixed           the list prefix_fix_ratios (default: N evenly spaced values from min to max, N = the
+                    number of prefixed samples per prompt; N = 1 gives [min_prefix_ratio], where the
+                    original divides by zero)
+
+Modes: per-sample (share_across_samples=False) draws one ratio per prefixed row; `fixed` gives sample j
+the j-th value. Shared (True) draws one ratio per prompt for all its prefixed rows; `fixed` then gives
+prompt i the value (i mod N) of the list.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["PREFIX_STRATEGIES", "build_prefix", "compute_prefix_ratios", "step_window"]
+
+PREFIX_STRATEGIES = ("random", "linear", "linear_max", "reverse_linear", "fixed")
+NUM_WINDOWS = 10
+
+
+def _check_ratio(name: str, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value}")
+
+
+def step_window(global_step: int, prefix_steps: int) -> int:
+    """Index k in 0..9 of the step window holding s = global_step - 1 (both window ends inclusive, the
+    first match wins); any s past prefix_steps stays in window 9."""
+    s = global_step - 1
+    k = -(-NUM_WINDOWS * s // prefix_steps) - 1  # ceil(10 s / S) - 1, exact in integers
+    return min(max(k, 0), NUM_WINDOWS - 1)
+
+
+def compute_prefix_ratios(
+    num_prompts: int,
+    n: int,
+    *,
+    strategy: str = "random",
+    n_prefix: int = -1,
+    min_prefix_ratio: float = 0.0,
+    max_prefix_ratio: float = 1.0,
+    prefix_steps: int = 300,
+    prefix_linear_max_ratio: float = 0.8,
+    prefix_fix_ratios: Sequence[float] | None = None,
+    share_across_samples: bool = False,
+    global_step: int,
+    rng: np.random.Generator,
+) -> np.ndarray:
+    """One prefix ratio per row, rows ordered i*n + j (see the module docstring for every rule).
+
+    Args:
+        num_prompts: number of prompts in the batch.
+        n: samples per prompt (rollout.n).
+        strategy: one of PREFIX_STRATEGIES.
+        n_prefix: samples per prompt that get a prefix: -1 = all, 0 = none, 1..n = the first n_prefix.
+        min_prefix_ratio, max_prefix_ratio: range of `random` and of the default `fixed` list.
+        prefix_steps: S, the number of steps over which the linear schedules move.
+        prefix_linear_max_ratio: M, the top ratio of linear, linear_max and reverse_linear.
+        prefix_fix_ratios: the `fixed` list (per-sample mode: exactly N values).
+        share_across_samples: one ratio per prompt instead of one per row.
+        global_step: the trainer's step counter, starting at 1 (verl's `global_steps`).
+        rng: the random generator (the trainer seeds it from (seed, global_step)).
+
+    Returns:
+        (num_prompts * n,) float64 array of ratios in [0, 1].
+    """
+    if strategy not in PREFIX_STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not allowed; allowed values: {', '.join(PREFIX_STRATEGIES)}")
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if num_prompts < 0:
+        raise ValueError(f"num_prompts must be >= 0, got {num_prompts}")
+    if not -1 <= n_prefix <= n:
+        raise ValueError(f"n_prefix must be -1 (all samples) or in [0, n={n}], got {n_prefix}")
+    _check_ratio("min_prefix_ratio", min_prefix_ratio)
+    _check_ratio("max_prefix_ratio", max_prefix_ratio)
+    if min_prefix_ratio > max_prefix_ratio:
+        raise ValueError(f"min_prefix_ratio ({min_prefix_ratio}) must be <= max_prefix_ratio ({max_prefix_ratio})")
+    _check_ratio("prefix_linear_max_ratio", prefix_linear_max_ratio)
+    if prefix_steps < 1:
+        raise ValueError(f"prefix_steps must be >= 1, got {prefix_steps}")
+    if global_step < 1:
+        raise ValueError(f"global_step counts from 1 (verl's global_steps), got {global_step}")
+
+    num_prefixed = n if n_prefix == -1 else n_prefix  # prefixed samples per prompt
+    ratios = np.zeros((num_prompts, n), dtype=np.float64)
+    if num_prefixed == 0 or num_prompts == 0:
+        return ratios.reshape(-1)
+
+    if strategy == "fixed":
+        if prefix_fix_ratios is None:
+            if num_prefixed == 1:
+                fixed = np.array([min_prefix_ratio])
+            else:
+                fixed = np.linspace(min_prefix_ratio, max_prefix_ratio, num_prefixed)
+        else:
+            fixed = np.asarray(prefix_fix_ratios, dtype=np.float64).reshape(-1)
+            if np.any((fixed < 0.0) | (fixed > 1.0)):
+                raise ValueError(f"prefix_fix_ratios entries must be in [0, 1], got {fixed.tolist()}")
+            if share_across_samples and fixed.size == 0:
+                raise ValueError("prefix_fix_ratios must not be empty")
+            if not share_across_samples and fixed.size != num_prefixed:
+                raise ValueError(
+                    f"prefix_fix_ratios needs one value per prefixed sample ({num_prefixed}), got {fixed.size}"
+                )
+
+    # one draw per prompt (shared) or per prefixed row (per-sample)
+    shape = (num_prompts, 1) if share_across_samples else (num_prompts, num_prefixed)
+    s = global_step - 1
+    window = step_window(global_step, prefix_steps)
+    if strategy == "random":
+        drawn = rng.uniform(min_prefix_ratio, max_prefix_ratio, size=shape)
+    elif strategy == "linear":
+        drawn = np.full(shape, prefix_linear_max_ratio * (1.0 - min(s / prefix_steps, 1.0)))
+    elif strategy == "linear_max":
+        drawn = rng.uniform(0.0, (NUM_WINDOWS - window) * prefix_linear_max_ratio / NUM_WINDOWS, size=shape)
+    elif strategy == "reverse_linear":
+        drawn = rng.uniform(0.0, (window + 1) * prefix_linear_max_ratio / NUM_WINDOWS, size=shape)
+    elif share_across_samples:  # fixed, shared: prompt i gets value (i mod N)
+        drawn = fixed[np.arange(num_prompts) % fixed.size][:, None]
+    else:  # fixed, per sample: sample j gets value j
+        drawn = np.broadcast_to(fixed[None, :], shape)
+
+    ratios[:, :num_prefixed] = drawn  # a shared (num_prompts, 1) draw broadcasts over the samples
+    return ratios.reshape(-1)
+
+
+def build_prefix(target_ids: Sequence[int], ratio: float, eos_id: int) -> list[int]:
+    """Prefix token ids of one row: EOS is appended to the target (unless it already ends with it, or
+    the target is empty), then the first floor(ratio * len) tokens are taken.
+
+    target_ids: (T,) token ids of the off-policy target; ratio in [0, 1]. Returns a list of ints."""
+    _check_ratio("ratio", ratio)
+    ids = [int(t) for t in target_ids]
+    if ids and ids[-1] != eos_id:
+        ids.append(int(eos_id))
+    return ids[: int(np.floor(ratio * len(ids)))]
