@@ -123,7 +123,9 @@ class HFRolloutServer:
         prompt_ids = [int(t) for t in prompt_ids]
         max_possible = self.max_model_len - len(prompt_ids)
         if max_possible < 0:
-            raise ValueError(f"hf rollout: prompt of {len(prompt_ids)} tokens exceeds max_model_len {self.max_model_len}")
+            raise ValueError(
+                f"hf rollout: prompt of {len(prompt_ids)} tokens exceeds max_model_len {self.max_model_len}"
+            )
         spec = SamplingSpec.from_params(sampling_params, self._default_max_tokens(len(prompt_ids)), max_possible)
 
         future = asyncio.get_running_loop().create_future()

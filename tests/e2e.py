@@ -1,0 +1,247 @@
+"""Helpers for end-to-end tests that run a real verl job (Hydra entry point, own Ray cluster) on CPU.
+
+Typical use (see tests/test_cpu_backend.py)::
+
+    from e2e import STOCK_VERL_CPU, run_verl, tiny_overrides
+
+    result = run_verl("verl.trainer.main_ppo", STOCK_VERL_CPU + tiny_overrides(tiny_assets) + [...], tmp_path)
+    assert "actor/pg_loss" in result.metrics[-1]
+
+* ``run_verl`` starts ``python -m <module> <overrides>`` in a subprocess (its own session), in ``tmp_path``
+  as working directory, with ``VERL_PLATFORM=cpu`` and verl's ``file`` logger writing per-step metrics to
+  ``tmp_path/metrics.jsonl``. The job's ``ray.init()`` starts a private local Ray cluster (``RAY_ADDRESS``
+  is removed from the environment); every process of the job's process tree is tracked by pid while it
+  runs and any survivor is killed (by pid, never by name) afterwards, so nothing outlives the test.
+* A non-zero exit or a timeout fails the test with the command, the log path and the log tail.
+* The result carries per-step metrics (``list[dict]``, one merged dict per logged step, ``"step"``
+  included), wall time and the peak summed RSS of the whole process tree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import psutil
+import pytest
+
+# Enable the CPU backend fragment for stock ``python -m verl.trainer.main_ppo`` (its config dir does not
+# contain our fragment, so add mix_src/config to the search path first).
+STOCK_VERL_CPU = ["hydra.searchpath=[pkg://mix_src.config]", "+backend=cpu"]
+# For entry points whose primary config dir is mix_src/config (python -m mix_src.main_mix_ppo).
+MIX_CPU = ["+backend=cpu"]
+
+REWARD_FN = ["reward.custom_reward_function.path=pkg://mix_src.rewards.math_verify_reward",
+             "reward.custom_reward_function.name=compute_score"]
+
+
+def tiny_overrides(
+    assets: dict,
+    *,
+    steps: int = 2,
+    batch_size: int = 4,
+    n: int = 2,
+    prompt_length: int = 32,
+    response_length: int = 16,
+    lr: float = 1e-4,
+    reward: Sequence[str] = tuple(REWARD_FN),
+) -> list[str]:
+    """Overrides for a tiny GRPO-style run on ``tiny_assets`` (sizes only; the backend comes separately).
+
+    ``batch_size`` prompts per step, ``n`` samples each, one mini-batch per step, no validation, no
+    checkpoints, console + file loggers.
+    """
+    return [
+        f"data.train_files={assets['train']}",
+        f"data.val_files={assets['val']}",
+        f"data.train_batch_size={batch_size}",
+        f"data.max_prompt_length={prompt_length}",
+        f"data.max_response_length={response_length}",
+        f"actor_rollout_ref.model.path={assets['model']}",
+        f"++actor_rollout_ref.model.tokenizer_path={assets['tokenizer']}",
+        f"actor_rollout_ref.rollout.n={n}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={batch_size}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={batch_size * n}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={batch_size * n}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={batch_size * n}",
+        f"actor_rollout_ref.actor.optim.lr={lr}",
+        *reward,
+        f"trainer.total_training_steps={steps}",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.logger=[console,file]",
+        "trainer.project_name=e2e",
+        "trainer.experiment_name=tiny",
+    ]
+
+
+@dataclass
+class RunResult:
+    """Outcome of one ``run_verl`` call."""
+
+    cmd: list[str]
+    returncode: int
+    log_path: Path
+    metrics: list[dict] = field(default_factory=list)  # one dict per logged step, with "step"
+    wall_s: float = 0.0
+    peak_rss_mb: float = 0.0  # peak of the summed RSS of the job's whole process tree
+
+    def series(self, key: str) -> list:
+        """Values of ``key`` across steps (steps that did not log it are skipped)."""
+        return [m[key] for m in self.metrics if key in m]
+
+    def log_tail(self, lines: int = 80) -> str:
+        return tail(self.log_path, lines)
+
+
+def tail(path: Path, lines: int = 80) -> str:
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError as e:
+        return f"<no log: {e}>"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Parse verl's file logger JSONL (``{"step": n, "data": {...}}`` per line) into one dict per step."""
+    by_step: dict[int, dict] = {}
+    if not Path(path).exists():
+        return []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            by_step.setdefault(rec["step"], {"step": rec["step"]}).update(rec["data"])
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _tree(root: psutil.Process) -> list[psutil.Process]:
+    try:
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _kill(procs: dict[int, psutil.Process]) -> None:
+    """SIGKILL the given processes (by pid, only those recorded from this job's tree) and reap them."""
+    alive = []
+    for p in procs.values():
+        try:
+            if p.is_running():
+                p.kill()
+                alive.append(p)
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=10)
+
+
+def cpu_env(extra: Optional[dict] = None) -> dict:
+    """Environment for a CPU e2e job: CPU backend forced, private Ray, quiet third parties."""
+    env = dict(os.environ)
+    for key in ("RAY_ADDRESS", "VERL_ENGINE_DEVICE"):
+        env.pop(key, None)
+    env.update(
+        VERL_PLATFORM="cpu",
+        PYTHONUNBUFFERED="1",
+        HYDRA_FULL_ERROR="1",
+        TOKENIZERS_PARALLELISM="false",
+        WANDB_MODE="disabled",
+        RAY_DEDUP_LOGS="0",
+        RAY_USAGE_STATS_ENABLED="0",
+    )
+    env.update(extra or {})
+    return env
+
+
+def run_verl(
+    module: str,
+    overrides: Sequence[str],
+    tmp_path: Path,
+    timeout: float = 300,
+    *,
+    env: Optional[dict] = None,
+    check: bool = True,
+    name: str = "run",
+) -> RunResult:
+    """Run ``python -m module *overrides`` as an isolated job; see the module docstring.
+
+    Args:
+        module: e.g. ``"verl.trainer.main_ppo"`` or ``"mix_src.main_mix_ppo"``.
+        overrides: Hydra overrides (include ``STOCK_VERL_CPU`` or ``MIX_CPU`` for the CPU backend).
+        tmp_path: working directory; gets ``<name>.log`` and ``<name>_metrics.jsonl``.
+        timeout: seconds before the whole process tree is killed and the test fails.
+        env: extra environment variables (on top of ``cpu_env()``).
+        check: fail the test (``pytest.fail``) on a non-zero exit; with False the caller inspects
+            ``returncode`` itself (e.g. to test a clear config error).
+    """
+    tmp_path = Path(tmp_path)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    log_path = tmp_path / f"{name}.log"
+    metrics_path = tmp_path / f"{name}_metrics.jsonl"
+    metrics_path.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", module, *overrides]
+    run_env = cpu_env({"VERL_FILE_LOGGER_PATH": str(metrics_path), **(env or {})})
+
+    seen: dict[int, psutil.Process] = {}
+    peak_rss = 0
+    timed_out = False
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(
+            cmd, cwd=tmp_path, env=run_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            root = psutil.Process(proc.pid)
+            while proc.poll() is None:
+                rss = 0
+                for p in _tree(root):
+                    seen.setdefault(p.pid, p)
+                    try:
+                        rss += p.memory_info().rss
+                    except psutil.Error:
+                        pass
+                peak_rss = max(peak_rss, rss)
+                if time.monotonic() - start > timeout:
+                    timed_out = True
+                    break
+                time.sleep(0.5)
+        finally:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # the job's own session (start_new_session)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+            _kill(seen)  # Ray daemons and workers of this job that are still alive
+    wall = time.monotonic() - start
+
+    result = RunResult(
+        cmd=cmd,
+        returncode=proc.returncode,
+        log_path=log_path,
+        metrics=read_metrics(metrics_path),
+        wall_s=wall,
+        peak_rss_mb=peak_rss / 2**20,
+    )
+    if timed_out:
+        pytest.fail(
+            f"`python -m {module}` timed out after {timeout:.0f}s (killed). Log: {log_path}\n"
+            f"--- last lines ---\n{result.log_tail()}",
+            pytrace=False,
+        )
+    if check and result.returncode != 0:
+        pytest.fail(
+            f"`python -m {module}` exited with {result.returncode} after {wall:.0f}s. Log: {log_path}\n"
+            f"Command: {' '.join(cmd)}\n--- last lines ---\n{result.log_tail()}",
+            pytrace=False,
+        )
+    return result
