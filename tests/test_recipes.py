@@ -1,0 +1,389 @@
+"""Recipes: every config composes and validates (mix: section and verl's own checks), every run.sh is
+portable and passes overrides through, plot_metrics.py works on a small log, and cpu_tiny trains for
+real on CPU (the `make demo` path) and leaves its PNG.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from mix_src.mix_config import validate_mix_config
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RECIPES_DIR = REPO_ROOT / "recipes"
+PLOT_SCRIPT = REPO_ROOT / "scripts" / "plot_metrics.py"
+
+GPU_RECIPES = [
+    "luffy_zero", "on_policy_grpo", "rl_with_sft_loss", "sft_then_rl",
+    "dapo_filter", "luffy_filter", "prefix_curriculum",
+]  # fmt: skip
+RECIPES = [*GPU_RECIPES, "cpu_tiny"]
+
+# What each recipe is for, checked on the composed config (key -> expected value).
+EXPECTED = {
+    "luffy_zero": {
+        "mix.n_prefix": 1, "mix.min_prefix_ratio": 1.0, "actor_rollout_ref.rollout.n": 8,
+        "algorithm.adv_estimator": "grpo", "algorithm.norm_adv_by_std_in_grpo": False,
+        "mix.loss.loss_remove_clip": True, "mix.loss.off_policy_reshape": "p_div_p",
+        "mix.loss.off_policy_reshape_gamma": 0.1, "mix.loss.loss_agg_mode": "luffy-token-sum-norm",
+        "actor_rollout_ref.actor.loss_scale_factor": 8192, "data.train_batch_size": 128,
+        "actor_rollout_ref.actor.entropy_coeff": 0.001, "actor_rollout_ref.actor.use_kl_loss": False,
+    },
+    "on_policy_grpo": {"mix.n_prefix": 0, "mix.loss.loss_remove_clip": False, "algorithm.adv_estimator": "grpo"},
+    "rl_with_sft_loss": {
+        "algorithm.adv_estimator": "grpo_split", "mix.n_prefix": 1, "mix.loss.use_sft_multitask_loss": True,
+        "mix.loss.sft_loss_coef": 1.0, "mix.loss.loss_remove_clip": True,
+    },
+    "sft_then_rl": {"mix.n_prefix": 0, "algorithm.adv_estimator": "grpo"},
+    "dapo_filter": {
+        "mix.n_prefix": 0, "algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "acc",
+        "algorithm.filter_groups.max_num_gen_batches": 10, "actor_rollout_ref.actor.clip_ratio_low": 0.2,
+        "actor_rollout_ref.actor.clip_ratio_high": 0.28, "actor_rollout_ref.actor.loss_agg_mode": "token-mean",
+    },
+    "luffy_filter": {
+        "mix.n_prefix": 1, "algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "acc",
+        "algorithm.filter_groups.max_num_gen_batches": 10, "mix.filter_groups.carry_over": True,
+    },
+    "prefix_curriculum": {
+        "mix.n_prefix": -1, "mix.prefix_strategy": "linear_max", "mix.prefix_share_across_samples": False,
+    },
+    "cpu_tiny": {
+        "mix.n_prefix": 1, "mix.min_prefix_ratio": 1.0, "actor_rollout_ref.rollout.name": "hf",
+        "trainer.device": "cpu", "actor_rollout_ref.actor.strategy": "fsdp2",
+        "mix.loss.loss_agg_mode": "luffy-token-sum-norm",
+    },
+}  # fmt: skip
+
+# Every metric the demo's PNG draws; the real cpu_tiny run must log all of them.
+DEMO_KEYS = [
+    "critic/score/mean", "batch/on_solved", "batch/off_solved", "actor/off_policy_prob",
+    "actor/on_policy_prob", "actor/entropy", "batch/avg_prefix_ratio", "response_length/mean",
+]  # fmt: skip
+
+
+def compose_recipe(name: str, overrides=(), config_name: str = "config"):
+    """Compose recipes/<name>/<config_name>.yaml exactly as run.sh does (the recipe is the primary config)."""
+    with initialize_config_dir(config_dir=str(RECIPES_DIR / name), version_base=None):
+        cfg = compose(config_name=config_name, overrides=list(overrides))
+    OmegaConf.resolve(cfg)
+    return cfg
+
+
+def one_gpu_overrides() -> list[str]:
+    """The NGPUS=1 override set, read from recipes/common.sh itself."""
+    out = subprocess.run(
+        ["bash", "-c", 'source recipes/common.sh && printf "%s\\n" "${MIX_ONE_GPU_OVERRIDES[@]}"'],
+        cwd=REPO_ROOT, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return out.stdout.split()
+
+
+def check_with_verl(cfg) -> None:
+    """verl's own checks: dataclass conversion (unknown keys / bad values) and validate_config."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
+    omega_conf_to_dataclass(cfg.algorithm)
+    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+
+
+def pkg_module(path: str) -> str:
+    assert path.startswith("pkg://"), path
+    return path[len("pkg://"):]
+
+
+# --------------------------------------------------------------------------------------------------
+# configs
+
+
+def test_every_recipe_is_listed():
+    found = sorted(p.name for p in RECIPES_DIR.iterdir() if (p / "config.yaml").exists())
+    assert found == sorted(RECIPES)
+    for name in RECIPES:
+        for f in ("config.yaml", "run.sh", "README.md"):
+            assert (RECIPES_DIR / name / f).is_file(), f"recipes/{name}/{f} is missing"
+    table = (RECIPES_DIR / "README.md").read_text()
+    for name in RECIPES:
+        assert f"`{name}`" in table, f"recipes/README.md does not list {name}"
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_composes_and_validates(name):
+    cfg = compose_recipe(name)
+    mix = validate_mix_config(cfg)
+    check_with_verl(cfg)
+    for key, want in EXPECTED[name].items():
+        got = OmegaConf.select(cfg, key) if not key.startswith("mix.") else _mix_value(mix, key)
+        assert got == want, f"{name}: {key} = {got!r}, expected {want!r}"
+    # the classes and functions the recipe names by pkg:// exist (a typo would only fail inside Ray)
+    for key in ("data.custom_cls.path", "reward.custom_reward_function.path"):
+        path = OmegaConf.select(cfg, key)
+        assert path, f"{name}: {key} is not set"
+        assert importlib.util.find_spec(pkg_module(path)) is not None, f"{name}: {key}={path} cannot be imported"
+    assert cfg.trainer.use_v1 is False
+
+
+def _mix_value(mix, key):
+    value = mix
+    for part in key.split(".")[1:]:
+        value = getattr(value, part)
+    return value
+
+
+@pytest.mark.parametrize("name", GPU_RECIPES)
+def test_gpu_recipe_one_gpu_variant(name):
+    """NGPUS=1 (the scaled-down variant): the same recipe with recipes/common.sh's override set."""
+    full = compose_recipe(name)
+    assert full.trainer.n_gpus_per_node == 8 and full.actor_rollout_ref.rollout.name == "vllm"
+    cfg = compose_recipe(name, one_gpu_overrides())
+    validate_mix_config(cfg)
+    check_with_verl(cfg)
+    assert cfg.trainer.n_gpus_per_node == 1 and cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 1
+    assert cfg.data.max_prompt_length + cfg.data.max_response_length <= 4096  # Qwen2.5-Math-1.5B's context
+    assert cfg.data.train_batch_size % cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 0
+    assert cfg.mix.data.max_target_length < cfg.data.max_response_length  # target + EOS fits
+    if cfg.mix.loss.loss_agg_mode == "luffy-token-sum-norm":
+        assert cfg.actor_rollout_ref.actor.loss_scale_factor == cfg.data.max_response_length
+
+
+def test_sft_stage_config_composes():
+    from verl.utils.config import omega_conf_to_dataclass
+
+    cfg = compose_recipe("sft_then_rl", config_name="sft")
+    optim = omega_conf_to_dataclass(cfg.optim)
+    ckpt = omega_conf_to_dataclass(cfg.checkpoint)
+    assert optim.lr == 5e-5 and optim.lr_warmup_steps_ratio == 0.1 and optim.lr_scheduler_type == "cosine"
+    assert "hf_model" in ckpt.save_contents  # stage 2 loads <step>/huggingface
+    assert cfg.data.messages_key == "messages" and cfg.trainer.total_epochs == 3
+
+
+# --------------------------------------------------------------------------------------------------
+# launch scripts
+
+ABS_PATH = re.compile(r"""(^|[\s='"(:])(/[A-Za-z]|~/)""")
+
+
+def _code_lines(path: Path):
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        code = line.split(" #", 1)[0] if not line.lstrip().startswith("#") else ""
+        yield i, code
+
+
+@pytest.mark.parametrize("script", [*(f"{n}/run.sh" for n in RECIPES), "common.sh"])
+def test_scripts_are_portable(script):
+    path = RECIPES_DIR / script
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    for i, code in _code_lines(path):
+        assert not ABS_PATH.search(code), f"recipes/{script}:{i}: absolute path in {code.strip()!r}"
+    text = path.read_text()
+    if script.endswith("run.sh"):
+        assert text.startswith("#!/usr/bin/env bash\n")
+        assert 'source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"' in text
+        assert re.search(r'mix_train (.* )?"\$@"', text), f"recipes/{script} does not pass \"$@\" to mix_train"
+        assert os.stat(path).st_mode & stat.S_IXUSR
+
+
+def _fake_python(tmp_path: Path) -> tuple[Path, Path]:
+    """A stand-in interpreter that records its argv (one JSON list per call) and runs nothing."""
+    log = tmp_path / "calls.jsonl"
+    fake = tmp_path / "fake_python"
+    fake.write_text(
+        f"#!{sys.executable}\nimport json, sys\n"
+        f"open({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+    )
+    fake.chmod(0o755)
+    return fake, log
+
+
+@pytest.mark.parametrize("name", [n for n in RECIPES if n != "sft_then_rl"])
+def test_run_sh_builds_the_command(name, tmp_path):
+    """run.sh -> `python -m mix_src.main_mix_ppo --config-path <recipe> --config-name config <env> "$@"`."""
+    fake, log = _fake_python(tmp_path)
+    env = {**os.environ, "PYTHON": str(fake), "OUTPUT_DIR": str(tmp_path / "out"), "MODEL_PATH": "m/x"}
+    subprocess.run(["bash", str(RECIPES_DIR / name / "run.sh"), "trainer.total_epochs=1", "+extra.key=a b"],
+                   cwd=tmp_path, env=env, check=True, capture_output=True)  # fmt: skip
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    train = [c for c in calls if c[:2] == ["-m", "mix_src.main_mix_ppo"]]
+    assert len(train) == 1, calls
+    argv = train[0]
+    assert argv[2:6] == ["--config-path", str(RECIPES_DIR / name), "--config-name", "config"]
+    assert argv[-2:] == ["trainer.total_epochs=1", "+extra.key=a b"]  # "$@" last, words intact
+    assert "actor_rollout_ref.model.path=m/x" in argv
+    assert f"trainer.default_local_dir={tmp_path / 'out' / 'checkpoints'}" in argv
+    if name == "cpu_tiny":  # assets first, the plot last
+        assert calls[0][0].endswith("scripts/make_tiny_assets.py")
+        assert calls[-1][0].endswith("scripts/plot_metrics.py") and "--out" in calls[-1]
+
+
+def test_run_sh_one_gpu_variant(tmp_path):
+    fake, log = _fake_python(tmp_path)
+    env = {**os.environ, "PYTHON": str(fake), "OUTPUT_DIR": str(tmp_path / "out"), "NGPUS": "1"}
+    env.pop("MODEL_PATH", None)
+    subprocess.run(["bash", "recipes/luffy_zero/run.sh"], cwd=REPO_ROOT, env=env, check=True, capture_output=True)
+    argv = json.loads(log.read_text().splitlines()[-1])
+    assert "actor_rollout_ref.model.path=Qwen/Qwen2.5-Math-1.5B" in argv
+    assert all(o in argv for o in one_gpu_overrides())
+
+
+def test_sft_then_rl_runs_both_stages(tmp_path):
+    """Stage 1 = verl's SFT trainer through torchrun on prompt + target messages; stage 2 = RL from its
+    HF checkpoint. The fake interpreter records the calls; the SFT checkpoint tracker is faked."""
+    import pandas as pd
+
+    fake, log = _fake_python(tmp_path)
+    out = tmp_path / "out"
+    (out / "sft").mkdir(parents=True)
+    (out / "sft" / "latest_checkpointed_iteration.txt").write_text("42")
+    sft_rows = tmp_path / "sft.parquet"
+    pd.DataFrame({
+        "prompt": [[{"role": "user", "content": "1+1=?"}], [{"role": "user", "content": "2+2=?"}]],
+        "target": [[{"role": "assistant", "content": "<think>1+1=2</think> \\boxed{2}"}], []],
+    }).to_parquet(sft_rows)  # fmt: skip
+    env = {**os.environ, "OUTPUT_DIR": str(out), "SFT_FILES": str(sft_rows), "BASE_MODEL_PATH": "base/m",
+           "SFT_OVERRIDES": "trainer.total_epochs=1 optim.lr=1e-5"}  # fmt: skip
+    # real python for the inline data conversion, the fake one for the two training stages
+    wrapper = tmp_path / "py"
+    wrapper.write_text(f'#!/usr/bin/env bash\nif [[ "$1" == "-" ]]; then exec {sys.executable} "$@"; fi\nexec {fake} "$@"\n')
+    wrapper.chmod(0o755)
+    env["PYTHON"] = str(wrapper)
+    subprocess.run(["bash", "recipes/sft_then_rl/run.sh", "trainer.total_epochs=2"], cwd=REPO_ROOT, env=env,
+                   check=True, capture_output=True)  # fmt: skip
+    sft, rl = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sft[:2] == ["-m", "torch.distributed.run"] and "verl.trainer.sft_trainer" in sft
+    assert "model.path=base/m" in sft and sft[-2:] == ["trainer.total_epochs=1", "optim.lr=1e-5"]
+    messages = pd.read_parquet(out / "sft" / "sft_messages.parquet")["messages"]
+    assert len(messages) == 1 and [m["role"] for m in messages[0]] == ["user", "assistant"]
+    assert messages[0][1]["content"].endswith("\\boxed{2}")
+    assert rl[:2] == ["-m", "mix_src.main_mix_ppo"] and rl[-1] == "trainer.total_epochs=2"
+    assert f"actor_rollout_ref.model.path={out}/sft/global_step_42/huggingface" in rl
+    assert any(a.startswith("data.train_files=") and a.endswith("openr1.complement.parquet") for a in rl)
+
+
+# --------------------------------------------------------------------------------------------------
+# plot_metrics.py
+
+
+def _load_plot_metrics():
+    spec = importlib.util.spec_from_file_location("plot_metrics", PLOT_SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _write_log(path: Path, steps: int = 4) -> None:
+    with open(path, "w") as f:  # verl FileLogger lines: {"step": n, "data": {...}}
+        for s in range(1, steps + 1):
+            f.write(json.dumps({"step": s, "data": {
+                "critic/score/mean": 0.25 + 0.1 * s, "batch/on_solved": 0.1 * s, "batch/off_solved": 1.0,
+                "actor/off_policy_prob": 0.02 * s, "actor/entropy": 4.0 - 0.2 * s, "batch/avg_prefix_ratio": 0.25,
+                "timing_s/step": 1.5, "note": "text values are ignored"}}) + "\n")  # fmt: skip
+        f.write(json.dumps({"step": 2, "data": {"val-core/acc": 0.5}}) + "\n")  # a second line for step 2
+        f.write('{"step": 5, "data": {"critic/sc')  # a line cut short by a killed run
+
+
+def test_plot_metrics_reads_and_plots(tmp_path, capsys):
+    pm = _load_plot_metrics()
+    log = tmp_path / "metrics.jsonl"
+    _write_log(log)
+    records = pm.read_metrics(str(log))
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert records[1]["val-core/acc"] == 0.5 and records[1]["batch/on_solved"] == pytest.approx(0.2)
+    assert pm.series(records, "note") == ([], [])
+    assert pm.series(records, "batch/on_solved")[0] == [1, 2, 3, 4]
+
+    out = tmp_path / "plots" / "curves.png"
+    assert pm.main([str(log), "--out", str(out), "--extra", "val-core/acc"]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    err = capsys.readouterr().err
+    assert "'actor/on_policy_prob' is not in the log" in err and "'response_length/mean' is not in the log" in err
+    assert "'critic/score/mean'" not in err
+
+
+def test_plot_metrics_cli_errors(tmp_path):
+    missing = subprocess.run([sys.executable, str(PLOT_SCRIPT), str(tmp_path / "nope.jsonl")],
+                             capture_output=True, text=True)  # fmt: skip
+    assert missing.returncode == 1 and "does not exist" in missing.stderr
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    res = subprocess.run([sys.executable, str(PLOT_SCRIPT), str(empty)], capture_output=True, text=True)
+    assert res.returncode == 1 and "no metrics" in res.stderr
+    assert not (tmp_path / "learning_curves.png").exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# the demo, for real
+
+
+def _run_script(cmd: list[str], env: dict, log_path: Path, timeout: float) -> tuple[int, float]:
+    """Run ``cmd`` in its own session; kill its whole process tree (by pid) on timeout and afterwards."""
+    import psutil
+
+    seen: dict[int, psutil.Process] = {}
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+        root = psutil.Process(proc.pid)
+        try:
+            while proc.poll() is None and time.monotonic() - start < timeout:
+                try:
+                    for p in [root, *root.children(recursive=True)]:
+                        seen.setdefault(p.pid, p)
+                except psutil.Error:
+                    pass
+                time.sleep(0.5)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            alive = [p for p in seen.values() if p.is_running()]
+            for p in alive:
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+            psutil.wait_procs(alive, timeout=10)
+    return proc.returncode, time.monotonic() - start
+
+
+@pytest.mark.ray
+def test_cpu_tiny_demo_trains_and_plots(tmp_path):
+    """`make demo`: recipes/cpu_tiny/run.sh builds the assets, trains 8 MIX steps on CPU, writes the PNG."""
+    out = tmp_path / "cpu_tiny"
+    env = {**os.environ, "PYTHON": sys.executable, "OUTPUT_DIR": str(out), "PYTHONUNBUFFERED": "1"}
+    for key in ("RAY_ADDRESS", "MODEL_PATH", "TRAIN_FILES", "VAL_FILES", "VERL_FILE_LOGGER_PATH", "NGPUS"):
+        env.pop(key, None)
+    log = tmp_path / "demo.log"
+    timeout = 600
+    rc, wall = _run_script(["bash", "recipes/cpu_tiny/run.sh"], env, log, timeout)
+    tail = "\n".join(log.read_text(errors="replace").splitlines()[-60:])
+    assert wall < timeout, f"cpu_tiny timed out after {timeout} s; log {log}:\n{tail}"
+    assert rc == 0, f"cpu_tiny exited with {rc} after {wall:.0f} s; log {log}:\n{tail}"
+
+    assert (out / "assets" / "assets.json").exists()  # built because missing
+    png = out / "learning_curves.png"
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    records = _load_plot_metrics().read_metrics(str(out / "metrics.jsonl"))
+    assert [r["step"] for r in records] == list(range(1, 9))
+    for rec in records:
+        missing = [k for k in DEMO_KEYS if k not in rec]
+        assert not missing, f"step {rec['step']}: {missing} not logged"
+        assert rec["batch/avg_prefix_ratio"] == pytest.approx(0.25)  # 1 of 4 samples is the demonstration
+        assert rec["batch/off_solved"] == 1.0  # demonstrations are correct solutions
+        assert 0.0 < rec["actor/off_policy_prob"] < 1.0
+    print(f"cpu_tiny: {wall:.0f} s wall, log {log}")
