@@ -86,10 +86,15 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None
     return (torch.where(mask.bool(), values, 0.0) * mask).sum(dim=axis)
 
 
+def _nonzero(count: torch.Tensor) -> torch.Tensor:
+    """A denominator: `count`, or 1 where it is 0 (the numerator is then 0 too, so the result is 0)."""
+    return torch.where(count == 0, torch.ones_like(count), count)
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of `values` over the non-zero entries of `mask` (same shape); 0 (not NaN) when the mask is
     empty. Returns a scalar tensor."""
-    return masked_sum(values, mask) / mask.sum().clamp(min=1)
+    return masked_sum(values, mask) / _nonzero(mask.sum())
 
 
 def _group_ids(index: Any, num_rows: int) -> tuple[torch.Tensor, int]:
@@ -217,7 +222,8 @@ def agg_loss(
     losses summed over micro-batches and averaged over DP ranks give the global-batch loss).
 
     Modes (m = loss_mask, N = batch_num_tokens or sum(m), S = global_batch_size or #rows with a token,
-    W = loss_scale_factor or L):
+    W = loss_scale_factor or L; one deliberate difference: with no valid token and no global numbers the
+    result is 0, where verl divides 0 by 0 and returns NaN):
         token-mean              sum(m*l) / N * dp_size
         token-sum               sum(m*l) * dp_size
         seq-mean-token-sum      sum_i [sum_t m*l] / S * dp_size
@@ -231,7 +237,7 @@ def agg_loss(
         if batch_num_tokens is None:
             if dp_size > 1:
                 raise ValueError("batch_num_tokens (global) is required for token-mean when dp_size > 1")
-            batch_num_tokens = loss_mask.sum()
+            batch_num_tokens = _nonzero(loss_mask.sum())
         return masked_sum(loss_mat, loss_mask) / batch_num_tokens * dp_size
     if loss_agg_mode == "token-sum":
         return masked_sum(loss_mat, loss_mask) * dp_size
@@ -244,7 +250,7 @@ def agg_loss(
         if global_batch_size is None:
             if dp_size > 1:
                 raise ValueError(f"global_batch_size is required for {loss_agg_mode} when dp_size > 1")
-            global_batch_size = seq_mask.sum()
+            global_batch_size = _nonzero(seq_mask.sum())
         loss = masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size
         if loss_agg_mode == "seq-mean-token-sum-norm":
             loss = loss / (loss_scale_factor if loss_scale_factor is not None else loss_mask.shape[-1])
@@ -256,7 +262,7 @@ def agg_loss(
     if global_batch_size is None:
         if dp_size > 1:
             raise ValueError("global_batch_size is required for seq-mean-token-mean when dp_size > 1")
-        global_batch_size = seq_mask.sum()
+        global_batch_size = _nonzero(seq_mask.sum())
     return masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size
 
 
@@ -515,7 +521,7 @@ def compute_token_on_off_policy_loss(
             obj[sel] = torch.where(off_s, obj_off, obj[sel])
             dobj[sel] = torch.where(off_s, adv_s * df, dobj[sel])
 
-        ppo_kl = -kl_sum / n_valid.clamp(min=1)
+        ppo_kl = -kl_sum / _nonzero(n_valid)
         loss_mask = valid if all_max_clip is None else valid & (lp <= math.log(all_max_clip))
 
     # -J aggregated gives exactly the numbers agg_loss gives for the loss matrix -J (every mode is linear)
