@@ -54,9 +54,9 @@ from verl.utils.skip.skip_manager import SkipManager
 
 from mix_src import adv_estimators  # noqa: F401  (registers grpo_split with verl)
 from mix_src.core_alg import apply_prefix_advantage_weights, compute_grpo_outcome_advantage_split
-from mix_src.filter_groups import filter_group_stats, group_keep_mask
+from mix_src.filter_groups import filter_groups, plan_train_batch
 from mix_src.mix_config import MixConfig
-from mix_src.prefix import draw_prefix_ratios
+from mix_src.prefix import compute_prefix_ratios
 
 MIX_STATE_FILE = "mix_state.pt"
 
@@ -168,7 +168,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             n_groups = _num_groups(self._carry)
             metrics["train/num_carried_prompts"] = n_groups
             self._carry = None
-        stats = {"generated": 0, "kept": 0}
+        stats = {"groups": 0, "kept": 0, "std_sum": 0.0}
         generated: list[DataProto] = []
         num_gen = 0
         while (not filtering and num_gen == 0) or (filtering and n_groups < target_groups):
@@ -176,7 +176,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
                 raise FilterGroupsExhausted(
                     f"filter groups: after {num_gen} generation batches (algorithm.filter_groups.max_num_gen_batches="
                     f"{max_gen}) only {n_groups} of data.train_batch_size={target_groups} prompt groups had a non-zero "
-                    f"std of '{self.filter_cfg.metric}' ({stats['generated'] - stats['kept']} of {stats['generated']} "
+                    f"std of '{self.filter_cfg.metric}' ({stats['groups'] - stats['kept']} of {stats['groups']} "
                     "groups dropped). Raise algorithm.filter_groups.max_num_gen_batches (0 = no limit), lower "
                     "data.train_batch_size, or use prompts of a difficulty where some but not all samples succeed."
                 )
@@ -194,10 +194,11 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             gen = self._extract_reward(gen)  # stage 2
             generated.append(gen)
             if filtering:  # stage 3
-                keep = self._keep_groups(gen)
-                stats["generated"] += _num_groups(gen)
-                gen = gen[np.flatnonzero(keep)] if not keep.all() else gen
-                stats["kept"] += _num_groups(gen) if len(gen) else 0
+                result = self._filter_groups(gen)
+                stats["groups"] += result.num_groups
+                stats["kept"] += result.num_kept
+                stats["std_sum"] += result.mean_std * result.num_groups
+                gen = gen[np.flatnonzero(result.keep_rows)] if result.num_filtered else gen
             if len(gen):
                 pool.append(gen)
                 n_groups += _num_groups(gen)
@@ -205,10 +206,16 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         self._add_rollout_metrics(DataProto.concat(generated), metrics)
         batch = DataProto.concat(pool)
         if filtering:
-            batch = self._take_groups(batch, target_groups, metrics)
+            plan = plan_train_batch(batch.non_tensor_batch["uid"], target_groups, self.mix.filter_groups.carry_over)
+            if len(plan.carry_rows):
+                self._carry = batch[plan.carry_rows]
+            batch = batch[plan.train_rows] if len(plan.train_rows) < len(batch) else batch
             metrics["train/num_gen_batches"] = num_gen
-            metrics["train/filter_rate"] = 1.0 - stats["kept"] / max(stats["generated"], 1)
+            metrics["train/filter_rate"] = 1.0 - stats["kept"] / max(stats["groups"], 1)
             metrics["train/num_kept_prompts"] = _num_groups(batch)
+            metrics["train/group_metric_std_mean"] = stats["std_sum"] / max(stats["groups"], 1)
+            metrics["train/num_surplus_carried"] = plan.num_groups - target_groups - plan.num_dropped_groups
+            metrics["train/num_surplus_dropped"] = plan.num_dropped_groups
         return batch
 
     def _generate(self, batch_dict: dict, gen_index: int, timing: dict) -> DataProto:
@@ -234,30 +241,28 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         return batch
 
     def _prefix_ratios(self, gen_batch: DataProto, gen_index: int) -> np.ndarray:
-        """One ratio per row (float64, rows ``i*n + j``); rows without a target get 0."""
-        rng = np.random.default_rng([self.prefix_seed, self.global_steps, gen_index])
-        n_prompts = len(gen_batch) // self.n
-        ratios = draw_prefix_ratios(
-            n_prompts=n_prompts,
-            n=self.n,
-            n_prefix=self.mix.n_prefix,
-            strategy=self.mix.prefix_strategy,
-            share_across_samples=self.mix.prefix_share_across_samples,
-            min_ratio=self.mix.min_prefix_ratio,
-            max_ratio=self.mix.max_prefix_ratio,
-            prefix_steps=self.mix.prefix_steps,
-            linear_max_ratio=self.mix.prefix_linear_max_ratio,
-            fix_ratios=self.mix.prefix_fix_ratios,
+        """One ratio per row (float64, rows ``i*n + j``), drawn from a generator seeded with
+        ``(seed, global_step, gen_index)`` so a resumed run draws the same; rows without a target get 0."""
+        mix = self.mix
+        ratios = compute_prefix_ratios(
+            len(gen_batch) // self.n,
+            self.n,
+            strategy=mix.prefix_strategy,
+            n_prefix=mix.n_prefix,
+            min_prefix_ratio=mix.min_prefix_ratio,
+            max_prefix_ratio=mix.max_prefix_ratio,
+            prefix_steps=mix.prefix_steps,
+            prefix_linear_max_ratio=mix.prefix_linear_max_ratio,
+            prefix_fix_ratios=mix.prefix_fix_ratios,
+            share_across_samples=mix.prefix_share_across_samples,
             global_step=self.global_steps,
-            rng=rng,
+            rng=np.random.default_rng([self.prefix_seed, self.global_steps, gen_index]),
         )
-        targets = gen_batch.non_tensor_batch.get("target")
-        if targets is not None:
-            has_target = np.array([isinstance(t, str) and len(t) > 0 for t in targets])
-            ratios = np.where(has_target, ratios, 0.0)
-        else:
-            ratios = np.zeros(len(gen_batch))
-        return np.asarray(ratios, dtype=np.float64)
+        targets = gen_batch.non_tensor_batch.get(mix.data.target_key)
+        has_target = np.zeros(len(gen_batch), dtype=bool) if targets is None else np.array(
+            [isinstance(t, str) and len(t) > 0 for t in targets]
+        )
+        return np.where(has_target, ratios, 0.0)
 
     def _extract_reward(self, batch: DataProto) -> DataProto:
         """Stage 2: the rule reward was computed in the agent loop (``rm_scores``); move it into place."""
@@ -280,29 +285,12 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             )
         return np.asarray(batch.non_tensor_batch[name], dtype=np.float64)
 
-    def _keep_groups(self, batch: DataProto) -> np.ndarray:
-        """Stage 3: rows of the prompt groups whose metric std is > 0 (or that have a single sample)."""
-        values = self._filter_metric(batch)
-        group_ids = _group_ids(batch.non_tensor_batch["uid"])
+    def _filter_groups(self, batch: DataProto):
+        """Stage 3: which prompt groups to keep (metric std > 0, or a single sample); see mix_src.filter_groups."""
         on_policy = None
         if self.mix.filter_groups.on_policy_only:
             on_policy = ~batch.batch["prefix_mask"].any(-1).numpy()
-        return group_keep_mask(group_ids, values, on_policy_mask=on_policy)
-
-    def _take_groups(self, batch: DataProto, n_groups: int, metrics: dict) -> DataProto:
-        """Exactly ``n_groups`` whole groups; the rest are carried to the next step or discarded (counted)."""
-        group_ids = _group_ids(batch.non_tensor_batch["uid"])
-        order = _first_occurrence_order(group_ids)
-        take = set(order[:n_groups].tolist())
-        rows_take = np.flatnonzero(np.isin(group_ids, list(take)))
-        rows_rest = np.flatnonzero(~np.isin(group_ids, list(take)))
-        surplus = len(order) - min(n_groups, len(order))
-        if surplus and self.mix.filter_groups.carry_over:
-            self._carry = batch[rows_rest]
-            metrics["train/num_surplus_carried"] = surplus
-        else:
-            metrics["train/num_surplus_discarded"] = surplus
-        return batch[rows_take] if len(rows_rest) else batch
+        return filter_groups(batch.non_tensor_batch["uid"], self._filter_metric(batch), row_mask=on_policy)
 
     # ------------------------------------------------------------------------------------------------
     # stage 4: old and reference log-probs
@@ -445,12 +433,6 @@ def _group_ids(uids: np.ndarray) -> np.ndarray:
 
 def _num_groups(batch: DataProto) -> int:
     return len(set(batch.non_tensor_batch["uid"].tolist()))
-
-
-def _first_occurrence_order(group_ids: np.ndarray) -> np.ndarray:
-    """Group ids in the order they first appear (keeps generation order when taking groups)."""
-    _, first = np.unique(group_ids, return_index=True)
-    return group_ids[np.sort(first)]
 
 
 def _solved(batch: DataProto) -> np.ndarray:
