@@ -1,0 +1,59 @@
+"""Symbolic grading with math-verify. These functions run **inside grading worker processes**
+(:mod:`mix_src.rewards.pool`), which enforce the deadline by killing the process; math-verify's own
+SIGALRM timeouts are therefore switched off (``parsing_timeout=None``, ``timeout_seconds=None``): they
+only work in a main thread and cannot interrupt long C-level computations such as ``9^{9^{9^9}}``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+
+def _quiet() -> None:
+    # With the timeouts off, math-verify warns once per process that "you must provide the logic for
+    # timeout interruption yourself" -- the pool does exactly that.
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(ground_truth: str):
+    """Parse a ground truth the way LUFFY does (``parse("$" + gt + "$")``); a ground truth that already
+    contains ``$`` or ``\\boxed`` is parsed as it is."""
+    from math_verify import parse
+
+    text = ground_truth.strip()
+    wrapped = text if ("$" in text or "\\boxed" in text) else f"${text}$"
+    gold = parse(wrapped, parsing_timeout=None)
+    if not gold and wrapped != text:
+        gold = parse(text, parsing_timeout=None)
+    return gold
+
+
+@functools.lru_cache(maxsize=1)
+def _pred_config():
+    # The last \boxed{} takes precedence over "the final answer is ..." phrases (math-verify's default
+    # ranks boxed after them; Open-R1 uses priority 0 too). The in-process shortcuts in
+    # math_verify_reward look at the last \boxed{} only, so both paths agree on what the answer is.
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig
+
+    return (LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig())
+
+
+def grade_math(answer: str, ground_truth: str) -> bool:
+    """True when math-verify finds the answer equivalent to the ground truth."""
+    from math_verify import parse, verify
+
+    gold = _parse_gold(ground_truth)
+    if not gold:
+        return False
+    pred = parse(answer, extraction_config=_pred_config(), parsing_timeout=None)
+    if not pred:
+        return False
+    return bool(verify(gold, pred, timeout_seconds=None))
+
+
+def warmup() -> None:
+    """Import math-verify and run one comparison, so that forked workers start with warm caches."""
+    _quiet()
+    grade_math("so \\boxed{\\frac{1}{2}}", "0.5")
