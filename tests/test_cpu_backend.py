@@ -39,18 +39,24 @@ def reference_logprobs(model, prompt, tokens, temperature):
 
 
 def test_tiny_assets_tokenizer_contract(tiny_assets, tiny):
-    """Assets contract other engineers rely on: "\\n" is one token and targets round-trip exactly."""
+    """Assets contract other engineers rely on: "\\n" is one token, targets round-trip exactly and
+    our reward grades every decoded target (plus EOS) correct."""
     import pandas as pd
+
+    from mix_src.rewards.math_verify_reward import compute_score
 
     _, tok, prompt = tiny
     assert len(tok.encode("\n", add_special_tokens=False)) == 1
     assert tok.eos_token == "<|im_end|>" and tok.pad_token_id is not None and prompt[-1] == tok.encode("\n")[0]
     df = pd.read_parquet(tiny_assets["train"])
     assert {"data_source", "prompt", "ability", "reward_model", "extra_info", "target"} <= set(df.columns)
-    for target, rm in zip(df["target"], df["reward_model"]):
+    for target, rm in zip(df["target"], df["reward_model"], strict=True):
         text = target[0]["content"]
         assert target[0]["role"] == "assistant" and text.endswith("\\boxed{%s}" % rm["ground_truth"])
-        assert tok.decode(tok.encode(text, add_special_tokens=False), skip_special_tokens=True) == text
+        ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+        decoded = tok.decode(ids, skip_special_tokens=True)
+        assert decoded == text
+        assert compute_score("tiny_arith", decoded, rm["ground_truth"], {})["score"] == 1.0
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
