@@ -92,7 +92,9 @@ class RunResult:
     log_path: Path
     metrics: list[dict] = field(default_factory=list)  # one dict per logged step, with "step"
     wall_s: float = 0.0
-    peak_rss_mb: float = 0.0  # peak of the summed RSS of the job's whole process tree
+    peak_rss_mb: float = 0.0  # peak of the summed RSS of the job's whole process tree (shared pages counted
+    # once per process, so an upper bound)
+    killed: list[str] = field(default_factory=list)  # "pid name" of job processes still alive at the end
 
     def series(self, key: str) -> list:
         """Values of ``key`` across steps (steps that did not log it are skipped)."""
@@ -129,17 +131,22 @@ def _tree(root: psutil.Process) -> list[psutil.Process]:
         return []
 
 
-def _kill(procs: dict[int, psutil.Process]) -> None:
-    """SIGKILL the given processes (by pid, only those recorded from this job's tree) and reap them."""
-    alive = []
+def _kill(procs: dict[int, psutil.Process]) -> list[str]:
+    """SIGKILL the given processes (by pid, only those recorded from this job's tree) and reap them.
+
+    Returns ``"pid name"`` of each process that was still alive.
+    """
+    alive, names = [], []
     for p in procs.values():
         try:
-            if p.is_running():
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                names.append(f"{p.pid} {p.name()}")
                 p.kill()
                 alive.append(p)
         except psutil.Error:
             pass
     psutil.wait_procs(alive, timeout=10)
+    return names
 
 
 def cpu_env(extra: Optional[dict] = None) -> dict:
@@ -190,6 +197,7 @@ def run_verl(
     run_env = cpu_env({"VERL_FILE_LOGGER_PATH": str(metrics_path), **(env or {})})
 
     seen: dict[int, psutil.Process] = {}
+    killed: list[str] = []
     peak_rss = 0
     timed_out = False
     start = time.monotonic()
@@ -221,7 +229,7 @@ def run_verl(
                 except ProcessLookupError:
                     pass
             proc.wait()
-            _kill(seen)  # Ray daemons and workers of this job that are still alive
+            killed = _kill(seen)  # Ray daemons and workers of this job that are still alive
     wall = time.monotonic() - start
 
     result = RunResult(
@@ -231,6 +239,7 @@ def run_verl(
         metrics=read_metrics(metrics_path),
         wall_s=wall,
         peak_rss_mb=peak_rss / 2**20,
+        killed=killed,
     )
     if timed_out:
         pytest.fail(

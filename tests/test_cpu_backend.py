@@ -166,6 +166,7 @@ def test_server_batches_requests_and_loads_pushed_weights(tiny_assets, tiny):
         return await asyncio.gather(*[server.generate(prompt, dict(p), f"r{i}") for i, p in enumerate(params_list)])
 
     outs = asyncio.run(ask([greedy] * 3 + [{**greedy, "max_tokens": 4}, {"temperature": 1.0}]))
+    assert server.get_stats() == {"requests": 5, "batches": 1}  # concurrent requests share one batch
     assert [len(o.token_ids) for o in outs[:4]] == [16, 16, 16, 4]  # default max_tokens = response_length
     assert outs[0].token_ids == outs[1].token_ids and outs[4].log_probs is None
     assert outs[0].extra_fields == {"global_steps": None} and outs[0].stop_reason == "completed"
@@ -221,7 +222,8 @@ def test_stock_verl_main_ppo_grpo_two_steps(tiny_assets, tmp_path):
         "actor_rollout_ref.actor.calculate_entropy=true",
     ]
     result = run_verl("verl.trainer.main_ppo", overrides, tmp_path, timeout=420)
-    print(f"wall {result.wall_s:.1f}s, peak RSS of the job's process tree {result.peak_rss_mb:.0f} MiB")
+    print(f"wall {result.wall_s:.1f}s, peak RSS of the job's process tree {result.peak_rss_mb:.0f} MiB, "
+          f"killed after exit: {result.killed}")
 
     log = result.log_path.read_text(errors="replace")
     assert "mix_src.cpu: CPU backend active" in log and "hf rollout server 0 ready" in log
@@ -234,3 +236,28 @@ def test_stock_verl_main_ppo_grpo_two_steps(tiny_assets, tmp_path):
         # fp32 on both sides: measured ~1e-8; with the weight push disabled step 2 measured 5.8e-3.
         assert m["training/rollout_probs_diff_max"] < 1e-4
     assert result.metrics[0]["actor/grad_norm"] > 0  # so step 2 samples from updated, pushed weights
+
+
+def test_run_verl_fails_clearly_and_leaves_nothing_running(tmp_path):
+    """A hanging job is killed at the timeout with its whole process tree; a crashing job fails the
+    test with the log tail (the helper's contract for every e2e test)."""
+    import psutil
+
+    (tmp_path / "hang_job.py").write_text(
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "print('child', child.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    (tmp_path / "crash_job.py").write_text("print('about to fail'); raise SystemExit('boom: bad config')\n")
+    env = {"PYTHONPATH": str(tmp_path)}
+
+    with pytest.raises(pytest.fail.Exception, match="timed out after 3s"):
+        run_verl("hang_job", [], tmp_path, timeout=3, env=env, name="hang")
+    child = int((tmp_path / "hang.log").read_text().split("child ")[1].split()[0])
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)exited with 1.*about to fail.*boom: bad config"):
+        run_verl("crash_job", ["x=1"], tmp_path, timeout=60, env=env, name="crash")
+    result = run_verl("crash_job", [], tmp_path, timeout=60, env=env, name="crash", check=False)
+    assert result.returncode == 1 and result.metrics == [] and "boom" in result.log_tail()

@@ -86,6 +86,7 @@ class HFRolloutServer:
         self.max_batch = max(1, int(self.config.max_num_seqs))
         self.generator = torch.Generator().manual_seed(int(self.config.seed) + replica_rank)
 
+        self.stats = {"requests": 0, "batches": 0}  # decoding batches run, requests served
         self._pending: list[tuple[list[int], SamplingSpec, asyncio.Future]] = []
         self._worker: Optional[asyncio.Task] = None
         self._model_lock: Optional[asyncio.Lock] = None
@@ -100,6 +101,9 @@ class HFRolloutServer:
 
     def ready(self) -> bool:
         return True
+
+    def get_stats(self) -> dict:
+        return dict(self.stats)
 
     # ------------------------------------------------------------------ generation
     def _default_max_tokens(self, prompt_len: int) -> int:
@@ -167,6 +171,8 @@ class HFRolloutServer:
                     if not f.done():
                         f.set_exception(e)
                 continue
+            self.stats["batches"] += 1
+            self.stats["requests"] += len(futures)
             for f, r in zip(futures, results, strict=True):
                 if not f.done():
                     f.set_result(r)
