@@ -1,4 +1,5 @@
-"""Entry point: ``python -m mix_src.main_mix_ppo key=value ...`` (Hydra; config ``mix_src/config/mix_ppo_trainer.yaml``).
+"""Entry point: ``python -m mix_src.main_mix_ppo key=value ...`` (Hydra; config ``mix_src/config/mix_ppo_trainer.yaml``,
+composed through the primary ``mix_ppo.yaml``; a recipe passes ``--config-path recipes/NAME --config-name config``).
 
 On the driver, before Ray starts: validate the ``mix:`` section and its ties to verl's keys, point verl
 at our agent loop and dataset class, check that the data and model paths exist, then run verl's own
@@ -138,7 +139,7 @@ def run_mix_ppo(config: DictConfig) -> None:
     run_ppo(config, task_runner_class=ray.remote(num_cpus=1)(MixTaskRunner))
 
 
-@hydra.main(config_path="config", config_name="mix_ppo_trainer", version_base=None)
+@hydra.main(config_path="config", config_name="mix_ppo", version_base=None)
 def main(config: DictConfig) -> None:
     run_mix_ppo(config)
 

@@ -8,7 +8,7 @@ from mix_src.mix_config import MixConfigError, mix_config_from_dict, validate_mi
 
 def compose_mix(*overrides):
     with initialize_config_module(config_module="mix_src.config", version_base=None):
-        return compose(config_name="mix_ppo_trainer", overrides=list(overrides))
+        return compose(config_name="mix_ppo", overrides=list(overrides))
 
 
 def test_packaged_defaults_validate():
