@@ -165,13 +165,16 @@ class _Pending:
 
     answer: str
     ground_truth: str
+    format_ok: bool
 
 
-def _result(cfg: RewardConfig, correct: bool, format_ok: bool = True) -> dict:
-    if not format_ok:
-        return {"score": float(cfg.format_error_score), "acc": False, "format_ok": False}
+def _result(cfg: RewardConfig, correct: bool, format_ok: bool) -> dict:
     return {"score": float(cfg.correct_score if correct else cfg.wrong_score), "acc": bool(correct),
-            "format_ok": True}
+            "format_ok": bool(format_ok)}
+
+
+def _format_error(cfg: RewardConfig) -> dict:
+    return {"score": float(cfg.format_error_score), "acc": False, "format_ok": False}
 
 
 def _prepare(data_source, solution_str, ground_truth, extra_info, cfg: RewardConfig) -> dict | _Pending:
@@ -183,10 +186,10 @@ def _prepare(data_source, solution_str, ground_truth, extra_info, cfg: RewardCon
     answer, format_ok = answers.split_response(solution_str, cfg.starts_in_think)
     if answer is None:
         if cfg.require_think:
-            return _result(cfg, False, format_ok=False)
-        answer = solution_str
+            return _format_error(cfg)
+        answer = solution_str  # graded anyway; format_ok still says the think block is missing
     if cfg.require_boxed and answers.last_boxed(answer) is None:
-        return _result(cfg, False, format_ok=False)
+        return _format_error(cfg)
     kind = answer_type_for(data_source, extra_info, cfg)
 
     if kind == "multiple_choice":
@@ -195,26 +198,26 @@ def _prepare(data_source, solution_str, ground_truth, extra_info, cfg: RewardCon
             raise ValueError(f"compute_score: multiple-choice ground truth must be a letter such as 'B', got "
                              f"{gt!r} (data_source {data_source!r}); fix reward_model.ground_truth or set "
                              "extra_info.answer_type")
-        return _result(cfg, answers.extract_choice(answer) == gold)
+        return _result(cfg, answers.extract_choice(answer) == gold, format_ok)
 
     if kind == "numeric":
         gold_value = answers.parse_number(gt)
         candidate = answers.extract_number(answer)
         if candidate is None:
-            return _result(cfg, False)
+            return _result(cfg, False, format_ok)
         value = answers.parse_number(candidate)
         if gold_value is not None and value is not None:
-            return _result(cfg, answers.numbers_equal(value, gold_value))
+            return _result(cfg, answers.numbers_equal(value, gold_value), format_ok)
         # not plain numbers (e.g. \frac{7}{2}): fall through to math-verify
 
     boxed = answers.last_boxed(answer)
     if boxed is not None:
         if answers.normalize_latex(boxed) == answers.normalize_latex(gt) != "":
-            return _result(cfg, True)  # exact match: no need for a worker
+            return _result(cfg, True, format_ok)  # exact match: no need for a worker
         gold_int, boxed_int = answers.plain_int(gt), answers.plain_int(boxed)
         if gold_int is not None and boxed_int is not None:
-            return _result(cfg, gold_int == boxed_int)  # two integers: math-verify compares them exactly too
-    return _Pending(answer, gt)
+            return _result(cfg, gold_int == boxed_int, format_ok)  # two integers: math-verify compares them exactly too
+    return _Pending(answer, gt, format_ok)
 
 
 def _ground_truth_text(ground_truth: Any, data_source) -> str:
@@ -230,7 +233,7 @@ def _ground_truth_text(ground_truth: Any, data_source) -> str:
 
 def _finish(cfg: RewardConfig, job: _Pending, outcome: Outcome) -> dict:
     if outcome.status == "ok":
-        return _result(cfg, bool(outcome.value))
+        return _result(cfg, bool(outcome.value), job.format_ok)
     snippet = job.answer[:120].replace("\n", " ")
     if outcome.status == "timeout":
         logger.warning("math-verify timed out after %.1fs (scored as wrong): answer %r... (%d chars), "
@@ -238,7 +241,7 @@ def _finish(cfg: RewardConfig, job: _Pending, outcome: Outcome) -> dict:
     else:
         logger.warning("math-verify %s (scored as wrong): %s; answer %r...", outcome.status, outcome.error,
                        snippet)
-    return _result(cfg, False)
+    return _result(cfg, False, job.format_ok)
 
 
 def _pool(cfg: RewardConfig) -> GradingPool:

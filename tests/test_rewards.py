@@ -1,0 +1,282 @@
+"""mix_src.rewards: scores, formats, LaTeX equivalences, multiple choice, numbers, the hard timeout, the
+thread-safety verl needs, verl's own loader and naive reward manager, and the grading pool itself."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from mix_src.rewards import compute_score, compute_score_batch, grading_stats, make_config
+from mix_src.rewards import answers
+from mix_src.rewards.pool import GradingPool
+
+T = "<think>\nLet me work it out.\n</think>\n\n"  # a well-formed thinking part
+V1 = {"correct_score": 1.0, "wrong_score": -0.5, "format_error_score": -1.0}  # LUFFY's reward v1
+
+
+def score(response, gt, data_source="math", extra_info=None, **kw):
+    return compute_score(data_source, response, gt, extra_info, **kw)
+
+
+# ------------------------------------------------------------------------------ correct / wrong / format
+def test_correct_wrong_and_configurable_scores():
+    assert score(T + "The answer is \\boxed{42}.", "42") == {"score": 1.0, "acc": True, "format_ok": True}
+    assert score(T + "The answer is \\boxed{41}.", "42") == {"score": 0.0, "acc": False, "format_ok": True}
+    assert score(T + "\\boxed{42}", "42", **V1)["score"] == 1.0
+    assert score(T + "\\boxed{41}", "42", **V1) == {"score": -0.5, "acc": False, "format_ok": True}
+    assert score(T + "I do not know.", "42", **V1) == {"score": -0.5, "acc": False, "format_ok": True}
+    # an answer inside the thinking part does not count; the text after the LAST </think> is graded
+    assert score("<think>\\boxed{42}</think> so \\boxed{7}", "42")["acc"] is False
+    assert score("<think>a</think> draft \\boxed{7} </think> final \\boxed{42}", "42")["acc"] is True
+
+
+def test_format_errors():
+    no_close = "<think>\nthinking... \\boxed{42}"
+    assert score(no_close, "42", **V1) == {"score": -1.0, "acc": False, "format_ok": False}
+    assert score(no_close, "42") == {"score": 0.0, "acc": False, "format_ok": False}
+    # default starts_in_think=True: the prompt ended with <think>, so only </think> is needed (LUFFY v3)
+    assert score("reasoning </think> \\boxed{42}", "42")["acc"] is True
+    # starts_in_think=False: a <think> must come before </think>
+    assert score("reasoning </think> \\boxed{42}", "42", starts_in_think=False)["format_ok"] is False
+    assert score("<think>r</think> \\boxed{42}", "42", starts_in_think=False)["acc"] is True
+    assert score("</think> x <think> \\boxed{42}", "42", starts_in_think=False)["format_ok"] is False
+    # require_think=False grades the whole response (LUFFY v4), format_ok still reports the tags
+    assert score("plain \\boxed{42}", "42", require_think=False) == {"score": 1.0, "acc": True, "format_ok": False}
+    # require_boxed (LUFFY v1): an answer without \boxed{} is a format error
+    assert score(T + "The answer is 42.", "42", require_boxed=True, **V1)["score"] == -1.0
+    assert score(T + "The answer is 42.", "42")["acc"] is True  # math-verify finds the bare number
+
+
+# ------------------------------------------------------------------------------------ LaTeX equivalence
+@pytest.mark.parametrize(
+    "answer, gt, expected",
+    [
+        ("\\boxed{0.5}", "\\frac{1}{2}", True),
+        ("\\boxed{\\frac{1}{2}}", "0.5", True),
+        ("\\boxed{\\dfrac12}", "\\frac{1}{2}", True),
+        ("\\boxed{1/2}", "\\frac{1}{2}", True),
+        ("\\boxed{\\frac{1}{3}}", "0.5", False),
+        ("$\\boxed{2\\sqrt{3}}$", "\\sqrt{12}", True),
+        ("\\boxed{\\boxed{7}}", "7", True),
+        ("\\fbox{7}", "7", True),
+        ("The final answer is $\\frac{3}{4}$.", "0.75", True),
+        ("\\boxed{(x+1)^2}", "x^2+2x+1", True),
+        ("\\boxed{\\{3, 2, 1\\}}", "\\{1,2,3\\}", True),
+        ("\\boxed{\\{1, 2\\}}", "\\{1,2,3\\}", False),
+        ("$x \\in (1, 2]$", "(1,2]", True),
+        ("\\boxed{(1,2]}", "(1,2]", True),
+        ("\\boxed{[1,2]}", "(1,2]", False),
+        ("\\boxed{(-\\infty, 3) \\cup (5, \\infty)}", "(-\\infty,3)\\cup(5,\\infty)", True),
+        ("\\boxed{007}", "7", True),  # two integers: decided in-process
+        ("\\boxed{1000001}", "1000000", False),
+    ],
+)
+def test_latex_equivalences(answer, gt, expected):
+    result = score(T + answer, gt)
+    assert result["acc"] is expected, (answer, gt, result)
+    assert result["score"] == (1.0 if expected else 0.0)
+
+
+def test_ground_truth_forms_and_errors():
+    assert score(T + "\\boxed{5}", "\\boxed{5}")["acc"] is True  # a boxed ground truth
+    assert score(T + "\\boxed{5}", "$5$")["acc"] is True
+    assert score(T + "\\boxed{5}", 5)["acc"] is True  # numbers from parquet
+    with pytest.raises(ValueError, match="ground_truth must be a non-empty string"):
+        score(T + "\\boxed{5}", "  ")
+    with pytest.raises(TypeError, match="solution_str must be a str"):
+        compute_score("math", None, "5")
+
+
+# --------------------------------------------------------------------------- multiple choice / numeric
+@pytest.mark.parametrize(
+    "answer, expected",
+    [("\\boxed{B}", "B"), ("\\boxed{(B)}", "B"), ("\\boxed{\\text{B}}", "B"), ("\\boxed{B. 42 m}", "B"),
+     ("The answer is (C).", "C"), ("Answer: D", "D"), ("Final answer: option A", "A"), ("(A)", "A"),
+     ("B", "B"), ("\\boxed{Bob}", None), ("the answer is a cat", None), ("I cannot tell.", None)],
+)
+def test_extract_choice(answer, expected):
+    assert answers.extract_choice(answer) == expected
+
+
+def test_multiple_choice_routing():
+    for ds in ("arc_c", "allenai/ai2_arc", "ARC-Challenge", "gpqa_diamond", "Idavidrein/gpqa", "mmlu_pro"):
+        assert score(T + "The answer is (C).", "C", ds)["acc"] is True, ds
+        assert score(T + "\\boxed{A}", "C", ds)["acc"] is False, ds
+    assert score(T + "\\boxed{B}", "(B)", "gpqa")["acc"] is True  # ground truth "(B)" is fine too
+    # "archimedes" is not "arc": math grading, where B is a symbol that must equal the gold symbol
+    assert score(T + "\\boxed{3}", "3", "archimedes_math")["acc"] is True
+    # extra_info.answer_type overrides the data source, and the answer_type option does too
+    assert score(T + "\\boxed{C}", "C", "my_quiz", {"answer_type": "multiple_choice"})["acc"] is True
+    assert score(T + "Answer: C", "C", "my_quiz", answer_type="multiple_choice")["acc"] is True
+    with pytest.raises(ValueError, match="must be a letter"):
+        score(T + "\\boxed{C}", "42", "gpqa")
+    with pytest.raises(ValueError, match="extra_info.answer_type must be one of"):
+        score(T + "\\boxed{C}", "C", "x", {"answer_type": "letters"})
+
+
+def test_numeric_answers():
+    assert score(T + "So she has 1,234 apples.", "1234", "gsm8k")["acc"] is True
+    assert score(T + "So she has 1,235 apples.", "1234", "gsm8k")["acc"] is False
+    assert score(T + "The total is \\boxed{72}.", "72", "openai/gsm8k")["acc"] is True
+    assert score(T + "It costs $3.50.", "3.5", "gsm8k")["acc"] is True
+    assert score(T + "\\boxed{\\frac{7}{2}}", "3.5", "gsm8k")["acc"] is True  # not plain: math-verify
+    assert score(T + "no number here", "3", "gsm8k")["acc"] is False
+    assert score(T + "\\boxed{12}", "12", "x", {"answer_type": "numeric"})["acc"] is True
+    assert answers.parse_number("1,2") is None and answers.parse_number("1e400") is None
+    assert answers.numbers_equal(2.0**60, 2.0**60 + 1) is True  # beyond exact floats: tolerance
+    assert answers.numbers_equal(1234567.0, 1234568.0) is False  # integers compare exactly
+
+
+# ------------------------------------------------------------------------------ timeouts and robustness
+PATHOLOGICAL = {
+    "nested_latex_10k": "\\boxed{" + "\\left(" * 800 + "x" + "\\right)" * 800 + "}",
+    "frac_chain": "\\boxed{" + "\\frac{1}{" * 40 + "2" + "}" * 40 + "}",
+    "power_tower": "\\boxed{9^{9^{9^{9}}}}",
+}
+
+
+def test_pathological_inputs_score_zero_within_the_timeout():
+    assert len(PATHOLOGICAL["nested_latex_10k"]) > 10_000
+    timeout = 1.0
+    compute_score("math", T + "\\boxed{\\frac{1}{2}}", "0.5", timeout_s=timeout)  # pool started outside the clock
+    before = grading_stats().get("timeout", 0)
+    for name, answer in PATHOLOGICAL.items():
+        t0 = time.perf_counter()
+        result = compute_score("math", T + answer, "1", timeout_s=timeout, **V1)
+        elapsed = time.perf_counter() - t0
+        assert result == {"score": -0.5, "acc": False, "format_ok": True}, name  # wrong, not a format error
+        assert elapsed < timeout + 1.5, f"{name} took {elapsed:.2f}s with timeout_s={timeout}"
+    assert grading_stats()["timeout"] - before == len(PATHOLOGICAL)  # really stopped by the deadline
+    # the killed workers were replaced: normal grading goes on
+    assert compute_score("math", T + "\\boxed{0.25}", "\\frac14", timeout_s=timeout)["acc"] is True
+
+
+def test_cheap_paths_stay_cheap_on_huge_inputs():
+    huge = "<think>" + "{" * 50_000 + "\\boxed{" * 5_000 + "}" * 20_000  # no </think>
+    t0 = time.perf_counter()
+    assert compute_score("math", huge, "1")["format_ok"] is False
+    assert compute_score("gpqa", T + "answer " * 20_000 + "\\boxed{" * 1000, "A")["acc"] is False
+    assert compute_score("gsm8k", T + "1," * 50_000, "1")["acc"] is False
+    assert time.perf_counter() - t0 < 2.0
+
+
+def test_thread_safe_under_verl_style_executor():
+    """verl runs the reward in run_in_executor threads, where math-verify's SIGALRM timeouts raise."""
+    cases = [(T + "\\boxed{0.5}", "\\frac{1}{2}", True), (T + "\\boxed{\\frac{2}{3}}", "0.5", False),
+             (T + "$x \\in [0, 1)$", "[0,1)", True), (T + "\\boxed{\\sqrt{8}}", "2\\sqrt{2}", True)] * 4
+    with ThreadPoolExecutor(8) as ex:
+        results = list(ex.map(lambda c: compute_score("math", c[0], c[1]), cases))
+    assert [r["acc"] for r in results] == [c[2] for c in cases]
+
+
+def test_batch_matches_sequential_and_checks_lengths():
+    from mix_src.bench.rewards import make_items
+
+    items = make_items(40, seed=3, pathological_frac=0.0)
+    items.append({"data_source": "math", "response": "no think block \\boxed{1}", "ground_truth": "1"})
+    args = ([x["data_source"] for x in items], [x["response"] for x in items], [x["ground_truth"] for x in items])
+    batch = compute_score_batch(*args, **V1)
+    seq = [compute_score(d, r, g, **V1) for d, r, g in zip(*args)]
+    assert batch == seq
+    assert {r["score"] for r in batch} == {1.0, -0.5, -1.0}
+    with pytest.raises(ValueError, match="lengths differ"):
+        compute_score_batch(["math"], ["a", "b"], ["1"])
+
+
+def test_options_are_validated():
+    with pytest.raises(TypeError, match=r"unknown reward_kwargs \['wrong_scor'\]"):
+        score(T + "\\boxed{1}", "1", wrong_scor=-1)
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        make_config(timeout_s=0)
+    with pytest.raises(TypeError, match="require_think must be true or false"):
+        make_config(require_think="yes")
+    with pytest.raises(ValueError, match="answer_type must be one of"):
+        make_config(answer_type="mc")
+    # verl's own call-time extras are not options and are ignored
+    assert score(T + "\\boxed{1}", "1", reward_router_address=None)["acc"] is True
+
+
+# ------------------------------------------------------------------------------------------ verl wiring
+def test_verl_loader_and_naive_reward_manager(tmp_path):
+    """The exact path verl 0.9.1 takes: get_custom_reward_fn (pkg:// path + reward_kwargs) and the naive
+    reward manager, which decodes, calls us in an executor thread and copies our keys to reward_extra_info."""
+    import numpy as np
+    import torch
+    from omegaconf import OmegaConf
+    from verl import DataProto
+    from verl.experimental.reward_loop.reward_manager.naive import NaiveRewardManager
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+
+    from conftest import load_make_tiny_assets
+
+    tokenizer = load_make_tiny_assets().build_tokenizer(str(tmp_path / "tok"))
+    cfg = OmegaConf.create({"reward": {"custom_reward_function": {
+        "path": "pkg://mix_src.rewards.math_verify_reward", "name": "compute_score",
+        "reward_kwargs": {"wrong_score": -0.5, "format_error_score": -1.0}}}})
+    fn = get_custom_reward_fn(cfg)
+
+    def item(response: str, gt: str) -> DataProto:
+        ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        resp = torch.tensor([ids + [tokenizer.pad_token_id] * 3])
+        prompt = torch.tensor([[tokenizer.pad_token_id, 5, 6]])
+        mask = torch.cat([torch.tensor([[0, 1, 1]]), torch.tensor([[1] * len(ids) + [0] * 3])], dim=1)
+        return DataProto.from_dict(
+            tensors={"prompts": prompt, "responses": resp, "attention_mask": mask},
+            non_tensors={"data_source": np.array(["math"], dtype=object),
+                         "reward_model": np.array([{"style": "rule", "ground_truth": gt}], dtype=object),
+                         "extra_info": np.array([{"split": "test", "index": 0}], dtype=object)})
+
+    async def run():
+        manager = NaiveRewardManager(OmegaConf.create({}), tokenizer, fn)
+        return [await manager.run_single(item(r, g)) for r, g in
+                [("<think>1+1</think> \\boxed{0.5}", "\\frac{1}{2}"), ("<think>x</think> \\boxed{3}", "2"),
+                 ("no think \\boxed{2}", "2")]]
+
+    out = asyncio.run(run())
+    assert [o["reward_score"] for o in out] == [1.0, -0.5, -1.0]
+    assert [o["reward_extra_info"]["acc"] for o in out] == [True, False, False]
+    assert [o["reward_extra_info"]["format_ok"] for o in out] == [True, True, False]
+
+
+# ------------------------------------------------------------------------------------- the pool itself
+def test_pool_kills_overrunning_and_dead_workers():
+    pool = GradingPool(max_workers=2)  # no preload: a bare python zygote
+    try:
+        t0 = time.perf_counter()
+        out = pool.run(time.sleep, (30,), timeout_s=0.3)
+        assert out.status == "timeout" and time.perf_counter() - t0 < 2.0
+        assert pool.run(os._exit, (3,), timeout_s=5).status == "crashed"
+        err = pool.run(int, ("x",), timeout_s=5)
+        assert err.status == "error" and "ValueError" in err.error
+        assert pool.run(divmod, (7, 2), timeout_s=5).value == (3, 1)
+        outs = pool.map([(pow, (2, i)) for i in range(20)] + [(time.sleep, (30,))], timeout_s=0.5)
+        assert [o.value for o in outs[:20]] == [2**i for i in range(20)] and outs[20].status == "timeout"
+        assert pool.stats["timeout"] == 2 and pool.stats["crashed"] == 1 and pool.num_workers <= 2
+        with pytest.raises(ValueError, match="timeout_s must be > 0"):
+            pool.run(abs, (1,), timeout_s=0)
+    finally:
+        pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.run(abs, (1,))
+
+
+def test_pool_reports_a_zygote_that_cannot_start():
+    pool = GradingPool(max_workers=1, preload="no_such_module_for_mix_src:x", start_timeout_s=30)
+    try:
+        with pytest.raises(RuntimeError, match="did not start"):
+            pool.run(abs, (1,))
+    finally:
+        pool.close()
+
+
+def test_bench_smoke(capsys):
+    from mix_src.bench import rewards as bench
+
+    bench.main(["--n", "30", "--pathological", "0", "--timeout", "10"])
+    out = capsys.readouterr().out
+    assert "throughput ratio batch/sequential:" in out and "worst single-item latency:" in out
+    assert "identical results sequential vs batch: 30/30" in out
