@@ -605,4 +605,5 @@ class AdaptiveEntropyCoef:
         if self.max_coef is not None:
             with torch.no_grad():
                 self.log_alpha.clamp_(max=math.log(self.max_coef))
-        return {"alpha_loss": float(alpha_loss), "entropy_coeff": self.coef, "log_alpha": float(self.log_alpha)}
+        return {"alpha_loss": float(alpha_loss.detach()), "entropy_coeff": self.coef,
+                "log_alpha": float(self.log_alpha.detach())}
