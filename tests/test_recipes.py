@@ -332,11 +332,14 @@ def test_plot_metrics_cli_errors(tmp_path):
 # the demo, for real
 
 
-def _run_script(cmd: list[str], env: dict, log_path: Path, timeout: float) -> tuple[int, float]:
-    """Run ``cmd`` in its own session; kill its whole process tree (by pid) on timeout and afterwards."""
+def _run_script(cmd: list[str], env: dict, log_path: Path, timeout: float) -> tuple[int, float, float]:
+    """Run ``cmd`` in its own session like e2e.run_verl: on timeout and afterwards, kill its whole process
+    tree (by pid: the Ray cluster the job started included). Returns (returncode, wall s, peak RSS MB)."""
     import psutil
+    from e2e import _kill, _tree
 
     seen: dict[int, psutil.Process] = {}
+    peak_rss = 0
     start = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -344,36 +347,35 @@ def _run_script(cmd: list[str], env: dict, log_path: Path, timeout: float) -> tu
         root = psutil.Process(proc.pid)
         try:
             while proc.poll() is None and time.monotonic() - start < timeout:
-                try:
-                    for p in [root, *root.children(recursive=True)]:
-                        seen.setdefault(p.pid, p)
-                except psutil.Error:
-                    pass
+                rss = 0
+                for p in _tree(root):
+                    seen.setdefault(p.pid, p)
+                    try:
+                        rss += p.memory_info().rss
+                    except psutil.Error:
+                        pass
+                peak_rss = max(peak_rss, rss)
                 time.sleep(0.5)
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            alive = [p for p in seen.values() if p.is_running()]
-            for p in alive:
-                try:
-                    p.kill()
-                except psutil.Error:
-                    pass
-            psutil.wait_procs(alive, timeout=10)
-    return proc.returncode, time.monotonic() - start
+            _kill(seen)
+    return proc.returncode, time.monotonic() - start, peak_rss / 2**20
 
 
 @pytest.mark.ray
 def test_cpu_tiny_demo_trains_and_plots(tmp_path):
     """`make demo`: recipes/cpu_tiny/run.sh builds the assets, trains 8 MIX steps on CPU, writes the PNG."""
+    from e2e import cpu_env
+
     out = tmp_path / "cpu_tiny"
-    env = {**os.environ, "PYTHON": sys.executable, "OUTPUT_DIR": str(out), "PYTHONUNBUFFERED": "1"}
-    for key in ("RAY_ADDRESS", "MODEL_PATH", "TRAIN_FILES", "VAL_FILES", "VERL_FILE_LOGGER_PATH", "NGPUS"):
+    env = cpu_env({"PYTHON": sys.executable, "OUTPUT_DIR": str(out)})
+    for key in ("MODEL_PATH", "TOKENIZER_PATH", "TRAIN_FILES", "VAL_FILES", "VERL_FILE_LOGGER_PATH", "NGPUS"):
         env.pop(key, None)
     log = tmp_path / "demo.log"
     timeout = 600
-    rc, wall = _run_script(["bash", "recipes/cpu_tiny/run.sh"], env, log, timeout)
+    rc, wall, peak_mb = _run_script(["bash", "recipes/cpu_tiny/run.sh"], env, log, timeout)
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-60:])
     assert wall < timeout, f"cpu_tiny timed out after {timeout} s; log {log}:\n{tail}"
     assert rc == 0, f"cpu_tiny exited with {rc} after {wall:.0f} s; log {log}:\n{tail}"
@@ -389,4 +391,4 @@ def test_cpu_tiny_demo_trains_and_plots(tmp_path):
         assert rec["batch/avg_prefix_ratio"] == pytest.approx(0.25)  # 1 of 4 samples is the demonstration
         assert rec["batch/off_solved"] == 1.0  # demonstrations are correct solutions
         assert 0.0 < rec["actor/off_policy_prob"] < 1.0
-    print(f"cpu_tiny: {wall:.0f} s wall, log {log}")
+    print(f"cpu_tiny: {wall:.0f} s wall, peak RSS {peak_mb:.0f} MB, log {log}")
