@@ -1,0 +1,282 @@
+"""Evaluation benchmarks from local files -> one validation parquet, ``data_source`` = benchmark name.
+
+Benchmarks (``--input NAME=PATH``, any subset, each once)::
+
+    aime24 aime25 amc math500 minerva olympiad_bench     math: ground truth = the final answer
+    arc_c gpqa_diamond                                   multiple choice: ground truth = a letter
+
+Accepted row formats (auto-detected per file; override columns with ``--field NAME.problem=COL`` and
+``--field NAME.answer=COL``):
+
+* math: a problem column (``problem`` / ``question`` / ``Question``) and an answer column (``answer`` /
+  ``final_answer`` (a list is joined with ", ") / ``expected_answer``), or only a ``solution`` whose last
+  ``\\boxed{}`` is the answer (MATH-style files);
+* ARC: ``question``, ``choices`` = {``text``: [...], ``label``: [...]}, ``answerKey`` (numeric labels
+  1-5 become A-E);
+* GPQA: ``Question``, ``Correct Answer``, ``Incorrect Answer 1..3``; the four options are shuffled with
+  a seeded RNG per row (``--seed``), so the letter of the correct one is reproducible;
+* generic multiple choice: ``question``, ``choices``/``options`` (list of str), ``answer`` (a letter or a
+  0-based index);
+* rows already in our schema (``prompt`` + ``reward_model``, e.g. LUFFY's ``valid.*.parquet``) are kept
+  as they are.
+
+Prompts match training (``scripts/data/prepare_openr1.py``): LUFFY's system prompt + the problem
+(``--no-system-prompt``: one user message with a ``\\boxed{}`` instruction). ``extra_info`` holds
+``split``, ``index`` (row in the output), ``benchmark_index`` (row in the benchmark file), ``repeat`` and
+``answer_type`` (read by the reward). ``--repeat 8`` or ``--repeat aime24=32`` repeats rows for avg@k.
+
+Usage::
+
+    python scripts/data/prepare_eval.py --output data/valid.parquet \\
+        --input aime24=raw/aime24.jsonl --input amc=raw/amc.parquet --input math500=raw/math500.jsonl \\
+        --input gpqa_diamond=raw/gpqa_diamond.csv.parquet --repeat aime24=32 --repeat amc=32
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import sys
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from prepare_openr1 import SYSTEM_PROMPT, USER_INSTRUCTION, load_table, make_prompt  # noqa: E402
+
+from mix_src.rewards.answers import last_boxed  # noqa: E402
+
+MATH = ("aime24", "aime25", "amc", "math500", "minerva", "olympiad_bench")
+MULTIPLE_CHOICE = ("arc_c", "gpqa_diamond")
+BENCHMARKS = MATH + MULTIPLE_CHOICE
+LETTERS = "ABCDEFGHIJ"
+MC_INSTRUCTION = "Answer with the letter of the correct option in \\boxed{}, e.g. \\boxed{A}."
+
+PROBLEM_KEYS = ("problem", "question", "Question")
+ANSWER_KEYS = ("answer", "final_answer", "expected_answer", "Answer")
+
+
+def _first_present(row_keys, keys):
+    return next((k for k in keys if k in row_keys), None)
+
+
+def _answer_text(value) -> str | None:
+    """Normalise a final answer: lists are joined, 142.0 -> "142", surrounding $ removed."""
+    if value is None:
+        return None
+    if isinstance(value, float):
+        if math.isnan(value):
+            return None
+        value = str(int(value)) if value.is_integer() else repr(value)
+    if not isinstance(value, str) and hasattr(value, "__len__"):
+        parts = [_answer_text(v) for v in list(value)]
+        parts = [p for p in parts if p]
+        return ", ".join(parts) if parts else None
+    text = str(value).strip()
+    if text.startswith("$") and text.endswith("$") and len(text) > 1:
+        text = text.strip("$").strip()
+    return text or None
+
+
+def _mc_prompt(question: str, options: list[str]) -> str:
+    lines = [question.strip(), ""] + [f"{LETTERS[i]}. {str(o).strip()}" for i, o in enumerate(options)]
+    return "\n".join(lines + ["", MC_INSTRUCTION])
+
+
+class Converter:
+    """Turns one benchmark file into rows; counts what it drops."""
+
+    def __init__(self, name: str, path: str, fields: dict[str, str], seed: int, system_prompt: str | None):
+        self.name, self.path, self.fields, self.seed, self.system_prompt = name, path, fields, seed, system_prompt
+        self.drops: dict[str, int] = {}
+
+    def drop(self, reason: str) -> None:
+        self.drops[reason] = self.drops.get(reason, 0) + 1
+
+    def rows(self, df) -> list[tuple[int, dict]]:
+        cols = set(df.columns)
+        where = f"{self.name}={self.path}"
+        if {"prompt", "reward_model"} <= cols:  # already in our schema
+            return [(i, self.passthrough(r)) for i, r in enumerate(df.to_dict("records"))]
+        problem_key = self.fields.get("problem") or _first_present(cols, PROBLEM_KEYS)
+        if problem_key is None or problem_key not in cols:
+            raise SystemExit(f"error: {where}: no problem column (looked for {self.fields.get('problem') or list(PROBLEM_KEYS)}); "
+                             f"columns are {sorted(cols)}. Pass --field {self.name}.problem=COLUMN")
+        out = []
+        for i, r in enumerate(df.to_dict("records")):
+            problem = r.get(problem_key)
+            if not isinstance(problem, str) or not problem.strip():
+                self.drop(f"empty {problem_key}")
+                continue
+            made = self.multiple_choice(r, problem, cols, where) if self.name in MULTIPLE_CHOICE \
+                else self.math(r, problem, cols, where)
+            if made is not None:
+                out.append((i, made))
+        return out
+
+    def passthrough(self, r: dict) -> dict:
+        gt = (r.get("reward_model") or {}).get("ground_truth")
+        return {"prompt": list(r["prompt"]), "ground_truth": _answer_text(gt), "extra": r.get("extra_info")}
+
+    def math(self, r, problem, cols, where) -> dict | None:
+        key = self.fields.get("answer") or _first_present(cols, ANSWER_KEYS)
+        if key is not None and key not in cols:
+            raise SystemExit(f"error: {where}: no column {key!r}; columns are {sorted(cols)}")
+        if key is not None:
+            answer = _answer_text(r.get(key))
+        elif "solution" in cols:
+            boxed = last_boxed(str(r.get("solution") or ""))
+            answer = _answer_text(boxed)
+            key = "solution"
+        else:
+            raise SystemExit(f"error: {where}: no answer column (looked for {list(ANSWER_KEYS)} or a 'solution' with "
+                             f"\\boxed{{}}); columns are {sorted(cols)}. Pass --field {self.name}.answer=COLUMN")
+        if answer is None:
+            self.drop(f"no answer in {key}")
+            return None
+        return {"prompt": make_prompt(problem.strip(), self.system_prompt), "ground_truth": answer}
+
+    def multiple_choice(self, r, question, cols, where) -> dict | None:
+        if "Correct Answer" in cols:  # GPQA
+            wrong = [r.get(f"Incorrect Answer {k}") for k in (1, 2, 3)]
+            options = [r.get("Correct Answer"), *wrong]
+            if any(not isinstance(o, str) or not o.strip() for o in options):
+                self.drop("missing option text")
+                return None
+            order = list(range(4))
+            random.Random(f"{self.seed}:{self.name}:{question}").shuffle(order)
+            options = [options[k] for k in order]
+            letter = LETTERS[order.index(0)]
+        elif "choices" in cols and isinstance(r.get("choices"), dict):  # ARC
+            texts, labels = list(r["choices"].get("text", [])), [str(x) for x in r["choices"].get("label", [])]
+            key = str(r.get(self.fields.get("answer") or "answerKey", "")).strip()
+            if not texts or len(texts) != len(labels) or key not in labels:
+                self.drop("answerKey not among the choice labels")
+                return None
+            options, letter = texts, LETTERS[labels.index(key)]
+        else:  # generic: a list of options and a letter or index
+            opt_key = _first_present(cols, ("choices", "options"))
+            ans_key = self.fields.get("answer") or _first_present(cols, ("answer", "answerKey", "label"))
+            if opt_key is None or ans_key is None:
+                raise SystemExit(f"error: {where}: multiple-choice rows need GPQA columns (Correct Answer, Incorrect "
+                                 "Answer 1..3), ARC columns (choices{text,label}, answerKey) or choices/options + "
+                                 f"answer; columns are {sorted(cols)}")
+            raw = r.get(opt_key)
+            options = [] if raw is None else [str(o) for o in raw]
+            ans = r.get(ans_key)
+            if isinstance(ans, (int, float)) and not isinstance(ans, bool) and 0 <= int(ans) < len(options):
+                letter = LETTERS[int(ans)]
+            elif isinstance(ans, str) and ans.strip().upper() in LETTERS[:len(options)]:
+                letter = ans.strip().upper()
+            else:
+                self.drop(f"{ans_key} is neither a letter nor an index of {opt_key}")
+                return None
+        if len(options) > len(LETTERS):
+            self.drop(f"more than {len(LETTERS)} options")
+            return None
+        content = _mc_prompt(question, options)
+        prompt = [{"role": "user", "content": content}] if self.system_prompt is None else \
+            [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": content}]
+        return {"prompt": prompt, "ground_truth": letter}
+
+
+def _parse_pairs(values: list[str], flag: str) -> dict[str, str]:
+    out = {}
+    for v in values:
+        if "=" not in v:
+            raise SystemExit(f"error: {flag} {v!r}: expected NAME=VALUE")
+        k, val = v.split("=", 1)
+        if k in out:
+            raise SystemExit(f"error: {flag} {k} given twice")
+        out[k.strip()] = val.strip()
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--input", action="append", default=[], metavar="NAME=PATH",
+                   help=f"benchmark file; NAME in {', '.join(BENCHMARKS)}")
+    p.add_argument("--output", required=True, help="output .parquet path")
+    p.add_argument("--repeat", action="append", default=[], metavar="K|NAME=K",
+                   help="repeat rows K times for avg@k (all benchmarks, or one)")
+    p.add_argument("--field", action="append", default=[], metavar="NAME.problem=COL|NAME.answer=COL")
+    p.add_argument("--split", default="test", help="split to read from DatasetDicts / HF names (test)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the GPQA option shuffle")
+    p.add_argument("--limit", type=int, default=0, help="first N rows of each benchmark (0 = all)")
+    p.add_argument("--no-system-prompt", action="store_true")
+    p.add_argument("--system-prompt-file", default=None)
+    a = p.parse_args(argv)
+
+    inputs = _parse_pairs(a.input, "--input")
+    if not inputs:
+        p.error(f"give at least one --input NAME=PATH (NAME in {', '.join(BENCHMARKS)})")
+    unknown = sorted(set(inputs) - set(BENCHMARKS))
+    if unknown:
+        p.error(f"unknown benchmark(s) {unknown}; the names are {', '.join(BENCHMARKS)}")
+    default_repeat, repeats = 1, {}
+    for v in a.repeat:
+        try:
+            if "=" in v:
+                repeats.update({k: int(x) for k, x in _parse_pairs([v], "--repeat").items()})
+            else:
+                default_repeat = int(v)
+        except ValueError:
+            p.error(f"--repeat {v!r}: expected K or NAME=K with an integer K")
+    bad = {k: v for k, v in repeats.items() if k not in inputs or v < 1}
+    if bad or default_repeat < 1:
+        p.error(f"--repeat: counts must be >= 1 and names must be among the inputs; got {bad or default_repeat}")
+    fields: dict[str, dict[str, str]] = {}
+    for k, v in _parse_pairs(a.field, "--field").items():
+        name, _, what = k.partition(".")
+        if name not in inputs or what not in ("problem", "answer"):
+            p.error(f"--field {k}: expected NAME.problem or NAME.answer with NAME among the inputs")
+        fields.setdefault(name, {})[what] = v
+    system_prompt: str | None = SYSTEM_PROMPT
+    if a.system_prompt_file:
+        with open(a.system_prompt_file, encoding="utf-8") as f:
+            system_prompt = f.read().strip()
+    elif a.no_system_prompt:
+        system_prompt = None
+
+    rows, summary = [], {}
+    print(f"{'benchmark':15s} {'read':>6s} {'kept':>6s} {'repeat':>6s} {'rows':>7s}  file")
+    for name in BENCHMARKS:
+        if name not in inputs:
+            continue
+        df = load_table(inputs[name], a.split)
+        if a.limit:
+            df = df.iloc[: a.limit]
+        conv = Converter(name, inputs[name], fields.get(name, {}), a.seed, system_prompt)
+        made = conv.rows(df)
+        k = repeats.get(name, default_repeat)
+        kind = "multiple_choice" if name in MULTIPLE_CHOICE else "math"
+        for bench_index, m in made:
+            if not m["ground_truth"]:
+                conv.drop("empty ground truth")
+                continue
+            for rep in range(k):
+                extra = dict(m.get("extra") or {})
+                extra.update({"split": "test", "index": len(rows), "benchmark_index": bench_index, "repeat": rep,
+                              "answer_type": kind})
+                rows.append({"data_source": name, "prompt": m["prompt"], "ability": "math" if kind == "math" else kind,
+                             "reward_model": {"style": "rule", "ground_truth": m["ground_truth"]},
+                             "extra_info": extra})
+        kept = len(made) - conv.drops.get("empty ground truth", 0)
+        print(f"{name:15s} {len(df):6d} {kept:6d} {k:6d} {kept * k:7d}  {inputs[name]}")
+        for reason, n in conv.drops.items():
+            print(f"  {name}: dropped {n} rows: {reason}")
+        if kept == 0:
+            raise SystemExit(f"error: {name}: no usable rows in {inputs[name]}; see the drop counts above")
+        summary[name] = {"read": len(df), "kept": kept, "repeat": k, "rows": kept * k, "dropped": dict(conv.drops)}
+
+    import pandas as pd
+
+    os.makedirs(os.path.dirname(os.path.abspath(a.output)), exist_ok=True)
+    pd.DataFrame(rows).to_parquet(a.output, index=False)
+    print(f"wrote {len(rows)} rows ({len(summary)} benchmarks) to {a.output}")
+    return {"rows": len(rows), "benchmarks": summary, "output": a.output}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""OpenR1-Math-style rows -> our training parquet (LUFFY's data, spec §1.1-1.2).
+
+Input rows need ``problem``, ``answer`` and ``generations`` (list of str); when the columns
+``correctness_math_verify`` and ``is_reasoning_complete`` (lists of bool, one per generation) exist, only
+generations marked correct **and** complete are candidates. The target is the first candidate that is
+non-empty and, with ``--tokenizer``, at most ``--max-target-tokens`` tokens long (LUFFY's v6 filter).
+Rows without one are dropped and **counted by reason**.
+
+Output columns (see data/README.md)::
+
+    data_source   str            --data-source (default "openr1_math")
+    prompt        list[message]  [system, user]: LUFFY's system prompt + the raw problem
+                                 (--no-system-prompt: one user message with a "\\boxed{}" instruction)
+    target        list[message]  [{"role": "assistant", "content": <the chosen generation>}]
+    ability       str            "math"
+    reward_model  {style, ground_truth}  {"rule", answer}
+    extra_info    {split, index, source_index}  index = row in the output, source_index = row in the input
+
+Usage (offline, local files)::
+
+    python scripts/data/prepare_openr1.py --input openr1.parquet --output data/openr1.parquet \\
+        --tokenizer /models/Qwen2.5-Math-7B --max-target-tokens 8192
+
+``--input`` is a parquet / jsonl / json file, a folder of them, a ``datasets.save_to_disk`` folder, or
+(when online) a Hugging Face dataset name such as ``open-r1/OpenR1-Math-220k``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+from typing import Any
+
+# LUFFY's system prompt (prepare_openr1_data_spec_sys.py / v6, and its eval template), verbatim.
+SYSTEM_PROMPT = (
+    "Your task is to follow a systematic, thorough reasoning process before providing the final solution. "
+    "This involves analyzing, summarizing, exploring, reassessing, and refining your thought process through "
+    "multiple iterations. Structure your response into two sections: Thought and Solution. In the Thought "
+    "section, present your reasoning using the format: \"<think>\\n {thoughts} </think>\\n\". Each thought "
+    "should include detailed analysis, brainstorming, verification, and refinement of ideas. After "
+    "\"</think>\\n,\" in the Solution section, provide the final, logical, and accurate answer, clearly derived "
+    "from the exploration in the Thought section. If applicable, include the answer in \\boxed{} for "
+    "closed-form results like multiple choices or mathematical solutions."
+)
+# LUFFY's older single-message prompt (prepare_openr1_data.py), used with --no-system-prompt.
+USER_INSTRUCTION = " Let's think step by step and output the final answer within \\boxed{}."
+
+REQUIRED = ("problem", "answer", "generations")
+FLAG_COLUMNS = ("correctness_math_verify", "is_reasoning_complete")
+
+
+# ----------------------------------------------------------------------------------------- loading
+def load_table(source: str, split: str = "train"):
+    """A pandas DataFrame from a local parquet/jsonl/json file, a folder of them, a ``save_to_disk``
+    folder, or a Hugging Face dataset name (needs network access)."""
+    import pandas as pd
+
+    if os.path.isdir(source):
+        if os.path.exists(os.path.join(source, "dataset_info.json")) or \
+                os.path.exists(os.path.join(source, "dataset_dict.json")):
+            import datasets
+
+            ds = datasets.load_from_disk(source)
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise SystemExit(f"error: {source} is a saved DatasetDict without split {split!r}; "
+                                     f"its splits are {sorted(ds)}; pass --split")
+                ds = ds[split]
+            return ds.to_pandas()
+        files = sorted(f for ext in ("parquet", "jsonl", "json")
+                       for f in glob.glob(os.path.join(source, "**", f"*.{ext}"), recursive=True))
+        files = [f for f in files if os.path.basename(f) not in ("dataset_info.json", "state.json")]
+        if split and any(split in os.path.basename(f) for f in files):
+            files = [f for f in files if split in os.path.basename(f)]
+        if not files:
+            raise SystemExit(f"error: folder {source} holds no .parquet/.jsonl/.json files and is not a "
+                             "datasets.save_to_disk folder")
+        return pd.concat([load_table(f, split) for f in files], ignore_index=True)
+    if os.path.isfile(source):
+        lower = source.lower()
+        if lower.endswith(".parquet"):
+            return pd.read_parquet(source)
+        if lower.endswith(".jsonl"):
+            return pd.read_json(source, lines=True)
+        if lower.endswith(".json"):
+            with open(source, encoding="utf-8") as f:
+                head = f.read(4096).lstrip()[:1]
+            return pd.read_json(source, lines=head != "[")  # a JSON array, or one object per line
+        raise SystemExit(f"error: {source}: unsupported file type; use .parquet, .jsonl or .json")
+    looks_like_path = source.startswith(("/", ".", "~")) or source.count("/") > 1 or \
+        source.lower().endswith((".parquet", ".jsonl", ".json"))
+    if looks_like_path:
+        raise SystemExit(f"error: input {source} does not exist")
+    try:
+        import datasets
+
+        return datasets.load_dataset(source, split=split).to_pandas()
+    except Exception as exc:  # offline, or no such dataset
+        raise SystemExit(f"error: {source!r} is not a local file or folder, and loading it from the Hugging Face "
+                         f"Hub failed ({type(exc).__name__}: {str(exc)[:200]}). Download it first and pass the "
+                         "local path.") from exc
+
+
+def require_columns(df, columns, where: str, hint: str = "") -> None:
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        raise SystemExit(f"error: {where} has no column(s) {missing}; its columns are {list(df.columns)}. {hint}".rstrip())
+
+
+def make_prompt(problem: str, system_prompt: str | None) -> list[dict]:
+    if system_prompt is None:
+        return [{"role": "user", "content": problem + USER_INSTRUCTION}]
+    return [{"role": "system", "content": system_prompt}, {"role": "user", "content": problem}]
+
+
+def _as_list(value) -> list | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    try:
+        return list(value)
+    except TypeError:
+        return None
+
+
+# ------------------------------------------------------------------------------------------ filtering
+class _Lengths:
+    """Token counts under a tokenizer (``add_special_tokens=False``, like LUFFY), cached per text."""
+
+    def __init__(self, tokenizer_path: str | None):
+        self.tok = None
+        if tokenizer_path:
+            from transformers import AutoTokenizer
+
+            if not os.path.exists(tokenizer_path):
+                raise SystemExit(f"error: --tokenizer {tokenizer_path} does not exist (a local folder is needed)")
+            self.tok = AutoTokenizer.from_pretrained(tokenizer_path)
+
+    def many(self, texts: list[str]) -> list[int]:
+        if self.tok is None:
+            return [0] * len(texts)
+        out = []
+        for i in range(0, len(texts), 256):
+            enc = self.tok(texts[i:i + 256], add_special_tokens=False)["input_ids"]
+            out.extend(len(x) for x in enc)
+        return out
+
+
+def prepare(df, *, max_target_tokens: int | None, tokenizer: str | None, system_prompt: str | None,
+            data_source: str, split: str, where: str) -> tuple[list[dict], dict[str, int]]:
+    """Build output rows and the drop counts (``{reason: n}``) from an input DataFrame."""
+    require_columns(df, REQUIRED, where, "Expected OpenR1-Math-style rows (problem, answer, generations).")
+    flags = [c for c in FLAG_COLUMNS if c in df.columns]
+    drops = {"empty problem or answer": 0, "no generations": 0,
+             f"flag lists ({', '.join(flags)}) not as long as generations": 0,
+             "no generation marked correct and complete": 0,
+             f"every candidate longer than {max_target_tokens} tokens": 0}
+    lengths = _Lengths(tokenizer if max_target_tokens else None)
+
+    candidates: list[tuple[int, list[str]]] = []  # (input row, candidate generations in order)
+    for i, row in enumerate(df.to_dict("records")):
+        problem, answer = row.get("problem"), row.get("answer")
+        if not isinstance(problem, str) or not problem.strip() or answer is None or not str(answer).strip():
+            drops["empty problem or answer"] += 1
+            continue
+        gens = _as_list(row.get("generations"))
+        if not gens:
+            drops["no generations"] += 1
+            continue
+        flag_lists = [_as_list(row.get(c)) for c in flags]
+        if any(fl is None or len(fl) != len(gens) for fl in flag_lists):
+            drops[f"flag lists ({', '.join(flags)}) not as long as generations"] += 1
+            continue
+        ok = [isinstance(g, str) and g.strip() != "" and all(bool(fl[j]) for fl in flag_lists)
+              for j, g in enumerate(gens)]
+        cands = [g for g, k in zip(gens, ok) if k]
+        if not cands:
+            drops["no generation marked correct and complete"] += 1
+            continue
+        candidates.append((i, cands))
+
+    # length filter: tokenize first candidates in batches, later ones only when needed
+    chosen: dict[int, str] = {}
+    pending = candidates
+    depth = 0
+    while pending:
+        texts = [c[depth] for _, c in pending]
+        lens = lengths.many(texts) if max_target_tokens else [0] * len(texts)
+        nxt = []
+        for (i, cands), text, n in zip(pending, texts, lens):
+            if not max_target_tokens or n <= max_target_tokens:
+                chosen[i] = text
+            elif depth + 1 < len(cands):
+                nxt.append((i, cands))
+            else:
+                drops[f"every candidate longer than {max_target_tokens} tokens"] += 1
+        pending, depth = nxt, depth + 1
+
+    records = df.to_dict("records")
+    rows = []
+    for i in sorted(chosen):
+        r = records[i]
+        rows.append({
+            "data_source": data_source,
+            "prompt": make_prompt(r["problem"], system_prompt),
+            "target": [{"role": "assistant", "content": chosen[i]}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(r["answer"]).strip()},
+            "extra_info": {"split": split, "index": len(rows), "source_index": i},
+        })
+    return rows, {k: v for k, v in drops.items() if v}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--input", required=True, help="parquet/jsonl/json file, folder, save_to_disk folder or HF name")
+    p.add_argument("--output", required=True, help="output .parquet path")
+    p.add_argument("--split", default="train", help="split to read from a DatasetDict / HF dataset (train)")
+    p.add_argument("--tokenizer", default=None, help="local tokenizer folder for the target length filter")
+    p.add_argument("--max-target-tokens", type=int, default=8192,
+                   help="drop targets longer than this under --tokenizer (default 8192; 0 = no limit)")
+    p.add_argument("--no-system-prompt", action="store_true",
+                   help="one user message (problem + boxed instruction) instead of [system, user]")
+    p.add_argument("--system-prompt-file", default=None, help="use this file's text as the system prompt")
+    p.add_argument("--data-source", default="openr1_math", help="value of the data_source column")
+    p.add_argument("--limit", type=int, default=0, help="only the first N input rows (0 = all)")
+    a = p.parse_args(argv)
+
+    if a.max_target_tokens < 0:
+        p.error(f"--max-target-tokens must be >= 0, got {a.max_target_tokens}")
+    if a.max_target_tokens and not a.tokenizer:
+        print(f"note: no --tokenizer given, so targets are not filtered by length (--max-target-tokens "
+              f"{a.max_target_tokens} is ignored)")
+    if a.no_system_prompt and a.system_prompt_file:
+        p.error("--no-system-prompt and --system-prompt-file contradict each other; pass one")
+    system_prompt: str | None = SYSTEM_PROMPT
+    if a.system_prompt_file:
+        with open(a.system_prompt_file, encoding="utf-8") as f:
+            system_prompt = f.read().strip()
+    elif a.no_system_prompt:
+        system_prompt = None
+
+    df = load_table(a.input, a.split)
+    n_read = len(df)
+    if a.limit:
+        df = df.iloc[: a.limit]
+    print(f"read {n_read} rows from {a.input}" + (f"; using the first {len(df)}" if a.limit else ""))
+    rows, drops = prepare(df, max_target_tokens=a.max_target_tokens if a.tokenizer else None, tokenizer=a.tokenizer,
+                          system_prompt=system_prompt, data_source=a.data_source, split=a.split, where=a.input)
+    for reason, n in drops.items():
+        print(f"dropped {n} rows: {reason}")
+    if not rows:
+        raise SystemExit(f"error: no rows left out of {len(df)} from {a.input}; see the drop counts above")
+    import pandas as pd
+
+    os.makedirs(os.path.dirname(os.path.abspath(a.output)), exist_ok=True)
+    pd.DataFrame(rows).to_parquet(a.output, index=False)
+    print(f"wrote {len(rows)} rows to {a.output} (dropped {len(df) - len(rows)} of {len(df)})")
+    summary = {"read": len(df), "written": len(rows), "dropped": drops, "output": a.output}
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""scripts/data/prepare_openr1.py and prepare_eval.py on tiny local files written here (offline)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import pandas as pd
+import pytest
+
+from conftest import REPO_ROOT, load_make_tiny_assets
+
+DATA_DIR = os.path.join(REPO_ROOT, "scripts", "data")
+
+
+def _load(name: str):
+    if DATA_DIR not in sys.path:
+        sys.path.insert(0, DATA_DIR)
+    spec = importlib.util.spec_from_file_location(name, os.path.join(DATA_DIR, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+openr1 = _load("prepare_openr1")
+prep_eval = _load("prepare_eval")
+
+T = lambda body: f"<think>\n{body}\n</think>\n\n\\boxed{{1}}"  # noqa: E731
+LONG = T("x" * 200)  # > 40 tokens under the char-level tiny tokenizer
+
+
+def openr1_rows() -> list[dict]:
+    return [
+        # 0: first generation correct and complete -> target
+        {"problem": "p0", "answer": "1", "generations": [T("a0"), T("b0")],
+         "correctness_math_verify": [True, True], "is_reasoning_complete": [True, True]},
+        # 1: first incomplete, second correct and complete -> second
+        {"problem": "p1", "answer": "2", "generations": [T("a1"), T("b1")],
+         "correctness_math_verify": [True, True], "is_reasoning_complete": [False, True]},
+        # 2: nothing correct -> dropped
+        {"problem": "p2", "answer": "3", "generations": [T("a2")],
+         "correctness_math_verify": [False], "is_reasoning_complete": [True]},
+        # 3: empty answer -> dropped
+        {"problem": "p3", "answer": " ", "generations": [T("a3")],
+         "correctness_math_verify": [True], "is_reasoning_complete": [True]},
+        # 4: the only candidate is too long -> dropped
+        {"problem": "p4", "answer": "5", "generations": [LONG],
+         "correctness_math_verify": [True], "is_reasoning_complete": [True]},
+        # 5: first candidate too long, second fits -> second
+        {"problem": "p5", "answer": "6", "generations": [LONG, T("b5")],
+         "correctness_math_verify": [True, True], "is_reasoning_complete": [True, True]},
+        # 6: flag list shorter than generations -> dropped
+        {"problem": "p6", "answer": "7", "generations": [T("a6"), T("b6")],
+         "correctness_math_verify": [True], "is_reasoning_complete": [True, True]},
+        # 7: no generations -> dropped
+        {"problem": "p7", "answer": "8", "generations": [],
+         "correctness_math_verify": [], "is_reasoning_complete": []},
+    ]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tok") / "tokenizer")
+    load_make_tiny_assets().build_tokenizer(path)
+    return path
+
+
+def _write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+# ------------------------------------------------------------------------------------------ prepare_openr1
+def test_prepare_openr1_schema_targets_and_drop_counts(tmp_path, tokenizer_dir, capsys):
+    src = tmp_path / "openr1.jsonl"
+    _write_jsonl(src, openr1_rows())
+    out = tmp_path / "train.parquet"
+    summary = openr1.main(["--input", str(src), "--output", str(out), "--tokenizer", tokenizer_dir,
+                           "--max-target-tokens", "40"])
+    printed = capsys.readouterr().out
+    print(printed)
+
+    assert summary["read"] == 8 and summary["written"] == 3
+    assert summary["dropped"] == {
+        "empty problem or answer": 1, "no generations": 1,
+        "flag lists (correctness_math_verify, is_reasoning_complete) not as long as generations": 1,
+        "no generation marked correct and complete": 1, "every candidate longer than 40 tokens": 1}
+    for reason, n in summary["dropped"].items():
+        assert f"dropped {n} rows: {reason}" in printed
+    assert "wrote 3 rows" in printed and "dropped 5 of 8" in printed
+
+    df = pd.read_parquet(out)
+    assert list(df.columns) == ["data_source", "prompt", "target", "ability", "reward_model", "extra_info"]
+    assert df["data_source"].tolist() == ["openr1_math"] * 3 and df["ability"].tolist() == ["math"] * 3
+    row = df.iloc[1]
+    assert [m["role"] for m in row["prompt"]] == ["system", "user"]
+    assert row["prompt"][0]["content"] == openr1.SYSTEM_PROMPT and row["prompt"][1]["content"] == "p1"
+    assert [dict(t) for t in row["target"]] == [{"role": "assistant", "content": T("b1")}]
+    assert dict(row["reward_model"]) == {"style": "rule", "ground_truth": "2"}
+    assert [t[0]["content"] for t in df["target"]] == [T("a0"), T("b1"), T("b5")]
+    assert [dict(e) for e in df["extra_info"]] == [
+        {"split": "train", "index": 0, "source_index": 0}, {"split": "train", "index": 1, "source_index": 1},
+        {"split": "train", "index": 2, "source_index": 5}]
+    assert "\\boxed{}" in openr1.SYSTEM_PROMPT and "<think>\\n {thoughts} </think>\\n" in openr1.SYSTEM_PROMPT
+
+
+def test_prepare_openr1_input_formats_and_options(tmp_path, capsys):
+    import datasets
+
+    rows = openr1_rows()
+    pd.DataFrame(rows).to_parquet(tmp_path / "in.parquet")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    results = []
+    for i, src in enumerate([tmp_path / "in.parquet", tmp_path / "saved"]):
+        out = tmp_path / f"o{i}.parquet"
+        s = openr1.main(["--input", str(src), "--output", str(out), "--no-system-prompt", "--data-source", "x"])
+        results.append(pd.read_parquet(out))
+        assert s["written"] == 4  # no tokenizer: row 4 (long) is kept
+    printed = capsys.readouterr().out
+    assert "targets are not filtered by length" in printed
+    assert results[0].to_json() == results[1].to_json()
+    prompt = results[0].iloc[0]["prompt"]
+    assert len(prompt) == 1 and prompt[0]["role"] == "user"
+    assert prompt[0]["content"] == "p0" + openr1.USER_INSTRUCTION and results[0].iloc[0]["data_source"] == "x"
+
+    # without the flag columns every non-empty generation is a candidate
+    pd.DataFrame([{"problem": "q", "answer": "1", "generations": ["", T("z")]}]).to_parquet(tmp_path / "noflags.parquet")
+    openr1.main(["--input", str(tmp_path / "noflags.parquet"), "--output", str(tmp_path / "o.parquet")])
+    assert pd.read_parquet(tmp_path / "o.parquet").iloc[0]["target"][0]["content"] == T("z")
+
+
+def test_prepare_openr1_errors_name_the_problem(tmp_path):
+    pd.DataFrame([{"question": "q", "answer": "1"}]).to_parquet(tmp_path / "bad.parquet")
+    with pytest.raises(SystemExit, match=r"bad.parquet has no column\(s\) \['problem', 'generations'\]"):
+        openr1.main(["--input", str(tmp_path / "bad.parquet"), "--output", str(tmp_path / "o.parquet")])
+    with pytest.raises(SystemExit, match="does not exist"):
+        openr1.main(["--input", str(tmp_path / "missing.parquet"), "--output", str(tmp_path / "o.parquet")])
+    _write_jsonl(tmp_path / "none.jsonl", openr1_rows()[2:4])
+    with pytest.raises(SystemExit, match="no rows left out of 2"):
+        openr1.main(["--input", str(tmp_path / "none.jsonl"), "--output", str(tmp_path / "o.parquet")])
+
+
+# ------------------------------------------------------------------------------------------- prepare_eval
+def _eval_files(d) -> dict[str, str]:
+    f = {}
+    _write_jsonl(d / "aime24.jsonl", [{"problem": "A1", "answer": 204}, {"problem": "A2", "answer": "33"}])
+    with open(d / "aime25.json", "w") as fh:
+        json.dump([{"question": "B1", "answer": "7"}], fh)
+    pd.DataFrame([{"problem": "C1", "answer": 142.0}, {"problem": "C2", "answer": 2.5}]).to_parquet(d / "amc.parquet")
+    _write_jsonl(d / "math500.jsonl", [{"problem": "D1", "solution": "so \\boxed{\\frac{1}{2}}."},
+                                       {"problem": "D2", "solution": "no box"}])
+    pd.DataFrame([{"problem": "E1", "solution": "...", "answer": "$3$"}]).to_parquet(d / "minerva.parquet")
+    _write_jsonl(d / "olympiad.jsonl", [{"question": "F1", "final_answer": ["$\\frac{1}{2}$"]},
+                                        {"question": "F2", "final_answer": ["1", "2"]}])
+    pd.DataFrame([
+        {"question": "G1", "choices": {"text": ["x", "y", "z", "w"], "label": ["A", "B", "C", "D"]}, "answerKey": "C"},
+        {"question": "G2", "choices": {"text": ["x", "y", "z"], "label": ["1", "2", "3"]}, "answerKey": "2"},
+        {"question": "G3", "choices": {"text": ["x", "y"], "label": ["A", "B"]}, "answerKey": "E"},
+    ]).to_parquet(d / "arc.parquet")
+    pd.DataFrame([{"Question": f"H{i}", "Correct Answer": f"right{i}", "Incorrect Answer 1": "w1",
+                   "Incorrect Answer 2": "w2", "Incorrect Answer 3": "w3"} for i in range(6)]).to_parquet(d / "gpqa.parquet")
+    for name, fn in [("aime24", "aime24.jsonl"), ("aime25", "aime25.json"), ("amc", "amc.parquet"),
+                     ("math500", "math500.jsonl"), ("minerva", "minerva.parquet"), ("olympiad_bench", "olympiad.jsonl"),
+                     ("arc_c", "arc.parquet"), ("gpqa_diamond", "gpqa.parquet")]:
+        f[name] = str(d / fn)
+    return f
+
+
+def test_prepare_eval_all_benchmarks(tmp_path, capsys):
+    files = _eval_files(tmp_path)
+    out = tmp_path / "valid.parquet"
+    argv = ["--output", str(out), "--repeat", "aime24=4", "--repeat", "2"] + \
+        [x for name, path in files.items() for x in ("--input", f"{name}={path}")]
+    summary = prep_eval.main(argv)
+    printed = capsys.readouterr().out
+    print(printed)
+    df = pd.read_parquet(out)
+
+    counts = df["data_source"].value_counts().to_dict()
+    assert counts == {"aime24": 8, "aime25": 2, "amc": 4, "math500": 2, "minerva": 2, "olympiad_bench": 4,
+                      "arc_c": 4, "gpqa_diamond": 12}
+    assert summary["rows"] == len(df) == 38
+    assert summary["benchmarks"]["math500"]["dropped"] == {"no answer in solution": 1}
+    assert summary["benchmarks"]["arc_c"]["dropped"] == {"answerKey not among the choice labels": 1}
+    assert "math500: dropped 1 rows: no answer in solution" in printed
+    assert "arc_c: dropped 1 rows: answerKey not among the choice labels" in printed
+
+    gt = lambda src: [rm["ground_truth"] for rm in df[df.data_source == src]["reward_model"]]  # noqa: E731
+    assert gt("aime24") == ["204"] * 4 + ["33"] * 4
+    assert gt("amc") == ["142", "142", "2.5", "2.5"]
+    assert gt("math500") == ["\\frac{1}{2}"] * 2 and gt("minerva") == ["3"] * 2
+    assert gt("olympiad_bench") == ["\\frac{1}{2}"] * 2 + ["1, 2"] * 2
+    assert gt("arc_c") == ["C", "C", "B", "B"]
+    assert set(gt("gpqa_diamond")) <= set("ABCD") and len(set(gt("gpqa_diamond"))) > 1  # shuffled
+
+    gpqa = df[df.data_source == "gpqa_diamond"].iloc[0]
+    user = gpqa["prompt"][-1]["content"]
+    letter = gpqa["reward_model"]["ground_truth"]
+    assert f"{letter}. right0" in user and prep_eval.MC_INSTRUCTION in user
+    assert gpqa["prompt"][0]["content"] == prep_eval.SYSTEM_PROMPT
+    extra = [dict(e) for e in df["extra_info"]]
+    assert [e["index"] for e in extra] == list(range(len(df)))
+    assert [e["repeat"] for e in extra[:8]] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert {e["answer_type"] for e in extra} == {"math", "multiple_choice"}
+
+    # same seed -> same option order
+    prep_eval.main(argv[:1] + [str(tmp_path / "again.parquet")] + argv[2:])
+    assert pd.read_parquet(tmp_path / "again.parquet")["prompt"].to_json() == df["prompt"].to_json()
+
+    # the reward routes these rows correctly
+    from mix_src.rewards import compute_score
+
+    resp = f"<think>ok</think> The answer is \\boxed{{{letter}}}"
+    assert compute_score("gpqa_diamond", resp, letter, dict(gpqa["extra_info"]))["acc"] is True
+    wrong = "A" if letter != "A" else "B"
+    assert compute_score("gpqa_diamond", resp.replace(letter + "}", wrong + "}"), letter,
+                         dict(gpqa["extra_info"]))["acc"] is False
+
+
+def test_prepare_eval_passthrough_fields_and_errors(tmp_path):
+    # LUFFY-style rows already in our schema are kept
+    pd.DataFrame([{"data_source": "aime", "prompt": [{"role": "user", "content": "Q"}], "ability": "math",
+                   "reward_model": {"style": "rule", "ground_truth": "5"}, "extra_info": {"split": "test", "index": 9}}]
+                 ).to_parquet(tmp_path / "luffy.parquet")
+    pd.DataFrame([{"Problem": "P", "Final": "9"}]).to_parquet(tmp_path / "odd.parquet")
+    out = tmp_path / "v.parquet"
+    prep_eval.main(["--output", str(out), "--input", f"aime24={tmp_path / 'luffy.parquet'}",
+                    "--input", f"amc={tmp_path / 'odd.parquet'}", "--field", "amc.problem=Problem",
+                    "--field", "amc.answer=Final", "--no-system-prompt"])
+    df = pd.read_parquet(out)
+    assert df["data_source"].tolist() == ["aime24", "amc"]
+    assert df.iloc[0]["prompt"][0]["content"] == "Q" and df.iloc[0]["reward_model"]["ground_truth"] == "5"
+    assert df.iloc[1]["prompt"][0]["content"] == "P" + prep_eval.USER_INSTRUCTION
+    assert df.iloc[1]["reward_model"]["ground_truth"] == "9"
+
+    with pytest.raises(SystemExit, match=r"no problem column .* Pass --field amc.problem=COLUMN"):
+        prep_eval.main(["--output", str(out), "--input", f"amc={tmp_path / 'odd.parquet'}"])
+    with pytest.raises(SystemExit):  # argparse error: unknown benchmark name
+        prep_eval.main(["--output", str(out), "--input", f"aime={tmp_path / 'odd.parquet'}"])
