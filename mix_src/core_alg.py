@@ -86,6 +86,11 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None
     return (torch.where(mask.bool(), values, 0.0) * mask).sum(dim=axis)
 
 
+def _count(mask: torch.Tensor) -> torch.Tensor:
+    """sum(mask) as a scalar tensor; for a bool mask without the int64 copy that `.sum()` makes."""
+    return torch.count_nonzero(mask) if mask.dtype == torch.bool else mask.sum()
+
+
 def _nonzero(count: torch.Tensor) -> torch.Tensor:
     """A denominator: `count`, or 1 where it is 0 (the numerator is then 0 too, so the result is 0)."""
     return torch.where(count == 0, torch.ones_like(count), count)
@@ -94,7 +99,7 @@ def _nonzero(count: torch.Tensor) -> torch.Tensor:
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of `values` over the non-zero entries of `mask` (same shape); 0 (not NaN) when the mask is
     empty. Returns a scalar tensor."""
-    return masked_sum(values, mask) / _nonzero(mask.sum())
+    return masked_sum(values, mask) / _nonzero(_count(mask))
 
 
 def _group_ids(index: Any, num_rows: int) -> tuple[torch.Tensor, int]:
@@ -237,7 +242,7 @@ def agg_loss(
         if batch_num_tokens is None:
             if dp_size > 1:
                 raise ValueError("batch_num_tokens (global) is required for token-mean when dp_size > 1")
-            batch_num_tokens = _nonzero(loss_mask.sum())
+            batch_num_tokens = _nonzero(_count(loss_mask))
         return masked_sum(loss_mat, loss_mask) / batch_num_tokens * dp_size
     if loss_agg_mode == "token-sum":
         return masked_sum(loss_mat, loss_mask) * dp_size
@@ -290,6 +295,15 @@ class _TokenObjective(torch.autograd.Function):
 def _dot(values: torch.Tensor, mask_f: torch.Tensor) -> torch.Tensor:
     """Sum of `values` over a float 0/1 mask of the same shape, in one pass (values finite)."""
     return torch.dot(values.reshape(-1), mask_f.to(values.dtype).reshape(-1))
+
+
+def _put_rows(dest: torch.Tensor, sel: torch.Tensor | slice, mask: torch.Tensor, src: torch.Tensor) -> None:
+    """dest[sel] = where(mask, src, dest[sel]) for a row selection `sel` (in place when it is every row).
+    dest: (B, L); mask, src: (len(sel), L)."""
+    if isinstance(sel, slice):
+        torch.where(mask, src, dest, out=dest)
+    else:
+        dest[sel] = torch.where(mask, src, dest[sel])
 
 
 def _resolve_reshape(arg: str, mode: str, gamma: float) -> tuple[str, float]:
@@ -441,7 +455,7 @@ def compute_token_on_off_policy_loss(
         valid = _bool_mask(response_mask)
         off = _bool_mask(prefix_mask) & valid
         on = valid ^ off  # off is a subset of valid
-        n_valid, n_off = valid.sum(), off.sum()
+        n_valid, n_off = _count(valid), _count(off)
         n_on = n_valid - n_off
         has_off, has_on = bool(n_off > 0), bool(n_on > 0)  # one host sync; an empty side is skipped
         lp = log_prob.detach()
@@ -471,14 +485,14 @@ def compute_token_on_off_policy_loss(
                 is_clipped = obj_clipped < obj
                 obj = torch.minimum(obj, obj_clipped)
                 dobj = dobj.masked_fill_(is_clipped, 0.0)  # dobj is never the new obj: in place is safe
-                clipfrac = (is_clipped & on).sum() / n_on
+                clipfrac = _count(is_clipped & on) / n_on
                 del obj_clipped
                 if clip_ratio_c is not None:  # dual clip: J = max(J, A c) where A < 0
                     obj_floor = advantages * clip_ratio_c
                     is_capped = (advantages < 0) & (obj < obj_floor)
                     obj = torch.where(is_capped, obj_floor, obj)
                     dobj.masked_fill_(is_capped, 0.0)
-                    clipfrac_lower = (is_capped & on).sum() / n_on
+                    clipfrac_lower = _count(is_capped & on) / n_on
             del r, dr
             if rollout_is_weights is not None:
                 obj = obj * rollout_is_weights
@@ -495,31 +509,36 @@ def compute_token_on_off_policy_loss(
             rows = off.any(dim=-1).nonzero().squeeze(-1)
             sel = rows if rows.numel() < lp.shape[0] else slice(None)
             off_s, lp_s, adv_s = off[sel], lp[sel], advantages[sel]
+            off_f = off_s.to(lp.dtype)
             p_s = torch.exp(lp_s)
+            off_prob = _dot(p_s, off_f) / n_off
+            kl_sum = kl_sum + _dot(log_ratio[sel], off_f)
             if target_probs is not None:
                 f = p_s / (target_probs[sel] + 1e-6)
                 df = f
             else:
                 f, df = _off_policy_shape(off_mode, lp_s, p_s, off_gamma, off_policy_reshape_weight,
                                           off_policy_reshape_pow_exp)  # fmt: skip
+            del p_s
             if off_max_clip is not None:
                 over = f > off_max_clip
-                max_clip_frac = (over & off_s).sum() / n_off
+                max_clip_frac = _count(over & off_s) / n_off
                 f, df = torch.where(over, off_max_clip, f), torch.where(over, 0.0, df)
             if off_min_clip is not None:
                 under = f < off_min_clip
-                min_clip_frac = (under & off_s).sum() / n_off
+                min_clip_frac = _count(under & off_s) / n_off
                 f, df = torch.where(under, off_min_clip, f), torch.where(under, 0.0, df)
-            off_f = off_s.to(lp.dtype)
-            obj_off = adv_s * f
-            off_pg_loss = -_dot(obj_off, off_f) / n_off
             off_ratio_mean = _dot(f, off_f) / n_off
-            off_prob = _dot(p_s, off_f) / n_off
-            kl_sum = kl_sum + _dot(log_ratio[sel], off_f)
+            obj_off = adv_s * f
+            del f
+            off_pg_loss = -_dot(obj_off, off_f) / n_off
+            del off_f
             if dobj is obj:  # they differ on prefix tokens
                 dobj = obj.clone()
-            obj[sel] = torch.where(off_s, obj_off, obj[sel])
-            dobj[sel] = torch.where(off_s, adv_s * df, dobj[sel])
+            _put_rows(obj, sel, off_s, obj_off)
+            del obj_off
+            _put_rows(dobj, sel, off_s, adv_s * df)
+            del df
 
         ppo_kl = -kl_sum / _nonzero(n_valid)
         loss_mask = valid if all_max_clip is None else valid & (lp <= math.log(all_max_clip))

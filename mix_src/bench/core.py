@@ -8,8 +8,9 @@
    main LUFFY recipe), vs a plain PPO-clip loss (ratio, clip, max, token-mean) on the same tensors.
    Targets: <= 1.3x in time and in peak memory.
 
-Times are medians over repeats, with the compared functions interleaved so that load from other
-processes hits both alike. Peak memory: torch's profiler records every CPU-allocator allocation and free
+Times are medians over repeats of the CPU time of this thread (torch runs single-threaded here), with
+the compared functions interleaved: on a shared machine, wall time mostly measures the other processes.
+Peak memory: torch's profiler records every CPU-allocator allocation and free
 ("[memory]" events, profile_memory=True); the peak of their running sum during one forward + backward is
 the largest amount of tensor memory the call held at once beyond its inputs (the log_prob gradient it
 creates included). This counts exactly the tensors torch allocates, not the process RSS.
@@ -129,7 +130,7 @@ def plain_ppo_clip_loss(old_log_prob, log_prob, advantages, response_mask, clipr
     ratio = torch.exp(log_prob - old_log_prob)
     losses = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - cliprange, 1 + cliprange))
     mask = response_mask.bool()
-    return torch.where(mask, losses, 0.0).sum() / mask.sum()
+    return torch.where(mask, losses, 0.0).sum() / torch.count_nonzero(mask)
 
 
 def bench_token_loss(repeats: int, rows: int = 64, tokens: int = 8192, n: int = 8) -> None:
@@ -139,16 +140,20 @@ def bench_token_loss(repeats: int, rows: int = 64, tokens: int = 8192, n: int = 
     advantages = torch.randn(rows, 1, generator=gen).expand(rows, tokens).contiguous()
     lengths = torch.randint(tokens // 2, tokens + 1, (rows,), generator=gen)
     response_mask = (torch.arange(tokens)[None, :] < lengths[:, None]).to(torch.int64)
-    prefix_mask = torch.zeros(rows, tokens, dtype=torch.bool)
-    prefix_mask[::n] = response_mask[::n].bool()  # 1 row in n is a full demonstration (ratio 1.0)
+    full_demo = torch.zeros(rows, tokens, dtype=torch.bool)
+    full_demo[::n] = response_mask[::n].bool()  # 1 row in n is a full demonstration (ratio 1.0)
+    partial = (torch.arange(tokens)[None, :] < (0.3 * lengths)[:, None]) & response_mask.bool()
     tensors = (old_log_prob, log_prob, advantages, response_mask)
 
     configs = {
-        "LUFFY main recipe (p_div_p 0.1, no clip, luffy-token-sum-norm)": dict(
+        "LUFFY main recipe (1 demo row in 8; p_div_p 0.1, no clip, luffy-token-sum-norm)": (full_demo, dict(
             off_policy_reshape="p_div_p", off_policy_reshape_gamma=0.1, loss_remove_clip=True,
             loss_agg_mode="luffy-token-sum-norm",
-        ),
-        "defaults (clip 0.2, no_reshape, token-mean)": dict(),
+        )),
+        "defaults (1 demo row in 8; clip 0.2, no_reshape, token-mean)": (full_demo, dict()),
+        "every row a 30% prefix (clip 0.2 + dual clip 3, p_div_p, token-mean)": (partial, dict(
+            off_policy_reshape="p_div_p", clip_ratio_c=3.0,
+        )),
     }  # fmt: skip
 
     def run(fn):
@@ -159,10 +164,9 @@ def bench_token_loss(repeats: int, rows: int = 64, tokens: int = 8192, n: int = 
         return call
 
     plain = run(lambda: plain_ppo_clip_loss(*tensors))
-    print(f"token loss forward+backward  {rows} x {tokens} tokens, 1 row in {n} off-policy "
-          f"(torch threads: {torch.get_num_threads()})")  # fmt: skip
-    for name, kwargs in configs.items():
-        mixed = run(lambda kw=kwargs: compute_token_on_off_policy_loss(*tensors, prefix_mask, **kw)["pg_loss"])
+    print(f"token loss forward+backward  {rows} x {tokens} tokens")
+    for name, (prefix_mask, kwargs) in configs.items():
+        mixed = run(lambda g=prefix_mask, kw=kwargs: compute_token_on_off_policy_loss(*tensors, g, **kw)["pg_loss"])
         t = _median_times({"mixed": mixed, "plain": plain}, repeats)
         mem_mixed, mem_plain = _peak_bytes(mixed), _peak_bytes(plain)
         print(f"  {name}")
@@ -177,6 +181,7 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m mix_src.bench core", description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=9, help="timed repeats per function (median)")
     args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # see the docstring: CPU time of one thread is what we compare
     print(__doc__.split("\n\n")[-1].replace("\n", " ").strip())
     bench_grpo_split(args.repeats)
     bench_token_loss(args.repeats)
