@@ -1,0 +1,279 @@
+"""Assets for the toy-addition experiment (LUFFY vs on-policy GRPO vs SFT in miniature, on CPU).
+
+Task, traces and reward: :mod:`mix_src.toy_addition`. This script builds, deterministically for a seed and
+cached on disk (re-running is a no-op when the manifest matches):
+
+    OUT/tokenizer/        character-level PreTrainedTokenizerFast with a ChatML template ("\\n" is one
+                          token). Its own folder: transformers 5 swaps a custom tokenizer for Qwen2Tokenizer
+                          when it sits next to a qwen2 config.json.
+    OUT/train.parquet     4096 carry problems, verl's schema + LUFFY ``target`` (the expert trace)
+    OUT/heldout.parquet   200 other carry problems (same schema): the validation set
+    OUT/base_seed{S}/     the "base" model: a tiny Qwen2ForCausalLM (2 layers, hidden 128) pre-trained with a
+                          plain torch loop on carry-free traces of random problems (column sums mod 10, carry
+                          always 0). It knows the format, not the skill.
+    OUT/base_seed{S}/eval.json   its greedy pass rate on the 200 held-out carry problems and on 200 carry-free
+                          problems (the latter shows it learned the format and the mod-10 procedure).
+
+Usage::
+
+    python scripts/experiments/toy_addition.py prepare [--out outputs/toy_addition] [--seed 0]
+    python scripts/experiments/toy_addition.py eval MODEL_DIR [--tokenizer OUT/tokenizer] [--data OUT/heldout.parquet]
+
+``evaluate()`` is a held-out greedy evaluator (HF ``generate``) for any HF-format checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import string
+import sys
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+from mix_src import toy_addition as task  # noqa: E402
+
+DEFAULT_OUT = os.path.join(REPO_ROOT, "outputs", "toy_addition")
+PAD, IM_START, IM_END, UNK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"
+CHARS = list(string.digits + string.ascii_lowercase + "+=> \n")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+MODEL_KW = dict(
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+)
+# Pre-training of the base model: long enough to learn the format and the mod-10 procedure reliably.
+PRETRAIN = dict(steps=800, batch_size=64, lr=1e-3, warmup=50, weight_decay=0.0)
+N_TRAIN, N_HELDOUT = 4096, 200
+MAX_NEW_TOKENS = 16  # a trace is 13 characters + EOS
+
+
+# ------------------------------------------------------------------------------------------ tokenizer
+def build_tokenizer(out_dir: str):
+    """Character-level fast tokenizer (BPE with no merges: one token per character) saved to ``out_dir``."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate([UNK, *CHARS])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    tok.decoder = decoders.Fuse()  # plain concatenation: decode(encode(s)) == s
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token=UNK, pad_token=PAD, eos_token=IM_END, bos_token=None,
+        additional_special_tokens=[IM_START], model_max_length=256, clean_up_tokenization_spaces=False,
+    )  # fmt: skip
+    fast.chat_template = CHAT_TEMPLATE
+    fast.padding_side = "left"
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    return tok
+
+
+def prompt_ids(tokenizer, a: int, b: int) -> list[int]:
+    """Token ids of the chat-templated prompt with the generation prompt, as verl's agent loop builds them."""
+    msgs = [{"role": "user", "content": task.prompt_text(a, b)}]
+    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+# ------------------------------------------------------------------------------------------ data
+def write_parquets(out_dir: str, seed: int) -> dict:
+    import pandas as pd
+
+    sp = task.splits(seed=seed, n_train=N_TRAIN, n_heldout=N_HELDOUT)
+    paths = {}
+    for name, split in (("train", "train"), ("heldout", "test")):
+        rows = [task.make_row(a, b, split, i) for i, (a, b) in enumerate(sp[name])]
+        paths[name] = os.path.join(out_dir, f"{name}.parquet")
+        pd.DataFrame(rows).to_parquet(paths[name], index=False)
+    return paths
+
+
+def read_problems(parquet: str) -> list[tuple[int, int]]:
+    import pandas as pd
+
+    df = pd.read_parquet(parquet)
+    return [task.parse_prompt(p[0]["content"]) for p in df["prompt"]]
+
+
+# ------------------------------------------------------------------------------------------ base model
+def _encode_example(tokenizer, a: int, b: int, trace: str) -> tuple[list[int], int]:
+    p = prompt_ids(tokenizer, a, b)
+    r = tokenizer.encode(trace, add_special_tokens=False) + [tokenizer.eos_token_id]
+    return p + r, len(p)
+
+
+def pretrain_base(model_dir: str, tokenizer, seed: int, log=print, **overrides) -> dict:
+    """Pre-train a tiny Qwen2 on carry-free traces (loss on response tokens only). Deterministic for ``seed``."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    hp = {**PRETRAIN, **overrides}
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.convert_tokens_to_ids(IM_START), torch_dtype="float32", **MODEL_KW,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(cfg).to(torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"])
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / hp["warmup"]) * max(0.0, 1 - s / hp["steps"]) ** 0.5
+    )
+    rng = random.Random(seed + 1000)  # pre-training problems: any carry status, fresh every step
+    t0 = time.time()
+    for step in range(hp["steps"]):
+        seqs, plens = zip(*(
+            _encode_example(tokenizer, a, b, task.carry_free_trace(a, b))
+            for a, b in task.sample_problems(hp["batch_size"], rng, carry=None)
+        ))  # fmt: skip
+        assert len(set(map(len, seqs))) == 1, "all examples have the same length (no padding needed)"
+        ids = torch.tensor(seqs)
+        labels = ids.clone()
+        labels[:, : plens[0]] = -100  # learn the response only, as SFT would
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 100 == 0 or step == hp["steps"] - 1:
+            log(f"pretrain step {step:5d} loss {loss.item():.4f} ({time.time() - t0:.0f}s)")
+    model.eval()
+    # No sampling defaults in generation_config.json: rollouts must get exactly the caller's params.
+    gc = model.generation_config
+    gc.do_sample, gc.top_k, gc.top_p, gc.temperature = False, None, None, None
+    model.save_pretrained(model_dir, safe_serialization=True)
+    return {"hparams": hp, "seconds": round(time.time() - t0, 1), "final_loss": float(loss.item())}
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+def generate_greedy(model, tokenizer, problems, batch_size: int = 200) -> list[str]:
+    """Greedy responses (special tokens dropped) for ``problems`` [(a, b)]."""
+    import torch
+
+    outs = []
+    for i in range(0, len(problems), batch_size):
+        chunk = [prompt_ids(tokenizer, a, b) for a, b in problems[i : i + batch_size]]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(c)) + c for c in chunk])
+        mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(c) for c in chunk])[:, None]).long()
+        with torch.no_grad():
+            gen = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
+                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+            )  # fmt: skip
+        outs += tokenizer.batch_decode(gen[:, width:], skip_special_tokens=True)
+    return outs
+
+
+def evaluate(model_dir_or_model, tokenizer, problems) -> dict:
+    """Held-out greedy accuracy of an HF checkpoint (path or loaded model) on ``problems`` [(a, b)]."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    model = model_dir_or_model
+    if isinstance(model, str):
+        model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    model.eval()
+    if isinstance(tokenizer, str):
+        tokenizer = load_tokenizer(tokenizer)
+    responses = generate_greedy(model, tokenizer, problems)
+    scores = [task.compute_score(task.DATA_SOURCE, r, str(a + b)) for r, (a, b) in zip(responses, problems)]
+    n = len(problems)
+    return {
+        "n": n,
+        "acc": sum(s["acc"] for s in scores) / n,
+        "format_ok": sum(s["format_ok"] for s in scores) / n,
+        "examples": [f"{task.prompt_text(a, b)} -> {r!r}" for r, (a, b) in list(zip(responses, problems))[:5]],
+    }
+
+
+# ------------------------------------------------------------------------------------------ all together
+def _fingerprint(seed: int) -> dict:
+    return {"version": 1, "seed": seed, "chars": "".join(CHARS), "model": MODEL_KW, "pretrain": PRETRAIN,
+            "n_train": N_TRAIN, "n_heldout": N_HELDOUT}
+
+
+def prepare(out_dir: str = DEFAULT_OUT, seed: int = 0, force: bool = False, log=print) -> dict:
+    """Build (or reuse) tokenizer, parquets and the base model for ``seed``; returns paths and base eval.
+
+    The data split is always seed 0 (the same held-out set for every run); ``seed`` picks the base model's
+    initialisation and pre-training stream (``base_seed{seed}``).
+    """
+    out_dir = os.path.abspath(out_dir)
+    paths = {
+        "tokenizer": os.path.join(out_dir, "tokenizer"),
+        "train": os.path.join(out_dir, "train.parquet"),
+        "heldout": os.path.join(out_dir, "heldout.parquet"),
+        "model": os.path.join(out_dir, f"base_seed{seed}"),
+    }
+    manifest = os.path.join(paths["model"], "eval.json")
+    fp = _fingerprint(seed)
+    if not force and os.path.exists(manifest) and all(os.path.exists(p) for p in paths.values()):
+        with open(manifest) as f:
+            info = json.load(f)
+        if info.get("fingerprint") == fp:
+            return {**paths, "base_eval": info["eval"]}
+
+    os.makedirs(out_dir, exist_ok=True)
+    tokenizer = build_tokenizer(paths["tokenizer"])
+    tokenizer = load_tokenizer(paths["tokenizer"])  # evaluate exactly what verl will load
+    assert tokenizer.encode("\n", add_special_tokens=False) != [] and len(tokenizer.encode("\n")) == 1
+    write_parquets(out_dir, seed=0)
+    train_info = pretrain_base(paths["model"], tokenizer, seed, log=log)
+    heldout = read_problems(paths["heldout"])
+    carry_free = task.sample_problems(N_HELDOUT, random.Random(12345), carry=False)
+    ev = {"heldout_carry": evaluate(paths["model"], tokenizer, heldout),
+          "carry_free": evaluate(paths["model"], tokenizer, carry_free)}
+    with open(manifest, "w") as f:
+        json.dump({"fingerprint": fp, "pretrain": train_info, "eval": ev}, f, indent=1)
+    return {**paths, "base_eval": ev}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pp = sub.add_parser("prepare", help="build tokenizer, parquets and the base model (cached)")
+    pp.add_argument("--out", default=DEFAULT_OUT)
+    pp.add_argument("--seed", type=int, default=0)
+    pp.add_argument("--force", action="store_true")
+    pe = sub.add_parser("eval", help="greedy held-out accuracy of an HF checkpoint")
+    pe.add_argument("model")
+    pe.add_argument("--tokenizer", default=os.path.join(DEFAULT_OUT, "tokenizer"))
+    pe.add_argument("--data", default=os.path.join(DEFAULT_OUT, "heldout.parquet"))
+    a = p.parse_args(argv)
+    if a.cmd == "prepare":
+        res = prepare(a.out, seed=a.seed, force=a.force)
+    else:
+        res = evaluate(a.model, a.tokenizer, read_problems(a.data))
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
