@@ -211,7 +211,8 @@ def test_fragment_composes_with_stock_verl_config():
 
 @pytest.mark.ray
 def test_stock_verl_main_ppo_grpo_two_steps(tiny_assets, tmp_path):
-    """Issue 3 item 4: stock verl GRPO, legacy trainer, 2 steps through the CPU backend."""
+    """Issue 3 item 4: stock verl GRPO, legacy trainer, 2 steps through the CPU backend (plus one greedy
+    validation pass before training, the path recipes use)."""
     overrides = STOCK_VERL_CPU + tiny_overrides(tiny_assets, lr=1e-3) + [
         "trainer.use_v1=false",
         "algorithm.adv_estimator=grpo",
@@ -220,6 +221,7 @@ def test_stock_verl_main_ppo_grpo_two_steps(tiny_assets, tmp_path):
         # gradient, the weights change at step 1, and step 2 then checks the weight push to the rollout.
         "actor_rollout_ref.actor.entropy_coeff=0.01",
         "actor_rollout_ref.actor.calculate_entropy=true",
+        "trainer.val_before_train=true",
     ]
     result = run_verl("verl.trainer.main_ppo", overrides, tmp_path, timeout=420)
     print(f"wall {result.wall_s:.1f}s, peak RSS of the job's process tree {result.peak_rss_mb:.0f} MiB, "
@@ -227,15 +229,17 @@ def test_stock_verl_main_ppo_grpo_two_steps(tiny_assets, tmp_path):
 
     log = result.log_path.read_text(errors="replace")
     assert "mix_src.cpu: CPU backend active" in log and "hf rollout server 0 ready" in log
-    assert [m["step"] for m in result.metrics] == [1, 2], result.log_tail()
-    for m in result.metrics:
+    val, *train = result.metrics
+    assert val["step"] == 0 and any(k.startswith("val-core/") for k in val), sorted(val)
+    assert [m["step"] for m in train] == [1, 2], result.log_tail()
+    for m in train:
         for key in ("actor/pg_loss", "timing_s/step", "training/rollout_probs_diff_mean"):
             assert key in m, f"{key} missing at step {m['step']}"
         assert m["training/rollout_probs_diff_valid"] == 1
         assert m["training/rollout_probs_diff_mean"] < 0.05
         # fp32 on both sides: measured ~1e-8; with the weight push disabled step 2 measured 5.8e-3.
         assert m["training/rollout_probs_diff_max"] < 1e-4
-    assert result.metrics[0]["actor/grad_norm"] > 0  # so step 2 samples from updated, pushed weights
+    assert train[0]["actor/grad_norm"] > 0  # so step 2 samples from updated, pushed weights
 
 
 def test_run_verl_fails_clearly_and_leaves_nothing_running(tmp_path):
