@@ -26,7 +26,6 @@ The Hydra side (fake Ray GPUs, eager attention, fsdp2 fp32, rollout name hf, ...
 from __future__ import annotations
 
 import importlib.abc
-import importlib.util
 import logging
 import os
 import sys
