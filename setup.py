@@ -46,7 +46,7 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout"],
+        "test": ["pytest>=8", "pytest-timeout", "psutil"],
         "gpu": ["verl[vllm]==0.9.1", "flash-attn"],
     },
     entry_points={
