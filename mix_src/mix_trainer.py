@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import os
 import uuid
-from functools import partial
 from pprint import pprint
 from typing import Any, Iterator, Optional
 
@@ -86,10 +85,11 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         self.actor_rollout_wg.set_loss_fn(self._make_loss_fn())
 
     def _make_loss_fn(self):
-        from mix_src.loss import MixLoss
+        """The worker loss (mix_src.loss), pickled once to every actor worker by set_loss_fn."""
+        from mix_src.loss import MixPolicyLoss
 
         actor_cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
-        return partial(MixLoss(self.mix.loss), config=actor_cfg)
+        return MixPolicyLoss(actor_cfg, self.mix.loss)
 
     # ------------------------------------------------------------------------------------------------
     # the loop
