@@ -1,0 +1,303 @@
+"""The actor's loss on the worker: LUFFY's mixed on/off-policy loss in verl 0.9.1's engine workers.
+
+verl's registered policy losses never see `prefix_mask` (its `ppo_loss` passes a fixed set of fields),
+so the trainer replaces the whole worker loss after `init_workers()`:
+
+    actor_cfg = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    actor_rollout_wg.set_loss_fn(MixPolicyLoss(actor_cfg, MixLossConfig(**config.mix.loss)))
+
+`MixPolicyLoss.__call__(model_output, data, dp_group=None) -> (loss, metrics)` has the signature of
+verl's `workers/utils/losses.py::ppo_loss` (with `config` bound at construction) and mirrors it step by
+step: log-probs and entropy back to padded (bsz, response_len); the policy loss; minus the entropy
+bonus; plus the KL loss; every term aggregated by `agg_loss` with the global batch numbers the engine
+puts in `data` (dp_size, batch_num_tokens, global_batch_size), so the gradient of a mini-batch does not
+depend on how it is split into micro-batches. With an all-zero prefix_mask it equals verl's ppo_loss.
+
+Policy loss (from `mix.loss`):
+    default                 core_alg.compute_token_on_off_policy_loss: PPO-clip on on-policy tokens,
+                            -A * f(p) on prefix tokens (reshapes, clips, aggregation: see core_alg).
+    use_sft_multitask_loss  PPO-clip on the on-policy rows + sft_loss_coef * NLL of the prefix tokens;
+                            the NLL is aggregated exactly like the policy loss (same mode, same global
+                            normalisation), so the two terms share one scale (the original divides them
+                            differently) and the sum stays micro-batch invariant.
+Entropy bonus: -c * entropy_loss with c = actor.entropy_coeff, or learned (use_adaptive_entropy:
+    core_alg.AdaptiveEntropyCoef, stepped once per mini-batch on the mini-batch's token-mean entropy,
+    all-reduced over DP so every rank keeps the same c), or c = entropy_coeff * target_entropy / H with H
+    this micro-batch's token-mean entropy (adaptive_entropy_fixed, as the original; this one variant
+    depends on the micro-batch split).
+KL loss (actor.use_kl_loss): kl_loss_coef * agg(kl_penalty(log_prob, ref_log_prob, kl_loss_type)) over
+    every valid token, prefix tokens included; it works together with the off-policy loss (the original
+    crashes there).
+
+Metrics: verl's names (actor/pg_loss, actor/pg_clipfrac, actor/ppo_kl, actor/pg_clipfrac_lower,
+actor/entropy_loss, kl_loss, kl_coef; the trainer prefixes "actor/" to keys without it) plus LUFFY's
+actor/off_policy_prob, actor/on_policy_prob, actor/off_pg_loss, actor/on_pg_loss, actor/off_ratio_mean,
+actor/off_ratio_max_clip_frac, actor/off_ratio_min_clip_frac, and actor/sft_loss, actor/entropy_coeff,
+actor/alpha_loss, actor/log_alpha when those features are on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+from tensordict import TensorDict
+from verl.trainer.ppo.core_algos import kl_penalty
+from verl.utils.metric import AggregationType, Metric
+from verl.workers.utils.padding import no_padding_2_padding
+
+from mix_src.core_alg import (
+    LOSS_AGG_MODES,
+    P_DIV_P_ALIASES,
+    RESHAPE_MODES,
+    AdaptiveEntropyCoef,
+    agg_loss,
+    compute_token_on_off_policy_loss,
+    masked_mean,
+)
+
+__all__ = ["MixLossConfig", "MixPolicyLoss"]
+
+_RESHAPES = (*RESHAPE_MODES, *P_DIV_P_ALIASES)
+
+
+@dataclass
+class MixLossConfig:
+    """The `mix.loss` config section (LUFFY's key names; formulas in core_alg and the module docstring).
+    Clip range, dual clip, loss_agg_mode, entropy_coeff and the KL settings come from verl's actor config.
+    """
+
+    off_policy_reshape: str = "no_reshape"  # f(p) on prefix tokens; LUFFY's recipe: "p_div_p" (gamma 0.1)
+    off_policy_reshape_gamma: float = 0.1  # gamma of p/(p+gamma), > 0
+    off_policy_reshape_weight: float = 0.1  # w of logp / p_logp
+    off_policy_reshape_pow_exp: float = 0.5  # k of pow
+    on_policy_reshape: str = "no_reshape"  # r on on-policy tokens
+    on_policy_reshape_weight: float = 0.1
+    on_policy_reshape_pow_exp: float = 0.5
+    off_max_clip: float | None = None  # f <- min(f, off_max_clip)
+    off_min_clip: float | None = None  # f <- max(f, off_min_clip)
+    all_max_clip: float | None = None  # drop tokens with p > all_max_clip from the loss, in (0, 1]
+    loss_remove_clip: bool = False  # no PPO clip on on-policy tokens (LUFFY's recipe: True)
+    clip_upper_bound: float = 1.0  # widens the upper clip bound to max(this, 1 + clip_ratio_high)
+    loss_agg_mode: str | None = None  # None: actor.loss_agg_mode; "luffy-token-sum-norm" only here
+    use_sft_multitask_loss: bool = False  # PPO on on-policy rows + sft_loss_coef * NLL of prefix tokens
+    sft_loss_coef: float = 1.0
+    use_adaptive_entropy: bool = False  # learn the entropy coefficient (starts at actor.entropy_coeff)
+    adaptive_entropy_fixed: bool = False  # c = entropy_coeff * target_entropy / H (no learning)
+    target_entropy: float = 1.0  # H*, token-mean entropy target of both adaptive variants
+    alpha_lr: float = 1e-2  # AdamW learning rate of log(c)
+    entropy_coeff_max: float | None = None  # cap of the learned coefficient
+
+    def __post_init__(self):
+        for name in ("off_policy_reshape", "on_policy_reshape"):
+            if getattr(self, name) not in _RESHAPES:
+                raise ValueError(f"mix.loss.{name}={getattr(self, name)!r}; allowed values: {', '.join(_RESHAPES)}")
+        if self.loss_agg_mode is not None and self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(
+                f"mix.loss.loss_agg_mode={self.loss_agg_mode!r}; allowed values: None (use the actor's), "
+                + ", ".join(LOSS_AGG_MODES)
+            )
+        if not self.off_policy_reshape_gamma > 0:
+            raise ValueError(f"mix.loss.off_policy_reshape_gamma must be > 0, got {self.off_policy_reshape_gamma}")
+        if self.all_max_clip is not None and not 0 < self.all_max_clip <= 1:
+            raise ValueError(f"mix.loss.all_max_clip must be in (0, 1] or null, got {self.all_max_clip}")
+        if self.off_max_clip is not None and self.off_min_clip is not None and self.off_min_clip > self.off_max_clip:
+            raise ValueError(f"mix.loss.off_min_clip ({self.off_min_clip}) must be <= off_max_clip ({self.off_max_clip})")
+        if self.sft_loss_coef < 0:
+            raise ValueError(f"mix.loss.sft_loss_coef must be >= 0, got {self.sft_loss_coef}")
+        if not self.alpha_lr > 0:
+            raise ValueError(f"mix.loss.alpha_lr must be > 0, got {self.alpha_lr}")
+        if self.entropy_coeff_max is not None and not self.entropy_coeff_max > 0:
+            raise ValueError(f"mix.loss.entropy_coeff_max must be > 0 or null, got {self.entropy_coeff_max}")
+        if self.use_adaptive_entropy and self.adaptive_entropy_fixed:
+            raise ValueError("mix.loss.use_adaptive_entropy and adaptive_entropy_fixed exclude each other; pick one")
+        if self.target_entropy < 0:
+            raise ValueError(f"mix.loss.target_entropy must be >= 0, got {self.target_entropy}")
+        if self.use_sft_multitask_loss:
+            shaping = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                       if f.name.startswith("off_") and getattr(self, f.name) != f.default}  # fmt: skip
+            if shaping:
+                raise ValueError(
+                    f"mix.loss.use_sft_multitask_loss replaces the off-policy loss, so {sorted(shaping)} would be "
+                    "ignored; remove them or turn use_sft_multitask_loss off"
+                )
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None) -> "MixLossConfig":
+        """Build from a plain mapping (e.g. the `mix.loss` DictConfig); unknown keys are an error."""
+        values = dict(values or {})
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"unknown mix.loss keys {unknown}; valid keys: {', '.join(known)}")
+        return cls(**values)
+
+
+class MixPolicyLoss:
+    """Worker loss for `actor_rollout_wg.set_loss_fn` (see the module docstring).
+
+    Args:
+        config: verl's ActorConfig (omega_conf_to_dataclass of actor_rollout_ref.actor); read for
+            clip_ratio(_low/_high), clip_ratio_c, loss_agg_mode, loss_scale_factor, entropy_coeff,
+            use_kl_loss, kl_loss_coef, kl_loss_type and policy_loss.loss_mode (must be "vanilla").
+        loss_config: the `mix.loss` section (MixLossConfig, a mapping, or None for the defaults).
+
+    State: the learned entropy coefficient (use_adaptive_entropy) lives in this object on each worker;
+    it is not part of verl's checkpoint, so a resumed run restarts it from actor.entropy_coeff.
+    """
+
+    def __init__(self, config: Any, loss_config: MixLossConfig | Mapping[str, Any] | None = None):
+        self.config = config
+        self.mix = loss_config if isinstance(loss_config, MixLossConfig) else MixLossConfig.from_dict(loss_config)
+        loss_mode = config.policy_loss.get("loss_mode", "vanilla") if config.get("policy_loss") else "vanilla"
+        if loss_mode != "vanilla":
+            raise ValueError(
+                f"actor.policy_loss.loss_mode={loss_mode!r}: the MIX loss applies vanilla PPO-clip to on-policy "
+                "tokens and replaces verl's policy loss; set it to 'vanilla'"
+            )
+        self.cliprange = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
+        clip_high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
+        if clip_high < self.cliprange:
+            raise ValueError(
+                f"actor.clip_ratio_high ({clip_high}) < clip_ratio_low ({self.cliprange}) is not supported: the "
+                "upper clip bound is max(mix.loss.clip_upper_bound, 1 + clip_ratio_high, 1 + clip_ratio_low)"
+            )
+        self.clip_upper_bound = max(self.mix.clip_upper_bound, 1.0 + clip_high)
+        self.clip_ratio_c = config.get("clip_ratio_c", 3.0)
+        self.loss_agg_mode = self.mix.loss_agg_mode or config.loss_agg_mode
+        if (self.mix.use_adaptive_entropy or self.mix.adaptive_entropy_fixed) and not config.entropy_coeff > 0:
+            raise ValueError(
+                f"the adaptive entropy coefficient starts from / scales actor.entropy_coeff, which must be > 0 "
+                f"(got {config.entropy_coeff})"
+            )
+        self._entropy_coef: AdaptiveEntropyCoef | None = None  # built on the worker, at the first call
+        self._pending_entropy = [0.0, 0.0]  # [sum of token entropies, tokens] of the current mini-batch
+
+    # ---- the loss --------------------------------------------------------------------------------
+
+    def __call__(self, model_output: Mapping[str, Any], data: TensorDict, dp_group=None):
+        config, mix = self.config, self.mix
+        log_prob = no_padding_2_padding(model_output["log_probs"], data)  # (bsz, response_len)
+        entropy = model_output.get("entropy", None)
+        if entropy is not None:
+            entropy = no_padding_2_padding(entropy, data)
+
+        info = dict(dp_size=data["dp_size"], batch_num_tokens=data["batch_num_tokens"],
+                    global_batch_size=data["global_batch_size"], loss_scale_factor=config.loss_scale_factor)  # fmt: skip
+        global_norm = (info["dp_size"] > 1 or info["batch_num_tokens"] is not None
+                       or info["global_batch_size"] is not None or info["loss_scale_factor"] is not None)  # fmt: skip
+        total_agg = AggregationType.SUM if global_norm else AggregationType.MEAN  # as verl's ppo_loss
+
+        if "prefix_mask" not in data.keys():
+            raise KeyError(
+                "the batch has no 'prefix_mask' (bsz, response_len); the MIX trainer must add it (all zeros for "
+                "on-policy rows) before update_actor"
+            )
+        fields = ["response_mask", "old_log_probs", "advantages", "prefix_mask"]
+        fields += [k for k in ("rollout_is_weights", "ref_log_prob") if k in data.keys()]
+        batch = data.select(*fields).to_padded_tensor()
+        response_mask = batch["response_mask"].to(bool)
+        prefix_mask = batch["prefix_mask"].to(bool) & response_mask
+        if prefix_mask.shape != response_mask.shape:
+            raise ValueError(f"prefix_mask has shape {tuple(prefix_mask.shape)}, response_mask {tuple(response_mask.shape)}")
+
+        # ---- policy loss -------------------------------------------------------------------------
+        common = dict(
+            cliprange=self.cliprange, clip_upper_bound=self.clip_upper_bound, clip_ratio_c=self.clip_ratio_c,
+            loss_remove_clip=mix.loss_remove_clip, loss_agg_mode=self.loss_agg_mode,
+            rollout_is_weights=batch.get("rollout_is_weights", None), **info,
+        )  # fmt: skip
+        metrics: dict[str, Any] = {}
+        if mix.use_sft_multitask_loss:
+            off_rows = prefix_mask.any(dim=-1, keepdim=True)  # rows with a prefix are off-policy rows
+            out = compute_token_on_off_policy_loss(
+                batch["old_log_probs"], log_prob, batch["advantages"], response_mask & ~off_rows,
+                torch.zeros_like(prefix_mask), on_policy_reshape=mix.on_policy_reshape,
+                off_policy_reshape_gamma=mix.off_policy_reshape_gamma,
+                on_policy_reshape_weight=mix.on_policy_reshape_weight,
+                on_policy_reshape_pow_exp=mix.on_policy_reshape_pow_exp, **common,
+            )  # fmt: skip
+            out["off_policy_prob"] = masked_mean(log_prob.detach().exp(), prefix_mask)
+            sft_loss = agg_loss(-log_prob, prefix_mask, self.loss_agg_mode, **info)
+            pg_loss = out["pg_loss"] + mix.sft_loss_coef * sft_loss
+            metrics["actor/sft_loss"] = Metric(value=sft_loss, aggregation=total_agg)
+            metrics["actor/sft_nll"] = Metric(value=masked_mean(-log_prob.detach(), prefix_mask),
+                                              aggregation=AggregationType.MEAN)  # fmt: skip
+        else:
+            out = compute_token_on_off_policy_loss(
+                batch["old_log_probs"], log_prob, batch["advantages"], response_mask, prefix_mask,
+                off_policy_reshape=mix.off_policy_reshape, off_policy_reshape_gamma=mix.off_policy_reshape_gamma,
+                off_policy_reshape_weight=mix.off_policy_reshape_weight,
+                off_policy_reshape_pow_exp=mix.off_policy_reshape_pow_exp, on_policy_reshape=mix.on_policy_reshape,
+                on_policy_reshape_weight=mix.on_policy_reshape_weight,
+                on_policy_reshape_pow_exp=mix.on_policy_reshape_pow_exp, off_max_clip=mix.off_max_clip,
+                off_min_clip=mix.off_min_clip, all_max_clip=mix.all_max_clip, **common,
+            )  # fmt: skip
+            pg_loss = out["pg_loss"]
+        mean_metrics = {
+            "actor/pg_clipfrac": out["on_pg_clipfrac"], "actor/ppo_kl": out["ppo_kl"],
+            "actor/pg_clipfrac_lower": out["on_pg_clipfrac_lower"],
+            **{f"actor/{k}": out[k] for k in ("off_policy_prob", "on_policy_prob", "off_pg_loss", "on_pg_loss",
+                                               "off_ratio_mean", "off_ratio_max_clip_frac", "off_ratio_min_clip_frac")},
+        }  # fmt: skip
+        values = torch.stack([v.float() for v in mean_metrics.values()]).tolist()  # one host sync
+        metrics.update(Metric.from_dict(dict(zip(mean_metrics, values)), aggregation=AggregationType.MEAN))
+        metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=total_agg)
+        policy_loss = pg_loss
+
+        # ---- entropy bonus -----------------------------------------------------------------------
+        if entropy is not None:
+            entropy_loss = agg_loss(entropy, response_mask, self.loss_agg_mode, **info)
+            coef = self._entropy_coefficient(entropy, response_mask, info, dp_group, metrics)
+            policy_loss = policy_loss - coef * entropy_loss
+            metrics["actor/entropy_loss"] = Metric(value=entropy_loss, aggregation=total_agg)
+        elif mix.use_adaptive_entropy or mix.adaptive_entropy_fixed:
+            raise ValueError("adaptive entropy needs the entropy in model_output (calculate_entropy)")
+
+        # ---- KL loss -----------------------------------------------------------------------------
+        if config.use_kl_loss:
+            if "ref_log_prob" not in batch.keys():
+                raise KeyError("actor.use_kl_loss is on but the batch has no 'ref_log_prob'")
+            kld = kl_penalty(logprob=log_prob, ref_logprob=batch["ref_log_prob"], kl_penalty=config.kl_loss_type)
+            kl_loss = agg_loss(kld, response_mask, self.loss_agg_mode, **info)
+            policy_loss = policy_loss + kl_loss * config.kl_loss_coef
+            metrics["kl_loss"] = Metric(value=kl_loss, aggregation=total_agg)
+            metrics["kl_coef"] = config.kl_loss_coef
+        return policy_loss, metrics
+
+    # ---- entropy coefficient -------------------------------------------------------------------------
+
+    def _entropy_coefficient(self, entropy, response_mask, info, dp_group, metrics) -> float:
+        """The coefficient of this micro-batch's entropy bonus (and the adaptive bookkeeping)."""
+        mix, base = self.mix, self.config.entropy_coeff
+        if mix.adaptive_entropy_fixed:
+            mean_entropy = masked_mean(entropy.detach(), response_mask).item()
+            coef = base * mix.target_entropy / mean_entropy if mean_entropy > 0 else base
+            metrics["actor/entropy_coeff"] = coef
+            return coef
+        if not mix.use_adaptive_entropy:
+            return base
+        if self._entropy_coef is None:
+            self._entropy_coef = AdaptiveEntropyCoef(base, mix.target_entropy, lr=mix.alpha_lr,
+                                                     max_coef=mix.entropy_coeff_max)  # fmt: skip
+        coef = self._entropy_coef.coef  # constant during a mini-batch: the split does not matter
+        metrics["actor/entropy_coeff"] = coef
+
+        # accumulate the mini-batch's token-mean entropy over micro-batches (and DP ranks); step log(c)
+        # once all of the mini-batch's batch_num_tokens tokens have been seen
+        local = torch.stack([(entropy.detach() * response_mask).sum(), response_mask.sum()]).double()
+        if info["dp_size"] > 1 and dp_group is not None and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.SUM, group=dp_group)
+        self._pending_entropy[0] += float(local[0])
+        self._pending_entropy[1] += float(local[1])
+        total = info["batch_num_tokens"]
+        if total is None or self._pending_entropy[1] >= total:
+            tokens = self._pending_entropy[1]
+            mean_entropy = self._pending_entropy[0] / tokens if tokens else self._entropy_coef.target_entropy
+            update = self._entropy_coef.update(mean_entropy)
+            metrics["actor/alpha_loss"] = update["alpha_loss"]
+            metrics["actor/log_alpha"] = update["log_alpha"]
+            self._pending_entropy = [0.0, 0.0]
+        return coef
