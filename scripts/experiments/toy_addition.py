@@ -17,6 +17,7 @@ cached on disk (re-running is a no-op when the manifest matches):
 Usage::
 
     python scripts/experiments/toy_addition.py prepare [--out outputs/toy_addition] [--seed 0]
+    python scripts/experiments/toy_addition.py sft-data OUT/train.parquet MESSAGES.parquet   # verl SFT data
     python scripts/experiments/toy_addition.py eval MODEL_DIR [--tokenizer OUT/tokenizer] [--data OUT/heldout.parquet]
 
 ``evaluate()`` is a held-out greedy evaluator (HF ``generate``) for any HF-format checkpoint.
@@ -109,6 +110,16 @@ def write_parquets(out_dir: str, seed: int) -> dict:
         paths[name] = os.path.join(out_dir, f"{name}.parquet")
         pd.DataFrame(rows).to_parquet(paths[name], index=False)
     return paths
+
+
+def write_sft_messages(train_parquet: str, out_parquet: str) -> int:
+    """verl SFT-trainer data (a ``messages`` column): each row's prompt + [assistant: its target]."""
+    import pandas as pd
+
+    df = pd.read_parquet(train_parquet)
+    messages = [list(p) + [{"role": "assistant", "content": t[0]["content"]}] for p, t in zip(df["prompt"], df["target"])]
+    pd.DataFrame({"messages": messages}).to_parquet(out_parquet, index=False)
+    return len(messages)
 
 
 def read_problems(parquet: str) -> list[tuple[int, int]]:
@@ -266,8 +277,13 @@ def main(argv=None) -> int:
     pe.add_argument("model")
     pe.add_argument("--tokenizer", default=os.path.join(DEFAULT_OUT, "tokenizer"))
     pe.add_argument("--data", default=os.path.join(DEFAULT_OUT, "heldout.parquet"))
+    ps = sub.add_parser("sft-data", help="write verl SFT messages (prompt + target) from a training parquet")
+    ps.add_argument("train_parquet")
+    ps.add_argument("out_parquet")
     a = p.parse_args(argv)
-    if a.cmd == "prepare":
+    if a.cmd == "sft-data":
+        res = {"rows": write_sft_messages(a.train_parquet, a.out_parquet), "path": a.out_parquet}
+    elif a.cmd == "prepare":
         res = prepare(a.out, seed=a.seed, force=a.force)
     else:
         res = evaluate(a.model, a.tokenizer, read_problems(a.data))

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Toy addition (LUFFY in miniature on CPU): one run of METHOD with SEED.
+# Usage: bash recipes/toy_addition/run.sh METHOD SEED [hydra overrides...]
+#   METHOD: luffy | on_policy_grpo   (python -m mix_src.main_mix_ppo, config METHOD.yaml, CPU backend)
+#         | sft                      (verl's SFT trainer, config sft.yaml, torchrun on CPU)
+# Env: STEPS (default 200), EVAL_EVERY (20), ASSETS_DIR (outputs/toy_addition),
+#      OUTPUT_DIR (outputs/toy_addition/runs/METHOD_seedSEED), plus recipes/common.sh's PYTHON, LOGGER.
+# The first call builds the tokenizer, parquets and base model into ASSETS_DIR (a few minutes, cached).
+# RL runs log held-out greedy accuracy (val-core/toy_addition/acc/mean@1) every EVAL_EVERY steps to
+# OUTPUT_DIR/metrics.jsonl and save the last step in HF format; SFT saves an HF checkpoint every
+# EVAL_EVERY steps, which scripts/experiments/luffy_vs_grpo.py evaluates.
+METHOD="${1:?usage: run.sh METHOD SEED [overrides]}"; SEED="${2:?usage: run.sh METHOD SEED [overrides]}"; shift 2
+case "$METHOD" in luffy|on_policy_grpo|sft) ;; *) echo "unknown METHOD '$METHOD' (luffy|on_policy_grpo|sft)" >&2; exit 2;; esac
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+: "${ASSETS_DIR:=$ROOT/outputs/toy_addition}"
+: "${OUTPUT_DIR:=$ASSETS_DIR/runs/${METHOD}_seed$SEED}"
+: "${STEPS:=200}" "${EVAL_EVERY:=20}"
+EXPERIMENT_NAME="toy_addition_${METHOD}_seed$SEED"
+source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
+export VERL_PLATFORM=cpu            # the CPU backend (mix_src.cpu), even on a machine with a GPU
+export RAY_ADDRESS=local            # a private Ray cluster, never someone else's running one
+export TOKENIZERS_PARALLELISM=false WANDB_MODE="${WANDB_MODE:-disabled}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+NGPUS=                              # CPU only: the backend fragment sets one fake GPU
+
+"$PYTHON" "$ROOT/scripts/experiments/toy_addition.py" prepare --out "$ASSETS_DIR" >/dev/null  # no-op when cached
+TOKENIZER_PATH="$ASSETS_DIR/tokenizer"  # apart from the model: transformers 5 would swap it for Qwen2Tokenizer
+MODEL_PATH="${MODEL_PATH:-$ASSETS_DIR/base_seed0}"
+TRAIN_FILES="${TRAIN_FILES:-$ASSETS_DIR/train.parquet}"
+VAL_FILES="${VAL_FILES:-$ASSETS_DIR/heldout.parquet}"
+rm -f "$VERL_FILE_LOGGER_PATH"      # metrics.jsonl of this run only (verl's file logger appends)
+mkdir -p "$OUTPUT_DIR"
+start=$SECONDS
+
+if [[ "$METHOD" == sft ]]; then
+  "$PYTHON" "$ROOT/scripts/experiments/toy_addition.py" sft-data "$TRAIN_FILES" "$OUTPUT_DIR/sft_messages.parquet"
+  "$PYTHON" -m torch.distributed.run --standalone --nnodes=1 --nproc_per_node=1 \
+    "$ROOT/scripts/experiments/sft_cpu.py" --config-path "$RECIPE_DIR" --config-name sft \
+    "model.path=$MODEL_PATH" "model.tokenizer_path=$TOKENIZER_PATH" \
+    "data.train_files=$OUTPUT_DIR/sft_messages.parquet" "trainer.default_local_dir=$OUTPUT_DIR/checkpoints" \
+    "trainer.total_training_steps=$STEPS" "trainer.save_freq=$EVAL_EVERY" "trainer.seed=$SEED" \
+    "trainer.logger=$LOGGER" "trainer.experiment_name=$EXPERIMENT_NAME" "hydra.run.dir=$OUTPUT_DIR/hydra" "$@"
+else
+  mix_common_overrides
+  "$PYTHON" -m mix_src.main_mix_ppo --config-path "$RECIPE_DIR" --config-name "$METHOD" "${MIX_OVERRIDES[@]}" \
+    "actor_rollout_ref.model.tokenizer_path=$TOKENIZER_PATH" \
+    "trainer.total_training_steps=$STEPS" "trainer.test_freq=$EVAL_EVERY" "trainer.save_freq=$STEPS" \
+    "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]" \
+    "data.seed=$SEED" "mix.seed=$SEED" "actor_rollout_ref.rollout.seed=$SEED" "$@"
+fi
+echo "[recipes/toy_addition] $METHOD seed $SEED: $STEPS steps in $((SECONDS - start)) s; metrics: $VERL_FILE_LOGGER_PATH" >&2
+echo "$((SECONDS - start))" > "$OUTPUT_DIR/wall_seconds.txt"

@@ -1,0 +1,228 @@
+"""LUFFY vs on-policy GRPO vs SFT on the toy addition task, on CPU, through the real trainers.
+
+For each method (luffy, on_policy_grpo, sft) and seed, runs ``bash recipes/toy_addition/run.sh METHOD SEED``
+with the same step budget (or reuses a finished run with the same budget), then collects the held-out greedy
+accuracy (200 carry problems) every ``--eval-every`` steps:
+
+* luffy / on_policy_grpo: the trainer's own validation (``val-core/toy_addition/acc/mean@1`` in the run's
+  metrics.jsonl; ``val_kwargs.do_sample=false``), step 0 = before training. The last step is also saved in
+  HF format and re-checked with the independent evaluator (``toy_addition.evaluate``, HF ``generate``).
+* sft: verl's SFT trainer has no generation validation, so its HF checkpoints (one per evaluation step) are
+  scored with ``toy_addition.evaluate``; step 0 = the base model.
+
+Prints a table (step -> accuracy per method and seed), writes ``OUT/results.json``, ``OUT/table.md`` and
+``OUT/curves.png``. Wall time per run is measured around ``run.sh`` (Ray/torchrun start-up included).
+
+Usage::
+
+    python scripts/experiments/luffy_vs_grpo.py [--steps 200] [--eval-every 20] [--seeds 0 1]
+        [--methods luffy on_policy_grpo sft] [--out outputs/toy_addition/luffy_vs_grpo] [--rerun] [--no-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import toy_addition as ta  # noqa: E402  (scripts/experiments/toy_addition.py)
+
+METHODS = ["luffy", "on_policy_grpo", "sft"]
+LABELS = {"luffy": "LUFFY (1 expert + 7 on-policy)", "on_policy_grpo": "on-policy GRPO (8 on-policy)",
+          "sft": "SFT (verl SFT trainer)"}
+COLORS = {"luffy": "tab:blue", "on_policy_grpo": "tab:red", "sft": "tab:green"}
+VAL_KEY_SUFFIX = "/acc/mean@1"  # val-core/<data_source>/acc/mean@1
+
+
+def read_metrics(path: str) -> dict[int, dict]:
+    """verl file-logger JSONL -> {step: merged metrics}."""
+    by_step: dict[int, dict] = {}
+    if not os.path.exists(path):
+        return by_step
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                by_step.setdefault(int(rec["step"]), {}).update(rec["data"])
+    return by_step
+
+
+def val_curve(metrics: dict[int, dict]) -> dict[int, float]:
+    """step -> held-out greedy accuracy from the trainer's validation metrics."""
+    out = {}
+    for step, m in metrics.items():
+        keys = [k for k in m if k.startswith("val-core/") and k.endswith(VAL_KEY_SUFFIX)]
+        if keys:
+            out[step] = float(m[keys[0]])
+    return out
+
+
+def run_dir(out: str, method: str, seed: int) -> str:
+    return os.path.join(out, f"{method}_seed{seed}")
+
+
+def launch(method: str, seed: int, rdir: str, steps: int, eval_every: int, assets: str) -> float:
+    """Run ``recipes/toy_addition/run.sh`` once; returns its wall time in seconds. Raises on failure."""
+    os.makedirs(rdir, exist_ok=True)
+    env = {**os.environ, "STEPS": str(steps), "EVAL_EVERY": str(eval_every), "OUTPUT_DIR": rdir, "ASSETS_DIR": assets}
+    cmd = ["bash", os.path.join(REPO_ROOT, "recipes", "toy_addition", "run.sh"), method, str(seed)]
+    log = os.path.join(rdir, "run.log")
+    print(f"[luffy_vs_grpo] {method} seed {seed}: {' '.join(cmd)} (log {log})", flush=True)
+    t0 = time.time()
+    with open(log, "w") as f:
+        rc = subprocess.call(cmd, cwd=REPO_ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    wall = time.time() - t0
+    if rc != 0:
+        tail = open(log, errors="replace").read().splitlines()[-40:]
+        raise RuntimeError(f"{method} seed {seed} failed (rc={rc}); log {log}:\n" + "\n".join(tail))
+    with open(os.path.join(rdir, "done.json"), "w") as f:
+        json.dump({"steps": steps, "eval_every": eval_every, "wall_s": round(wall, 1)}, f)
+    return wall
+
+
+def finished(rdir: str, steps: int, eval_every: int) -> bool:
+    p = os.path.join(rdir, "done.json")
+    if not os.path.exists(p):
+        return False
+    with open(p) as f:
+        d = json.load(f)
+    return d.get("steps") == steps and d.get("eval_every") == eval_every
+
+
+def hf_eval(model_dir: str, tokenizer, problems, cache: dict) -> float:
+    if model_dir not in cache:
+        cache[model_dir] = ta.evaluate(model_dir, tokenizer, problems)["acc"]
+    return cache[model_dir]
+
+
+def collect(method: str, rdir: str, steps: int, eval_every: int, base_acc: float, tokenizer, problems) -> dict:
+    """Accuracy curve and wall time of one finished run."""
+    with open(os.path.join(rdir, "done.json")) as f:
+        done = json.load(f)
+    cache_path = os.path.join(rdir, "hf_eval.json")
+    cache = json.load(open(cache_path)) if os.path.exists(cache_path) else {}
+    ckpts = os.path.join(rdir, "checkpoints")
+    res = {"wall_s": done["wall_s"]}
+    if method == "sft":
+        curve = {0: base_acc}
+        for step in range(eval_every, steps + 1, eval_every):
+            hf = os.path.join(ckpts, f"global_step_{step}", "huggingface")
+            curve[step] = hf_eval(hf, tokenizer, problems, cache)
+        res["curve"] = curve
+        res["final_hf_eval"] = curve[steps]
+    else:
+        metrics = read_metrics(os.path.join(rdir, "metrics.jsonl"))
+        res["curve"] = val_curve(metrics)
+        hf = os.path.join(ckpts, f"global_step_{steps}", "actor", "huggingface")
+        res["final_hf_eval"] = hf_eval(hf, tokenizer, problems, cache) if os.path.isdir(hf) else None
+        last = metrics.get(max(metrics)) if metrics else {}
+        res["train_last"] = {k: last.get(k) for k in ("critic/score/mean", "batch/on_solved", "batch/off_solved",
+                                                      "actor/off_policy_prob", "actor/on_policy_prob", "actor/entropy")}
+        res["train_score"] = {s: m["critic/score/mean"] for s, m in metrics.items() if "critic/score/mean" in m}
+        res["on_solved"] = {s: m["batch/on_solved"] for s, m in metrics.items() if "batch/on_solved" in m}
+    with open(cache_path, "w") as f:
+        json.dump(cache, f, indent=1)
+    return res
+
+
+def table(results: dict, methods, seeds) -> str:
+    cols = [(m, s) for m in methods for s in seeds]
+    steps = sorted({st for (m, s) in cols for st in results[m][s]["curve"]})
+    head = "| step | " + " | ".join(f"{m} s{s}" for m, s in cols) + " |"
+    lines = [head, "|" + "---:|" * (len(cols) + 1)]
+    for st in steps:
+        cells = []
+        for m, s in cols:
+            v = results[m][s]["curve"].get(st)
+            cells.append("" if v is None else f"{100 * v:.1f}")
+        lines.append(f"| {st} | " + " | ".join(cells) + " |")
+    lines.append("| wall s | " + " | ".join(f"{results[m][s]['wall_s']:.0f}" for m, s in cols) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, methods, seeds, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for m in methods:
+        for i, s in enumerate(seeds):
+            c = results[m][s]["curve"]
+            xs = sorted(c)
+            ax.plot(xs, [100 * c[x] for x in xs], color=COLORS.get(m), marker="o", ms=3,
+                    ls="-" if i == 0 else "--", label=f"{LABELS.get(m, m)}, seed {s}")
+    ax.set_xlabel("training step (32 prompts per step)")
+    ax.set_ylabel("held-out greedy accuracy (%), 200 carry problems")
+    ax.set_ylim(-3, 103)
+    ax.grid(alpha=0.3)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, loc="center right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    p.add_argument("--assets", default=ta.DEFAULT_OUT)
+    p.add_argument("--out", default=os.path.join(ta.DEFAULT_OUT, "luffy_vs_grpo"))
+    p.add_argument("--rerun", action="store_true", help="run again even when a finished run exists")
+    p.add_argument("--no-run", action="store_true", help="only read finished runs")
+    a = p.parse_args(argv)
+    if a.steps % a.eval_every:
+        p.error("--steps must be a multiple of --eval-every")
+
+    prep = ta.prepare(a.assets, seed=0)
+    base_acc = prep["base_eval"]["heldout_carry"]["acc"]
+    print(f"[luffy_vs_grpo] base model: held-out carry pass rate {100 * base_acc:.1f}% (greedy, n=200); "
+          f"carry-free {100 * prep['base_eval']['carry_free']['acc']:.1f}%", flush=True)
+    tokenizer = ta.load_tokenizer(prep["tokenizer"])
+    problems = ta.read_problems(prep["heldout"])
+
+    results: dict = {m: {} for m in a.methods}
+    for seed in a.seeds:  # seed-major: a partial experiment already compares the methods
+        for m in a.methods:
+            rdir = run_dir(a.out, m, seed)
+            if a.rerun or not finished(rdir, a.steps, a.eval_every):
+                if a.no_run:
+                    raise SystemExit(f"no finished run in {rdir} with steps={a.steps} (drop --no-run)")
+                wall = launch(m, seed, rdir, a.steps, a.eval_every, prep["tokenizer"].rsplit("/", 1)[0])
+                print(f"[luffy_vs_grpo] {m} seed {seed}: {wall:.0f} s", flush=True)
+            results[m][seed] = collect(m, rdir, a.steps, a.eval_every, base_acc, tokenizer, problems)
+
+    md = table(results, a.methods, a.seeds)
+    print(md)
+    final = {m: [results[m][s]["curve"].get(a.steps) for s in a.seeds] for m in a.methods}
+    for m in a.methods:
+        vals = [v for v in final[m] if v is not None]
+        print(f"final {m}: " + ", ".join(f"{100 * v:.1f}%" for v in vals)
+              + f"  (independent HF re-check of the last step: "
+              + ", ".join("n/a" if results[m][s].get("final_hf_eval") is None else
+                          f"{100 * results[m][s]['final_hf_eval']:.1f}%" for s in a.seeds) + ")")
+    os.makedirs(a.out, exist_ok=True)
+    png = os.path.join(a.out, "curves.png")
+    plot(results, a.methods, a.seeds, png,
+         f"toy addition, {a.steps} steps x 32 prompts, n=8, CPU (base: {100 * base_acc:.0f}%)")
+    with open(os.path.join(a.out, "table.md"), "w") as f:
+        f.write(md + "\n")
+    with open(os.path.join(a.out, "results.json"), "w") as f:
+        json.dump({"steps": a.steps, "eval_every": a.eval_every, "seeds": a.seeds, "base_acc": base_acc,
+                   "results": results}, f, indent=1, default=str)
+    print(f"[luffy_vs_grpo] wrote {png}, table.md, results.json", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
