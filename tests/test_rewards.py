@@ -264,6 +264,36 @@ def test_pool_kills_overrunning_and_dead_workers():
         pool.run(abs, (1,))
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")
+def test_pool_processes_die_with_their_caller():
+    """A caller killed with SIGKILL (no atexit) leaves no zygote and no busy worker behind."""
+    import subprocess
+    import sys
+
+    code = ("import threading, time, os\n"
+            "from mix_src.rewards.pool import GradingPool\n"
+            "p = GradingPool(1)\n"
+            "threading.Thread(target=p.run, args=(time.sleep, (300,), 300), daemon=True).start()\n"
+            "time.sleep(0.5)\n"
+            "print(p._zygote.pid, *p._live, flush=True)\n"
+            "os.kill(os.getpid(), 9)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    pids = [int(x) for x in out.stdout.split()]
+    assert len(pids) == 2, out.stderr
+    deadline = time.time() + 5
+    while time.time() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids), f"still running: {[p for p in pids if _alive(p)]}"
+
+
 def test_pool_reports_a_zygote_that_cannot_start():
     pool = GradingPool(max_workers=1, preload="no_such_module_for_mix_src:x", start_timeout_s=30)
     try:

@@ -17,6 +17,8 @@ Design:
   limit) is replaced the same way. As a backstop, each task also arms ``alarm(ceil(timeout)+5)``
   in the worker with the default action (process exit), so a worker whose caller has vanished
   cannot spin forever;
+* **clean-up**: the zygote exits when the caller closes the pool or dies (EOF on its control socket),
+  and workers die with the zygote (``PR_SET_PDEATHSIG`` on Linux) or at EOF on their own socket;
 * **threads**: :meth:`GradingPool.run` is thread-safe (verl calls the reward from executor threads);
   workers are started lazily, up to ``max_workers``, so an idle pool costs one zygote.
   :meth:`GradingPool.map` fans a list out over the workers.
@@ -331,7 +333,21 @@ def _zygote_main(ctrl_fd: int, preload: str, memory_limit_mb: int) -> None:  # p
     os._exit(0)
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent (the single-threaded zygote) exits."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the zygote is already gone
+            os._exit(0)
+    except (OSError, AttributeError):  # not Linux: the backstop alarm still bounds an orphan's life
+        pass
+
+
 def _worker_loop(fd: int, memory_limit_mb: int) -> None:  # pragma: no cover (subprocess)
+    _die_with_parent()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the backstop alarm ends the process
     if memory_limit_mb > 0:
