@@ -471,9 +471,10 @@ def compute_token_on_off_policy_loss(
         kl_sum = zero
 
         # ---- on-policy tokens: J = min(A r, A clip(r)), dJ/dl = A dr where the unclipped branch wins
-        obj, dobj = torch.zeros_like(lp), torch.zeros_like(lp)
         clipfrac = clipfrac_lower = on_pg_loss = on_prob = zero
-        if has_on:
+        if not has_on:
+            obj, dobj = torch.zeros_like(lp), torch.zeros_like(lp)
+        else:
             r, dr = _on_policy_ratio(on_mode, log_ratio, lp, old_log_prob, on_gamma,
                                      on_policy_reshape_weight, on_policy_reshape_pow_exp)  # fmt: skip
             obj = advantages * r

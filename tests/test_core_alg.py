@@ -75,14 +75,15 @@ def test_grpo_split_hand_computed():
     # group "b": a single on-policy row (reward 1) plus an off-policy row (reward 0) -> mu 0, sigma 1.
     # group "c": only off-policy rows, rewards 1 and 0 -> fallback to all rows: mu 0.5, sigma sqrt(0.5).
     # group "d": on-policy rewards 1, 1 -> all equal -> advantage 0.
-    scores = [1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0]
-    index = np.array(["a", "a", "a", "a", "b", "b", "c", "c", "d", "d"], dtype=object)
-    on = torch.tensor([False, True, True, True, True, False, False, False, True, True])
-    rewards, mask = _outcome_rewards(scores, [3] * 10, 3)
+    # groups "e" and "f": a single row (on- and off-policy) -> mu 0, sigma 1: A = R.
+    scores = [1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.75, 0.25]
+    index = np.array(["a", "a", "a", "a", "b", "b", "c", "c", "d", "d", "e", "f"], dtype=object)
+    on = torch.tensor([False, True, True, True, True, False, False, False, True, True, True, False])
+    rewards, mask = _outcome_rewards(scores, [3] * 12, 3)
     adv, ret = compute_grpo_outcome_advantage_split(rewards, mask, index, on, epsilon=0.0)
     s3 = math.sqrt(1 / 3)
     expected = [(1 / 3) / s3, (1 / 3) / s3, (-2 / 3) / s3, (1 / 3) / s3, 1.0, 0.0,
-                0.5 / math.sqrt(0.5), -0.5 / math.sqrt(0.5), 0.0, 0.0]  # fmt: skip
+                0.5 / math.sqrt(0.5), -0.5 / math.sqrt(0.5), 0.0, 0.0, 0.75, 0.25]  # fmt: skip
     assert torch.allclose(adv[:, 0], torch.tensor(expected), atol=1e-6)
     assert torch.equal(adv[:, 0:1].expand(-1, 3), adv)  # broadcast over the valid tokens
     assert ret is adv
