@@ -199,9 +199,12 @@ class MixPolicyLoss:
         fields += [k for k in ("rollout_is_weights", "ref_log_prob") if k in data.keys()]
         batch = data.select(*fields).to_padded_tensor()
         response_mask = batch["response_mask"].to(bool)
+        if batch["prefix_mask"].shape != response_mask.shape:
+            raise ValueError(
+                f"prefix_mask has shape {tuple(batch['prefix_mask'].shape)}; it must match response_mask "
+                f"{tuple(response_mask.shape)} (bsz, response_len)"
+            )
         prefix_mask = batch["prefix_mask"].to(bool) & response_mask
-        if prefix_mask.shape != response_mask.shape:
-            raise ValueError(f"prefix_mask has shape {tuple(prefix_mask.shape)}, response_mask {tuple(response_mask.shape)}")
 
         # ---- policy loss -------------------------------------------------------------------------
         common = dict(

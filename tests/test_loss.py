@@ -272,6 +272,10 @@ def test_errors():
     del data["prefix_mask"]
     with pytest.raises(KeyError, match="prefix_mask"):
         run_mini_batch(MixPolicyLoss(actor_config()), data, 6, model)
+    data = make_batch(seed=2, model=model)
+    data["prefix_mask"] = data["prefix_mask"][:, :3]
+    with pytest.raises(ValueError, match="prefix_mask has shape"):
+        run_mini_batch(MixPolicyLoss(actor_config()), data, 6, model)
     with pytest.raises(ValueError, match="loss_mode='gspo'"):
         MixPolicyLoss(actor_config(policy_loss={"loss_mode": "gspo"}))
     with pytest.raises(ValueError, match=r"unknown mix.loss keys \['use_off_policy_loss'\]; valid keys: off_policy_reshape"):
