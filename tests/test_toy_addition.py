@@ -1,0 +1,327 @@
+"""Toy addition task (mix_src/toy_addition.py, scripts/experiments/toy_addition.py, recipes/toy_addition/).
+
+Fast unit tests of the task (traces, carries, reward, splits, tokenizer, parquet schema, configs) and a CI
+smoke test (marked ``ray``) that runs each method of recipes/toy_addition for a few steps through the real
+trainers on CPU: luffy and on_policy_grpo with ``python -m mix_src.main_mix_ppo``, sft with verl's SFT
+trainer under torchrun.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import random
+import subprocess
+import warnings
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from mix_src import toy_addition as task
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RECIPE_DIR = REPO_ROOT / "recipes" / "toy_addition"
+EXPERIMENTS = REPO_ROOT / "scripts" / "experiments"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def ta():
+    return _load("toy_addition")
+
+
+# --------------------------------------------------------------------------------------------- task
+@pytest.mark.parametrize(
+    "a, b, expert, carry_free",
+    [
+        (123, 459, "21 80 50>0582", "20 70 50>0572"),  # one carry, out of the units
+        (999, 999, "81 91 91>1998", "80 80 80>0888"),  # a carry out of every column
+        (505, 505, "01 10 01>1010", "00 00 00>0000"),  # 5+5=10, 0+0+1=1, 5+5=10
+        (111, 222, "30 30 30>0333", "30 30 30>0333"),  # no carry: both procedures agree
+        (190, 810, "00 01 01>1000", "00 00 90>0900"),  # carries that ripple through a 9
+    ],
+)
+def test_traces_by_hand(a, b, expert, carry_free):
+    assert task.expert_trace(a, b) == expert
+    assert task.carry_free_trace(a, b) == carry_free
+    assert task.compute_score("toy_addition", expert, str(a + b))["score"] == 1.0
+    assert task.has_carry(a, b) == (expert != carry_free)
+
+
+def test_carries_by_hand():
+    assert task.carries(123, 459) == [1, 0, 0]
+    assert task.carries(190, 810) == [0, 1, 1]
+    assert task.carries(999, 1) == [1, 1, 1] and task.carries(111, 222) == [0, 0, 0]
+
+
+def test_expert_trace_against_a_naive_reference():
+    """Every pair of the trace, re-derived column by column from the decimal strings, and the answer."""
+    rng = random.Random(0)
+    for _ in range(2000):
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        trace = task.expert_trace(a, b)
+        pairs, answer = trace.split(">")
+        c = 0
+        for col, pair in enumerate(pairs.split(" ")):
+            s = int(str(a)[2 - col]) + int(str(b)[2 - col]) + c
+            c = int(s >= 10)
+            assert pair == f"{s - 10 * c}{c}", (a, b, trace)
+        assert int(answer) == a + b and len(answer) == 4
+        assert [int(p[1]) for p in pairs.split(" ")] == task.carries(a, b)
+        # the carry-free procedure is right exactly when nothing carries
+        free_ok = task.compute_score("", task.carry_free_trace(a, b), str(a + b))["acc"] == 1.0
+        assert free_ok == (not task.has_carry(a, b))
+
+
+@pytest.mark.parametrize(
+    "response, score, fmt",
+    [
+        ("21 80 50>0582", 1.0, 1.0),
+        ("21 80 50>582", 1.0, 0.0),  # right number, non-canonical width: reward is on the answer only
+        ("20 70 50>0572", 0.0, 1.0),  # the base model's carry-free answer
+        ("21 80 50>05821", 0.0, 0.0),  # an extra digit is a different number
+        ("21 80 50 0582", 0.0, 0.0),  # no '>': no answer
+        ("", 0.0, 0.0),
+        ("21 80 50>0582 junk", 1.0, 0.0),  # no EOS: the answer still counts, the format does not
+        ("99 99 99>0582>0000", 1.0, 0.0),  # the first '>' decides
+    ],
+)
+def test_reward(response, score, fmt):
+    out = task.compute_score("toy_addition", response, "582", extra_info={"index": 0})
+    assert out == {"score": score, "acc": score, "format_ok": fmt}
+
+
+def test_reward_loads_through_verl():
+    """The reward as verl's reward loop loads it (reward.custom_reward_function.path/name)."""
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+
+    cfg = OmegaConf.create({"reward": {"custom_reward_function": {
+        "path": "pkg://mix_src.toy_addition", "name": "compute_score", "reward_kwargs": {}}}})  # fmt: skip
+    fn = get_custom_reward_fn(cfg)
+    assert fn(data_source="toy_addition", solution_str="21 80 50>0582", ground_truth="582", extra_info={})["acc"] == 1.0
+    assert fn(data_source="toy_addition", solution_str="20 70 50>0572", ground_truth="582", extra_info={})["acc"] == 0.0
+
+
+def test_splits_are_carry_problems_disjoint_and_deterministic():
+    sp = task.splits(seed=0, n_train=500, n_heldout=200)
+    assert len(sp["heldout"]) == 200 and len(sp["train"]) == 500
+    assert all(task.has_carry(a, b) for a, b in sp["heldout"] + sp["train"])
+    assert not set(sp["heldout"]) & set(sp["train"])
+    assert len(set(sp["train"])) == 500
+    assert all(100 <= x <= 999 for p in sp["train"] for x in p)
+    assert task.splits(seed=0, n_train=500, n_heldout=200) == sp
+    assert task.splits(seed=1, n_train=500, n_heldout=200)["heldout"] != sp["heldout"]
+    free = task.sample_problems(50, random.Random(0), carry=False)
+    assert not any(task.has_carry(a, b) for a, b in free)
+
+
+def test_row_schema():
+    row = task.make_row(123, 459, "train", 7)
+    assert row["prompt"] == [{"role": "user", "content": "123+459"}]
+    assert row["target"] == [{"role": "assistant", "content": "21 80 50>0582"}]  # LUFFY's format
+    assert row["reward_model"] == {"style": "rule", "ground_truth": "582"}
+    assert row["data_source"] == task.DATA_SOURCE and row["extra_info"]["index"] == 7
+    assert task.parse_prompt(row["prompt"][0]["content"]) == (123, 459)
+
+
+# --------------------------------------------------------------------------------------------- assets
+@pytest.fixture(scope="module")
+def tiny_toy(tmp_path_factory, ta):
+    """Tokenizer, parquets and a barely pre-trained (3 steps) base model in a temp dir."""
+    out = tmp_path_factory.mktemp("toy_addition")
+    tok = ta.build_tokenizer(str(out / "tokenizer"))
+    tok = ta.load_tokenizer(str(out / "tokenizer"))
+    paths = ta.write_parquets(str(out), seed=0)
+    info = ta.pretrain_base(str(out / "base"), tok, seed=0, log=lambda *_: None, steps=3, batch_size=8)
+    return {"dir": out, "tokenizer": str(out / "tokenizer"), "model": str(out / "base"), "tok": tok,
+            "pretrain": info, **paths}
+
+
+def test_tokenizer_is_character_level(tiny_toy):
+    tok = tiny_toy["tok"]
+    assert len(tok.encode("\n", add_special_tokens=False)) == 1  # verl's continuous-token builder needs it
+    trace = task.expert_trace(123, 459)
+    ids = tok.encode(trace, add_special_tokens=False)
+    assert len(ids) == len(trace) == 13 and tok.decode(ids) == trace
+    assert tok.unk_token_id not in ids
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token_id != tok.eos_token_id
+    # the prompt as verl's agent loop builds it: ChatML with a generation prompt
+    text = tok.apply_chat_template([{"role": "user", "content": "123+459"}], add_generation_prompt=True, tokenize=False)
+    assert text == "<|im_start|>user\n123+459<|im_end|>\n<|im_start|>assistant\n"
+    # lives apart from the model folder (transformers 5 would swap it for Qwen2Tokenizer next to config.json)
+    assert not (Path(tiny_toy["tokenizer"]) / "config.json").exists()
+
+
+def test_parquets(tiny_toy, ta):
+    train, held = pd.read_parquet(tiny_toy["train"]), pd.read_parquet(tiny_toy["heldout"])
+    assert len(train) == ta.N_TRAIN and len(held) == ta.N_HELDOUT == 200
+    assert set(train.columns) >= {"data_source", "prompt", "ability", "reward_model", "extra_info", "target"}
+    for df in (train, held):
+        for p, t, rm in zip(df["prompt"][:50], df["target"][:50], df["reward_model"][:50]):
+            a, b = task.parse_prompt(p[0]["content"])
+            assert task.has_carry(a, b) and t[0]["content"] == task.expert_trace(a, b)
+            assert task.compute_score("", t[0]["content"], rm["ground_truth"])["score"] == 1.0
+    assert not set(map(str, train["prompt"])) & set(map(str, held["prompt"]))
+
+
+def test_pretraining_is_deterministic(tiny_toy, ta, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    ta.pretrain_base(str(tmp_path / "again"), tiny_toy["tok"], seed=0, log=lambda *_: None, steps=3, batch_size=8)
+    w1 = load_file(str(Path(tiny_toy["model"]) / "model.safetensors"))
+    w2 = load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
+    cfg = json.loads((Path(tiny_toy["model"]) / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 2 and cfg["hidden_size"] == 128 and cfg["model_type"] == "qwen2"
+
+
+def test_evaluator_scores_responses(tiny_toy, ta):
+    problems = ta.read_problems(tiny_toy["heldout"])[:8]
+    res = ta.evaluate(tiny_toy["model"], tiny_toy["tok"], problems)
+    assert res["n"] == 8 and 0.0 <= res["acc"] <= 1.0 and len(res["examples"]) == 5
+
+
+def test_sft_messages(tiny_toy, ta, tmp_path):
+    n = ta.write_sft_messages(tiny_toy["train"], str(tmp_path / "m.parquet"))
+    df = pd.read_parquet(tmp_path / "m.parquet")
+    assert n == len(df) == ta.N_TRAIN
+    m = list(df["messages"][0])
+    a, b = task.parse_prompt(m[0]["content"])
+    assert [x["role"] for x in m] == ["user", "assistant"] and m[1]["content"] == task.expert_trace(a, b)
+
+
+# --------------------------------------------------------------------------------------------- configs
+def compose_recipe(name: str, overrides=()):
+    with initialize_config_dir(config_dir=str(RECIPE_DIR), version_base=None):
+        cfg = compose(config_name=name, overrides=list(overrides))
+    OmegaConf.resolve(cfg)
+    return cfg
+
+
+@pytest.mark.parametrize("name", ["luffy", "on_policy_grpo"])
+def test_rl_configs_compose_and_validate(name):
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    from mix_src.mix_config import validate_mix_config
+
+    cfg = compose_recipe(name)
+    mix = validate_mix_config(cfg)
+    omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Disabled critic")
+        validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    # the same batch, budget and optimiser for both methods; only the prefix differs
+    assert cfg.data.train_batch_size == 32 and rollout.n == 8 and cfg.actor_rollout_ref.actor.optim.lr == 1e-3
+    assert rollout.val_kwargs.do_sample is False and rollout.name == "hf" and cfg.trainer.device == "cpu"
+    assert cfg.reward.custom_reward_function.path == "pkg://mix_src.toy_addition"
+    assert cfg.algorithm.adv_estimator == "grpo" and cfg.algorithm.norm_adv_by_std_in_grpo is False
+    assert mix.loss.loss_agg_mode == "luffy-token-sum-norm"
+    assert cfg.actor_rollout_ref.actor.loss_scale_factor == cfg.data.max_response_length == 16
+    if name == "luffy":
+        assert (mix.n_prefix, mix.min_prefix_ratio, mix.max_prefix_ratio) == (1, 1.0, 1.0)
+        assert (mix.loss.off_policy_reshape, mix.loss.off_policy_reshape_gamma) == ("p_div_p", 0.1)
+        assert mix.loss.loss_remove_clip is True
+    else:
+        assert mix.n_prefix == 0 and mix.loss.loss_remove_clip is False
+
+
+def test_sft_config_composes():
+    from verl.utils.config import omega_conf_to_dataclass
+
+    cfg = compose_recipe("sft")
+    optim = omega_conf_to_dataclass(cfg.optim)
+    rl = compose_recipe("luffy")
+    assert optim.lr == rl.actor_rollout_ref.actor.optim.lr and cfg.data.train_batch_size == rl.data.train_batch_size
+    assert "hf_model" in omega_conf_to_dataclass(cfg.checkpoint).save_contents
+    assert cfg.engine.strategy == "fsdp2" and cfg.trainer.device == "cpu"
+
+
+def test_run_sh_rejects_unknown_method():
+    res = subprocess.run(["bash", str(RECIPE_DIR / "run.sh"), "ppo", "0"], capture_output=True, text=True)
+    assert res.returncode == 2 and "unknown METHOD 'ppo'" in res.stderr
+
+
+# --------------------------------------------------------------------------------------------- smoke (Ray)
+def _rl_overrides(tiny_toy, steps: int) -> list[str]:
+    """What recipes/toy_addition/run.sh passes, with a tiny step budget."""
+    return [
+        "--config-path", str(RECIPE_DIR),
+        f"actor_rollout_ref.model.path={tiny_toy['model']}",
+        f"actor_rollout_ref.model.tokenizer_path={tiny_toy['tokenizer']}",
+        f"data.train_files={tiny_toy['train']}",
+        f"data.val_files={tiny_toy['heldout']}",
+        f"trainer.total_training_steps={steps}",
+        f"trainer.test_freq={steps}",
+        f"trainer.save_freq={steps}",
+        "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+        "trainer.default_local_dir=checkpoints",
+        "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "data.seed=1", "mix.seed=1", "actor_rollout_ref.rollout.seed=1",
+        "trainer.logger=[console,file]",
+    ]  # fmt: skip
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("method", ["luffy", "on_policy_grpo"])
+def test_smoke_rl_method(method, tiny_toy, ta, tmp_path):
+    from e2e import run_verl
+
+    steps = 2
+    res = run_verl("mix_src.main_mix_ppo", ["--config-name", method, *_rl_overrides(tiny_toy, steps)], tmp_path,
+                   timeout=400, name=method)
+    by_step = {m["step"]: m for m in res.metrics}
+    assert {1, 2} <= set(by_step), sorted(by_step)
+    val = {s: v for s, m in by_step.items() for k, v in m.items() if k.startswith("val-core/") and "/acc/" in k}
+    assert set(val) == {0, steps} and all(0.0 <= v <= 1.0 for v in val.values())  # before training + last
+    for s in (1, 2):
+        m = by_step[s]
+        assert math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0
+        if method == "luffy":
+            assert m["batch/avg_prefix_ratio"] == pytest.approx(1 / 8)  # 1 whole demonstration per 8 rows
+            assert m["batch/off_solved"] == 1.0  # the demonstrations are graded correct by the toy reward
+            assert 0.0 < m["actor/off_policy_prob"] < 1.0
+        else:
+            assert m.get("batch/avg_prefix_ratio", 0.0) == 0.0
+            assert m.get("batch/off_policy_rows", 0) == 0
+    # the last step in HF format, re-scored by the independent evaluator: agrees with the trainer's validation
+    hf = tmp_path / "checkpoints" / f"global_step_{steps}" / "actor" / "huggingface"
+    assert (hf / "model.safetensors").exists(), sorted(p.name for p in hf.parent.iterdir())
+    ours = ta.evaluate(str(hf), tiny_toy["tok"], ta.read_problems(tiny_toy["heldout"]))["acc"]
+    assert ours == pytest.approx(val[steps], abs=0.011)
+
+
+@pytest.mark.ray
+def test_smoke_sft(tiny_toy, ta, tmp_path):
+    from e2e import run_verl
+
+    data = tmp_path / "sft_messages.parquet"
+    ta.write_sft_messages(tiny_toy["train"], str(data))
+    args = [
+        "--standalone", "--nnodes=1", "--nproc_per_node=1", str(EXPERIMENTS / "sft_cpu.py"),
+        "--config-path", str(RECIPE_DIR), "--config-name", "sft",
+        f"model.path={tiny_toy['model']}", f"model.tokenizer_path={tiny_toy['tokenizer']}",
+        f"data.train_files={data}", f"trainer.default_local_dir={tmp_path / 'checkpoints'}",
+        "trainer.total_training_steps=3", "trainer.save_freq=3", "trainer.logger=[console,file]",
+    ]  # fmt: skip
+    res = run_verl("torch.distributed.run", args, tmp_path, timeout=240, name="sft")
+    losses = res.series("train/loss")
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0]  # NLL on the demonstrations goes down
+    hf = tmp_path / "checkpoints" / "global_step_3" / "huggingface"
+    acc = ta.evaluate(str(hf), tiny_toy["tok"], ta.read_problems(tiny_toy["heldout"])[:20])["acc"]
+    assert 0.0 <= acc <= 1.0
