@@ -297,15 +297,6 @@ def _dot(values: torch.Tensor, mask_f: torch.Tensor) -> torch.Tensor:
     return torch.dot(values.reshape(-1), mask_f.to(values.dtype).reshape(-1))
 
 
-def _put_rows(dest: torch.Tensor, sel: torch.Tensor | slice, mask: torch.Tensor, src: torch.Tensor) -> None:
-    """dest[sel] = where(mask, src, dest[sel]) for a row selection `sel` (in place when it is every row).
-    dest: (B, L); mask, src: (len(sel), L)."""
-    if isinstance(sel, slice):
-        torch.where(mask, src, dest, out=dest)
-    else:
-        dest[sel] = torch.where(mask, src, dest[sel])
-
-
 def _resolve_reshape(arg: str, mode: str, gamma: float) -> tuple[str, float]:
     if mode in P_DIV_P_ALIASES:
         return "p_div_p", P_DIV_P_ALIASES[mode]
@@ -504,42 +495,35 @@ def compute_token_on_off_policy_loss(
             kl_sum = _dot(log_ratio, on_f)
             del on_f
 
-        # ---- prefix tokens: J = A f(p), computed on the rows that hold prefix tokens only ------------
+        # ---- prefix tokens: J = A f(p), computed on the prefix tokens only (gathered, 1-D) ------------
         off_pg_loss = off_prob = off_ratio_mean = max_clip_frac = min_clip_frac = zero
         if has_off:
-            rows = off.any(dim=-1).nonzero().squeeze(-1)
-            sel = rows if rows.numel() < lp.shape[0] else slice(None)
-            off_s, lp_s, adv_s = off[sel], lp[sel], advantages[sel]
-            off_f = off_s.to(lp.dtype)
-            p_s = torch.exp(lp_s)
-            off_prob = _dot(p_s, off_f) / n_off
-            kl_sum = kl_sum + _dot(log_ratio[sel], off_f)
+            idx = off.reshape(-1).nonzero().squeeze(-1)  # flat positions of the prefix tokens
+            lp_o, adv_o = lp.reshape(-1)[idx], advantages.reshape(-1)[idx]
+            p_o = torch.exp(lp_o)
+            off_prob = p_o.sum() / n_off
+            kl_sum = kl_sum + log_ratio.reshape(-1)[idx].sum()
             if target_probs is not None:
-                f = p_s / (target_probs[sel] + 1e-6)
+                f = p_o / (target_probs.reshape(-1)[idx] + 1e-6)
                 df = f
             else:
-                f, df = _off_policy_shape(off_mode, lp_s, p_s, off_gamma, off_policy_reshape_weight,
+                f, df = _off_policy_shape(off_mode, lp_o, p_o, off_gamma, off_policy_reshape_weight,
                                           off_policy_reshape_pow_exp)  # fmt: skip
-            del p_s
             if off_max_clip is not None:
                 over = f > off_max_clip
-                max_clip_frac = _count(over & off_s) / n_off
+                max_clip_frac = _count(over) / n_off
                 f, df = torch.where(over, off_max_clip, f), torch.where(over, 0.0, df)
             if off_min_clip is not None:
                 under = f < off_min_clip
-                min_clip_frac = _count(under & off_s) / n_off
+                min_clip_frac = _count(under) / n_off
                 f, df = torch.where(under, off_min_clip, f), torch.where(under, 0.0, df)
-            off_ratio_mean = _dot(f, off_f) / n_off
-            obj_off = adv_s * f
-            del f
-            off_pg_loss = -_dot(obj_off, off_f) / n_off
-            del off_f
+            off_ratio_mean = f.sum() / n_off
+            obj_off = adv_o * f
+            off_pg_loss = -obj_off.sum() / n_off
             if dobj is obj:  # they differ on prefix tokens
                 dobj = obj.clone()
-            _put_rows(obj, sel, off_s, obj_off)
-            del obj_off
-            _put_rows(dobj, sel, off_s, adv_s * df)
-            del df
+            obj.view(-1)[idx] = obj_off
+            dobj.view(-1)[idx] = adv_o * df
 
         ppo_kl = -kl_sum / _nonzero(n_valid)
         loss_mask = valid if all_max_clip is None else valid & (lp <= math.log(all_max_clip))

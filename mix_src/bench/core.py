@@ -187,7 +187,7 @@ def bench_token_loss(repeats: int, rows: int = 64, tokens: int = 8192, n: int = 
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m mix_src.bench core", description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=9, help="timed repeats per function (median)")
+    parser.add_argument("--repeats", type=int, default=15, help="timed repeats per function (median)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # see the docstring: CPU time of one thread is what we compare
     print(__doc__.split("\n\n")[-1].replace("\n", " ").strip())
