@@ -370,6 +370,7 @@ def compute_token_on_off_policy_loss(
     target_probs: torch.Tensor | None = None,
     clip_ratio_c: float | None = None,
     rollout_is_weights: torch.Tensor | None = None,
+    on_policy_reshape_gamma: float | None = None,
     dp_size: int = 1,
     batch_num_tokens: int | torch.Tensor | None = None,
     global_batch_size: int | torch.Tensor | None = None,
@@ -388,7 +389,7 @@ def compute_token_on_off_policy_loss(
         off_policy_reshape: f for prefix tokens, from p = exp(log_prob) (NOT divided by any old or
             behaviour probability): no_reshape p | logp w*l | p_logp w*l + p | square_root sqrt(p) |
             pow p^k | p_div_p p/(p+gamma) (aliases p_div_p_0.1, p_div_p_0.3, p_div_p_0.5 set gamma).
-        off_policy_reshape_gamma: gamma > 0 of every p_div_p option (both sides) unless an alias sets it.
+        off_policy_reshape_gamma: gamma > 0 of the off-policy p_div_p (an alias name sets it instead).
         off_policy_reshape_weight, off_policy_reshape_pow_exp: w and k of the off-policy options.
         on_policy_reshape: r for on-policy tokens, d = l - l_old clamped to +-20 (as verl does):
             no_reshape e^d | logp d | p_logp e^d + w*d | square_root e^(d/2) | pow e^(k d) |
@@ -404,6 +405,8 @@ def compute_token_on_off_policy_loss(
             on-policy loss of a token with A < 0 is capped at -A*c. None (LUFFY) = off.
         rollout_is_weights: (B, L) optional verl rollout-correction weights; they multiply the on-policy
             token losses only (prefix tokens were not sampled by the rollout policy).
+        on_policy_reshape_gamma: gamma > 0 of the on-policy p_div_p; None = off_policy_reshape_gamma (an
+            alias name sets it instead).
         dp_size, batch_num_tokens, global_batch_size, loss_scale_factor: verl's global batch info,
             passed to `agg_loss` unchanged (micro-batch invariant normalisation).
 
@@ -420,10 +423,13 @@ def compute_token_on_off_policy_loss(
         prefix_mask=prefix_mask, target_probs=target_probs, rollout_is_weights=rollout_is_weights,
     )  # fmt: skip
     off_mode, off_gamma = _resolve_reshape("off_policy_reshape", off_policy_reshape, off_policy_reshape_gamma)
-    on_mode, on_gamma = _resolve_reshape("on_policy_reshape", on_policy_reshape, off_policy_reshape_gamma)
+    on_gamma_arg = off_policy_reshape_gamma if on_policy_reshape_gamma is None else on_policy_reshape_gamma
+    on_mode, on_gamma = _resolve_reshape("on_policy_reshape", on_policy_reshape, on_gamma_arg)
     _check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
     if not off_gamma > 0:
         raise ValueError(f"off_policy_reshape_gamma must be > 0, got {off_policy_reshape_gamma}")
+    if not on_gamma > 0:
+        raise ValueError(f"on_policy_reshape_gamma must be > 0, got {on_gamma_arg}")
     if not 0 <= cliprange < 1:
         raise ValueError(f"cliprange must be in [0, 1), got {cliprange}")
     if clip_ratio_c is not None and not clip_ratio_c > 1:

@@ -69,13 +69,14 @@ class MixLossConfig:
     Clip range, dual clip, loss_agg_mode, entropy_coeff and the KL settings come from verl's actor config.
     """
 
-    off_policy_reshape: str = "no_reshape"  # f(p) on prefix tokens; LUFFY's recipe: "p_div_p" (gamma 0.1)
+    off_policy_reshape: str = "p_div_p"  # f(p) on prefix tokens (LUFFY's recipe: p/(p+0.1))
     off_policy_reshape_gamma: float = 0.1  # gamma of p/(p+gamma), > 0
     off_policy_reshape_weight: float = 0.1  # w of logp / p_logp
     off_policy_reshape_pow_exp: float = 0.5  # k of pow
     on_policy_reshape: str = "no_reshape"  # r on on-policy tokens
     on_policy_reshape_weight: float = 0.1
     on_policy_reshape_pow_exp: float = 0.5
+    on_policy_reshape_gamma: float = 0.1  # gamma of the on-policy p_div_p, > 0
     off_max_clip: float | None = None  # f <- min(f, off_max_clip)
     off_min_clip: float | None = None  # f <- max(f, off_min_clip)
     all_max_clip: float | None = None  # drop tokens with p > all_max_clip from the loss, in (0, 1]
@@ -99,8 +100,9 @@ class MixLossConfig:
                 f"mix.loss.loss_agg_mode={self.loss_agg_mode!r}; allowed values: None (use the actor's), "
                 + ", ".join(LOSS_AGG_MODES)
             )
-        if not self.off_policy_reshape_gamma > 0:
-            raise ValueError(f"mix.loss.off_policy_reshape_gamma must be > 0, got {self.off_policy_reshape_gamma}")
+        for name in ("off_policy_reshape_gamma", "on_policy_reshape_gamma"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"mix.loss.{name} must be > 0, got {getattr(self, name)}")
         if self.all_max_clip is not None and not 0 < self.all_max_clip <= 1:
             raise ValueError(f"mix.loss.all_max_clip must be in (0, 1] or null, got {self.all_max_clip}")
         if self.off_max_clip is not None and self.off_min_clip is not None and self.off_min_clip > self.off_max_clip:
@@ -125,8 +127,11 @@ class MixLossConfig:
                 )
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any] | None) -> "MixLossConfig":
-        """Build from a plain mapping (e.g. the `mix.loss` DictConfig); unknown keys are an error."""
+    def from_dict(cls, values: Any) -> "MixLossConfig":
+        """Build from a mapping (e.g. the `mix.loss` DictConfig) or another dataclass with these field
+        names (e.g. mix_config.LossConfig); unknown keys are an error."""
+        if dataclasses.is_dataclass(values) and not isinstance(values, type):
+            values = dataclasses.asdict(values)
         values = dict(values or {})
         known = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(values) - set(known))
@@ -142,13 +147,14 @@ class MixPolicyLoss:
         config: verl's ActorConfig (omega_conf_to_dataclass of actor_rollout_ref.actor); read for
             clip_ratio(_low/_high), clip_ratio_c, loss_agg_mode, loss_scale_factor, entropy_coeff,
             use_kl_loss, kl_loss_coef, kl_loss_type and policy_loss.loss_mode (must be "vanilla").
-        loss_config: the `mix.loss` section (MixLossConfig, a mapping, or None for the defaults).
+        loss_config: the `mix.loss` section: MixLossConfig, a dataclass or mapping with its field names
+            (e.g. mix_config.LossConfig), or None for the defaults.
 
     State: the learned entropy coefficient (use_adaptive_entropy) lives in this object on each worker;
     it is not part of verl's checkpoint, so a resumed run restarts it from actor.entropy_coeff.
     """
 
-    def __init__(self, config: Any, loss_config: MixLossConfig | Mapping[str, Any] | None = None):
+    def __init__(self, config: Any, loss_config: Any = None):
         self.config = config
         self.mix = loss_config if isinstance(loss_config, MixLossConfig) else MixLossConfig.from_dict(loss_config)
         loss_mode = config.policy_loss.get("loss_mode", "vanilla") if config.get("policy_loss") else "vanilla"
@@ -218,7 +224,7 @@ class MixPolicyLoss:
             out = compute_token_on_off_policy_loss(
                 batch["old_log_probs"], log_prob, batch["advantages"], response_mask & ~off_rows,
                 torch.zeros_like(prefix_mask), on_policy_reshape=mix.on_policy_reshape,
-                off_policy_reshape_gamma=mix.off_policy_reshape_gamma,
+                on_policy_reshape_gamma=mix.on_policy_reshape_gamma,
                 on_policy_reshape_weight=mix.on_policy_reshape_weight,
                 on_policy_reshape_pow_exp=mix.on_policy_reshape_pow_exp, **common,
             )  # fmt: skip
@@ -234,7 +240,7 @@ class MixPolicyLoss:
                 off_policy_reshape=mix.off_policy_reshape, off_policy_reshape_gamma=mix.off_policy_reshape_gamma,
                 off_policy_reshape_weight=mix.off_policy_reshape_weight,
                 off_policy_reshape_pow_exp=mix.off_policy_reshape_pow_exp, on_policy_reshape=mix.on_policy_reshape,
-                on_policy_reshape_weight=mix.on_policy_reshape_weight,
+                on_policy_reshape_weight=mix.on_policy_reshape_weight, on_policy_reshape_gamma=mix.on_policy_reshape_gamma,
                 on_policy_reshape_pow_exp=mix.on_policy_reshape_pow_exp, off_max_clip=mix.off_max_clip,
                 off_min_clip=mix.off_min_clip, all_max_clip=mix.all_max_clip, **common,
             )  # fmt: skip

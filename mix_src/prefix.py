@@ -22,7 +22,7 @@ k = the first k in 0..9 with s in [k*S/10, (k+1)*S/10]; steps past S stay in the
                     original divides by zero)
 
 Modes: per-sample (share_across_samples=False) draws one ratio per prefixed row; `fixed` gives sample j
-the j-th value. Shared (True) draws one ratio per prompt for all its prefixed rows; `fixed` then gives
+the j-th value (a single value: every prefixed sample). Shared (True) draws one ratio per prompt for all its prefixed rows; `fixed` then gives
 prompt i the value (i mod N) of the list.
 """
 
@@ -76,7 +76,7 @@ def compute_prefix_ratios(
         min_prefix_ratio, max_prefix_ratio: range of `random` and of the default `fixed` list.
         prefix_steps: S, the number of steps over which the linear schedules move.
         prefix_linear_max_ratio: M, the top ratio of linear, linear_max and reverse_linear.
-        prefix_fix_ratios: the `fixed` list (per-sample mode: exactly N values).
+        prefix_fix_ratios: the `fixed` list (per-sample mode: N values, or 1 value for every sample).
         share_across_samples: one ratio per prompt instead of one per row.
         global_step: the trainer's step counter, starting at 1 (verl's `global_steps`).
         rng: the random generator (the trainer seeds it from (seed, global_step)).
@@ -119,10 +119,13 @@ def compute_prefix_ratios(
                 raise ValueError(f"prefix_fix_ratios entries must be in [0, 1], got {fixed.tolist()}")
             if share_across_samples and fixed.size == 0:
                 raise ValueError("prefix_fix_ratios must not be empty")
-            if not share_across_samples and fixed.size != num_prefixed:
+            if not share_across_samples and fixed.size not in (1, num_prefixed):
                 raise ValueError(
-                    f"prefix_fix_ratios needs one value per prefixed sample ({num_prefixed}), got {fixed.size}"
+                    f"prefix_fix_ratios needs one value for all prefixed samples or one per prefixed sample "
+                    f"({num_prefixed}), got {fixed.size}"
                 )
+            if not share_across_samples and fixed.size == 1:
+                fixed = np.repeat(fixed, num_prefixed)
 
     # one draw per prompt (shared) or per prefixed row (per-sample)
     shape = (num_prompts, 1) if share_across_samples else (num_prompts, num_prefixed)

@@ -233,12 +233,13 @@ def loop_token_loss(old, lp, adv, mask, prefix, *, cliprange=0.2, clip_upper_bou
                     off_policy_reshape_pow_exp=0.5, on_policy_reshape="no_reshape", on_policy_reshape_weight=0.1,
                     on_policy_reshape_pow_exp=0.5, off_max_clip=None, off_min_clip=None, all_max_clip=None,
                     loss_remove_clip=False, loss_agg_mode="token-mean", target_probs=None, clip_ratio_c=None,
-                    rollout_is_weights=None, dp_size=1, batch_num_tokens=None, global_batch_size=None,
-                    loss_scale_factor=None):  # fmt: skip
+                    rollout_is_weights=None, on_policy_reshape_gamma=None, dp_size=1, batch_num_tokens=None,
+                    global_batch_size=None, loss_scale_factor=None):  # fmt: skip
     """Token-by-token reference of spec §4.2 with autograd on scalars (the formulas as written there)."""
     aliases = {"p_div_p_0.1": 0.1, "p_div_p_0.3": 0.3, "p_div_p_0.5": 0.5}
     off_gamma = aliases.get(off_policy_reshape, off_policy_reshape_gamma)
-    on_gamma = aliases.get(on_policy_reshape, off_policy_reshape_gamma)
+    on_gamma = aliases.get(on_policy_reshape, off_policy_reshape_gamma if on_policy_reshape_gamma is None
+                           else on_policy_reshape_gamma)  # fmt: skip
     off_mode = "p_div_p" if off_policy_reshape in aliases else off_policy_reshape
     on_mode = "p_div_p" if on_policy_reshape in aliases else on_policy_reshape
     B, L = lp.shape
@@ -403,6 +404,7 @@ def test_token_loss_every_agg_mode_matches_loop(mode, remove_clip):
         dict(all_max_clip=0.4),
         dict(all_max_clip=0.4, loss_agg_mode="seq-mean-token-mean"),
         dict(rollout_is_weights="rand"),
+        dict(on_policy_reshape="p_div_p", on_policy_reshape_gamma=0.5, off_policy_reshape="p_div_p"),
         dict(target_probs="rand"),
     ],
 )
@@ -548,6 +550,7 @@ def test_token_loss_all_max_clip_drops_confident_tokens():
         (dict(on_policy_reshape="exp"), r"on_policy_reshape='exp'.*allowed values: .*p_div_p_0.5"),
         (dict(off_policy_reshape_gamma=0.0, off_policy_reshape="p_div_p"), "off_policy_reshape_gamma must be > 0"),
         (dict(off_policy_reshape_gamma=-1.0), "off_policy_reshape_gamma must be > 0"),
+        (dict(on_policy_reshape="p_div_p", on_policy_reshape_gamma=0.0), "on_policy_reshape_gamma must be > 0"),
         (dict(loss_agg_mode="mean"), r"loss_agg_mode='mean'.*allowed values"),
         (dict(cliprange=1.0), "cliprange"),
         (dict(clip_ratio_c=1.0), "clip_ratio_c"),

@@ -284,8 +284,10 @@ def test_errors():
         MixLossConfig(off_policy_reshape="p_div_p_0.2")
     with pytest.raises(ValueError, match="loss_agg_mode='mean'"):
         MixLossConfig(loss_agg_mode="mean")
-    with pytest.raises(ValueError, match=r"\['off_policy_reshape'\] would be ignored"):
-        MixLossConfig(use_sft_multitask_loss=True, off_policy_reshape="p_div_p")
+    with pytest.raises(ValueError, match=r"\['off_max_clip', 'off_policy_reshape'\] would be ignored"):
+        MixLossConfig(use_sft_multitask_loss=True, off_policy_reshape="no_reshape", off_max_clip=0.5)
+    with pytest.raises(ValueError, match="on_policy_reshape_gamma must be > 0"):
+        MixLossConfig(on_policy_reshape_gamma=-0.1)
     with pytest.raises(ValueError, match="exclude each other"):
         MixLossConfig(use_adaptive_entropy=True, adaptive_entropy_fixed=True)
     with pytest.raises(ValueError, match="entropy_coeff, which must be > 0"):
@@ -307,3 +309,17 @@ def test_agg_matches_what_loss_uses_for_entropy():
     mask = data["response_mask"].bool()
     expected = agg_loss(entropy, mask, "token-mean", batch_num_tokens=int(mask.sum()), global_batch_size=6)
     assert metrics["actor/entropy_loss"].values[0] == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_accepts_the_trainer_config_dataclass():
+    # the trainer passes its validated mix_config.LossConfig; every one of its fields must be understood
+    from mix_src.mix_config import mix_config_from_dict
+
+    mix = mix_config_from_dict({"loss": {"off_policy_reshape": "p_div_p_0.5", "loss_remove_clip": True,
+                                         "on_policy_reshape": "p_div_p", "on_policy_reshape_gamma": 0.3}})  # fmt: skip
+    loss_fn = MixPolicyLoss(actor_config(), mix.loss)
+    assert loss_fn.mix.off_policy_reshape == "p_div_p" and loss_fn.mix.off_policy_reshape_gamma == 0.5
+    assert loss_fn.mix.on_policy_reshape_gamma == 0.3 and loss_fn.mix.loss_remove_clip
+    model = BigramLM(seed=1)
+    total, grad, _ = run_mini_batch(loss_fn, make_batch(seed=12, model=model), 3, model)
+    assert math.isfinite(total) and grad.abs().sum() > 0

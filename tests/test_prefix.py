@@ -99,6 +99,8 @@ def test_fixed_per_sample_and_shared():
     assert r.tolist() == [1.0]
     r = ratios(num_prompts=2, n=3, strategy="fixed", n_prefix=-1, prefix_fix_ratios=[0.1, 0.5, 1.0])
     assert np.allclose(r, [0.1, 0.5, 1.0] * 2)
+    r = ratios(num_prompts=2, n=3, strategy="fixed", n_prefix=2, prefix_fix_ratios=[0.4])  # one for all
+    assert np.allclose(r, [0.4, 0.4, 0.0] * 2)
     # shared: prompt i gets value i mod N for all its prefixed samples
     r = ratios(num_prompts=3, n=2, strategy="fixed", n_prefix=-1, share_across_samples=True,
                prefix_fix_ratios=[0.25, 0.75])  # fmt: skip
@@ -134,7 +136,7 @@ def test_every_strategy_every_mode_shape_and_n_prefix(strategy, share):
         (dict(prefix_linear_max_ratio=2.0), "prefix_linear_max_ratio"),
         (dict(prefix_steps=0), "prefix_steps"),
         (dict(global_step=0), "global_step"),
-        (dict(strategy="fixed", prefix_fix_ratios=[0.1, 0.2]), "one value per prefixed sample"),
+        (dict(strategy="fixed", prefix_fix_ratios=[0.1, 0.2]), r"one per prefixed sample \(4\), got 2"),
         (dict(strategy="fixed", n_prefix=-1, prefix_fix_ratios=[0.1, 0.2, 0.3, 1.2]), r"entries must be in \[0, 1\]"),
     ],
 )
