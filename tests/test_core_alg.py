@@ -124,6 +124,18 @@ def test_grpo_split_matches_loop(use_std, index_kind):
     assert (adv[mask == 0] == 0).all()
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.int64, torch.bool, torch.float32])
+def test_rows_times_mask_in_blocks(mask_dtype):
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(37, generator=g)
+    mask = (torch.rand(37, 4, generator=g) < 0.6).to(mask_dtype)
+    before = mask.clone()
+    out = core_alg._rows_times_mask(values, mask, block_elems=10)  # blocks of 2 rows
+    assert torch.equal(out, values[:, None] * mask.float()) and torch.equal(mask, before)
+    assert core_alg._rows_times_mask(values[:0], mask[:0]).shape == (0, 4)
+    assert core_alg._rows_times_mask(values, mask[:, :0]).shape == (37, 0)
+
+
 def test_grpo_split_equals_verl_grpo_when_all_rows_on_policy():
     from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 

@@ -98,13 +98,8 @@ def bench_grpo_split(repeats: int, rows: int = 8192, tokens: int = 1024, n: int 
     on_policy = torch.ones(rows, dtype=torch.bool)
     on_policy[::n] = False  # n_prefix = 1: sample 0 of every group is the demonstration
 
-    bool_mask = response_mask.bool()
-
     def vectorised():
         return compute_grpo_outcome_advantage_split(rewards, response_mask, index, on_policy)
-
-    def vectorised_bool_mask():
-        return compute_grpo_outcome_advantage_split(rewards, bool_mask, index, on_policy)
 
     def floor():
         scores = rewards.sum(dim=-1)
@@ -114,14 +109,12 @@ def bench_grpo_split(repeats: int, rows: int = 8192, tokens: int = 1024, n: int 
         return naive_grpo_split(rewards, response_mask, index, on_policy)
 
     assert torch.allclose(vectorised()[0], loop()[0], atol=1e-5), "vectorised and loop disagree"
-    fast = _median_times({"vectorised": vectorised, "floor": floor, "bool": vectorised_bool_mask}, repeats)
+    fast = _median_times({"vectorised": vectorised, "floor": floor}, repeats)
     slow = _median_times({"loop": loop}, max(3, repeats // 3))
     print(f"grpo_split  {rows} rows x {tokens} tokens, n={n}, uid strings, int64 response_mask")
     print(f"  floor (sum rewards + write rows x tokens) {fast['floor'] * 1e3:9.2f} ms")
     print(f"  vectorised grpo_split                     {fast['vectorised'] * 1e3:9.2f} ms"
           f"   ratio to floor {fast['vectorised'] / fast['floor']:.2f}x (target <= 1.5x)")  # fmt: skip
-    print(f"  vectorised, bool response_mask            {fast['bool'] * 1e3:9.2f} ms"
-          f"   ratio to floor {fast['bool'] / fast['floor']:.2f}x  (the int64 mask alone is 2x the output's bytes)")  # fmt: skip
     print(f"  naive per-row loop                        {slow['loop'] * 1e3:9.2f} ms"
           f"   ratio to floor {slow['loop'] / fast['floor']:.2f}x, {slow['loop'] / fast['vectorised']:.1f}x slower"
           " than vectorised")  # fmt: skip
