@@ -391,4 +391,7 @@ def test_cpu_tiny_demo_trains_and_plots(tmp_path):
         assert rec["batch/avg_prefix_ratio"] == pytest.approx(0.25)  # 1 of 4 samples is the demonstration
         assert rec["batch/off_solved"] == 1.0  # demonstrations are correct solutions
         assert 0.0 < rec["actor/off_policy_prob"] < 1.0
+    # the shaped off-policy term pulls the policy towards the demonstrations: their tokens become likelier
+    off_prob = [r["actor/off_policy_prob"] for r in records]
+    assert sum(off_prob[-3:]) > sum(off_prob[:3]), off_prob
     print(f"cpu_tiny: {wall:.0f} s wall, peak RSS {peak_mb:.0f} MB, log {log}")
