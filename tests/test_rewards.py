@@ -285,7 +285,7 @@ def test_pool_processes_die_with_their_caller():
             "time.sleep(0.5)\n"
             "print(p._zygote.pid, *p._live, flush=True)\n"
             "os.kill(os.getpid(), 9)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
     pids = [int(x) for x in out.stdout.split()]
     assert len(pids) == 2, out.stderr
     deadline = time.time() + 5

@@ -2,7 +2,7 @@
 reward thread would) and with the batch API (``compute_score_batch``, parallel workers); print the
 throughput ratio and the worst single-item latency.
 
-    python -m mix_src.bench rewards [--n 2000] [--timeout 1.0] [--workers 0] [--seed 0]
+    python -m mix_src.bench rewards [--n 2000] [--timeout 2.0] [--pathological 0.005] [--workers 0] [--seed 0]
 
 The responses mix correct answers (exact and equivalent forms), wrong answers, multiple choice, plain
 numbers, malformed responses and a small share of pathological ones (deeply nested LaTeX, power towers,
@@ -13,6 +13,7 @@ fresh pool (forked from a warmed zygote), so neither benefits from the other's c
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 
@@ -27,7 +28,7 @@ def _think(rng: random.Random) -> str:
     return "<think>\n" + FILLER * rng.randint(5, 30) + "\n</think>\n\n"
 
 
-def make_items(n: int, seed: int = 0, pathological_frac: float = 0.01) -> list[dict]:
+def make_items(n: int, seed: int = 0, pathological_frac: float = 0.005) -> list[dict]:
     """``n`` (data_source, response, ground_truth, category) rows, deterministic for ``seed``."""
     rng = random.Random(seed)
     items = []
@@ -107,9 +108,9 @@ def make_items(n: int, seed: int = 0, pathological_frac: float = 0.01) -> list[d
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="python -m mix_src.bench rewards", description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=2000, help="number of responses (default 2000)")
-    p.add_argument("--timeout", type=float, default=1.0, help="per-item deadline in seconds (default 1.0; the reward default is 5)")
+    p.add_argument("--timeout", type=float, default=2.0, help="per-item deadline in seconds (default 2.0; the reward default is 5)")
     p.add_argument("--workers", type=int, default=0, help="grading processes for the batch API (0 = #CPUs, max 8)")
-    p.add_argument("--pathological", type=float, default=0.01, help="share of pathological responses (0.01)")
+    p.add_argument("--pathological", type=float, default=0.005, help="share of pathological responses (0.005)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
 
@@ -123,8 +124,8 @@ def main(argv: list[str]) -> None:
     for x in items:
         cats[x["category"]] = cats.get(x["category"], 0) + 1
     print(f"{a.n} responses: " + ", ".join(f"{k} {v}" for k, v in sorted(cats.items())))
-    print(f"per-item timeout {a.timeout:.1f}s, batch workers {cfg.workers}, mean response "
-          f"{sum(map(len, resp)) / len(resp):.0f} chars")
+    print(f"per-item timeout {a.timeout:.1f}s, batch workers {cfg.workers}, usable CPUs {_cpus()}, mean response "
+          f"{sum(map(len, resp)) / len(resp):.0f} chars, load average at start {_load()}")
 
     # 1) one call at a time (what one verl reward thread does)
     close_all()
@@ -142,6 +143,7 @@ def main(argv: list[str]) -> None:
     t_seq = time.perf_counter() - t0
     st = mvr.grading_stats()
     seq_timeouts = st.get("timeout", 0) - stats0.get("timeout", 0)
+    seq_cpu = st.get("worker_cpu_s", 0.0) - stats0.get("worker_cpu_s", 0.0)
     n_jobs = sum(isinstance(mvr._prepare(d, r, g, None, cfg), mvr._Pending) for d, r, g in zip(ds, resp, gts))
 
     # 2) the batch API, from a fresh pool
@@ -153,6 +155,7 @@ def main(argv: list[str]) -> None:
     t_bat = time.perf_counter() - t0
     st = mvr.grading_stats()
     bat_timeouts = st.get("timeout", 0) - stats0.get("timeout", 0)
+    bat_cpu = st.get("worker_cpu_s", 0.0) - stats0.get("worker_cpu_s", 0.0)
     close_all()
 
     same = sum(s == b for s, b in zip(seq, bat))
@@ -163,5 +166,22 @@ def main(argv: list[str]) -> None:
     print(f"sequential compute_score : {t_seq:7.2f} s  {a.n / t_seq:8.1f} items/s  timeouts {seq_timeouts}")
     print(f"batch compute_score_batch: {t_bat:7.2f} s  {a.n / t_bat:8.1f} items/s  timeouts {bat_timeouts}")
     print(f"throughput ratio batch/sequential: {t_seq / t_bat:.2f}x (target >= 1.8x on 2 cores)")
+    print(f"worker CPU on completed items: sequential {seq_cpu:.1f} s, batch {bat_cpu:.1f} s; each timeout holds a "
+          f"worker for {a.timeout:.1f} s of wall time")
     print(f"worst single-item latency: {worst:.3f} s ({worst_cat}); bound = timeout {a.timeout:.1f} s + worker restart")
     print(f"identical results sequential vs batch: {same}/{a.n}; acc {acc:.3f}, format_ok {fmt:.3f}")
+    print(f"load average at end {_load()} (other processes on these CPUs lower the ratio)")
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"

@@ -60,8 +60,9 @@ class Outcome:
 
     status: str
     value: Any = None
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall time from sending the task to the answer (or the kill)
     error: str = ""
+    cpu_seconds: float = 0.0  # CPU time the worker spent on the task (0 for timeouts and crashes)
 
 
 class _Worker:
@@ -118,7 +119,7 @@ class GradingPool:
         self._zygote: subprocess.Popen | None = None
         self._ctrl: socket.socket | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self.stats = {"ok": 0, "error": 0, "timeout": 0, "crashed": 0, "workers_started": 0}
+        self.stats = {"ok": 0, "error": 0, "timeout": 0, "crashed": 0, "workers_started": 0, "worker_cpu_s": 0.0}
 
     # ------------------------------------------------------------------------------------------ API
     def run(self, fn: Callable, args: Sequence = (), timeout_s: float = 5.0) -> Outcome:
@@ -132,7 +133,7 @@ class GradingPool:
             if not worker.conn.poll(timeout_s):
                 self._discard(worker)
                 return self._count(Outcome("timeout", seconds=time.perf_counter() - t0))
-            ok, value = worker.conn.recv()
+            ok, value, cpu = worker.conn.recv()
         except (EOFError, OSError) as exc:
             self._discard(worker)
             return self._count(Outcome("crashed", seconds=time.perf_counter() - t0,
@@ -142,7 +143,8 @@ class GradingPool:
             raise
         self._release(worker)
         dt = time.perf_counter() - t0
-        return self._count(Outcome("ok", value, dt) if ok else Outcome("error", None, dt, value))
+        return self._count(Outcome("ok", value, dt, cpu_seconds=cpu) if ok else
+                           Outcome("error", None, dt, value, cpu_seconds=cpu))
 
     def map(self, calls: Sequence[tuple[Callable, Sequence]], timeout_s: float = 5.0) -> list[Outcome]:
         """``[run(fn, args) for fn, args in calls]``, spread over the workers (results in order)."""
@@ -194,6 +196,7 @@ class GradingPool:
     def _count(self, outcome: Outcome) -> Outcome:
         with self._cond:
             self.stats[outcome.status] += 1
+            self.stats["worker_cpu_s"] += outcome.cpu_seconds
         return outcome
 
     def _acquire(self) -> _Worker:
@@ -362,21 +365,23 @@ def _worker_loop(fd: int, memory_limit_mb: int) -> None:  # pragma: no cover (su
         except (EOFError, OSError):
             return
         except Exception as exc:  # the task could not be unpickled here
-            conn.send((False, f"{type(exc).__name__} while receiving the task: {str(exc)[:300]}"))
+            conn.send((False, f"{type(exc).__name__} while receiving the task: {str(exc)[:300]}", 0.0))
             continue
         fn, args, backstop_s = task
         signal.alarm(backstop_s)
+        cpu0 = time.process_time()
         try:
-            result = (True, fn(*args))
+            ok, value = True, fn(*args)
         except BaseException as exc:  # noqa: BLE001 - reported to the caller, never raised here
-            result = (False, f"{type(exc).__name__}: {str(exc)[:300]}")
+            ok, value = False, f"{type(exc).__name__}: {str(exc)[:300]}"
         signal.alarm(0)
+        cpu = time.process_time() - cpu0
         try:
-            conn.send(result)
+            conn.send((ok, value, cpu))
         except OSError:
             return
         except Exception as exc:  # the return value could not be pickled
-            conn.send((False, f"{type(exc).__name__} while sending the result: {str(exc)[:300]}"))
+            conn.send((False, f"{type(exc).__name__} while sending the result: {str(exc)[:300]}", cpu))
 
 
 # ---------------------------------------------------------------------------------------- registry
