@@ -38,8 +38,6 @@ actor/alpha_loss, actor/log_alpha when those features are on.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -48,96 +46,10 @@ from verl.trainer.ppo.core_algos import kl_penalty
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.padding import no_padding_2_padding
 
-from mix_src.core_alg import (
-    LOSS_AGG_MODES,
-    P_DIV_P_ALIASES,
-    RESHAPE_MODES,
-    AdaptiveEntropyCoef,
-    agg_loss,
-    compute_token_on_off_policy_loss,
-    masked_mean,
-)
+from mix_src.core_alg import AdaptiveEntropyCoef, agg_loss, compute_token_on_off_policy_loss, masked_mean
+from mix_src.mix_config import LossConfig as MixLossConfig  # the `mix.loss` section, checked when built
 
 __all__ = ["MixLossConfig", "MixPolicyLoss"]
-
-_RESHAPES = (*RESHAPE_MODES, *P_DIV_P_ALIASES)
-
-
-@dataclass
-class MixLossConfig:
-    """The `mix.loss` config section (LUFFY's key names; formulas in core_alg and the module docstring).
-    Clip range, dual clip, loss_agg_mode, entropy_coeff and the KL settings come from verl's actor config.
-    """
-
-    off_policy_reshape: str = "p_div_p"  # f(p) on prefix tokens (LUFFY's recipe: p/(p+0.1))
-    off_policy_reshape_gamma: float = 0.1  # gamma of p/(p+gamma), > 0
-    off_policy_reshape_weight: float = 0.1  # w of logp / p_logp
-    off_policy_reshape_pow_exp: float = 0.5  # k of pow
-    on_policy_reshape: str = "no_reshape"  # r on on-policy tokens
-    on_policy_reshape_weight: float = 0.1
-    on_policy_reshape_pow_exp: float = 0.5
-    on_policy_reshape_gamma: float = 0.1  # gamma of the on-policy p_div_p, > 0
-    off_max_clip: float | None = None  # f <- min(f, off_max_clip)
-    off_min_clip: float | None = None  # f <- max(f, off_min_clip)
-    all_max_clip: float | None = None  # drop tokens with p > all_max_clip from the loss, in (0, 1]
-    loss_remove_clip: bool = False  # no PPO clip on on-policy tokens (LUFFY's recipe: True)
-    clip_upper_bound: float = 1.0  # widens the upper clip bound to max(this, 1 + clip_ratio_high)
-    loss_agg_mode: str | None = None  # None: actor.loss_agg_mode; "luffy-token-sum-norm" only here
-    use_sft_multitask_loss: bool = False  # PPO on on-policy rows + sft_loss_coef * NLL of prefix tokens
-    sft_loss_coef: float = 1.0
-    use_adaptive_entropy: bool = False  # learn the entropy coefficient (starts at actor.entropy_coeff)
-    adaptive_entropy_fixed: bool = False  # c = entropy_coeff * target_entropy / H (no learning)
-    target_entropy: float = 1.0  # H*, token-mean entropy target of both adaptive variants
-    alpha_lr: float = 1e-2  # AdamW learning rate of log(c)
-    entropy_coeff_max: float | None = None  # cap of the learned coefficient
-
-    def __post_init__(self):
-        for name in ("off_policy_reshape", "on_policy_reshape"):
-            if getattr(self, name) not in _RESHAPES:
-                raise ValueError(f"mix.loss.{name}={getattr(self, name)!r}; allowed values: {', '.join(_RESHAPES)}")
-        if self.loss_agg_mode is not None and self.loss_agg_mode not in LOSS_AGG_MODES:
-            raise ValueError(
-                f"mix.loss.loss_agg_mode={self.loss_agg_mode!r}; allowed values: None (use the actor's), "
-                + ", ".join(LOSS_AGG_MODES)
-            )
-        for name in ("off_policy_reshape_gamma", "on_policy_reshape_gamma"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"mix.loss.{name} must be > 0, got {getattr(self, name)}")
-        if self.all_max_clip is not None and not 0 < self.all_max_clip <= 1:
-            raise ValueError(f"mix.loss.all_max_clip must be in (0, 1] or null, got {self.all_max_clip}")
-        if self.off_max_clip is not None and self.off_min_clip is not None and self.off_min_clip > self.off_max_clip:
-            raise ValueError(f"mix.loss.off_min_clip ({self.off_min_clip}) must be <= off_max_clip ({self.off_max_clip})")
-        if self.sft_loss_coef < 0:
-            raise ValueError(f"mix.loss.sft_loss_coef must be >= 0, got {self.sft_loss_coef}")
-        if not self.alpha_lr > 0:
-            raise ValueError(f"mix.loss.alpha_lr must be > 0, got {self.alpha_lr}")
-        if self.entropy_coeff_max is not None and not self.entropy_coeff_max > 0:
-            raise ValueError(f"mix.loss.entropy_coeff_max must be > 0 or null, got {self.entropy_coeff_max}")
-        if self.use_adaptive_entropy and self.adaptive_entropy_fixed:
-            raise ValueError("mix.loss.use_adaptive_entropy and adaptive_entropy_fixed exclude each other; pick one")
-        if self.target_entropy < 0:
-            raise ValueError(f"mix.loss.target_entropy must be >= 0, got {self.target_entropy}")
-        if self.use_sft_multitask_loss:
-            shaping = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                       if f.name.startswith("off_") and getattr(self, f.name) != f.default}  # fmt: skip
-            if shaping:
-                raise ValueError(
-                    f"mix.loss.use_sft_multitask_loss replaces the off-policy loss, so {sorted(shaping)} would be "
-                    "ignored; remove them or turn use_sft_multitask_loss off"
-                )
-
-    @classmethod
-    def from_dict(cls, values: Any) -> "MixLossConfig":
-        """Build from a mapping (e.g. the `mix.loss` DictConfig) or another dataclass with these field
-        names (e.g. mix_config.LossConfig); unknown keys are an error."""
-        if dataclasses.is_dataclass(values) and not isinstance(values, type):
-            values = dataclasses.asdict(values)
-        values = dict(values or {})
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise ValueError(f"unknown mix.loss keys {unknown}; valid keys: {', '.join(known)}")
-        return cls(**values)
 
 
 class MixPolicyLoss:

@@ -10,7 +10,7 @@ verl's (``actor_rollout_ref.rollout.n``, ``algorithm.adv_estimator``, ``algorith
 valid ones), wrong types and out-of-range values, naming the full key, the value and the allowed range,
 and checks the few cross-section rules (e.g. ``n_prefix <= rollout.n``).
 
-This module imports no verl and no torch.
+This module imports no verl (torch only through the pure core_alg, for its option names).
 """
 
 from __future__ import annotations
@@ -19,15 +19,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, get_args, get_origin, get_type_hints
 
+# The original LUFFY baked gamma into the option name (p_div_p_0.1 ...): accepted as p_div_p + the gamma key.
+from mix_src.core_alg import LOSS_AGG_MODES, RESHAPE_MODES
+from mix_src.core_alg import P_DIV_P_ALIASES as RESHAPE_ALIASES
+
 PrefixStrategy = Literal["random", "linear", "linear_max", "reverse_linear", "fixed"]
-OffPolicyReshape = Literal["no_reshape", "logp", "p_logp", "square_root", "pow", "p_div_p"]
-OnPolicyReshape = Literal["no_reshape", "logp", "p_logp", "square_root", "pow", "p_div_p"]
-LossAggMode = Literal[
-    "token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
-    "luffy-token-sum-norm",
-]  # fmt: skip
-# The original LUFFY baked gamma into the option name; accepted as aliases of ("p_div_p", gamma).
-RESHAPE_ALIASES = {"p_div_p_0.1": 0.1, "p_div_p_0.3": 0.3, "p_div_p_0.5": 0.5}
 
 
 class MixConfigError(ValueError):
@@ -52,42 +48,48 @@ class DataConfig:
 
 @dataclass
 class LossConfig:
-    """Actor loss options (worker side, :mod:`mix_src.loss`). Formulas: README "Loss" and core_alg."""
+    """``mix.loss``: the actor loss on the worker (:mod:`mix_src.loss`; formulas in core_alg and the README).
 
-    off_policy_reshape: str = "p_div_p"  # f(p) on target tokens; p_div_p: p/(p+gamma)
-    off_policy_reshape_gamma: float = 0.1  # gamma of p_div_p (LUFFY: 0.1)
+    Clip range, dual clip, entropy_coeff and the KL settings come from verl's actor config. Checked when
+    built; the original's ``p_div_p_0.1/0.3/0.5`` names become ``p_div_p`` + the gamma key, and its ``-1``
+    for "no clip" becomes null.
+    """
+
+    off_policy_reshape: str = "p_div_p"  # f(p) on prefix tokens (LUFFY's recipe: p/(p+0.1))
+    off_policy_reshape_gamma: float = 0.1  # gamma of p/(p+gamma), > 0
     off_policy_reshape_weight: float = 0.1  # w of logp / p_logp
     off_policy_reshape_pow_exp: float = 0.5  # k of pow
-    on_policy_reshape: str = "no_reshape"  # ratio shaping on on-policy tokens
+    on_policy_reshape: str = "no_reshape"  # r on on-policy tokens
     on_policy_reshape_weight: float = 0.1
     on_policy_reshape_pow_exp: float = 0.5
-    on_policy_reshape_gamma: float = 0.1  # gamma of on-policy p_div_p
-    off_max_clip: Optional[float] = None  # f <= c on target tokens (None = off)
-    off_min_clip: Optional[float] = None  # f >= c on target tokens (None = off)
-    all_max_clip: Optional[float] = None  # drop tokens whose p > c from loss and normaliser (None = off)
-    loss_remove_clip: bool = False  # no PPO clipping on on-policy tokens (LUFFY main recipe: true)
-    clip_upper_bound: float = 1.0  # upper clip = max(clip_upper_bound, 1 + clip_ratio_high)
-    loss_agg_mode: Optional[LossAggMode] = None  # None = actor_rollout_ref.actor.loss_agg_mode
-    use_sft_multitask_loss: bool = False  # instead of the shaped term: NLL on target tokens + PPO on on-policy rows
+    on_policy_reshape_gamma: float = 0.1  # gamma of the on-policy p_div_p, > 0
+    off_max_clip: Optional[float] = None  # f <- min(f, off_max_clip)
+    off_min_clip: Optional[float] = None  # f <- max(f, off_min_clip)
+    all_max_clip: Optional[float] = None  # drop tokens with p > all_max_clip from the loss, in (0, 1]
+    loss_remove_clip: bool = False  # no PPO clip on on-policy tokens (LUFFY's recipe: True)
+    clip_upper_bound: float = 1.0  # widens the upper clip bound to max(this, 1 + clip_ratio_high)
+    loss_agg_mode: Optional[str] = None  # None: actor.loss_agg_mode; "luffy-token-sum-norm" only here
+    use_sft_multitask_loss: bool = False  # PPO on on-policy rows + sft_loss_coef * NLL of prefix tokens
     sft_loss_coef: float = 1.0
-    use_adaptive_entropy: bool = False  # learn the entropy coefficient towards target_entropy (LUFFY §5.4)
-    target_entropy: float = 1.0
-    alpha_lr: float = 1e-2
-    entropy_coeff_max: Optional[float] = None  # clamp of the adaptive coefficient (None = off)
+    use_adaptive_entropy: bool = False  # learn the entropy coefficient (starts at actor.entropy_coeff)
+    adaptive_entropy_fixed: bool = False  # c = entropy_coeff * target_entropy / H (no learning)
+    target_entropy: float = 1.0  # H*, token-mean entropy target of both adaptive variants
+    alpha_lr: float = 1e-2  # AdamW learning rate of log(c)
+    entropy_coeff_max: Optional[float] = None  # cap of the learned coefficient
 
-    def check(self, p: str) -> None:
+    def __post_init__(self):
+        p = "mix.loss"
         for key in ("off_policy_reshape", "on_policy_reshape"):
             value = getattr(self, key)
             if value in RESHAPE_ALIASES:  # the original's names: keep the number in its own key
                 setattr(self, key, "p_div_p")
-                setattr(self, key.replace("reshape", "reshape_gamma"), RESHAPE_ALIASES[value])
-            elif value not in get_args(OffPolicyReshape):
-                allowed = [*get_args(OffPolicyReshape), *RESHAPE_ALIASES]
-                raise MixConfigError(f"{p}.{key}={value!r} is not one of {allowed}")
-        for key in ("off_policy_reshape_gamma", "on_policy_reshape_gamma"):
-            if not getattr(self, key) > 0:
-                raise MixConfigError(f"{p}.{key}={getattr(self, key)!r} must be > 0 (p/(p+gamma))")
-        for key in ("off_policy_reshape_pow_exp", "on_policy_reshape_pow_exp", "alpha_lr"):
+                setattr(self, key + "_gamma", RESHAPE_ALIASES[value])
+            elif value not in RESHAPE_MODES:
+                raise MixConfigError(f"{p}.{key}={value!r} is not one of {[*RESHAPE_MODES, *RESHAPE_ALIASES]}")
+        if self.loss_agg_mode is not None and self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise MixConfigError(f"{p}.loss_agg_mode={self.loss_agg_mode!r} is not one of {[None, *LOSS_AGG_MODES]}")
+        for key in ("off_policy_reshape_gamma", "on_policy_reshape_gamma", "off_policy_reshape_pow_exp",
+                    "on_policy_reshape_pow_exp", "alpha_lr"):  # fmt: skip
             if not getattr(self, key) > 0:
                 raise MixConfigError(f"{p}.{key}={getattr(self, key)!r} must be > 0")
         for key in ("off_max_clip", "off_min_clip", "all_max_clip", "entropy_coeff_max"):
@@ -96,10 +98,30 @@ class LossConfig:
                 setattr(self, key, None)
             elif value is not None and not value > 0:
                 raise MixConfigError(f"{p}.{key}={value!r} must be > 0, or null/-1 to switch it off")
+        if self.all_max_clip is not None:
+            _in_range(f"{p}.all_max_clip", self.all_max_clip, 0.0, 1.0)
         if self.off_max_clip is not None and self.off_min_clip is not None and self.off_min_clip > self.off_max_clip:
             raise MixConfigError(f"{p}.off_min_clip={self.off_min_clip} > {p}.off_max_clip={self.off_max_clip}")
         _in_range(f"{p}.clip_upper_bound", self.clip_upper_bound, 0.0, None)
         _in_range(f"{p}.sft_loss_coef", self.sft_loss_coef, 0.0, None)
+        _in_range(f"{p}.target_entropy", self.target_entropy, 0.0, None)
+        if self.use_adaptive_entropy and self.adaptive_entropy_fixed:
+            raise MixConfigError(f"{p}.use_adaptive_entropy and {p}.adaptive_entropy_fixed exclude each other; pick one")
+        if self.use_sft_multitask_loss:
+            shaping = sorted(f.name for f in dataclasses.fields(self)
+                             if f.name.startswith("off_") and getattr(self, f.name) != f.default)  # fmt: skip
+            if shaping:
+                raise MixConfigError(
+                    f"{p}.use_sft_multitask_loss replaces the off-policy loss, so {shaping} would be ignored; "
+                    "remove them or turn use_sft_multitask_loss off"
+                )
+
+    @classmethod
+    def from_dict(cls, values: Any) -> "LossConfig":
+        """Build from a mapping or a dataclass with these field names; unknown keys are an error."""
+        if dataclasses.is_dataclass(values) and not isinstance(values, type):
+            values = dataclasses.asdict(values)
+        return _build(cls, dict(values or {}), "mix.loss")
 
 
 @dataclass
@@ -152,7 +174,6 @@ class MixConfig:
         _in_range(f"{p}.prefix_reward_weight_alpha", self.prefix_reward_weight_alpha, 0.0, None)
         _in_range(f"{p}.prefix_reward_weight_beta", self.prefix_reward_weight_beta, 0.0, None)
         self.data.check(f"{p}.data")
-        self.loss.check(f"{p}.loss")
         self.filter_groups.check(f"{p}.filter_groups")
 
 
