@@ -113,15 +113,18 @@ def test_prepare_openr1_input_formats_and_options(tmp_path, capsys):
     rows = openr1_rows()
     pd.DataFrame(rows).to_parquet(tmp_path / "in.parquet")
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "snapshot" / "data").mkdir(parents=True)  # a hub snapshot: shards in a folder
+    pd.DataFrame(rows[:3]).to_parquet(tmp_path / "snapshot" / "data" / "train-00000-of-00002.parquet")
+    pd.DataFrame(rows[3:]).to_parquet(tmp_path / "snapshot" / "data" / "train-00001-of-00002.parquet")
     results = []
-    for i, src in enumerate([tmp_path / "in.parquet", tmp_path / "saved"]):
+    for i, src in enumerate([tmp_path / "in.parquet", tmp_path / "saved", tmp_path / "snapshot"]):
         out = tmp_path / f"o{i}.parquet"
         s = openr1.main(["--input", str(src), "--output", str(out), "--no-system-prompt", "--data-source", "x"])
         results.append(pd.read_parquet(out))
         assert s["written"] == 4  # no tokenizer: row 4 (long) is kept
     printed = capsys.readouterr().out
-    assert "targets are not filtered by length" in printed
-    assert results[0].to_json() == results[1].to_json()
+    assert "targets are not filtered by length" in printed and "reading 2 files from" in printed
+    assert results[0].to_json() == results[1].to_json() == results[2].to_json()
     prompt = results[0].iloc[0]["prompt"]
     assert len(prompt) == 1 and prompt[0]["role"] == "user"
     assert prompt[0]["content"] == "p0" + openr1.USER_INSTRUCTION and results[0].iloc[0]["data_source"] == "x"

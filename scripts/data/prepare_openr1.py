@@ -76,6 +76,9 @@ def load_table(source: str, split: str = "train"):
         if not files:
             raise SystemExit(f"error: folder {source} holds no .parquet/.jsonl/.json files and is not a "
                              "datasets.save_to_disk folder")
+        subdirs = sorted({os.path.relpath(os.path.dirname(f), source) for f in files})
+        print(f"reading {len(files)} files from {source} (subfolders: {', '.join(subdirs)}); point --input at one "
+              "subfolder if these are different configurations of the dataset")
         return pd.concat([load_table(f, split) for f in files], ignore_index=True)
     if os.path.isfile(source):
         lower = source.lower()
