@@ -42,6 +42,8 @@ import sys
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if __package__ in (None, ""):  # run as a script from a source checkout: make mix_src importable
+    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from prepare_openr1 import SYSTEM_PROMPT, USER_INSTRUCTION, load_table, make_prompt  # noqa: E402
 
 from mix_src.rewards.answers import last_boxed  # noqa: E402
