@@ -27,6 +27,7 @@ by zero.
 
 from __future__ import annotations
 
+import math
 import os
 import uuid
 from pprint import pprint
@@ -410,7 +411,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
     def _add_step_metrics(self, batch: DataProto, metrics: dict, timing: dict) -> None:
         ratios = np.asarray(batch.non_tensor_batch["prefix_ratio"], dtype=np.float64)
         off = batch.batch["prefix_mask"].any(-1)
-        metrics["batch/avg_prefix_ratio"] = float(ratios.mean())
+        metrics["batch/avg_prefix_ratio"] = math.fsum(ratios) / len(ratios)  # exact: row order (balancing) cannot change it
         metrics["batch/off_policy_rows"] = int(off.sum())
         metrics["batch/prefix_token_frac"] = float(
             (batch.batch["prefix_mask"].sum() / batch.batch["response_mask"].sum().clamp(min=1)).item()
