@@ -72,7 +72,6 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         self.mix = mix_config
         super().__init__(*args, **kwargs)
         self.n = int(self.config.actor_rollout_ref.rollout.n)
-        self.n_prefix = self.n if self.mix.n_prefix == -1 else self.mix.n_prefix
         seed = self.mix.seed if self.mix.seed is not None else self.config.data.get("seed", None)
         self.prefix_seed = 0 if seed is None else int(seed)
         self.filter_cfg = self.config.algorithm.filter_groups
