@@ -9,6 +9,8 @@ PYTEST_ARGS ?=
 
 $(STAMP): setup.py
 	@test -x $(PY) || python3 -m venv $(VENV)
+	@# a current pip: the resolver of the pip that ships with python3.11's venv backtracks for minutes here
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade "pip>=25"
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
 	@touch $(STAMP)
