@@ -1,6 +1,5 @@
 """RLHFDatasetWithTarget (target normalisation, counts, errors) and the prefix-guided agent loop (no Ray)."""
 
-import asyncio
 import math
 
 import numpy as np
@@ -142,7 +141,9 @@ def _agent_loop(tokenizer, server, response_length=40):
 
 
 def _run(loop, **kw):
-    return asyncio.run(loop.run({"temperature": 1.0, "top_p": 1.0, "top_k": -1}, raw_prompt=_prompt("1+2?"), **kw))
+    # the agent loop keeps the event loop it was built in (verl's AgentLoopBase.loop): run on that one
+    coro = loop.run({"temperature": 1.0, "top_p": 1.0, "top_k": -1}, raw_prompt=_prompt("1+2?"), **kw)
+    return loop.loop.run_until_complete(coro)
 
 
 TARGET = "<think>1+2=3</think> \\boxed{3}"
