@@ -167,6 +167,50 @@ def cpu_env(extra: Optional[dict] = None) -> dict:
     return env
 
 
+def run_command(
+    cmd: Sequence[str], env: dict, log_path: Path, timeout: float, *, cwd: Path
+) -> tuple[int, float, float, bool, list[str]]:
+    """Run ``cmd`` in its own session with output to ``log_path``; on timeout and afterwards kill its whole
+    process tree (by pid: the Ray cluster the job started included).
+
+    Returns (returncode, wall seconds, peak summed RSS in MB, timed_out, descriptions of killed leftovers).
+    """
+    seen: dict[int, psutil.Process] = {}
+    peak_rss = 0
+    timed_out = False
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(
+            list(cmd), cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            root = psutil.Process(proc.pid)
+            while proc.poll() is None:
+                rss = 0
+                for p in _tree(root):
+                    seen.setdefault(p.pid, p)
+                    try:
+                        rss += p.memory_info().rss
+                    except psutil.Error:
+                        pass
+                peak_rss = max(peak_rss, rss)
+                if time.monotonic() - start > timeout:
+                    timed_out = True
+                    break
+                time.sleep(0.5)
+        finally:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # the job's own session (start_new_session)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+            killed = _kill(seen)  # Ray daemons and workers of this job that are still alive
+    return proc.returncode, time.monotonic() - start, peak_rss / 2**20, timed_out, killed
+
+
 def run_verl(
     module: str,
     overrides: Sequence[str],
@@ -196,49 +240,14 @@ def run_verl(
     cmd = [sys.executable, "-m", module, *overrides]
     run_env = cpu_env({"VERL_FILE_LOGGER_PATH": str(metrics_path), **(env or {})})
 
-    seen: dict[int, psutil.Process] = {}
-    killed: list[str] = []
-    peak_rss = 0
-    timed_out = False
-    start = time.monotonic()
-    with open(log_path, "w") as log:
-        log.write("$ " + " ".join(cmd) + "\n")
-        log.flush()
-        proc = subprocess.Popen(
-            cmd, cwd=tmp_path, env=run_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            root = psutil.Process(proc.pid)
-            while proc.poll() is None:
-                rss = 0
-                for p in _tree(root):
-                    seen.setdefault(p.pid, p)
-                    try:
-                        rss += p.memory_info().rss
-                    except psutil.Error:
-                        pass
-                peak_rss = max(peak_rss, rss)
-                if time.monotonic() - start > timeout:
-                    timed_out = True
-                    break
-                time.sleep(0.5)
-        finally:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # the job's own session (start_new_session)
-                except ProcessLookupError:
-                    pass
-            proc.wait()
-            killed = _kill(seen)  # Ray daemons and workers of this job that are still alive
-    wall = time.monotonic() - start
-
+    returncode, wall, peak_rss_mb, timed_out, killed = run_command(cmd, run_env, log_path, timeout, cwd=tmp_path)
     result = RunResult(
         cmd=cmd,
-        returncode=proc.returncode,
+        returncode=returncode,
         log_path=log_path,
         metrics=read_metrics(metrics_path),
         wall_s=wall,
-        peak_rss_mb=peak_rss / 2**20,
+        peak_rss_mb=peak_rss_mb,
         killed=killed,
     )
     if timed_out:

@@ -9,11 +9,9 @@ import importlib.util
 import json
 import os
 import re
-import signal
 import stat
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -332,42 +330,10 @@ def test_plot_metrics_cli_errors(tmp_path):
 # the demo, for real
 
 
-def _run_script(cmd: list[str], env: dict, log_path: Path, timeout: float) -> tuple[int, float, float]:
-    """Run ``cmd`` in its own session like e2e.run_verl: on timeout and afterwards, kill its whole process
-    tree (by pid: the Ray cluster the job started included). Returns (returncode, wall s, peak RSS MB)."""
-    import psutil
-    from e2e import _kill, _tree
-
-    seen: dict[int, psutil.Process] = {}
-    peak_rss = 0
-    start = time.monotonic()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
-        root = psutil.Process(proc.pid)
-        try:
-            while proc.poll() is None and time.monotonic() - start < timeout:
-                rss = 0
-                for p in _tree(root):
-                    seen.setdefault(p.pid, p)
-                    try:
-                        rss += p.memory_info().rss
-                    except psutil.Error:
-                        pass
-                peak_rss = max(peak_rss, rss)
-                time.sleep(0.5)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            _kill(seen)
-    return proc.returncode, time.monotonic() - start, peak_rss / 2**20
-
-
 @pytest.mark.ray
 def test_cpu_tiny_demo_trains_and_plots(tmp_path):
     """`make demo`: recipes/cpu_tiny/run.sh builds the assets, trains 8 MIX steps on CPU, writes the PNG."""
-    from e2e import cpu_env
+    from e2e import cpu_env, run_command
 
     out = tmp_path / "cpu_tiny"
     env = cpu_env({"PYTHON": sys.executable, "OUTPUT_DIR": str(out)})
@@ -375,7 +341,7 @@ def test_cpu_tiny_demo_trains_and_plots(tmp_path):
         env.pop(key, None)
     log = tmp_path / "demo.log"
     timeout = 600
-    rc, wall, peak_mb = _run_script(["bash", "recipes/cpu_tiny/run.sh"], env, log, timeout)
+    rc, wall, peak_mb, _, _ = run_command(["bash", "recipes/cpu_tiny/run.sh"], env, log, timeout, cwd=REPO_ROOT)
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-60:])
     assert wall < timeout, f"cpu_tiny timed out after {timeout} s; log {log}:\n{tail}"
     assert rc == 0, f"cpu_tiny exited with {rc} after {wall:.0f} s; log {log}:\n{tail}"
