@@ -226,7 +226,7 @@ def test_rl_configs_compose_and_validate(name):
         warnings.filterwarnings("ignore", message="Disabled critic")
         validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
     # the same batch, budget and optimiser for both methods; only the prefix differs
-    assert cfg.data.train_batch_size == 32 and rollout.n == 8 and cfg.actor_rollout_ref.actor.optim.lr == 1e-3
+    assert cfg.data.train_batch_size == 32 and rollout.n == 8 and cfg.actor_rollout_ref.actor.optim.lr == 5e-4
     assert rollout.val_kwargs.do_sample is False and rollout.name == "hf" and cfg.trainer.device == "cpu"
     assert cfg.reward.custom_reward_function.path == "pkg://mix_src.toy_addition"
     assert cfg.algorithm.adv_estimator == "grpo" and cfg.algorithm.norm_adv_by_std_in_grpo is False
