@@ -271,6 +271,9 @@ def _rl_overrides(tiny_toy, steps: int) -> list[str]:
         "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
         "trainer.default_local_dir=checkpoints",
         "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        # micro-batches must divide the smaller batch (4 prompts x 8 rows; mini-batches of 2 x 8)
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32",
         "data.seed=1", "mix.seed=1", "actor_rollout_ref.rollout.seed=1",
         "trainer.logger=[console,file]",
     ]  # fmt: skip
