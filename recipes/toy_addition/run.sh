@@ -3,7 +3,7 @@
 # Usage: bash recipes/toy_addition/run.sh METHOD SEED [hydra overrides...]
 #   METHOD: luffy | on_policy_grpo   (python -m mix_src.main_mix_ppo, config METHOD.yaml, CPU backend)
 #         | sft                      (verl's SFT trainer, config sft.yaml, torchrun on CPU)
-# Env: STEPS (default 200), EVAL_EVERY (20), ASSETS_DIR (outputs/toy_addition),
+# Env: STEPS (default 100), EVAL_EVERY (20), ASSETS_DIR (outputs/toy_addition),
 #      OUTPUT_DIR (outputs/toy_addition/runs/METHOD_seedSEED), plus recipes/common.sh's PYTHON, LOGGER.
 # The first call builds the tokenizer, parquets and base model into ASSETS_DIR (a few minutes, cached).
 # RL runs log held-out greedy accuracy (val-core/toy_addition/acc/mean@1) every EVAL_EVERY steps to
@@ -14,7 +14,7 @@ case "$METHOD" in luffy|on_policy_grpo|sft) ;; *) echo "unknown METHOD '$METHOD'
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 : "${ASSETS_DIR:=$ROOT/outputs/toy_addition}"
 : "${OUTPUT_DIR:=$ASSETS_DIR/runs/${METHOD}_seed$SEED}"
-: "${STEPS:=200}" "${EVAL_EVERY:=20}"
+: "${STEPS:=100}" "${EVAL_EVERY:=20}"
 EXPERIMENT_NAME="toy_addition_${METHOD}_seed$SEED"
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
 export VERL_PLATFORM=cpu            # the CPU backend (mix_src.cpu), even on a machine with a GPU
@@ -32,7 +32,7 @@ mkdir -p "$OUTPUT_DIR"
 start=$SECONDS
 
 if [[ "$METHOD" == sft ]]; then
-  "$PYTHON" "$ROOT/scripts/experiments/toy_addition.py" sft-data "$TRAIN_FILES" "$OUTPUT_DIR/sft_messages.parquet"
+  "$PYTHON" "$ROOT/scripts/experiments/toy_addition.py" sft-data "$TRAIN_FILES" "$OUTPUT_DIR/sft_messages.parquet" --seed "$SEED"
   "$PYTHON" -m torch.distributed.run --standalone --nnodes=1 --nproc_per_node=1 \
     "$ROOT/scripts/experiments/sft_cpu.py" --config-path "$RECIPE_DIR" --config-name sft \
     "model.path=$MODEL_PATH" "model.tokenizer_path=$TOKENIZER_PATH" \

@@ -15,8 +15,11 @@ Prints a table (step -> accuracy per method and seed), writes ``OUT/results.json
 
 Usage::
 
-    python scripts/experiments/luffy_vs_grpo.py [--steps 200] [--eval-every 20] [--seeds 0 1]
+    python scripts/experiments/luffy_vs_grpo.py [--steps 100] [--eval-every 20] [--seeds 0 1]
         [--methods luffy on_policy_grpo sft] [--out outputs/toy_addition/luffy_vs_grpo] [--rerun] [--no-run]
+
+    # diagnostic figure: longer trainer runs (run.sh output dirs) next to luffy_replica.py curves
+    python scripts/experiments/luffy_vs_grpo.py --diagnostic OUT.png --long-runs DIR... --replicas JSON...
 """
 
 from __future__ import annotations
@@ -170,9 +173,42 @@ def plot(results: dict, methods, seeds, path: str, title: str) -> None:
     plt.close(fig)
 
 
+def plot_diagnostic(long_runs, replicas, path: str) -> None:
+    """Trainer runs (solid) and plain-torch replica runs (dotted) of any length on one set of axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for d in long_runs:
+        c = val_curve(read_metrics(os.path.join(d, "metrics.jsonl")))
+        name = os.path.basename(os.path.normpath(d))
+        method = next((m for m in METHODS if name.startswith(m)), "luffy")
+        xs = sorted(c)
+        ax.plot(xs, [100 * c[x] for x in xs], color=COLORS[method], marker="o", ms=3, label=f"trainer: {name}")
+        print(f"trainer {name}: " + ", ".join(f"{x}:{100 * c[x]:.1f}" for x in xs))
+    for j in replicas:
+        r = json.load(open(j))
+        c = {int(k): v for k, v in r["curve"].items()}
+        xs = sorted(c)
+        ax.plot(xs, [100 * c[x] for x in xs], color=COLORS[r["method"]], ls=":", marker=".",
+                label=f"replica: {r['method']} lr {r['lr']:g} seed {r['seed']}")
+        print(f"replica {r['method']} seed {r['seed']}: " + ", ".join(f"{x}:{100 * c[x]:.1f}" for x in xs))
+    ax.set_xlabel("training step (32 prompts x 8 per step)")
+    ax.set_ylabel("held-out greedy accuracy (%)")
+    ax.set_ylim(-3, 103)
+    ax.grid(alpha=0.3)
+    ax.set_title("toy addition: real trainer vs plain-torch replica (same maths), longer budgets", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=100)
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
@@ -180,7 +216,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(ta.DEFAULT_OUT, "luffy_vs_grpo"))
     p.add_argument("--rerun", action="store_true", help="run again even when a finished run exists")
     p.add_argument("--no-run", action="store_true", help="only read finished runs")
+    p.add_argument("--diagnostic", metavar="PNG", help="only plot --long-runs and --replicas into PNG")
+    p.add_argument("--long-runs", nargs="*", default=[])
+    p.add_argument("--replicas", nargs="*", default=[])
     a = p.parse_args(argv)
+    if a.diagnostic:
+        plot_diagnostic(a.long_runs, a.replicas, a.diagnostic)
+        return 0
     if a.steps % a.eval_every:
         p.error("--steps must be a multiple of --eval-every")
 

@@ -112,11 +112,15 @@ def write_parquets(out_dir: str, seed: int) -> dict:
     return paths
 
 
-def write_sft_messages(train_parquet: str, out_parquet: str) -> int:
-    """verl SFT-trainer data (a ``messages`` column): each row's prompt + [assistant: its target]."""
+def write_sft_messages(train_parquet: str, out_parquet: str, seed: int = 0) -> int:
+    """verl SFT-trainer data (a ``messages`` column): each row's prompt + [assistant: its target].
+
+    Rows are shuffled with ``seed``: verl 0.9.1's SFT trainer draws batches with a DistributedSampler of fixed
+    seed 0 (``trainer.seed`` is not used there), so this is what makes two SFT seeds see different batches.
+    """
     import pandas as pd
 
-    df = pd.read_parquet(train_parquet)
+    df = pd.read_parquet(train_parquet).sample(frac=1.0, random_state=seed).reset_index(drop=True)
     messages = [list(p) + [{"role": "assistant", "content": t[0]["content"]}] for p, t in zip(df["prompt"], df["target"])]
     pd.DataFrame({"messages": messages}).to_parquet(out_parquet, index=False)
     return len(messages)
@@ -280,9 +284,10 @@ def main(argv=None) -> int:
     ps = sub.add_parser("sft-data", help="write verl SFT messages (prompt + target) from a training parquet")
     ps.add_argument("train_parquet")
     ps.add_argument("out_parquet")
+    ps.add_argument("--seed", type=int, default=0, help="row shuffle (the SFT run's data order)")
     a = p.parse_args(argv)
     if a.cmd == "sft-data":
-        res = {"rows": write_sft_messages(a.train_parquet, a.out_parquet), "path": a.out_parquet}
+        res = {"rows": write_sft_messages(a.train_parquet, a.out_parquet, a.seed), "path": a.out_parquet}
     elif a.cmd == "prepare":
         res = prepare(a.out, seed=a.seed, force=a.force)
     else:
