@@ -167,7 +167,7 @@ def plot(results: dict, methods, seeds, path: str, title: str) -> None:
     ax.set_ylim(-3, 103)
     ax.grid(alpha=0.3)
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, loc="center right")
+    ax.legend(fontsize=7, loc="center right", handlelength=3.5)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
