@@ -162,6 +162,7 @@ def cpu_env(extra: Optional[dict] = None) -> dict:
         WANDB_MODE="disabled",
         RAY_DEDUP_LOGS="0",
         RAY_USAGE_STATS_ENABLED="0",
+        OMP_NUM_THREADS="1",  # as Ray sets for its workers; torchrun jobs (SFT) would spin 2 threads per process
     )
     env.update(extra or {})
     return env

@@ -194,6 +194,44 @@ def test_selection_rules(monkeypatch):
     assert cpu.is_selected() == (not cpu._accelerator_detected())
 
 
+PROCESS_GROUP_SCRIPT = """
+import os, sys
+import torch.distributed as dist
+import verl.utils.distributed as vdist
+variant = sys.argv[1]
+fn = getattr(vdist, variant)
+assert getattr(fn, "_mix_src_cpu", False), f"{variant} is not patched"
+if variant == "initialize_global_process_group":
+    print("ranks", fn(timeout_second=60))
+else:
+    fn(timeout_second=60)
+print("backend", dist.get_backend())
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("variant", ["initialize_global_process_group", "initialize_global_process_group_ray"])
+def test_process_group_init_uses_plain_gloo(variant, tmp_path):
+    """verl builds "cpu:gloo,cpu:gloo" on the cpu platform (torch: "Duplicate device type cpu"); both the
+    torchrun variant (verl.trainer.sft_trainer) and the Ray variant must get a working 1-rank gloo group."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "VERL_PLATFORM": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", PROCESS_GROUP_SCRIPT, variant], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "backend gloo" in out.stdout
+    if variant == "initialize_global_process_group":
+        assert "ranks (0, 0, 1)" in out.stdout
+
+
 def test_fragment_composes_with_stock_verl_config():
     from hydra import compose, initialize_config_module
 

@@ -315,7 +315,7 @@ def test_smoke_sft(tiny_toy, ta, tmp_path):
     data = tmp_path / "sft_messages.parquet"
     ta.write_sft_messages(tiny_toy["train"], str(data))
     args = [
-        "--standalone", "--nnodes=1", "--nproc_per_node=1", str(EXPERIMENTS / "sft_cpu.py"),
+        "--standalone", "--nnodes=1", "--nproc_per_node=1", "-m", "verl.trainer.sft_trainer",
         "--config-path", str(RECIPE_DIR), "--config-name", "sft",
         f"model.path={tiny_toy['model']}", f"model.tokenizer_path={tiny_toy['tokenizer']}",
         f"data.train_files={data}", f"trainer.default_local_dir={tmp_path / 'checkpoints'}",

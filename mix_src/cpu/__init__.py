@@ -14,7 +14,8 @@ When active it (1) registers verl platform "cpu" (``platform.PlatformCPU``: gloo
 ``VERL_PLATFORM=cpu`` so Ray workers started later agree; and, lazily, right after the verl module in
 question is first imported (no heavy import at plugin load):
 (2) registers the FSDP/FSDP2 engines for device "cpu"   (``verl.workers.engine.fsdp.transformer_impl``);
-(3) patches the process-group backend string to "gloo"  (``verl.utils.distributed``, see ``_patch_gloo``);
+(3) patches the process-group backend string to "gloo"  (``verl.utils.distributed``, Ray and torchrun
+    variants, see ``_patch_gloo``);
 (4) registers the "hf" rollout replica and server adapter (``verl.workers.rollout.replica`` / ``.base``).
 It logs one line ``mix_src.cpu: CPU backend active (...)`` per process, and logs failures at ERROR level
 (verl itself only logs a failing plugin import at DEBUG).
@@ -127,21 +128,38 @@ def _register_engines(mod) -> None:
 
 
 def _patch_gloo(mod) -> None:
-    """Monkeypatch, documented: ``verl/utils/distributed.py:89`` (initialize_global_process_group_ray)
-    builds ``backend=f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}"``, which on the cpu platform is
-    ``"cpu:gloo,cpu:gloo"`` and torch rejects it ("Duplicate device type cpu"). Callers that pass an
-    explicit backend are untouched; the default becomes plain "gloo". Remove when verl dedups the string.
+    """Monkeypatches, documented: ``verl/utils/distributed.py`` builds the process-group backend string
+    ``f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}"`` in both ``initialize_global_process_group``
+    (torchrun entry points such as ``verl.trainer.sft_trainer``, line 62) and
+    ``initialize_global_process_group_ray`` (Ray workers, line 89). On the cpu platform that is
+    ``"cpu:gloo,cpu:gloo"`` and torch rejects it ("Duplicate device type cpu"). Both now default to plain
+    "gloo"; Ray callers that pass an explicit backend are untouched. Remove when verl dedups the string.
     """
-    original = mod.initialize_global_process_group_ray
-    if getattr(original, "_mix_src_cpu", False):
+    original_ray = mod.initialize_global_process_group_ray
+    if getattr(original_ray, "_mix_src_cpu", False):
         return
 
     def initialize_global_process_group_ray(timeout_second=None, backend=None):
-        return original(timeout_second=timeout_second, backend=backend or "gloo")
+        return original_ray(timeout_second=timeout_second, backend=backend or "gloo")
 
-    initialize_global_process_group_ray._mix_src_cpu = True
-    initialize_global_process_group_ray.__doc__ = original.__doc__
-    mod.initialize_global_process_group_ray = initialize_global_process_group_ray
+    def initialize_global_process_group(timeout_second=36000):
+        # verl's body with backend "gloo"; there is no device to select on the cpu platform
+        from datetime import timedelta
+
+        import torch.distributed
+
+        torch.distributed.init_process_group(
+            backend="gloo",
+            timeout=timedelta(seconds=timeout_second),
+            init_method=os.environ.get("DIST_INIT_METHOD", None),
+        )
+        return int(os.environ["LOCAL_RANK"]), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+    for patched, original in ((initialize_global_process_group_ray, original_ray),
+                              (initialize_global_process_group, mod.initialize_global_process_group)):
+        patched._mix_src_cpu = True
+        patched.__doc__ = original.__doc__
+        setattr(mod, original.__name__, patched)
 
 
 def _register_rollout_adapter(mod) -> None:
