@@ -65,25 +65,28 @@ def _fingerprint(seed: int, n_train: int, n_val: int, max_operand: int) -> dict:
             "model": MODEL_KW}
 
 
-def build_tokenizer(out_dir: str):
-    """Character-level fast tokenizer saved to ``out_dir``; returns the loaded tokenizer."""
+def build_tokenizer(out_dir: str, chars=CHARS, words=WORD_TOKENS, model_max_length: int = 4096):
+    """Character-level fast tokenizer (BPE with no merges: one token per character of ``chars``, plus the
+    multi-character ``words``) with ChatML specials and chat template, saved to ``out_dir``; returns it.
+    Also the toy-addition task's tokenizer (scripts/experiments/toy_addition.py, its own ``chars``)."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate([UNK, *dict.fromkeys(CHARS)])}
+    vocab = {tok: i for i, tok in enumerate([UNK, *dict.fromkeys(chars)])}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
     tok.decoder = decoders.Fuse()  # plain concatenation: decode gives the text back
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token=UNK,
-        pad_token="<|endoftext|>",
-        eos_token="<|im_end|>",
+        pad_token=SPECIAL_TOKENS[0],
+        eos_token=SPECIAL_TOKENS[2],
         bos_token=None,
-        additional_special_tokens=["<|im_start|>"],
-        model_max_length=4096,
+        additional_special_tokens=[SPECIAL_TOKENS[1]],
+        model_max_length=model_max_length,
         clean_up_tokenization_spaces=False,
     )
-    fast.add_tokens(WORD_TOKENS)
+    if words:
+        fast.add_tokens(list(words))
     fast.chat_template = CHAT_TEMPLATE
     fast.padding_side = "left"
     fast.save_pretrained(out_dir)

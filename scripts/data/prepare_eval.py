@@ -44,7 +44,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 if __package__ in (None, ""):  # run as a script from a source checkout: make mix_src importable
     sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from prepare_openr1 import SYSTEM_PROMPT, USER_INSTRUCTION, load_table, make_prompt  # noqa: E402
+from prepare_openr1 import SYSTEM_PROMPT, USER_INSTRUCTION, load_table, make_prompt, resolve_system_prompt  # noqa: E402
 
 from mix_src.rewards.answers import last_boxed  # noqa: E402
 
@@ -234,12 +234,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if name not in inputs or what not in ("problem", "answer"):
             p.error(f"--field {k}: expected NAME.problem or NAME.answer with NAME among the inputs")
         fields.setdefault(name, {})[what] = v
-    system_prompt: str | None = SYSTEM_PROMPT
-    if a.system_prompt_file:
-        with open(a.system_prompt_file, encoding="utf-8") as f:
-            system_prompt = f.read().strip()
-    elif a.no_system_prompt:
-        system_prompt = None
+    system_prompt = resolve_system_prompt(a, p)
 
     rows, summary = [], {}
     print(f"{'benchmark':15s} {'read':>6s} {'kept':>6s} {'repeat':>6s} {'rows':>7s}  file")

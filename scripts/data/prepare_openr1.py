@@ -50,6 +50,16 @@ REQUIRED = ("problem", "answer", "generations")
 FLAG_COLUMNS = ("correctness_math_verify", "is_reasoning_complete")
 
 
+def resolve_system_prompt(a: argparse.Namespace, p: argparse.ArgumentParser) -> str | None:
+    """The system prompt chosen by ``--system-prompt-file`` / ``--no-system-prompt`` (default: LUFFY's)."""
+    if a.no_system_prompt and a.system_prompt_file:
+        p.error("--no-system-prompt and --system-prompt-file contradict each other; pass one")
+    if a.system_prompt_file:
+        with open(a.system_prompt_file, encoding="utf-8") as f:
+            return f.read().strip()
+    return None if a.no_system_prompt else SYSTEM_PROMPT
+
+
 # ----------------------------------------------------------------------------------------- loading
 def load_table(source: str, split: str = "train"):
     """A pandas DataFrame from a local parquet/jsonl/json file, a folder of them, a ``save_to_disk``
@@ -237,14 +247,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if a.max_target_tokens and not a.tokenizer:
         print(f"note: no --tokenizer given, so targets are not filtered by length (--max-target-tokens "
               f"{a.max_target_tokens} is ignored)")
-    if a.no_system_prompt and a.system_prompt_file:
-        p.error("--no-system-prompt and --system-prompt-file contradict each other; pass one")
-    system_prompt: str | None = SYSTEM_PROMPT
-    if a.system_prompt_file:
-        with open(a.system_prompt_file, encoding="utf-8") as f:
-            system_prompt = f.read().strip()
-    elif a.no_system_prompt:
-        system_prompt = None
+    system_prompt = resolve_system_prompt(a, p)
 
     df = load_table(a.input, a.split)
     n_read = len(df)

@@ -39,15 +39,12 @@ if REPO_ROOT not in sys.path:
 
 from mix_src import toy_addition as task  # noqa: E402
 
+sys.path.insert(0, os.path.join(REPO_ROOT, "scripts"))
+import make_tiny_assets as tiny_assets  # noqa: E402  (scripts/make_tiny_assets.py: tokenizer builder)
+
 DEFAULT_OUT = os.path.join(REPO_ROOT, "outputs", "toy_addition")
-PAD, IM_START, IM_END, UNK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"
+IM_START = "<|im_start|>"  # ChatML turn start (tokenizer: scripts/make_tiny_assets.py)
 CHARS = list(string.digits + string.ascii_lowercase + "+=> \n")
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 MODEL_KW = dict(
     hidden_size=128,
     intermediate_size=512,
@@ -65,21 +62,9 @@ MAX_NEW_TOKENS = 16  # a trace is 13 characters + EOS
 
 # ------------------------------------------------------------------------------------------ tokenizer
 def build_tokenizer(out_dir: str):
-    """Character-level fast tokenizer (BPE with no merges: one token per character) saved to ``out_dir``."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate([UNK, *CHARS])}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
-    tok.decoder = decoders.Fuse()  # plain concatenation: decode(encode(s)) == s
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token=UNK, pad_token=PAD, eos_token=IM_END, bos_token=None,
-        additional_special_tokens=[IM_START], model_max_length=256, clean_up_tokenization_spaces=False,
-    )  # fmt: skip
-    fast.chat_template = CHAT_TEMPLATE
-    fast.padding_side = "left"
-    fast.save_pretrained(out_dir)
-    return fast
+    """Character-level fast tokenizer over CHARS with ChatML specials and chat template (one token per
+    character), saved to ``out_dir``: the tiny-asset builder's, with the toy alphabet and no word tokens."""
+    return tiny_assets.build_tokenizer(out_dir, chars=CHARS, words=(), model_max_length=256)
 
 
 def load_tokenizer(path: str):
