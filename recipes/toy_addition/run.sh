@@ -2,7 +2,7 @@
 # Toy addition (LUFFY in miniature on CPU): one run of METHOD with SEED.
 # Usage: bash recipes/toy_addition/run.sh METHOD SEED [hydra overrides...]
 #   METHOD: luffy | on_policy_grpo   (python -m mix_src.main_mix_ppo, config METHOD.yaml, CPU backend)
-#         | sft                      (verl's SFT trainer, config sft.yaml, torchrun on CPU)
+#         | sft                      (verl's own verl.trainer.sft_trainer, config sft.yaml, torchrun on CPU)
 # Env: STEPS (default 100), EVAL_EVERY (20), ASSETS_DIR (outputs/toy_addition),
 #      OUTPUT_DIR (outputs/toy_addition/runs/METHOD_seedSEED), plus recipes/common.sh's PYTHON, LOGGER.
 # The first call builds the tokenizer, parquets and base model into ASSETS_DIR (a few minutes, cached).
@@ -27,14 +27,20 @@ TOKENIZER_PATH="$ASSETS_DIR/tokenizer"  # apart from the model: transformers 5 w
 MODEL_PATH="${MODEL_PATH:-$ASSETS_DIR/base_seed0}"
 TRAIN_FILES="${TRAIN_FILES:-$ASSETS_DIR/train.parquet}"
 VAL_FILES="${VAL_FILES:-$ASSETS_DIR/heldout.parquet}"
-rm -f "$VERL_FILE_LOGGER_PATH"      # metrics.jsonl of this run only (verl's file logger appends)
+# RL runs resume from the newest checkpoint in OUTPUT_DIR (verl resume_mode auto; they save the last step):
+# then the metrics so far are kept (the file logger appends), else metrics.jsonl starts empty.
+if [[ "$METHOD" != sft && -f "$OUTPUT_DIR/checkpoints/latest_checkpointed_iteration.txt" ]]; then
+  echo "[recipes/toy_addition] resuming $OUTPUT_DIR from step $(cat "$OUTPUT_DIR/checkpoints/latest_checkpointed_iteration.txt")" >&2
+else
+  rm -f "$VERL_FILE_LOGGER_PATH"
+fi
 mkdir -p "$OUTPUT_DIR"
 start=$SECONDS
 
 if [[ "$METHOD" == sft ]]; then
   "$PYTHON" "$ROOT/scripts/experiments/toy_addition.py" sft-data "$TRAIN_FILES" "$OUTPUT_DIR/sft_messages.parquet" --seed "$SEED"
   "$PYTHON" -m torch.distributed.run --standalone --nnodes=1 --nproc_per_node=1 \
-    "$ROOT/scripts/experiments/sft_cpu.py" --config-path "$RECIPE_DIR" --config-name sft \
+    -m verl.trainer.sft_trainer --config-path "$RECIPE_DIR" --config-name sft \
     "model.path=$MODEL_PATH" "model.tokenizer_path=$TOKENIZER_PATH" \
     "data.train_files=$OUTPUT_DIR/sft_messages.parquet" "trainer.default_local_dir=$OUTPUT_DIR/checkpoints" \
     "trainer.total_training_steps=$STEPS" "trainer.save_freq=$EVAL_EVERY" "trainer.seed=$SEED" \

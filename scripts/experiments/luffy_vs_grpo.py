@@ -1,7 +1,8 @@
 """LUFFY vs on-policy GRPO vs SFT on the toy addition task, on CPU, through the real trainers.
 
 For each method (luffy, on_policy_grpo, sft) and seed, runs ``bash recipes/toy_addition/run.sh METHOD SEED``
-with the same step budget (or reuses a finished run with the same budget), then collects the held-out greedy
+with the same step budget (or reuses a finished run with the same budget; a finished shorter RL run in the same
+folder is continued from its last checkpoint), then collects the held-out greedy
 accuracy (200 carry problems) every ``--eval-every`` steps:
 
 * luffy / on_policy_grpo: the trainer's own validation (``val-core/toy_addition/acc/mean@1`` in the run's
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -73,9 +75,16 @@ def run_dir(out: str, method: str, seed: int) -> str:
 def launch(method: str, seed: int, rdir: str, steps: int, eval_every: int, assets: str) -> float:
     """Run ``recipes/toy_addition/run.sh`` once; returns its wall time in seconds. Raises on failure."""
     os.makedirs(rdir, exist_ok=True)
+    # a finished shorter RL run in rdir is continued (run.sh resumes from its last checkpoint): wall times add up
+    prev = {}
+    if method != "sft" and os.path.exists(os.path.join(rdir, "checkpoints", "latest_checkpointed_iteration.txt")) \
+            and os.path.exists(os.path.join(rdir, "done.json")):
+        with open(os.path.join(rdir, "done.json")) as f:
+            prev = json.load(f)
+        os.remove(os.path.join(rdir, "done.json"))
     env = {**os.environ, "STEPS": str(steps), "EVAL_EVERY": str(eval_every), "OUTPUT_DIR": rdir, "ASSETS_DIR": assets}
     cmd = ["bash", os.path.join(REPO_ROOT, "recipes", "toy_addition", "run.sh"), method, str(seed)]
-    log = os.path.join(rdir, "run.log")
+    log = os.path.join(rdir, f"run_from_step{prev['steps']}.log" if prev else "run.log")
     print(f"[luffy_vs_grpo] {method} seed {seed}: {' '.join(cmd)} (log {log})", flush=True)
     t0 = time.time()
     with open(log, "w") as f:
@@ -84,8 +93,11 @@ def launch(method: str, seed: int, rdir: str, steps: int, eval_every: int, asset
     if rc != 0:
         tail = open(log, errors="replace").read().splitlines()[-40:]
         raise RuntimeError(f"{method} seed {seed} failed (rc={rc}); log {log}:\n" + "\n".join(tail))
+    done = {"steps": steps, "eval_every": eval_every, "wall_s": round(wall + prev.get("wall_s", 0.0), 1)}
+    if prev:
+        done["continued"] = {"from_step": prev["steps"], "earlier_wall_s": prev.get("wall_s"), "wall_s": round(wall, 1)}
     with open(os.path.join(rdir, "done.json"), "w") as f:
-        json.dump({"steps": steps, "eval_every": eval_every, "wall_s": round(wall, 1)}, f)
+        json.dump(done, f)
     return wall
 
 
@@ -155,7 +167,7 @@ def plot(results: dict, methods, seeds, path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(9.5, 4.2))
     for m in methods:
         for i, s in enumerate(seeds):
             c = results[m][s]["curve"]
@@ -167,7 +179,7 @@ def plot(results: dict, methods, seeds, path: str, title: str) -> None:
     ax.set_ylim(-3, 103)
     ax.grid(alpha=0.3)
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, loc="center right", handlelength=3.5)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), handlelength=3.5)  # outside: no curve hidden
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -214,7 +226,7 @@ def main(argv=None) -> int:
     p.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     p.add_argument("--assets", default=ta.DEFAULT_OUT)
     p.add_argument("--out", default=os.path.join(ta.DEFAULT_OUT, "luffy_vs_grpo"))
-    p.add_argument("--rerun", action="store_true", help="run again even when a finished run exists")
+    p.add_argument("--rerun", action="store_true", help="run again from scratch even when a finished run exists")
     p.add_argument("--no-run", action="store_true", help="only read finished runs")
     p.add_argument("--diagnostic", metavar="PNG", help="only plot --long-runs and --replicas into PNG")
     p.add_argument("--long-runs", nargs="*", default=[])
@@ -240,6 +252,8 @@ def main(argv=None) -> int:
             if a.rerun or not finished(rdir, a.steps, a.eval_every):
                 if a.no_run:
                     raise SystemExit(f"no finished run in {rdir} with steps={a.steps} (drop --no-run)")
+                if a.rerun and os.path.isdir(rdir):
+                    shutil.rmtree(rdir)  # from scratch, not continued
                 wall = launch(m, seed, rdir, a.steps, a.eval_every, prep["tokenizer"].rsplit("/", 1)[0])
                 print(f"[luffy_vs_grpo] {m} seed {seed}: {wall:.0f} s", flush=True)
             results[m][seed] = collect(m, rdir, a.steps, a.eval_every, base_acc, tokenizer, problems)
