@@ -27,10 +27,13 @@ TOKENIZER_PATH="$ASSETS_DIR/tokenizer"  # apart from the model: transformers 5 w
 MODEL_PATH="${MODEL_PATH:-$ASSETS_DIR/base_seed0}"
 TRAIN_FILES="${TRAIN_FILES:-$ASSETS_DIR/train.parquet}"
 VAL_FILES="${VAL_FILES:-$ASSETS_DIR/heldout.parquet}"
-# RL runs resume from the newest checkpoint in OUTPUT_DIR (verl resume_mode auto; they save the last step):
-# then the metrics so far are kept (the file logger appends), else metrics.jsonl starts empty.
+# RL runs resume from the newest checkpoint in OUTPUT_DIR (verl resume_mode auto; they save the last step).
+# verl's file logger truncates metrics.jsonl when it starts, so on resume the metrics so far move to
+# metrics.until_stepN.jsonl (luffy_vs_grpo.py reads both).
 if [[ "$METHOD" != sft && -f "$OUTPUT_DIR/checkpoints/latest_checkpointed_iteration.txt" ]]; then
-  echo "[recipes/toy_addition] resuming $OUTPUT_DIR from step $(cat "$OUTPUT_DIR/checkpoints/latest_checkpointed_iteration.txt")" >&2
+  resume_step="$(cat "$OUTPUT_DIR/checkpoints/latest_checkpointed_iteration.txt")"
+  echo "[recipes/toy_addition] resuming $OUTPUT_DIR from step $resume_step" >&2
+  [[ -f "$VERL_FILE_LOGGER_PATH" ]] && mv "$VERL_FILE_LOGGER_PATH" "${VERL_FILE_LOGGER_PATH%.jsonl}.until_step$resume_step.jsonl"
 else
   rm -f "$VERL_FILE_LOGGER_PATH"
 fi

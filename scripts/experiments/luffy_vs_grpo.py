@@ -46,15 +46,22 @@ VAL_KEY_SUFFIX = "/acc/mean@1"  # val-core/<data_source>/acc/mean@1
 
 
 def read_metrics(path: str) -> dict[int, dict]:
-    """verl file-logger JSONL -> {step: merged metrics}."""
+    """verl file-logger JSONL -> {step: merged metrics}. A continued run's earlier parts
+    (``metrics.until_stepN.jsonl`` next to ``metrics.jsonl``, written by run.sh on resume) are read first."""
+    import glob
+
+    stem = path[: -len(".jsonl")] if path.endswith(".jsonl") else path
+    parts = sorted(glob.glob(glob.escape(stem) + ".until_step*.jsonl"),
+                   key=lambda p: int(p[len(stem) + len(".until_step"): -len(".jsonl")]))
     by_step: dict[int, dict] = {}
-    if not os.path.exists(path):
-        return by_step
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                rec = json.loads(line)
-                by_step.setdefault(int(rec["step"]), {}).update(rec["data"])
+    for part in [*parts, path]:
+        if not os.path.exists(part):
+            continue
+        with open(part) as f:
+            for line in f:
+                if line.strip():
+                    rec = json.loads(line)
+                    by_step.setdefault(int(rec["step"]), {}).update(rec["data"])
     return by_step
 
 
