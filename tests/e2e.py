@@ -162,7 +162,7 @@ def cpu_env(extra: Optional[dict] = None) -> dict:
         WANDB_MODE="disabled",
         RAY_DEDUP_LOGS="0",
         RAY_USAGE_STATS_ENABLED="0",
-        OMP_NUM_THREADS="1",  # as Ray sets for its workers; torchrun jobs (SFT) would spin 2 threads per process
+        OMP_NUM_THREADS="1",  # as Ray sets for its workers; torchrun jobs (SFT) too, as the old sft_cpu.py did
     )
     env.update(extra or {})
     return env

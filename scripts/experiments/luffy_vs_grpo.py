@@ -82,13 +82,14 @@ def run_dir(out: str, method: str, seed: int) -> str:
 def launch(method: str, seed: int, rdir: str, steps: int, eval_every: int, assets: str) -> float:
     """Run ``recipes/toy_addition/run.sh`` once; returns its wall time in seconds. Raises on failure."""
     os.makedirs(rdir, exist_ok=True)
-    # a finished shorter RL run in rdir is continued (run.sh resumes from its last checkpoint): wall times add up
+    # a finished shorter RL run in rdir is continued (run.sh resumes from its last checkpoint): wall times add up.
+    # Its done.json stays until this run succeeds (a failed continuation leaves the shorter run's record).
+    done_path = os.path.join(rdir, "done.json")
     prev = {}
     if method != "sft" and os.path.exists(os.path.join(rdir, "checkpoints", "latest_checkpointed_iteration.txt")) \
-            and os.path.exists(os.path.join(rdir, "done.json")):
-        with open(os.path.join(rdir, "done.json")) as f:
+            and os.path.exists(done_path):
+        with open(done_path) as f:
             prev = json.load(f)
-        os.remove(os.path.join(rdir, "done.json"))
     env = {**os.environ, "STEPS": str(steps), "EVAL_EVERY": str(eval_every), "OUTPUT_DIR": rdir, "ASSETS_DIR": assets}
     cmd = ["bash", os.path.join(REPO_ROOT, "recipes", "toy_addition", "run.sh"), method, str(seed)]
     log = os.path.join(rdir, f"run_from_step{prev['steps']}.log" if prev else "run.log")
@@ -103,7 +104,7 @@ def launch(method: str, seed: int, rdir: str, steps: int, eval_every: int, asset
     done = {"steps": steps, "eval_every": eval_every, "wall_s": round(wall + prev.get("wall_s", 0.0), 1)}
     if prev:
         done["continued"] = {"from_step": prev["steps"], "earlier_wall_s": prev.get("wall_s"), "wall_s": round(wall, 1)}
-    with open(os.path.join(rdir, "done.json"), "w") as f:
+    with open(done_path, "w") as f:
         json.dump(done, f)
     return wall
 
