@@ -17,13 +17,21 @@ Returned ``extra_fields``: ``prefix_token_mask`` (uint8 array, 1 on prefix token
 response), ``prefix_ratio`` (float) and ``prefix_truncated`` (bool: the prefix did not fit the response
 length and was cut, counted by the trainer). Rollout log-probs of prefix tokens do not exist; when the
 server returns log-probs, prefix positions hold 0.0 and the trainer keeps them out of rollout metrics.
+
+As verl's ``single_turn_agent_loop.py``: the per-row ``priority`` (set by verl's AgentLoopManager) goes to
+the server, and ``rollout.full_determinism`` makes the request id ``det-{priority}``. With a
+``rollout.max_model_len`` below prompt + response length, ``max_tokens`` is clamped to the room left
+after prompt + prefix (vLLM: ``max_model_len - len``, at least 1; SGLang: ``max_model_len - len - 1``,
+see verl's ``async_sglang_server.py``), and a row with no room makes no call and answers with its
+prefix alone: a shorter answer, as verl's servers give, instead of their ValueError. SGLang's answer
+to a length mismatch between tokens and log-probs (both lists empty) is kept as an empty continuation.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Optional
 from uuid import uuid4
 
 import numpy as np
@@ -52,7 +60,15 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
         target_ids = self.tokenizer.encode(target, add_special_tokens=False)
         return list(build_prefix(target_ids, ratio, self.eos_token_id))
 
-    async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
+    def generation_room(self, context_len: int) -> Optional[int]:
+        """Most new tokens the server can give after ``context_len`` tokens (None: no max_model_len set)."""
+        max_model_len = self.rollout_config.max_model_len
+        if not max_model_len:
+            return None
+        return int(max_model_len) - context_len - (1 if self.rollout_config.name == "sglang" else 0)
+
+    async def run(self, sampling_params: dict[str, Any], priority: int = 0, **kwargs) -> AgentLoopOutput:
+        priority = int(priority)  # may arrive as np.int64 from the batch's non-tensor fields
         messages = list(kwargs["raw_prompt"])
         prompt_ids = await self.ct_build_initial_tokens(messages)
 
@@ -67,15 +83,19 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
         gen_ids: list[int] = []
         gen_logprobs = None
         extra: dict[str, Any] = {}
-        if remaining > 0 and not ends_with_eos:  # a whole target (+EOS) needs no generation at all
+        room = self.generation_room(len(prompt_ids) + len(prefix_ids))
+        max_tokens = remaining if room is None else min(remaining, room)
+        if max_tokens > 0 and not ends_with_eos:  # a whole target (+EOS) needs no generation at all
+            full_determinism = getattr(self.rollout_config, "full_determinism", False)
             with simple_timer("generate_sequences", metrics):
                 out = await self.server_manager.generate(
-                    request_id=uuid4().hex,
+                    request_id=f"det-{priority}" if full_determinism else uuid4().hex,
                     prompt_ids=prompt_ids + prefix_ids,
-                    sampling_params={**sampling_params, "max_tokens": remaining},
+                    sampling_params={**sampling_params, "max_tokens": max_tokens},
+                    priority=priority,
                 )
-            gen_ids = list(out.token_ids)[:remaining]
-            gen_logprobs = list(out.log_probs)[:remaining] if out.log_probs else None
+            gen_ids = list(out.token_ids)[:max_tokens]
+            gen_logprobs = list(out.log_probs)[:max_tokens] if out.log_probs else None
             extra.update(out.extra_fields or {})
             metrics["num_preempted"] = out.num_preempted if out.num_preempted is not None else -1
 
