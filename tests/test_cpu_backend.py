@@ -191,7 +191,7 @@ def test_selection_rules(monkeypatch):
     monkeypatch.setenv("VERL_PLATFORM", "cpu")
     assert cpu.is_selected()
     monkeypatch.delenv("VERL_PLATFORM")
-    assert cpu.is_selected() == (not cpu._accelerator_detected())
+    assert cpu.is_selected() == (not cpu.accelerator_signs())
 
 
 PROCESS_GROUP_SCRIPT = """

@@ -4,11 +4,17 @@ Loaded in every process (driver and Ray workers) by verl itself: ``verl/__init__
 ``verl.plugins`` entry point, and setup.py declares ``mix_src_cpu = mix_src.cpu``. Importing this
 module *activates* the backend only when it is selected:
 
-* ``VERL_PLATFORM=cpu``                      -> active;
+* ``VERL_PLATFORM=cpu``                      -> active (the recipes, tests/e2e.py and ``make demo`` set it);
 * ``VERL_PLATFORM`` set to anything else      -> inactive (e.g. ``nvidia`` on a GPU box);
-* ``VERL_PLATFORM`` unset                     -> active iff verl detects no accelerator: none of the
-  registered platforms (nvidia, npu, rocm) reports ``is_platform_available(use_smi_check=True)``, the
-  same probe verl's own auto-detection runs. On a GPU machine this is a no-op.
+* ``VERL_PLATFORM`` unset                     -> active only on a machine with no accelerator at all: no
+  sign of one from :func:`accelerator_signs` (torch sees a device; a device-visibility variable such as
+  ``CUDA_VISIBLE_DEVICES`` is set, even empty, as Ray sets it in GPU-less actors of a GPU host; a device
+  node ``/dev/nvidia*``, ``/dev/kfd``, ``/dev/davinci*`` exists; ``nvidia-smi``/``npu-smi`` is on PATH;
+  verl's own platform probe succeeds). A failed probe alone (a Ray actor of a GPU host whose PATH lacks
+  ``nvidia-smi``) can no longer switch a GPU worker to the CPU backend.
+
+The entry point refuses ``+backend=cpu`` (``trainer.device=cpu``) when the backend is not active, rather
+than switch it on after verl has picked its platform.
 
 When active it (1) registers verl platform "cpu" (``platform.PlatformCPU``: gloo, device shims) and sets
 ``VERL_PLATFORM=cpu`` so Ray workers started later agree; and, lazily, right after the verl module in
@@ -39,11 +45,20 @@ ROLLOUT_NAME = "hf"
 _ACTIVE = False
 
 
+# Signs of an accelerator on this machine, any one of which keeps the backend off unless VERL_PLATFORM=cpu.
+DEVICE_VISIBILITY_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
+                          "ASCEND_RT_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")  # fmt: skip
+DEVICE_NODE_GLOBS = ("/dev/nvidia[0-9]*", "/dev/nvidiactl", "/dev/kfd", "/dev/davinci[0-9]*")
+SMI_TOOLS = ("nvidia-smi", "npu-smi", "rocm-smi")
+
+
 def _accelerator_detected() -> bool:
     """verl's own probe (``platform_manager._detect_platform_name``) without its fallback to nvidia."""
     from verl.plugin.platform import PlatformRegistry
 
     for name in PlatformRegistry.registered_names():
+        if name == "cpu":  # ours, once registered
+            continue
         cls = PlatformRegistry.get(name)
         try:
             if cls is not None and cls().is_platform_available(use_smi_check=True):
@@ -53,12 +68,36 @@ def _accelerator_detected() -> bool:
     return False
 
 
+def _torch_sees_accelerator() -> bool:
+    import torch
+
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and accelerator.is_available():
+        return True
+    return torch.cuda.is_available()
+
+
+def accelerator_signs() -> list[str]:
+    """Every sign of an accelerator on this machine (empty on a CPU-only host)."""
+    import glob
+    import shutil
+
+    signs = [f"{var} is set" for var in DEVICE_VISIBILITY_VARS if var in os.environ]
+    signs += [f"{path} exists" for pattern in DEVICE_NODE_GLOBS for path in glob.glob(pattern)[:1]]
+    signs += [f"{tool} is on PATH" for tool in SMI_TOOLS if shutil.which(tool)]
+    if _torch_sees_accelerator():
+        signs.append("torch sees an accelerator")
+    if _accelerator_detected():
+        signs.append("verl's platform probe finds an accelerator")
+    return signs
+
+
 def is_selected() -> bool:
     """Whether this process should run verl on CPU (see the module docstring)."""
     choice = os.environ.get("VERL_PLATFORM", "").strip().lower()
     if choice:
         return choice == "cpu"
-    return not _accelerator_detected()
+    return not accelerator_signs()
 
 
 def is_active() -> bool:
