@@ -1,8 +1,9 @@
 """Prefix-guided agent loop: a rollout that starts from a prefix of the row's off-policy target.
 
-Registered as ``prefix_guided`` through ``mix_src/config/agent_loops.yaml`` (loaded by verl's
-AgentLoopWorker from ``actor_rollout_ref.rollout.agent.agent_loop_config_path``; the MIX entry point sets
-it). Per row it receives, as keyword arguments from the batch's non-tensor fields:
+Registered as ``prefix_guided`` with verl's ``@register``, in every process that imports this module:
+verl's AgentLoopWorker imports it through the MIX dataset class (``data.custom_cls`` ->
+:mod:`mix_src.dataset`), so no file path has to be valid on every node. (``mix_src/config/agent_loops.yaml``
+does the same for stock verl via ``actor_rollout_ref.rollout.agent.agent_loop_config_path``.) Per row it receives, as keyword arguments from the batch's non-tensor fields:
 
 * ``raw_prompt`` — the chat messages (verl's RLHFDataset);
 * ``target`` — the expert solution text (``""`` = none; :class:`mix_src.dataset.RLHFDatasetWithTarget`);
@@ -36,7 +37,7 @@ from uuid import uuid4
 
 import numpy as np
 
-from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 from verl.utils.profiler import simple_timer
 
 from mix_src.prefix import build_prefix
@@ -45,6 +46,7 @@ logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
 
 
+@register("prefix_guided")
 class PrefixGuidedAgentLoop(AgentLoopBase):
     """Single-turn agent loop whose response may start with a prefix of the off-policy target."""
 
@@ -62,10 +64,10 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
 
     def generation_room(self, context_len: int) -> Optional[int]:
         """Most new tokens the server can give after ``context_len`` tokens (None: no max_model_len set)."""
-        max_model_len = self.rollout_config.max_model_len
+        max_model_len = getattr(self.rollout_config, "max_model_len", None)
         if not max_model_len:
             return None
-        return int(max_model_len) - context_len - (1 if self.rollout_config.name == "sglang" else 0)
+        return int(max_model_len) - context_len - (1 if getattr(self.rollout_config, "name", None) == "sglang" else 0)
 
     async def run(self, sampling_params: dict[str, Any], priority: int = 0, **kwargs) -> AgentLoopOutput:
         priority = int(priority)  # may arrive as np.int64 from the batch's non-tensor fields

@@ -1,9 +1,12 @@
 """Entry point: ``python -m mix_src.main_mix_ppo key=value ...`` (Hydra; config ``mix_src/config/mix_ppo_trainer.yaml``,
 composed through the primary ``mix_ppo.yaml``; a recipe passes ``--config-path recipes/NAME --config-name config``).
 
-On the driver, before Ray starts: validate the ``mix:`` section and its ties to verl's keys, point verl
-at our agent loop and dataset class, check that the data and model paths exist, then run verl's own
-``run_ppo`` with :class:`MixTaskRunner`, which builds :class:`~mix_src.mix_trainer.MIXRayPPOTrainer`.
+On the driver, before Ray starts: validate the ``mix:`` section and its ties to verl's keys, refuse the
+verl settings the MIX trainer cannot honour (:mod:`mix_src.verl_parity`, each error names the key), check
+that the data and model paths exist and that ``+backend=cpu`` has the CPU backend active, then run verl's
+own ``run_ppo`` with :class:`MixTaskRunner`, which builds :class:`~mix_src.mix_trainer.MIXRayPPOTrainer`.
+The ``prefix_guided`` agent loop needs no config path: it registers itself in each AgentLoopWorker
+(see :mod:`mix_src.agent_loop`).
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ from __future__ import annotations
 import copy
 import os
 import socket
-from pathlib import Path
 from pprint import pprint
 
 import hydra
@@ -21,19 +23,28 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from verl.trainer.main_ppo_v0 import BaseTaskRunner
 
 from mix_src.mix_config import MixConfigError, validate_mix_config
-
-CONFIG_DIR = Path(__file__).resolve().parent / "config"
-AGENT_LOOPS_YAML = CONFIG_DIR / "agent_loops.yaml"
+from mix_src.verl_parity import check_verl_keys
 
 
 def prepare_config(config: DictConfig) -> None:
-    """Fill in what the MIX trainer needs from verl's config and check local paths. Raises on bad input."""
-    validate_mix_config(config)
-    agent = config.actor_rollout_ref.rollout.agent
-    with open_dict(config):
-        if not agent.get("agent_loop_config_path"):
-            agent.agent_loop_config_path = str(AGENT_LOOPS_YAML)
+    """Check the composed config on the driver, before Ray starts. Raises on bad input, naming the key."""
+    mix = validate_mix_config(config)
+    check_verl_keys(config, mix)
+    _check_backend(config)
     _check_paths(config)
+
+
+def _check_backend(config: DictConfig) -> None:
+    """``+backend=cpu`` (trainer.device=cpu) needs mix_src.cpu active from process start, as verl picks its
+    platform when first imported; it is never switched on later (a GPU host must not end up half on CPU)."""
+    import mix_src.cpu
+
+    if config.trainer.get("device") == "cpu" and not mix_src.cpu.is_active():
+        raise MixConfigError(
+            "trainer.device=cpu (+backend=cpu) but the CPU backend is off in this process: this machine shows "
+            f"an accelerator ({'; '.join(mix_src.cpu.accelerator_signs()) or 'VERL_PLATFORM is not cpu'}). "
+            "Run with VERL_PLATFORM=cpu to train on CPU here, or drop +backend=cpu to use the accelerator."
+        )
 
 
 def _local_paths(value) -> list[str]:

@@ -36,17 +36,25 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 from omegaconf import OmegaConf
+from tqdm import tqdm
 
 from verl import DataProto
 from verl.trainer.ppo import core_algos
-from verl.trainer.ppo.metric_utils import compute_data_metrics, compute_throughout_metrics, compute_timing_metrics
+from verl.trainer.ppo.metric_utils import (
+    compute_data_metrics,
+    compute_throughout_metrics,
+    compute_timing_metrics,
+    compute_variance_proxy_metrics,
+)
 from verl.trainer.ppo.ray_trainer import (
     RayPPOTrainer,
     apply_kl_penalty,
     compute_advantage,
     compute_response_mask,
+    compute_spec_decode_metrics,
 )
 from verl.trainer.ppo.reward import extract_reward
+from verl.utils.checkpoint.checkpoint_manager import should_save_ckpt_esi
 from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.debug import marked_timer
 from verl.utils.metric import reduce_metrics
@@ -77,6 +85,8 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         self.filter_cfg = self.config.algorithm.filter_groups
         self._carry: Optional[DataProto] = None  # kept groups left over from the last step (carry_over)
         self._epoch = 0
+        self._rollout_awake = False  # whether the rollout replicas hold their weights (see _wake_rollout)
+        self.max_steps_duration = 0.0  # longest step so far (seconds), for verl's ESI expiry checkpoint
 
     # ------------------------------------------------------------------------------------------------
     # set-up
@@ -106,7 +116,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         )
         self.global_steps = 0
         self._load_checkpoint()
-        self.checkpoint_manager.update_weights(self.global_steps)
+        self._wake_rollout()
         SkipManager.init(self.config)
 
         if self.config.trainer.get("val_before_train", True):
@@ -117,19 +127,62 @@ class MIXRayPPOTrainer(RayPPOTrainer):
                 self._shutdown_dump_executor()
                 return
 
+        progress_bar = tqdm(total=self.total_training_steps, initial=self.global_steps, desc="Training Progress")
+        first_step = self.global_steps + 1
         self.global_steps += 1
         SkipManager.set_step(self.global_steps)
         batches = self._train_batches()
         try:
             while self.global_steps <= self.total_training_steps:
+                self._finalize_async_calls(blocking=False)
                 metrics = self._step(batches)
                 if metrics is None:  # the data ran out (see _collect_batch)
+                    self._end_of_data(tracker, first_step)
                     break
                 tracker.log(data=metrics, step=self.global_steps)
+                progress_bar.update(1)
                 self.global_steps += 1
                 SkipManager.set_step(self.global_steps)
+            self._finalize_async_calls(blocking=True)
         finally:
+            progress_bar.close()
             self._shutdown_dump_executor()
+
+    def _finalize_async_calls(self, blocking: bool) -> None:
+        """As verl's fit: finish the worker group's asynchronous calls (async checkpoint saves), if it has any."""
+        if hasattr(self.actor_rollout_wg, "async_calls_finalize_fn_exec"):
+            self.actor_rollout_wg.async_calls_finalize_fn_exec(blocking=blocking)
+
+    def _end_of_data(self, tracker, first_step: int) -> None:
+        """The data ran out before ``total_training_steps`` (filter groups use more than one batch per step):
+        checkpoint and validate the last finished step unless its own step already did, so that no step
+        since the last ``save_freq`` multiple is lost."""
+        self.global_steps -= 1  # the step that could not be filled never ran
+        step, cfg = self.global_steps, self.config.trainer
+        if step < first_step:
+            return
+        print(f"[mix_src] the training data ran out after step {step}: final checkpoint and validation")
+        if cfg.save_freq > 0 and step % cfg.save_freq != 0 and cfg.critic_warmup <= step:
+            self._save_checkpoint()
+        if cfg.test_freq > 0 and step % cfg.test_freq != 0:
+            if not self._rollout_awake:  # a colocated reward model left it asleep
+                self._wake_rollout()
+            val_metrics = self._validate()
+            pprint(f"Final validation metrics: {val_metrics}")
+            tracker.log(data=val_metrics, step=step)
+
+    # ------------------------------------------------------------------------------------------------
+    # rollout replicas: generation needs them awake, a colocated reward model or the trainer needs them asleep
+    def _wake_rollout(self) -> None:
+        """Weights to the rollout replicas, which wakes them (verl's _validate does the same after a colocated
+        reward model: "replace with wake_up method once supported")."""
+        self.checkpoint_manager.update_weights(self.global_steps)
+        self._rollout_awake = True
+
+    def _sleep_rollout(self) -> None:
+        if self._rollout_awake:
+            self.checkpoint_manager.sleep_replicas()
+            self._rollout_awake = False
 
     def _train_batches(self) -> Iterator[dict]:
         """Batches of ``data.train_batch_size`` prompts across epochs (resumes mid-epoch via the dataloader)."""
@@ -145,15 +198,30 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             batch = self._collect_batch(batches, metrics, timing)  # stages 1-3
             if batch is None:
                 return None
-            self.checkpoint_manager.sleep_replicas()
+            self._sleep_rollout()
             batch = self._compute_log_probs(batch, metrics, timing)  # stage 4
             batch = self._compute_advantages(batch, metrics, timing)  # stage 5
             self._update(batch, metrics, timing, is_last_step)  # stage 6
+            rollout_data_dir = self.config.trainer.get("rollout_data_dir", None)
+            if rollout_data_dir:
+                self._dump_rollouts(batch, timing, rollout_data_dir)
         if self.config.trainer.test_freq > 0 and (is_last_step or self.global_steps % self.config.trainer.test_freq == 0):
             with marked_timer("testing", timing):
                 metrics.update(self._validate())
+        self.max_steps_duration = max(self.max_steps_duration, timing["step"])
         self._add_step_metrics(batch, metrics, timing)  # stage 7
+        if hasattr(self.train_dataset, "on_batch_end"):  # verl's experimental dataset hook, as in its fit
+            self.train_dataset.on_batch_end(batch=batch)
         return metrics
+
+    def _dump_rollouts(self, batch: DataProto, timing: dict, rollout_data_dir: str) -> None:
+        """``trainer.rollout_data_dir``: verl's JSONL dump of the step's training rows, plus each row's
+        prefix ratio and number of prefix (target) tokens."""
+        _, extra = extract_reward(batch)
+        extra = dict(extra)
+        extra["prefix_ratio"] = np.asarray(batch.non_tensor_batch["prefix_ratio"], dtype=np.float64)
+        extra["prefix_tokens"] = batch.batch["prefix_mask"].sum(-1).numpy()
+        self._log_rollout_data(batch, extra, timing, rollout_data_dir)
 
     # ------------------------------------------------------------------------------------------------
     # stages 1-3: generate with prefixes, reward, filter groups / accumulate
@@ -170,6 +238,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             self._carry = None
         stats = {"groups": 0, "kept": 0, "std_sum": 0.0}
         generated: list[DataProto] = []
+        gen_timings: list[tuple[dict, int]] = []
         num_gen = 0
         while (not filtering and num_gen == 0) or (filtering and n_groups < target_groups):
             if filtering and max_gen > 0 and num_gen >= max_gen:
@@ -188,8 +257,10 @@ class MIXRayPPOTrainer(RayPPOTrainer):
                         f"collected for step {self.global_steps}; those {n_groups} groups are dropped and training ends."
                     )
                 return None
+            gen_timing: dict[str, float] = {}
             with marked_timer("gen", timing):
-                gen = self._generate(batch_dict, gen_index=num_gen, timing=timing)  # stage 1
+                gen = self._generate(batch_dict, gen_index=num_gen, timing=gen_timing)  # stage 1
+            gen_timings.append((gen_timing, len(gen)))
             num_gen += 1
             gen = self._extract_reward(gen)  # stage 2
             generated.append(gen)
@@ -203,6 +274,8 @@ class MIXRayPPOTrainer(RayPPOTrainer):
                 pool.append(gen)
                 n_groups += _num_groups(gen)
 
+        for key, value in merge_rollout_timing(gen_timings).items():
+            timing[key] = timing.get(key, 0.0) + value
         self._add_rollout_metrics(DataProto.concat(generated), metrics)
         batch = DataProto.concat(pool)
         if filtering:
@@ -228,9 +301,10 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         gen_batch = gen_batch.repeat(repeat_times=self.n, interleave=True)
         gen_batch.non_tensor_batch["prefix_ratio"] = self._prefix_ratios(gen_batch, gen_index)
 
+        if not self._rollout_awake:  # a colocated reward model put it to sleep after the last batch
+            self._wake_rollout()
         out = self.async_rollout_manager.generate_sequences(gen_batch)
-        for key, value in out.meta_info.pop("timing", {}).items():
-            timing[key] = timing.get(key, 0.0) + value
+        timing.update(out.meta_info.pop("timing", {}))
 
         batch = batch.repeat(repeat_times=self.n, interleave=True).union(out)
         if "response_mask" not in batch.batch.keys():
@@ -265,8 +339,11 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         return np.where(has_target, ratios, 0.0)
 
     def _extract_reward(self, batch: DataProto) -> DataProto:
-        """Stage 2: the rule reward was computed in the agent loop (``rm_scores``); move it into place."""
+        """Stage 2: the rule reward was computed in the agent loop (``rm_scores``); move it into place. A reward
+        model colocated with the rollout runs after the replicas sleep (verl's fit sleeps them right after
+        generating); the next generation batch wakes them."""
         if self.use_rm and "rm_scores" not in batch.batch.keys():
+            self._sleep_rollout()
             batch = batch.union(self._compute_reward_colocate(batch))
         reward_tensor, extra = extract_reward(batch)
         batch.batch["token_level_scores"] = reward_tensor
@@ -304,7 +381,8 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             entropys = old_log_prob.batch.pop("entropys")
             actor_cfg = self.config.actor_rollout_ref.actor
             metrics["actor/entropy"] = core_algos.agg_loss(
-                loss_mat=entropys, loss_mask=batch.batch["response_mask"], loss_agg_mode=actor_cfg.loss_agg_mode
+                loss_mat=entropys, loss_mask=batch.batch["response_mask"], loss_agg_mode=actor_cfg.loss_agg_mode,
+                loss_scale_factor=actor_cfg.get("loss_scale_factor", None),
             ).item()
             metrics["perf/mfu/actor_infer"] = mfu
             batch = batch.union(old_log_prob)
@@ -313,6 +391,30 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         if self.use_reference_policy:
             with marked_timer("ref", timing):
                 batch = batch.union(self._compute_ref_log_prob(batch))
+        if self.use_critic:  # GAE and other critic-based estimators
+            with marked_timer("values", timing):
+                batch = batch.union(self._compute_values(batch))
+        return self._apply_rollout_correction(batch, metrics)
+
+    def _apply_rollout_correction(self, batch: DataProto, metrics: dict) -> DataProto:
+        """``algorithm.rollout_correction`` in verl's decoupled mode (IS weights and rejection sampling from
+        old vs rollout log-probs), over on-policy tokens only: prefix (target) tokens have no rollout
+        log-prob, keep IS weight 1 and are never rejected. (Bypass mode and IS/RS with ``mix.n_prefix != 0``
+        are refused by mix_src.verl_parity.)"""
+        rc = self.config.algorithm.get("rollout_correction", None)
+        if rc is None or "rollout_log_probs" not in batch.batch.keys():
+            return batch
+        from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
+
+        full_mask = batch.batch["response_mask"]
+        prefix = batch.batch["prefix_mask"].bool() & full_mask.bool()
+        batch.batch["response_mask"] = full_mask * (~prefix).to(full_mask.dtype)
+        batch, rc_metrics = compute_rollout_correction_and_add_to_batch(batch, rc)
+        batch.batch["response_mask"] = torch.where(prefix, full_mask, batch.batch["response_mask"])
+        if "rollout_is_weights" in batch.batch.keys():
+            weights = batch.batch["rollout_is_weights"]
+            batch.batch["rollout_is_weights"] = torch.where(prefix, torch.ones_like(weights), weights)
+        metrics.update(rc_metrics)
         return batch
 
     # ------------------------------------------------------------------------------------------------
@@ -357,24 +459,38 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             with marked_timer("update_critic", timing):
                 metrics.update(reduce_metrics(self._update_critic(batch).meta_info["metrics"]))
         if self.config.trainer.critic_warmup > self.global_steps:
-            self.checkpoint_manager.update_weights(self.global_steps)
+            self._wake_rollout()
             return
         with marked_timer("update_actor", timing):
             actor_output = self._update_actor(batch)
         save_freq = self.config.trainer.save_freq
-        if save_freq > 0 and (is_last_step or self.global_steps % save_freq == 0):
+        # verl's ESI rule: save early when the capacity block / training plan expires before another step
+        esi_expiring = should_save_ckpt_esi(
+            max_steps_duration=self.max_steps_duration, redundant_time=self.config.trainer.esi_redundant_time
+        )
+        if save_freq > 0 and (is_last_step or self.global_steps % save_freq == 0 or esi_expiring):
+            if esi_expiring:
+                print("Force saving checkpoint: ESI instance expiration approaching.")
             with marked_timer("save_checkpoint", timing):
                 self._save_checkpoint()
         with marked_timer("update_weights", timing):
-            self.checkpoint_manager.update_weights(self.global_steps)
+            self._wake_rollout()
         metrics.update(reduce_metrics(actor_output.meta_info["metrics"]))
 
     def _save_checkpoint(self):
+        """verl's checkpoint plus ``mix_state.pt``: the epoch, the carried groups and the dataloader position."""
         super()._save_checkpoint()
         folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
-        torch.save({"epoch": self._epoch, "carry": self._carry}, os.path.join(folder, MIX_STATE_FILE))
+        state = {"epoch": self._epoch, "carry": self._carry, "dataloader": self.train_dataloader.state_dict()}
+        torch.save(state, os.path.join(folder, MIX_STATE_FILE))
 
     def _load_checkpoint(self):
+        """verl's loader, then the data position from ``mix_state.pt``. verl's own restore assumes one batch
+        per step (``ray_trainer.py`` ``_load_checkpoint``: it skips the dataloader state when
+        ``global_steps % len(dataloader) == 0`` and its fit starts epoch ``global_steps // len(dataloader)``);
+        with filter groups a step uses several batches, so that replays or skips prompts. Here the saved
+        epoch and dataloader state are restored as they were: a state saved at the end of an epoch yields
+        nothing, and ``_train_batches`` moves on to the next epoch."""
         result = super()._load_checkpoint()
         if self.global_steps > 0:
             folder = self.config.trainer.default_local_dir
@@ -386,6 +502,8 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             if os.path.exists(path):
                 state = torch.load(path, weights_only=False)
                 self._epoch, self._carry = state["epoch"], state["carry"]
+                if state.get("dataloader") is not None:
+                    self.train_dataloader.load_state_dict(state["dataloader"])
         return result
 
     # ------------------------------------------------------------------------------------------------
@@ -418,14 +536,59 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         metrics["training/global_step"] = self.global_steps
         metrics["training/epoch"] = self._epoch
         metrics.update(compute_data_metrics(batch=batch, use_critic=self.use_critic))
+        gdpo_keys = self.config.algorithm.get("gdpo_reward_keys", None)
+        if gdpo_keys and self.config.algorithm.adv_estimator == "gdpo":  # verl's per-component GDPO metrics
+            for key in (k for k in gdpo_keys if k in batch.non_tensor_batch):
+                values = np.asarray(batch.non_tensor_batch[key], dtype=np.float32)
+                for stat, fn in (("mean", np.mean), ("std", np.std), ("max", np.max), ("min", np.min)):
+                    metrics[f"gdpo/{key}/{stat}"] = float(fn(values))
         metrics.update(compute_timing_metrics(batch=batch, timing_raw=timing))
         metrics.update(
             compute_throughout_metrics(batch=batch, timing_raw=timing, n_gpus=self.resource_pool_manager.get_n_gpus())
+        )
+        metrics.update(compute_variance_proxy_metrics(batch=batch, gradient_norm=metrics.get("actor/grad_norm", None)))
+        metrics.update(
+            compute_spec_decode_metrics(
+                batch.non_tensor_batch.get("spec_num_draft_tokens", None),
+                batch.non_tensor_batch.get("spec_num_accepted_tokens", None),
+                batch.non_tensor_batch.get("spec_num_verify_steps", None),
+            )
         )
 
 
 # ----------------------------------------------------------------------------------------------------
 # small helpers (numpy/torch only)
+def merge_rollout_timing(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """One step's rollout timing from its generation batches' ``(timing, rows)`` (filter groups make several).
+
+    verl's agent loop reports per-batch ``agent_loop/*/{min,max,mean}`` and ``agent_loop/slowest/*``
+    (``agent_loop.py`` ``_performance_metrics``): ``/min`` -> min, ``/max`` -> max, ``/mean`` -> row-weighted
+    mean, ``slowest/*`` -> the batch whose slowest sample was slowest; other entries (wall times) add up.
+    """
+    merged: dict[str, float] = {}
+    weight: dict[str, int] = {}
+    slowest = max(parts, key=lambda p: p[0].get("agent_loop/slowest/generate_sequences", float("-inf")), default=None)
+    for timing, rows in parts:
+        for key, value in timing.items():
+            if key.startswith("agent_loop/slowest/"):
+                continue
+            if key not in merged:
+                merged[key], weight[key] = value, rows
+            elif key.endswith("/min"):
+                merged[key] = min(merged[key], value)
+            elif key.endswith("/max"):
+                merged[key] = max(merged[key], value)
+            elif key.endswith("/mean"):
+                total = weight[key] + rows
+                merged[key] = (merged[key] * weight[key] + value * rows) / max(total, 1)
+                weight[key] = total
+            else:
+                merged[key] += value
+    if slowest is not None:
+        merged.update({k: v for k, v in slowest[0].items() if k.startswith("agent_loop/slowest/")})
+    return merged
+
+
 def _group_ids(uids: np.ndarray) -> np.ndarray:
     """Dense int64 group id per row from the per-prompt uid strings."""
     return np.unique(np.asarray(uids, dtype=object).astype(str), return_inverse=True)[1].astype(np.int64)

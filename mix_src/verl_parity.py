@@ -1,0 +1,158 @@
+"""Which of verl's trainer settings the MIX trainer honours, and which it refuses before Ray starts.
+
+:class:`mix_src.mix_trainer.MIXRayPPOTrainer` replaces verl's ``RayPPOTrainer.fit``
+(``verl/trainer/ppo/ray_trainer.py``, verl 0.9.1) with its own loop, so every key that changes verl's fit
+must be honoured by that loop or refused here, by name. ``tests/test_verl_key_parity.py`` reads verl's
+``fit`` source and fails on any config key it reads, or any trainer method it calls, that is not listed
+below: after a verl upgrade that test names what is new.
+
+:func:`check_verl_keys` runs on the driver before Ray starts (``mix_src.main_mix_ppo.prepare_config``).
+This module imports no verl.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from mix_src.mix_config import MixConfigError
+
+# Keys verl's fit reads -> the MIXRayPPOTrainer method(s) whose source reads them too (honoured).
+HONOURED: dict[str, tuple[str, ...]] = {
+    "trainer.project_name": ("fit",),
+    "trainer.experiment_name": ("fit",),
+    "trainer.logger": ("fit",),
+    "trainer.val_before_train": ("fit",),
+    "trainer.val_only": ("fit",),
+    "trainer.total_epochs": ("_train_batches",),
+    "trainer.balance_batch": ("_compute_log_probs",),
+    "trainer.critic_warmup": ("_update", "_end_of_data"),
+    "trainer.save_freq": ("_update", "_end_of_data"),
+    "trainer.test_freq": ("_step", "_end_of_data"),
+    "trainer.esi_redundant_time": ("_update",),
+    "trainer.rollout_data_dir": ("_step",),
+    "actor_rollout_ref.rollout.n": ("__init__",),
+    "actor_rollout_ref.rollout.temperature": ("_generate",),
+    "actor_rollout_ref.actor": ("_compute_log_probs",),  # loss_agg_mode / loss_scale_factor of the entropy metric
+    "algorithm": ("_compute_advantages",),  # the whole section goes to verl's compute_advantage as `config`
+    "algorithm.adv_estimator": ("_compute_advantages",),
+    "algorithm.gamma": ("_compute_advantages",),
+    "algorithm.lam": ("_compute_advantages",),
+    "algorithm.kl_penalty": ("_compute_advantages",),
+    "algorithm.use_kl_in_reward": ("_compute_advantages",),
+    "algorithm.norm_adv_by_std_in_grpo": ("_compute_advantages",),
+    "algorithm.rollout_correction": ("_apply_rollout_correction",),  # decoupled mode; see REFUSED
+    "algorithm.gdpo_reward_keys": ("_add_step_metrics",),
+}
+
+# Keys verl's fit reads that the MIX trainer refuses for some values (see the checks below).
+REFUSED_KEYS: dict[str, str] = {
+    "global_profiler.steps": "_refuse_profiler",
+    "global_profiler.profile_continuous_steps": "_refuse_profiler",  # only read when steps are set
+    "actor_rollout_ref.actor.policy_loss": "_refuse_bypass_mode",  # only read in rollout-correction bypass mode
+}
+
+# Calls verl's fit makes on the trainer: the MIX loop makes them too, or they belong to a refused key.
+FIT_CALLS_REFUSED: dict[str, str] = {
+    "_start_profiling": "global_profiler.steps",
+    "_stop_profiling": "global_profiler.steps",
+    "llm_server_manager.start_profile": "global_profiler.steps",
+    "llm_server_manager.stop_profile": "global_profiler.steps",
+}
+
+SGLANG_UNRESOLVABLE = (
+    "actor_rollout_ref.rollout.name=sglang: verl[sglang]==0.9.1 pins sglang==0.5.12, which requires "
+    "transformers==5.6.0, a version verl 0.9.1 itself excludes (transformers!=5.6.0), so SGLang and this verl "
+    "cannot be installed in one environment. Use actor_rollout_ref.rollout.name=vllm (`make install-gpu`)."
+)
+
+
+def _get(config: Any, dotted: str, default: Any = None) -> Any:
+    node = config
+    for part in dotted.split("."):
+        if node is None:
+            return default
+        node = node.get(part, None) if hasattr(node, "get") else getattr(node, part, None)
+    return default if node is None else node
+
+
+def _refuse_remax(config: Any, mix: Any) -> Optional[str]:
+    if str(_get(config, "algorithm.adv_estimator")) == "remax":
+        return (
+            "algorithm.adv_estimator=remax needs a greedy baseline rollout per prompt (verl's fit generates it "
+            "with the sampled rollouts, ray_trainer.py `__do_sample__`); the MIX loop does not generate one. "
+            "Use grpo, grpo_split, rloo, reinforce_plus_plus, or gae (with a critic)."
+        )
+    return None
+
+
+def _refuse_bypass_mode(config: Any, mix: Any) -> Optional[str]:
+    if _get(config, "algorithm.rollout_correction.bypass_mode", False):
+        return (
+            "algorithm.rollout_correction.bypass_mode=true replaces old log-probs by rollout log-probs and the "
+            "policy loss by actor.policy_loss; the MIX loss needs recomputed old log-probs (target tokens have "
+            "no rollout log-prob). Set it to false: decoupled mode (rollout_is / rollout_rs) is supported."
+        )
+    return None
+
+
+def _refuse_correction_without_logprobs(config: Any, mix: Any) -> Optional[str]:
+    active = [k for k in ("rollout_is", "rollout_rs") if _get(config, f"algorithm.rollout_correction.{k}")]
+    if active and not _get(config, "actor_rollout_ref.rollout.calculate_log_probs", False):
+        return (
+            f"algorithm.rollout_correction.{active[0]} is set but actor_rollout_ref.rollout.calculate_log_probs="
+            "false: there are no rollout log-probs to correct with (verl would skip it silently). Set "
+            "actor_rollout_ref.rollout.calculate_log_probs=true."
+        )
+    return None
+
+
+def _refuse_profiler(config: Any, mix: Any) -> Optional[str]:
+    steps = _get(config, "global_profiler.steps")
+    if steps:
+        return (
+            f"global_profiler.steps={list(steps)}: the MIX trainer's loop does not drive verl's profiler "
+            "(ray_trainer.py _start_profiling / _stop_profiling); set global_profiler.steps=null."
+        )
+    return None
+
+
+def _refuse_policy_loss_mode(config: Any, mix: Any) -> Optional[str]:
+    mode = _get(config, "actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla")
+    if mode != "vanilla":
+        return (
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={mode!r}: the MIX loss (mix_src/loss.py) replaces "
+            "verl's policy loss and applies PPO-clip to on-policy tokens; set it to 'vanilla' and shape the loss "
+            "with mix.loss.*"
+        )
+    return None
+
+
+def _refuse_sglang(config: Any, mix: Any) -> Optional[str]:
+    return SGLANG_UNRESOLVABLE if _get(config, "actor_rollout_ref.rollout.name") == "sglang" else None
+
+
+CHECKS: list[Callable[[Any, Any], Optional[str]]] = [
+    _refuse_remax,
+    _refuse_bypass_mode,
+    _refuse_correction_without_logprobs,
+    _refuse_profiler,
+    _refuse_policy_loss_mode,
+    _refuse_sglang,
+]
+
+# The settings refused (for the README and the guard test): key=value that triggers it -> check.
+REFUSED_SETTINGS: dict[str, Callable] = {
+    "algorithm.adv_estimator=remax": _refuse_remax,
+    "algorithm.rollout_correction.bypass_mode=true": _refuse_bypass_mode,
+    "global_profiler.steps=[1]": _refuse_profiler,
+    "actor_rollout_ref.actor.policy_loss.loss_mode=gspo": _refuse_policy_loss_mode,
+    "actor_rollout_ref.rollout.name=sglang": _refuse_sglang,
+}
+
+
+def check_verl_keys(config: Any, mix: Any = None) -> None:
+    """Raise :class:`MixConfigError` naming the first verl setting the MIX trainer cannot honour."""
+    for check in CHECKS:
+        message = check(config, mix)
+        if message:
+            raise MixConfigError(message)

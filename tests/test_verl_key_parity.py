@@ -1,0 +1,160 @@
+"""Guard: every key verl 0.9.1's ``RayPPOTrainer.fit`` reads (``trainer.*``, ``algorithm.*``,
+``actor_rollout_ref.*``, ``global_profiler.*``) is honoured by MIXRayPPOTrainer's own loop or refused
+before Ray starts, naming the key. The lists live in ``mix_src/verl_parity.py``: after a verl upgrade
+this test names each new key or call of verl's fit. No Ray."""
+
+import inspect
+import re
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from mix_src import verl_parity
+from mix_src.mix_config import MixConfigError
+from mix_src.mix_trainer import MIXRayPPOTrainer
+
+# self.config.a.b.c  or  self.config.a.b.get("c", ...)  (a .get may span lines)
+KEY_RE = re.compile(r'self\.config((?:\.(?!get\b)\w+)+)(?:\.get\(\s*"(\w+)")?')
+CALL_RE = re.compile(r"self\.(\w+(?:\.\w+)?)\(")
+
+
+def compose_mix(*overrides):
+    with initialize_config_module(config_module="mix_src.config", version_base=None):
+        return compose(config_name="mix_ppo", overrides=list(overrides))
+
+
+def verl_fit_source() -> str:
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    return inspect.getsource(RayPPOTrainer.fit)
+
+
+def fit_keys() -> set[str]:
+    keys = set()
+    for m in KEY_RE.finditer(verl_fit_source()):
+        keys.add(m.group(1).lstrip(".") + (f".{m.group(2)}" if m.group(2) else ""))
+    return keys
+
+
+def test_the_scan_sees_verls_fit():
+    keys = fit_keys()  # a few keys we know verl 0.9.1's fit reads, so an empty scan cannot pass
+    assert {"trainer.save_freq", "trainer.rollout_data_dir", "algorithm.rollout_correction", "global_profiler.steps"} <= keys
+
+
+def test_every_key_verls_fit_reads_is_honoured_or_refused():
+    listed = set(verl_parity.HONOURED) | set(verl_parity.REFUSED_KEYS)
+    new = sorted(fit_keys() - listed)
+    assert not new, (
+        f"verl's RayPPOTrainer.fit reads {new}, which mix_src/verl_parity.py does not list: honour each in "
+        "MIXRayPPOTrainer (HONOURED) or refuse its unsupported values before Ray starts (REFUSED_KEYS + a check)"
+    )
+
+
+def test_every_call_verls_fit_makes_is_made_by_the_mix_trainer_or_refused():
+    import mix_src.mix_trainer as mt
+
+    ours = inspect.getsource(mt)
+    calls = set(CALL_RE.findall(verl_fit_source()))
+    missing = sorted(c for c in calls if f"self.{c}(" not in ours and c not in verl_parity.FIT_CALLS_REFUSED)
+    assert not missing, f"verl's fit calls {missing}; MIXRayPPOTrainer neither makes these calls nor refuses their key"
+
+
+@pytest.mark.parametrize("key", sorted(verl_parity.HONOURED))
+def test_honoured_key_is_read_by_the_named_mix_trainer_method(key):
+    leaf = key.split(".")[-1]
+    sources = [inspect.getsource(getattr(MIXRayPPOTrainer, name)) for name in verl_parity.HONOURED[key]]
+    assert all(leaf in src for src in sources), f"{key}: not read in MIXRayPPOTrainer.{verl_parity.HONOURED[key]}"
+
+
+def test_listed_keys_exist_in_the_composed_mix_config():
+    """Walks the composed MIX config: a listed key that verl renamed or dropped fails here."""
+    cfg = compose_mix()
+    missing = object()
+    listed = list(verl_parity.HONOURED) + list(verl_parity.REFUSED_KEYS)
+    absent = [k for k in listed if OmegaConf.select(cfg, k, default=missing) is missing]
+    optional = {"algorithm.gdpo_reward_keys"}  # read with .get(); verl's algorithm config has no default
+    assert set(absent) <= optional, absent
+
+
+def test_packaged_config_passes():
+    verl_parity.check_verl_keys(compose_mix())
+
+
+@pytest.mark.parametrize("setting", sorted(verl_parity.REFUSED_SETTINGS))
+def test_refused_setting_is_refused_naming_the_key(setting):
+    key = setting.split("=")[0]
+    with pytest.raises(MixConfigError, match=re.escape(key)):
+        verl_parity.check_verl_keys(compose_mix(setting))
+
+
+def test_rollout_correction_needs_rollout_logprobs():
+    cfg = compose_mix("algorithm.rollout_correction.rollout_is=token", "actor_rollout_ref.rollout.calculate_log_probs=false")
+    with pytest.raises(MixConfigError, match="calculate_log_probs"):
+        verl_parity.check_verl_keys(cfg)
+    verl_parity.check_verl_keys(compose_mix("algorithm.rollout_correction.rollout_is=token"))  # n_prefix=0: honoured
+
+
+def test_sglang_refusal_explains_the_conflict():
+    with pytest.raises(MixConfigError, match=r"transformers==5\.6\.0.*excludes"):
+        verl_parity.check_verl_keys(compose_mix("actor_rollout_ref.rollout.name=sglang"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# the entry point: refusals run before Ray starts; no agent-loop path is fixed on the driver
+def _entry_config(tmp_path, *overrides):
+    import pandas as pd
+
+    for name in ("train", "val"):
+        pd.DataFrame({"prompt": [[{"role": "user", "content": "1+1"}]]}).to_parquet(tmp_path / f"{name}.parquet")
+    (tmp_path / "model").mkdir(exist_ok=True)
+    return compose_mix(f"data.train_files={tmp_path}/train.parquet", f"data.val_files={tmp_path}/val.parquet",
+                       f"actor_rollout_ref.model.path={tmp_path}/model", *overrides)  # fmt: skip
+
+
+def test_run_refuses_before_ray_starts(tmp_path, monkeypatch):
+    import ray
+
+    import mix_src.main_mix_ppo as entry
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started"))
+    with pytest.raises(MixConfigError, match="algorithm.adv_estimator=remax"):
+        entry.run_mix_ppo(_entry_config(tmp_path, "algorithm.adv_estimator=remax"))
+
+
+def test_agent_loop_config_path_is_not_fixed_on_the_driver(tmp_path):
+    import mix_src.main_mix_ppo as entry
+
+    cfg = _entry_config(tmp_path)
+    entry.prepare_config(cfg)
+    assert cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path is None
+
+
+def test_agent_loop_worker_registers_prefix_guided_through_the_dataset_class():
+    """What verl's AgentLoopWorker does first (get_dataset_class(config.data)) registers the loop, in a
+    fresh process, with no config file path involved."""
+    code = (
+        "from hydra import compose, initialize_config_module\n"
+        "from verl.utils.dataset.rl_dataset import get_dataset_class\n"
+        "from verl.experimental.agent_loop.agent_loop import _agent_loop_registry\n"
+        "with initialize_config_module(config_module='mix_src.config', version_base=None):\n"
+        "    cfg = compose(config_name='mix_ppo')\n"
+        "assert 'prefix_guided' not in _agent_loop_registry\n"
+        "get_dataset_class(cfg.data)\n"
+        "print(_agent_loop_registry['prefix_guided'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "mix_src.agent_loop.PrefixGuidedAgentLoop" in out.stdout
+
+
+def test_backend_cpu_refused_when_the_cpu_backend_is_off(tmp_path, monkeypatch):
+    import mix_src.cpu
+    import mix_src.main_mix_ppo as entry
+
+    monkeypatch.setattr(mix_src.cpu, "is_active", lambda: False)
+    monkeypatch.setattr(mix_src.cpu, "accelerator_signs", lambda: ["torch sees an accelerator"])
+    with pytest.raises(MixConfigError, match="trainer.device=cpu.*VERL_PLATFORM=cpu"):
+        entry.prepare_config(_entry_config(tmp_path, "+backend=cpu"))
