@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.mix_src-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo bench clean install-gpu check-gpu-install
 
 $(STAMP): setup.py
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -28,3 +28,26 @@ bench: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info outputs
+
+# ---- GPU machines (vLLM rollout, FSDP on CUDA) ------------------------------------------------------
+# verl 0.9.1's own pins (its `vllm` and `flash-attn-cu130torch211` extras). flash-attn has no wheel for
+# this stack on PyPI, and its sdist imports torch to build: it is installed last, with
+# --no-build-isolation, against the torch installed in step 1 (needs nvcc; MAX_JOBS=4 caps build memory).
+GPU_PINS   := torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0 vllm==0.24.0 transformers==5.9.0
+FLASH_ATTN := flash-attn==2.8.3
+
+install-gpu:
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade "pip>=25" setuptools wheel ninja packaging psutil
+	$(PY) -m pip install --disable-pip-version-check -e '.[gpu,test]' $(GPU_PINS)
+	$(PY) -m pip install --disable-pip-version-check --no-build-isolation $(FLASH_ATTN)
+	@touch $(STAMP)
+
+# What can be checked without a GPU (about 2 minutes, network): the pinned GPU set resolves with mix_src,
+# and flash-attn's sdist builds its metadata against an installed torch. Not part of `make test`.
+check-gpu-install: install
+	$(PY) -m pip install -q --disable-pip-version-check --dry-run --ignore-installed \
+		--report $(VENV)/gpu-install-report.json -e '.[gpu,test]' $(GPU_PINS)
+	FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE $(PY) -m pip install -q --disable-pip-version-check --dry-run \
+		--ignore-installed --no-deps --no-build-isolation $(FLASH_ATTN)
+	@echo "GPU pins resolve: $(GPU_PINS) $(FLASH_ATTN) (report: $(VENV)/gpu-install-report.json)"

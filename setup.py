@@ -5,7 +5,8 @@ pulls a CUDA build), or by hand::
 
     pip install torch==2.13.0 && pip install -e '.[test]'
 
-On a GPU machine add the ``gpu`` extra (vLLM rollout, flash-attn).
+On a GPU machine run ``make install-gpu``: torch/vLLM/transformers at verl 0.9.1's pins, this package with
+the ``gpu`` extra, then flash-attn 2.8.3 built with ``--no-build-isolation`` (its sdist imports torch).
 """
 
 from setuptools import find_packages, setup
@@ -47,7 +48,9 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "psutil"],
-        "gpu": ["verl[vllm]==0.9.1", "flash-attn"],
+        # verl 0.9.1's vllm extra pins torch==2.11.0, vllm==0.24.0, transformers==5.9.0. flash-attn==2.8.3 is
+        # not here: pip would build it in isolation, without torch (`make install-gpu` installs it after).
+        "gpu": ["verl[vllm]==0.9.1"],
     },
     entry_points={
         # verl/__init__.py imports every "verl.plugins" entry point in every process (driver and Ray

@@ -158,3 +158,26 @@ def test_backend_cpu_refused_when_the_cpu_backend_is_off(tmp_path, monkeypatch):
     monkeypatch.setattr(mix_src.cpu, "accelerator_signs", lambda: ["torch sees an accelerator"])
     with pytest.raises(MixConfigError, match="trainer.device=cpu.*VERL_PLATFORM=cpu"):
         entry.prepare_config(_entry_config(tmp_path, "+backend=cpu"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# the GPU install: `make install-gpu` pins exactly what verl 0.9.1 pins (no network; `make
+# check-gpu-install` resolves them against PyPI)
+def test_gpu_install_pins_are_verls_own():
+    import os
+    from importlib.metadata import requires
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    makefile = open(os.path.join(root, "Makefile")).read()
+    pins = set(re.search(r"^GPU_PINS\s*:=(.*)$", makefile, re.M).group(1).split())
+    flash = re.search(r"^FLASH_ATTN\s*:=(.*)$", makefile, re.M).group(1).strip()
+
+    def extra(name):
+        reqs = [r.split(";")[0].replace(" ", "") for r in requires("verl") if f'extra == "{name}"' in r]
+        return {r for r in reqs if "==" in r and not r.startswith("verl")}
+
+    assert pins == extra("vllm"), f"Makefile GPU_PINS {sorted(pins)} != verl[vllm] pins {sorted(extra('vllm'))}"
+    assert {flash} == extra("flash-attn-cu130torch211")
+    assert "--no-build-isolation $(FLASH_ATTN)" in makefile
+    setup = open(os.path.join(root, "setup.py")).read()
+    assert '"gpu": ["verl[vllm]==0.9.1"]' in setup  # flash-attn is never built by pip in isolation
