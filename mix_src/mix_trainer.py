@@ -408,6 +408,8 @@ class MIXRayPPOTrainer(RayPPOTrainer):
 
         full_mask = batch.batch["response_mask"]
         prefix = batch.batch["prefix_mask"].bool() & full_mask.bool()
+        if not (full_mask.bool() & ~prefix).any():  # every token is a target token: nothing to correct
+            return batch
         batch.batch["response_mask"] = full_mask * (~prefix).to(full_mask.dtype)
         batch, rc_metrics = compute_rollout_correction_and_add_to_batch(batch, rc)
         batch.batch["response_mask"] = torch.where(prefix, full_mask, batch.batch["response_mask"])

@@ -128,6 +128,13 @@ def test_rollout_correction_never_touches_prefix_tokens():
     assert torch.equal(mask[on], ref.batch["response_mask"][on])
     assert mask[on].sum() < full[on].sum()  # the rejection did reject on-policy tokens
 
+    # a batch of target tokens only (every row a whole target, e.g. n_prefix=-1): nothing to correct
+    only_targets = rows_batch(rows=2, prefix_rows=(0, 1), prefix_len=4)
+    only_targets.batch["old_log_probs"] = torch.full((2, 5), -1.0)
+    only_targets.batch["rollout_log_probs"] = torch.zeros(2, 5)
+    out = trainer._apply_rollout_correction(only_targets, {})
+    assert "rollout_is_weights" not in out.batch.keys()
+
 
 def _update_fakes(trainer):
     trainer._update_actor = lambda batch: DataProto.from_single_dict({}, meta_info={"metrics": {"actor/x": [1.0]}})
