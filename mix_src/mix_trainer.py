@@ -7,11 +7,13 @@ The trainer only orchestrates; the maths lives in :mod:`mix_src.core_alg`, :mod:
 1. generate  — draw one prefix ratio per row on the driver (seeded from ``(seed, global_step, gen batch)``,
    so a resumed run draws the same ratios), roll out through the prefix-guided agent loop, build the
    ``prefix_mask`` tensor (bsz x response_len) from the rows' ``prefix_token_mask``;
-2. reward    — the rule reward was computed inside the agent loop (verl's reward loop); extract it;
+2. reward    — the rule reward was computed inside the agent loop (verl's reward loop); extract it (a
+   colocated reward model runs only while the rollout replicas sleep);
 3. filter    — (``algorithm.filter_groups.enable``) drop prompt groups whose metric std is 0 and go back to
    1 until ``data.train_batch_size`` groups are collected; train on exactly that many; surplus groups are
    discarded, or kept for the next step with ``mix.filter_groups.carry_over``;
-4. log-probs — old (and reference) log-probs through the parent's helpers;
+4. log-probs — old (and reference) log-probs and critic values through the parent's helpers; verl's
+   rollout correction over on-policy tokens only;
 5. advantage — ``grpo_split`` (baseline from on-policy rows only) or any verl estimator, then LUFFY's
    alpha/beta prefix weights;
 6. update    — actor update with the mixed loss (installed on the workers by ``init_workers``),
@@ -19,7 +21,11 @@ The trainer only orchestrates; the maths lives in :mod:`mix_src.core_alg`, :mod:
 7. metrics   — verl's data/timing metrics plus LUFFY's (``batch/avg_prefix_ratio``, ``batch/on_solved`` ...)
    and the filter-group counters (``train/num_gen_batches``, ``train/filter_rate``, ``train/num_kept_prompts``).
 
-How it departs from LUFFY's trainer (luffy_spec.md §3, §10): ratios are drawn on the driver, not with
+The loop honours or refuses every setting verl's own ``fit`` reads (:mod:`mix_src.verl_parity`); when the
+data runs out first it checkpoints and validates its last step, and a resumed run continues the data where
+it stopped (``mix_state.pt``).
+
+How it departs from LUFFY's trainer (arXiv 2504.14945, github.com/ElliottYan/LUFFY): ratios are drawn on the driver, not with
 Python's global ``random`` on each TP rank; ratio-1.0 rows never reach the inference server; filter
 groups are applied (LUFFY computed its ``valid_mask`` and never used it); metric denominators never divide
 by zero.
