@@ -95,6 +95,9 @@ def check_with_verl(cfg) -> None:
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import omega_conf_to_dataclass, validate_config
 
+    from mix_src.verl_parity import check_verl_keys
+
+    check_verl_keys(cfg)  # the settings the MIX trainer refuses (as the entry point does before Ray)
     omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
     omega_conf_to_dataclass(cfg.algorithm)
