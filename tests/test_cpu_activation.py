@@ -61,6 +61,5 @@ def _fresh(env_updates, drop=()):
 
 def test_plugin_in_a_fresh_process_follows_the_rule():
     """verl/__init__.py imports the plugin: a GPU-less Ray actor of a GPU host (CUDA_VISIBLE_DEVICES='')
-    stays off; VERL_PLATFORM=cpu (recipes, tests/e2e.py, make demo) turns it on anyway."""
+    stays off. (VERL_PLATFORM=cpu turning it on in fresh processes is what every `ray` test runs on.)"""
     assert _fresh({"CUDA_VISIBLE_DEVICES": ""}, drop=("VERL_PLATFORM",)).startswith("INACTIVE")
-    assert _fresh({"CUDA_VISIBLE_DEVICES": "", "VERL_PLATFORM": "cpu"}).startswith("ACTIVE")
