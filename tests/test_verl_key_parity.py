@@ -62,6 +62,12 @@ def test_every_call_verls_fit_makes_is_made_by_the_mix_trainer_or_refused():
     assert not missing, f"verl's fit calls {missing}; MIXRayPPOTrainer neither makes these calls nor refuses their key"
 
 
+def test_refused_keys_name_their_check():
+    checks = {c.__name__ for c in verl_parity.CHECKS}
+    assert set(verl_parity.REFUSED_KEYS.values()) <= checks
+    assert {c.__name__ for c in verl_parity.REFUSED_SETTINGS.values()} <= checks
+
+
 @pytest.mark.parametrize("key", sorted(verl_parity.HONOURED))
 def test_honoured_key_is_read_by_the_named_mix_trainer_method(key):
     leaf = key.split(".")[-1]
