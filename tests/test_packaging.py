@@ -22,7 +22,8 @@ def test_declared_requirements_cover_verls_undeclared_imports():
     requires = " ".join(importlib.metadata.requires("mix_src") or [])
     for name in ("verl==0.9.1", "cachetools", "fastapi", "uvicorn", "msgspec", "pyzmq", "math-verify", "hydra-core"):
         assert name in requires, name
-    assert "flash-attn" in requires and 'extra == "gpu"' in requires  # GPU-only deps stay in the extra
+    assert 'verl[vllm]==0.9.1; extra == "gpu"' in requires  # GPU-only deps stay in the extra
+    assert "flash-attn" not in requires  # pip would build it in isolation, without torch: `make install-gpu`
 
 
 def test_package_data_and_plugin_entry_point():
