@@ -7,7 +7,9 @@ does the same for stock verl via ``actor_rollout_ref.rollout.agent.agent_loop_co
 
 * ``raw_prompt`` — the chat messages (verl's RLHFDataset);
 * ``target`` — the expert solution text (``""`` = none; :class:`mix_src.dataset.RLHFDatasetWithTarget`);
-* ``prefix_ratio`` — drawn on the driver by the trainer (absent in validation, where no row is prefixed).
+* ``prefix_ratio`` — drawn on the driver by the trainer (absent in validation, where no row is prefixed);
+* ``rollout_seed`` — the row's sampling seed from the trainer (:mod:`mix_src.seeding`), sent to the server
+  as ``sampling_params["seed"]``; rows without one (validation) are seeded from their batch position.
 
 With ``target_ids = tokenize(target) + [eos]`` and ``prefix = target_ids[:floor(ratio * len)]``
 (:func:`mix_src.prefix.build_prefix`), the response is ``prefix + generate(prompt + prefix)`` with
@@ -41,6 +43,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetr
 from verl.utils.profiler import simple_timer
 
 from mix_src.prefix import build_prefix
+from mix_src.seeding import fallback_seed
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
@@ -69,9 +72,17 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
             return None
         return int(max_model_len) - context_len - (1 if getattr(self.rollout_config, "name", None) == "sglang" else 0)
 
+    def request_seed(self, kwargs: dict[str, Any], priority: int) -> int:
+        """The row's sampling seed: the trainer's ``rollout_seed`` field, else one from the row's position
+        (verl's ``priority``, e.g. in validation); see :mod:`mix_src.seeding`."""
+        seed = kwargs.get("rollout_seed")
+        return int(seed) if seed is not None else fallback_seed(self.rollout_config.seed, priority)
+
     async def run(self, sampling_params: dict[str, Any], priority: int = 0, **kwargs) -> AgentLoopOutput:
         priority = int(priority)  # may arrive as np.int64 from the batch's non-tensor fields
         messages = list(kwargs["raw_prompt"])
+        # vLLM's per-request SamplingParams.seed; the hf server honours it too
+        sampling_params = {**sampling_params, "seed": self.request_seed(kwargs, priority)}
         prompt_ids = await self.ct_build_initial_tokens(messages)
 
         ratio = float(kwargs.get("prefix_ratio", 0.0) or 0.0)

@@ -71,6 +71,7 @@ from mix_src.core_alg import apply_prefix_advantage_weights, compute_grpo_outcom
 from mix_src.filter_groups import filter_groups, plan_train_batch
 from mix_src.mix_config import MixConfig
 from mix_src.prefix import compute_prefix_ratios
+from mix_src.seeding import request_seeds
 
 MIX_STATE_FILE = "mix_state.pt"
 
@@ -306,6 +307,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         gen_batch.meta_info["global_steps"] = self.global_steps
         gen_batch = gen_batch.repeat(repeat_times=self.n, interleave=True)
         gen_batch.non_tensor_batch["prefix_ratio"] = self._prefix_ratios(gen_batch, gen_index)
+        gen_batch.non_tensor_batch["rollout_seed"] = self._rollout_seeds(len(batch), gen_index)
 
         if not self._rollout_awake:  # a colocated reward model put it to sleep after the last batch
             self._wake_rollout()
@@ -319,6 +321,12 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             batch.non_tensor_batch.pop("prefix_token_mask"), batch.batch["response_mask"]
         )
         return batch
+
+    def _rollout_seeds(self, num_prompts: int, gen_index: int) -> np.ndarray:
+        """Per-row sampling seeds from ``(rollout.seed, global_step, gen_index, prompt, sample)``: a sample's
+        tokens never depend on arrival order at the server (mix_src.seeding)."""
+        seed = int(self.config.actor_rollout_ref.rollout.seed)
+        return request_seeds(seed, self.global_steps, gen_index, num_prompts, self.n)
 
     def _prefix_ratios(self, gen_batch: DataProto, gen_index: int) -> np.ndarray:
         """One ratio per row (float64, rows ``i*n + j``), drawn from a generator seeded with

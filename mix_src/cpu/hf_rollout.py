@@ -4,7 +4,9 @@ Three pieces, mirroring verl's vLLM backend (``verl/workers/rollout/vllm_rollout
 
 * ``HFRolloutServer`` -- Ray actor holding an fp32 copy of the policy. ``generate`` is token-in /
   token-out (``TokenOutput`` with ids, log-probs, ``extra_fields["global_steps"]``); concurrent requests
-  are decoded together in one batch (see ``sampling.generate_batch``). Memory lifecycle calls
+  are decoded together in one batch (see ``sampling.generate_batch``). Reproducible: each request samples
+  from its own ``sampling_params["seed"]`` and is padded to a width set by its own length, so its tokens
+  and log-probs are bit-identical whatever arrives with it. Memory lifecycle calls
   (sleep, wake_up, kv-cache release, abort ...) are no-ops: there is no device memory to juggle.
 * ``HFReplica`` (``RolloutReplicaRegistry["hf"]``) -- starts one server per replica; verl's
   ``LLMServerManager`` routes the agent loops' requests to it.
@@ -149,11 +151,22 @@ class HFRolloutServer:
             self._model_lock = asyncio.Lock()
         return self._model_lock
 
+    def batch_width(self, prompt_len: int) -> int:
+        """Left-padded width of a prompt's decoding batch, a function of its own length only (so its
+        log-probs do not depend on which requests it is batched with): ``prompt_length``, or the next
+        multiple of 16 for longer prompts (prompt + prefix)."""
+        if prompt_len <= self.config.prompt_length:
+            return int(self.config.prompt_length)
+        return min(-(-prompt_len // 16) * 16, max(self.max_model_len, prompt_len))
+
     async def _drain(self):
-        """Decode everything pending, in batches of at most ``max_num_seqs`` requests."""
+        """Decode everything pending: requests of equal ``batch_width``, at most ``max_num_seqs`` per batch."""
         await asyncio.sleep(_BATCH_WINDOW_S)
         while self._pending:
-            batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
+            width = self.batch_width(len(self._pending[0][0]))
+            batch = [r for r in self._pending if self.batch_width(len(r[0])) == width][: self.max_batch]
+            taken = {id(r) for r in batch}
+            self._pending = [r for r in self._pending if id(r) not in taken]
             prompts, specs, futures = zip(*batch, strict=True)
             try:
                 async with self._lock():
@@ -165,6 +178,7 @@ class HFRolloutServer:
                         self.eos_token_ids,
                         self.pad_token_id,
                         self.generator,
+                        width,
                     )
             except Exception as e:  # hand the error to every waiting request
                 for f in futures:

@@ -11,6 +11,11 @@ order: top-k, renormalise, top-p); they do not change the reported log-prob.
 
 Requests in one batch may have different prompts and sampling params; prompts are left-padded and
 decoded together with a KV cache, each row stopping at its own ``max_tokens`` or stop token.
+
+Randomness is per request: a request's ``seed`` (vLLM's ``SamplingParams.seed``) seeds its own generator,
+which draws one uniform per decoded token; the token is the first one whose cumulative probability exceeds
+it (inverse CDF). So a row's tokens depend on its seed and its logits only, not on arrival order or on the
+other rows of the batch. Requests without a seed get one from the server's generator (arrival order).
 """
 
 from __future__ import annotations
@@ -22,7 +27,13 @@ import torch
 
 # Sampling keys this backend understands; anything else that would change the distribution is refused.
 _NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}
-_IGNORED = {"n", "seed", "skip_special_tokens", "spaces_between_special_tokens", "detokenize", "prompt_logprobs"}
+_IGNORED = {"n", "skip_special_tokens", "spaces_between_special_tokens", "detokenize", "prompt_logprobs"}
+
+
+# A float32 matmul's row i is bit-identical for every number of rows M only when M is a multiple of the
+# CPU kernel's row block: with MKL's AVX-512 sgemm (torch 2.13, 1 to 16 threads) rows 1-3, 5-7, 9-11,
+# 17-19, 25-27 take other paths, multiples of 4 never did. Batches are padded to a multiple of 8 rows.
+ROW_MULTIPLE = 8
 
 
 @dataclass
@@ -36,6 +47,7 @@ class SamplingSpec:
     logprobs: bool = False
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    seed: Optional[int] = None  # the request's own generator; None = drawn from the server's
 
     @classmethod
     def from_params(cls, params: dict[str, Any], default_max_tokens: int, max_possible_tokens: int) -> "SamplingSpec":
@@ -61,6 +73,7 @@ class SamplingSpec:
         top_k = params.pop("top_k", -1)
         top_p = params.pop("top_p", 1.0)
         temperature = params.pop("temperature", 1.0)
+        seed = params.pop("seed", None)
         spec = cls(
             max_tokens=max(0, min(int(max_tokens), int(max_possible_tokens))),
             temperature=1.0 if temperature is None else float(temperature),
@@ -69,6 +82,7 @@ class SamplingSpec:
             logprobs=bool(params.pop("logprobs", False)),
             ignore_eos=bool(params.pop("ignore_eos", False)),
             stop_token_ids=tuple(int(t) for t in (params.pop("stop_token_ids", None) or ())),
+            seed=None if seed is None else int(seed),
         )
         if params:
             raise ValueError(f"hf rollout: unsupported sampling params {sorted(params)}")
@@ -96,6 +110,34 @@ def filter_top_k_top_p(scaled_logits: torch.Tensor, top_k: torch.Tensor, top_p: 
     return torch.full_like(scaled_logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
 
 
+def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row: the first whose cumulative probability exceeds ``u * total``.
+
+    Args:
+        probs: (B, V) non-negative, rows need not be normalised; zero-probability tokens are never drawn.
+        uniforms: (B,) float64 in [0, 1).
+    Returns:
+        (B,) long token ids.
+    """
+    cdf = probs.double().cumsum(dim=-1)
+    x = (uniforms.double() * cdf[:, -1]).unsqueeze(1)
+    idx = torch.searchsorted(cdf, x, right=True).squeeze(1)
+    # u * total rounds to total only for u within 2**-53 of 1: take the last token with mass then
+    last = probs.size(-1) - 1 - (probs > 0).flip(-1).long().argmax(dim=-1)
+    return torch.minimum(idx, last)
+
+
+def request_generators(specs: list[SamplingSpec], fallback: Optional[torch.Generator]) -> list[torch.Generator]:
+    """One CPU generator per request, seeded with its ``seed`` (or a seed drawn from ``fallback``)."""
+    gens = []
+    for s in specs:
+        seed = s.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (), generator=fallback))
+        gens.append(torch.Generator().manual_seed(seed))
+    return gens
+
+
 @torch.no_grad()
 def generate_batch(
     model,
@@ -104,11 +146,17 @@ def generate_batch(
     eos_token_ids: set[int],
     pad_token_id: int,
     generator: Optional[torch.Generator] = None,
+    width: Optional[int] = None,
 ) -> list[tuple[list[int], list[float]]]:
     """Decode ``prompts`` (token ids) with per-row ``specs``; returns ``[(token_ids, logprobs)]``.
 
     Each row stops after ``max_tokens`` tokens or right after emitting a stop token (EOS unless
-    ``ignore_eos``, plus ``stop_token_ids``); the stop token is included, as vLLM does.
+    ``ignore_eos``, plus ``stop_token_ids``); the stop token is included, as vLLM does. ``generator``
+    seeds the requests that carry no ``seed`` of their own.
+
+    Batch invariance: prompts are left-padded to ``width`` (default: the longest prompt) and the batch is
+    filled up with idle rows to a multiple of ``ROW_MULTIPLE``. Given the same width, a row's tokens and
+    log-probs are then bit-identical whichever other rows share its batch (see ``ROW_MULTIPLE``).
     """
     bsz = len(prompts)
     assert bsz == len(specs) and bsz > 0
@@ -116,14 +164,21 @@ def generate_batch(
     max_new = max(s.max_tokens for s in specs)
     if max_new <= 0:
         return outputs
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("hf rollout: empty prompt")
+    longest = max(len(p) for p in prompts)
+    width = longest if width is None else int(width)
+    if width < longest:
+        raise ValueError(f"hf rollout: a prompt of {longest} tokens does not fit the batch width {width}")
+    idle = -bsz % ROW_MULTIPLE  # rows that only pad the batch: no tokens, never returned
+    prompts = list(prompts) + [prompts[0]] * idle
+    specs = list(specs) + [SamplingSpec(max_tokens=0, seed=0)] * idle
+    rows = bsz + idle
     device = next(model.parameters()).device
 
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((bsz, width), pad_token_id, dtype=torch.long, device=device)
-    attention_mask = torch.zeros((bsz, width), dtype=torch.long, device=device)
+    input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long, device=device)
+    attention_mask = torch.zeros((rows, width), dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise ValueError("hf rollout: empty prompt")
         input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long, device=device)
         attention_mask[i, width - len(p) :] = 1
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -133,30 +188,31 @@ def generate_batch(
     big = torch.iinfo(torch.long).max
     top_k = torch.tensor([s.top_k if s.top_k > 0 else big for s in specs], dtype=torch.long, device=device)
     top_p = torch.tensor([s.top_p for s in specs], dtype=torch.float32, device=device)
+    filtering = bool((top_k < big).any() or (top_p < 1.0).any())
     stops = [set(s.stop_token_ids) | (set() if s.ignore_eos else set(eos_token_ids)) for s in specs]
     done = [s.max_tokens <= 0 for s in specs]
+    gens = request_generators(specs, generator)
 
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
     next_pos = position_ids[:, -1:] + 1
     for _ in range(max_new):
         scaled = out.logits[:, -1, :].float() / temps
         logprobs = torch.log_softmax(scaled, dim=-1)
-        filtered = filter_top_k_top_p(scaled, top_k, top_p)
-        sampled = torch.multinomial(filtered.softmax(dim=-1), 1, generator=generator).squeeze(1)
-        tokens = torch.where(greedy, scaled.argmax(dim=-1), sampled)
+        probs = (filter_top_k_top_p(scaled, top_k, top_p) if filtering else scaled).softmax(dim=-1)
+        uniforms = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in gens])
+        tokens = torch.where(greedy, scaled.argmax(dim=-1), sample_inverse_cdf(probs, uniforms))
         token_lp = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        for i in range(bsz):
+        for i, (tok, lp) in enumerate(zip(tokens.tolist(), token_lp.tolist())):
             if done[i]:
                 continue
-            tok = int(tokens[i])
             outputs[i][0].append(tok)
-            outputs[i][1].append(float(token_lp[i]))
+            outputs[i][1].append(lp)
             if tok in stops[i] or len(outputs[i][0]) >= specs[i].max_tokens:
                 done[i] = True
         if all(done):
             break
         feed = torch.where(torch.tensor(done, device=device), pad_token_id, tokens).unsqueeze(1)
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(bsz, 1)], dim=1)
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, 1)], dim=1)
         out = model(
             input_ids=feed,
             attention_mask=attention_mask,
@@ -165,4 +221,4 @@ def generate_batch(
             use_cache=True,
         )
         next_pos = next_pos + 1
-    return outputs
+    return outputs[:bsz]

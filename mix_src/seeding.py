@@ -1,0 +1,45 @@
+"""Per-request sampling seeds: what a rollout draws depends on *which* sample it is, never on when it ran.
+
+The trainer gives every row of a generation batch a seed derived from
+
+    (rollout seed, global step, generation batch of the step, prompt index in that batch, sample index)
+
+(``actor_rollout_ref.rollout.seed``; the generation-batch index counts the extra batches that filter groups
+draw within one step). The agent loop passes it to the inference server as ``sampling_params["seed"]``:
+vLLM's per-request ``SamplingParams.seed`` (https://docs.vllm.ai/en/latest/api/vllm/sampling_params.html)
+and the CPU backend's hf server both seed a private generator for that request with it, so a request's
+tokens do not depend on arrival order or on which other requests share its decoding batch.
+
+Rows that come without a trainer seed (verl's validation batches) get one from
+``(rollout seed, "validate", row position)``: every validation samples with the same numbers, which makes
+checkpoints comparable on the same draws.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_VALIDATION_TAG = 0x56414C  # "VAL": keeps validation seeds apart from any training (step, batch) pair
+
+
+def _seed63(*entropy: int) -> int:
+    """A 63-bit seed from a tuple of non-negative ints (numpy's SeedSequence hash: no collisions by layout)."""
+    state = np.random.SeedSequence([int(e) for e in entropy]).generate_state(2, np.uint32)
+    return int((int(state[0]) << 31) ^ int(state[1]))
+
+
+def request_seeds(rollout_seed: int, global_step: int, gen_index: int, num_prompts: int, n: int) -> np.ndarray:
+    """Seeds of a generation batch whose rows are ``i * n + j`` (prompt ``i``, sample ``j``).
+
+    Returns:
+        (num_prompts * n,) int64 array, one 63-bit seed per row.
+    """
+    base = [int(rollout_seed), int(global_step), int(gen_index)]
+    if min(base) < 0:
+        raise ValueError(f"seeds need non-negative (rollout seed, step, batch), got {base}")
+    return np.array([_seed63(*base, i, j) for i in range(num_prompts) for j in range(n)], dtype=np.int64)
+
+
+def fallback_seed(rollout_seed: int, position: int) -> int:
+    """Seed of a row the trainer did not seed (validation): from its position in the batch (verl's ``priority``)."""
+    return _seed63(int(rollout_seed), _VALIDATION_TAG, int(position))
