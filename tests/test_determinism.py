@@ -16,14 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from e2e import MIX_CPU, run_verl
+from e2e import run_verl
 from mix_src.cpu.sampling import ROW_MULTIPLE, SamplingSpec, generate_batch, sample_inverse_cdf
 from mix_src.seeding import fallback_seed, request_seeds
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Metrics that measure time or speed (or pick the slowest request), hence differ between identical runs.
-TIMING_KEYS = re.compile(r"^(timing_s|timing_per_token_ms|perf)/|^agent_loop/(generate_sequences|tool_calls|compute_score|slowest)/")
+# Metrics that measure time, speed or the machine's memory (or pick the slowest request), hence differ between
+# identical runs: timing_s/*, timing_per_token_ms/*, perf/* and actor/perf/* (throughput, MFU, memory in use).
+TIMING_KEYS = re.compile(r"^(timing_s|timing_per_token_ms)/|(^|/)perf/")
 
 
 def test_request_seeds_depend_on_every_coordinate():
@@ -113,7 +114,6 @@ def test_cpu_tiny_seeded_runs_are_identical(tiny_assets, tmp_path):
     overrides = [
         f"--config-path={REPO / 'recipes' / 'cpu_tiny'}",
         "--config-name=config",
-        *MIX_CPU,
         f"data.train_files={tiny_assets['train']}",
         f"data.val_files={tiny_assets['val']}",
         f"actor_rollout_ref.model.path={tiny_assets['model']}",
@@ -137,3 +137,26 @@ def test_cpu_tiny_seeded_runs_are_identical(tiny_assets, tmp_path):
         diff = {k: (step_a.get(k), step_b.get(k)) for k in step_a.keys() | step_b.keys()
                 if not _same(step_a.get(k), step_b.get(k))}
         assert not diff, f"step {step_a['step']}: metrics differ between identically seeded runs: {diff}"
+
+
+def test_blocked_logprobs_match_verls_row_loop(monkeypatch):
+    """The CPU backend's log-prob helper is bit-identical to verl's per-row fallback, values and gradients."""
+    import verl.utils.torch_functional as tf
+
+    import mix_src.cpu
+    from mix_src.cpu import logprobs
+
+    mix_src.cpu._patch_logprobs(tf)
+    assert tf.logprobs_from_logits_v2 is logprobs.logprobs_from_logits_chunked
+    verl_v2 = mix_src.cpu._VERL_LOGPROBS_V2
+    logits = (torch.randn(300, 45, dtype=torch.float32) * 3).requires_grad_()
+    labels = torch.randint(0, 45, (300,))
+    for chunk in (logprobs._CHUNK_ELEMENTS, 45 * 7):  # one block; blocks of 7 rows
+        monkeypatch.setattr(logprobs, "_CHUNK_ELEMENTS", chunk)
+        ours = tf.logprobs_from_logits(logits, labels)
+        (g_ours,) = torch.autograd.grad(ours.sum(), logits)
+        theirs = verl_v2(logits, labels)
+        (g_theirs,) = torch.autograd.grad(theirs.sum(), logits)
+        assert torch.equal(ours, theirs) and torch.equal(g_ours, g_theirs)
+    half = logits.detach().bfloat16()
+    assert torch.equal(tf.logprobs_from_logits(half, labels), verl_v2(half, labels))  # verl's own bf16 path

@@ -6,7 +6,8 @@ import sys
 BENCHMARKS = {
     "core": "grpo_split vs loop and its floor; mixed token loss vs plain PPO-clip (time, peak memory)",
     "rewards": "math-verify reward: sequential vs batch API throughput, worst-case latency",
-    "step": "CPU tiny config: stock verl GRPO vs MIX trainer at n_prefix=0, step-time ratio",
+    "step": "CPU tiny config: stock verl GRPO vs MIX trainer at n_prefix=0, step-time ratio; --toy: the toy "
+    "LUFFY step's stage breakdown vs a plain-torch reference loop",
 }
 
 

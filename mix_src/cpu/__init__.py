@@ -22,7 +22,9 @@ question is first imported (no heavy import at plugin load):
 (2) registers the FSDP/FSDP2 engines for device "cpu"   (``verl.workers.engine.fsdp.transformer_impl``);
 (3) patches the process-group backend string to "gloo"  (``verl.utils.distributed``, Ray and torchrun
     variants, see ``_patch_gloo``);
-(4) registers the "hf" rollout replica and server adapter (``verl.workers.rollout.replica`` / ``.base``).
+(4) registers the "hf" rollout replica and server adapter (``verl.workers.rollout.replica`` / ``.base``);
+(5) replaces verl's per-row log-prob fallback by a blocked one (``verl.utils.torch_functional``, see
+    ``logprobs.py``: bit-identical, ~30x less time at small vocabularies).
 It logs one line ``mix_src.cpu: CPU backend active (...)`` per process, and logs failures at ERROR level
 (verl itself only logs a failing plugin import at DEBUG).
 
@@ -201,6 +203,18 @@ def _patch_gloo(mod) -> None:
         setattr(mod, original.__name__, patched)
 
 
+_VERL_LOGPROBS_V2 = None  # verl's original, kept for non-fp32 logits
+
+
+def _patch_logprobs(mod) -> None:
+    global _VERL_LOGPROBS_V2
+    from .logprobs import logprobs_from_logits_chunked
+
+    if mod.logprobs_from_logits_v2 is not logprobs_from_logits_chunked:
+        _VERL_LOGPROBS_V2 = mod.logprobs_from_logits_v2
+        mod.logprobs_from_logits_v2 = logprobs_from_logits_chunked
+
+
 def _register_rollout_adapter(mod) -> None:
     mod._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = "mix_src.cpu.hf_rollout.HFServerAdapter"
 
@@ -229,6 +243,7 @@ def activate() -> None:
     after_import("verl.utils.distributed", _patch_gloo)
     after_import("verl.workers.engine.fsdp.transformer_impl", _register_engines)
     after_import("verl.workers.rollout.base", _register_rollout_adapter)
+    after_import("verl.utils.torch_functional", _patch_logprobs)
     after_import("verl.workers.rollout.replica", _register_replica)
     _ACTIVE = True
     logger.info(

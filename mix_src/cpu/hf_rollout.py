@@ -38,8 +38,11 @@ from .sampling import SamplingSpec, generate_batch
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
-# Short window during which concurrent requests are gathered into one decoding batch.
+# Concurrent requests are gathered into one decoding batch until none arrived for one window (at most
+# _BATCH_WAIT_MAX_S): an agent-loop worker sends a generation batch's requests over a few hundred ms, and
+# decoding them as one batch costs one set of forward passes instead of one per trickle.
 _BATCH_WINDOW_S = 0.01
+_BATCH_WAIT_MAX_S = 1.0
 
 
 def server_name(replica_rank: int, name_suffix: str = "") -> str:
@@ -88,7 +91,9 @@ class HFRolloutServer:
         self.max_batch = max(1, int(self.config.max_num_seqs))
         self.generator = torch.Generator().manual_seed(int(self.config.seed) + replica_rank)
 
-        self.stats = {"requests": 0, "batches": 0}  # decoding batches run, requests served
+        self.stats = {"requests": 0, "batches": 0, "decode_s": 0.0}  # requests served, decoding batches, time
+        self._arrivals = 0
+        self._logged = dict(self.stats)
         self._pending: list[tuple[list[int], SamplingSpec, asyncio.Future]] = []
         self._worker: Optional[asyncio.Task] = None
         self._model_lock: Optional[asyncio.Lock] = None
@@ -136,6 +141,7 @@ class HFRolloutServer:
 
         future = asyncio.get_running_loop().create_future()
         self._pending.append((prompt_ids, spec, future))
+        self._arrivals += 1
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
         token_ids, log_probs = await future
@@ -161,7 +167,12 @@ class HFRolloutServer:
 
     async def _drain(self):
         """Decode everything pending: requests of equal ``batch_width``, at most ``max_num_seqs`` per batch."""
-        await asyncio.sleep(_BATCH_WINDOW_S)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        seen = -1
+        while seen != self._arrivals and loop.time() - start < _BATCH_WAIT_MAX_S:
+            seen = self._arrivals
+            await asyncio.sleep(_BATCH_WINDOW_S)
         while self._pending:
             width = self.batch_width(len(self._pending[0][0]))
             batch = [r for r in self._pending if self.batch_width(len(r[0])) == width][: self.max_batch]
@@ -170,6 +181,7 @@ class HFRolloutServer:
             prompts, specs, futures = zip(*batch, strict=True)
             try:
                 async with self._lock():
+                    t0 = loop.time()
                     results = await asyncio.to_thread(
                         generate_batch,
                         self.model,
@@ -187,6 +199,7 @@ class HFRolloutServer:
                 continue
             self.stats["batches"] += 1
             self.stats["requests"] += len(futures)
+            self.stats["decode_s"] += loop.time() - t0
             for f, r in zip(futures, results, strict=True):
                 if not f.done():
                     f.set_result(r)
@@ -198,6 +211,13 @@ class HFRolloutServer:
             await asyncio.to_thread(self._load, state_dict)
         if global_steps is not None:
             self.global_steps = global_steps
+        new = {k: self.stats[k] - self._logged[k] for k in self.stats}
+        if new["requests"]:
+            logger.info(
+                "mix_src.cpu: hf rollout %d served %d requests in %d decoding batches (%.2f s) since the last sync",
+                self.replica_rank, new["requests"], new["batches"], new["decode_s"],
+            )
+        self._logged = dict(self.stats)
 
     def _load(self, state_dict: dict[str, torch.Tensor]) -> None:
         own = self.model.state_dict()
