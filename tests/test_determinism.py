@@ -160,3 +160,32 @@ def test_blocked_logprobs_match_verls_row_loop(monkeypatch):
         assert torch.equal(ours, theirs) and torch.equal(g_ours, g_theirs)
     half = logits.detach().bfloat16()
     assert torch.equal(tf.logprobs_from_logits(half, labels), verl_v2(half, labels))  # verl's own bf16 path
+
+
+def test_agent_loop_sends_the_row_seed_to_the_server(tiny_assets):
+    """The trainer's ``rollout_seed`` goes out as ``sampling_params["seed"]``; without one (validation) the
+    row's position (verl's ``priority``) picks it; prefix rows make no call and need none."""
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap
+
+    from mix_src.agent_loop import PrefixGuidedAgentLoop
+    from mix_src.dataset import RLHFDatasetWithTarget
+
+    from test_dataset_agent_loop import RecordingServer
+
+    tok = AutoTokenizer.from_pretrained(tiny_assets["tokenizer"])
+    cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {"response_length": 16, "prompt_length": 64, "seed": 11,
+                                                              "calculate_log_probs": True}}, "data": {}})  # fmt: skip
+    server = RecordingServer(tok.convert_tokens_to_ids("7"))
+    loop = PrefixGuidedAgentLoop(trainer_config=DictConfigWrap(cfg), server_manager=server, tokenizer=tok,
+                                 processor=None, dataset_cls=RLHFDatasetWithTarget, data_config=DictConfigWrap(cfg.data))
+
+    def run(**kw):
+        coro = loop.run({"temperature": 1.0}, raw_prompt=[{"role": "user", "content": "1+2?"}], **kw)
+        loop.loop.run_until_complete(coro)
+        return server.calls[-1]["sampling_params"].get("seed")
+
+    assert run(rollout_seed=np.int64(123), priority=5) == 123
+    assert run(priority=5) == fallback_seed(11, 5) != run(priority=6)
+    assert run() is None  # nothing to derive it from: the server's own generator decides
