@@ -76,7 +76,9 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
         """The row's sampling seed: the trainer's ``rollout_seed`` field, else one from the row's position
         (verl's ``priority``, e.g. in validation); see :mod:`mix_src.seeding`."""
         seed = kwargs.get("rollout_seed")
-        return int(seed) if seed is not None else fallback_seed(self.rollout_config.seed, priority)
+        if seed is not None:
+            return int(seed)
+        return fallback_seed(int(getattr(self.rollout_config, "seed", None) or 0), priority)  # verl's default: 42
 
     async def run(self, sampling_params: dict[str, Any], priority: int = 0, **kwargs) -> AgentLoopOutput:
         priority = int(priority)  # may arrive as np.int64 from the batch's non-tensor fields

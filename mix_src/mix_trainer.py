@@ -325,7 +325,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
     def _rollout_seeds(self, num_prompts: int, gen_index: int) -> np.ndarray:
         """Per-row sampling seeds from ``(rollout.seed, global_step, gen_index, prompt, sample)``: a sample's
         tokens never depend on arrival order at the server (mix_src.seeding)."""
-        seed = int(self.config.actor_rollout_ref.rollout.seed)
+        seed = int(self.config.actor_rollout_ref.rollout.get("seed") or 0)
         return request_seeds(seed, self.global_steps, gen_index, num_prompts, self.n)
 
     def _prefix_ratios(self, gen_batch: DataProto, gen_index: int) -> np.ndarray:

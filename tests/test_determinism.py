@@ -188,4 +188,4 @@ def test_agent_loop_sends_the_row_seed_to_the_server(tiny_assets):
 
     assert run(rollout_seed=np.int64(123), priority=5) == 123
     assert run(priority=5) == fallback_seed(11, 5) != run(priority=6)
-    assert run() is None  # nothing to derive it from: the server's own generator decides
+    assert run() == fallback_seed(11, 0)  # verl always sets priority; 0 is its default
