@@ -38,11 +38,10 @@ from .sampling import SamplingSpec, generate_batch
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
-# Concurrent requests are gathered into one decoding batch until none arrived for one window (at most
-# _BATCH_WAIT_MAX_S): an agent-loop worker sends a generation batch's requests over a few hundred ms, and
-# decoding them as one batch costs one set of forward passes instead of one per trickle.
+# Short window during which concurrent requests are gathered into one decoding batch. Requests that arrive
+# later form the next batch, decoded while the agent loop still prepares others (the results do not depend
+# on the grouping: see generate_batch).
 _BATCH_WINDOW_S = 0.01
-_BATCH_WAIT_MAX_S = 1.0
 
 
 def server_name(replica_rank: int, name_suffix: str = "") -> str:
@@ -92,7 +91,6 @@ class HFRolloutServer:
         self.generator = torch.Generator().manual_seed(int(self.config.seed) + replica_rank)
 
         self.stats = {"requests": 0, "batches": 0, "decode_s": 0.0}  # requests served, decoding batches, time
-        self._arrivals = 0
         self._logged = dict(self.stats)
         self._pending: list[tuple[list[int], SamplingSpec, asyncio.Future]] = []
         self._worker: Optional[asyncio.Task] = None
@@ -141,7 +139,6 @@ class HFRolloutServer:
 
         future = asyncio.get_running_loop().create_future()
         self._pending.append((prompt_ids, spec, future))
-        self._arrivals += 1
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
         token_ids, log_probs = await future
@@ -168,11 +165,7 @@ class HFRolloutServer:
     async def _drain(self):
         """Decode everything pending: requests of equal ``batch_width``, at most ``max_num_seqs`` per batch."""
         loop = asyncio.get_running_loop()
-        start = loop.time()
-        seen = -1
-        while seen != self._arrivals and loop.time() - start < _BATCH_WAIT_MAX_S:
-            seen = self._arrivals
-            await asyncio.sleep(_BATCH_WINDOW_S)
+        await asyncio.sleep(_BATCH_WINDOW_S)
         while self._pending:
             width = self.batch_width(len(self._pending[0][0]))
             batch = [r for r in self._pending if self.batch_width(len(r[0])) == width][: self.max_batch]
