@@ -73,3 +73,20 @@ def test_fixed_ratio_count_must_match_prefixed_rows():
     ok = compose_mix("mix.n_prefix=2", "actor_rollout_ref.rollout.n=4", "mix.prefix_strategy=fixed",
                      "mix.prefix_fix_ratios=[0.2,0.5]")  # fmt: skip
     assert validate_mix_config(ok).prefix_fix_ratios == [0.2, 0.5]
+
+
+def test_yaml_mix_section_equals_the_dataclass_defaults():
+    """One source of defaults: every key of mix_ppo_trainer.yaml's `mix:` section exists in MixConfig with the
+    same default, and every MixConfig field is in the YAML (so `mix.loss.x=...` works without a `+`)."""
+    import dataclasses
+
+    import yaml
+    from importlib.resources import files
+
+    from mix_src.mix_config import MixConfig
+
+    with open(files("mix_src.config") / "mix_ppo_trainer.yaml") as f:
+        yaml_mix = yaml.safe_load(f)["mix"]
+    assert yaml_mix == dataclasses.asdict(MixConfig())
+    cfg = compose_mix("mix.loss.adaptive_entropy_fixed=true", "actor_rollout_ref.actor.entropy_coeff=0.001")
+    assert validate_mix_config(cfg).loss.adaptive_entropy_fixed is True
