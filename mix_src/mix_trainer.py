@@ -68,6 +68,7 @@ from verl.utils.skip.skip_manager import SkipManager
 
 from mix_src import adv_estimators  # noqa: F401  (registers grpo_split with verl)
 from mix_src.core_alg import apply_prefix_advantage_weights, compute_grpo_outcome_advantage_split
+from mix_src.dataset import TARGET_FIELD
 from mix_src.filter_groups import filter_groups, plan_train_batch
 from mix_src.mix_config import MixConfig
 from mix_src.prefix import compute_prefix_ratios
@@ -346,7 +347,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             global_step=self.global_steps,
             rng=np.random.default_rng([self.prefix_seed, self.global_steps, gen_index]),
         )
-        targets = gen_batch.non_tensor_batch.get(mix.data.target_key)
+        targets = gen_batch.non_tensor_batch.get(TARGET_FIELD)  # the dataset's normalised mix.data.target_key
         has_target = np.zeros(len(gen_batch), dtype=bool) if targets is None else np.array(
             [isinstance(t, str) and len(t) > 0 for t in targets]
         )
@@ -537,6 +538,9 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         metrics["batch/solved"] = float(solved.mean())
         metrics["batch/on_solved"] = float(solved[~off].mean()) if (~off).any() else 0.0
         metrics["batch/off_solved"] = float(solved[off].mean()) if off.any() else 0.0
+        ungradable = batch.non_tensor_batch.get("ungradable")  # rows the reward could not grade (scored wrong)
+        if ungradable is not None:
+            metrics["reward/ungradable"] = int(np.count_nonzero(np.asarray(ungradable, dtype=bool)))
         truncated = batch.non_tensor_batch.get("prefix_truncated")
         if truncated is not None:
             metrics["batch/prefix_truncated"] = int(sum(bool(t) for t in truncated))
