@@ -70,6 +70,7 @@ from mix_src import adv_estimators  # noqa: F401  (registers grpo_split with ver
 from mix_src.core_alg import apply_prefix_advantage_weights, compute_grpo_outcome_advantage_split
 from mix_src.dataset import TARGET_FIELD
 from mix_src.filter_groups import filter_groups, plan_train_batch
+from mix_src.loss import add_kept_token_counts
 from mix_src.mix_config import MixConfig
 from mix_src.prefix import compute_prefix_ratios
 from mix_src.seeding import request_seeds
@@ -478,6 +479,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         if self.config.trainer.critic_warmup > self.global_steps:
             self._wake_rollout()
             return
+        add_kept_token_counts(batch, self.config, self.mix.loss, self._get_dp_size(self.actor_rollout_wg, "actor"))
         with marked_timer("update_actor", timing):
             actor_output = self._update_actor(batch)
         save_freq = self.config.trainer.save_freq

@@ -90,3 +90,12 @@ def test_yaml_mix_section_equals_the_dataclass_defaults():
     assert yaml_mix == dataclasses.asdict(MixConfig())
     cfg = compose_mix("mix.loss.adaptive_entropy_fixed=true", "actor_rollout_ref.actor.entropy_coeff=0.001")
     assert validate_mix_config(cfg).loss.adaptive_entropy_fixed is True
+
+
+def test_all_max_clip_token_mean_refuses_shuffled_mini_batches():
+    ok = compose_mix("mix.loss.all_max_clip=0.9")
+    validate_mix_config(ok)
+    with pytest.raises(MixConfigError, match="actor_rollout_ref.actor.shuffle=false"):
+        validate_mix_config(compose_mix("mix.loss.all_max_clip=0.9", "actor_rollout_ref.actor.shuffle=true"))
+    validate_mix_config(compose_mix("mix.loss.all_max_clip=0.9", "actor_rollout_ref.actor.shuffle=true",
+                                    "mix.loss.loss_agg_mode=luffy-token-sum-norm"))  # a fixed W needs no count

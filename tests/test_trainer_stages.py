@@ -134,3 +134,43 @@ def test_non_default_target_key_reaches_the_prefix_ratios(tmp_path, tiny_assets)
                               non_tensors={"target": np.array([t for t in targets for _ in range(N)], dtype=object)})
     ratios = make_trainer(mix=mix)._prefix_ratios(gen, gen_index=0)
     assert ratios.tolist() == [1.0, 0.0, 0.0, 0.0] + [0.0] * N  # one full demonstration for the prompt with one
+
+
+class _FakeActorGroup:
+    """Only what the driver reads from the actor worker group here: its DP layout (2 ranks)."""
+
+    _dispatch_info = {"actor": [0, 1]}
+    world_size = 2
+
+
+class _FakeCheckpointManager:
+    def update_weights(self, step):
+        self.step = step
+
+
+def test_update_adds_all_max_clip_kept_counts_for_the_workers():
+    """Stage 6 puts each row's global mini-batch kept-token count into the batch before update_actor
+    (all_max_clip with token-mean), laid out for verl's DP split."""
+    trainer = make_trainer("grpo", mix={"loss": {"all_max_clip": 0.5}})
+    trainer.config = OmegaConf.merge(trainer.config, {
+        "actor_rollout_ref": {"actor": {"loss_agg_mode": "token-mean", "ppo_mini_batch_size": 1}},
+        "trainer": {"critic_warmup": 0, "save_freq": -1}})
+    trainer.use_critic = False
+    trainer.actor_rollout_wg = _FakeActorGroup()
+    trainer.checkpoint_manager = _FakeCheckpointManager()
+    sent = []
+    trainer._update_actor = lambda batch: sent.append(batch) or DataProto(meta_info={"metrics": {}})
+    batch = make_batch(SCORES, OFF)
+    # p_old: row r keeps its first r % 3 tokens (p = 0.1), the others have p = 0.9 > 0.5
+    old = torch.full((8, L), math.log(0.9))
+    for r in range(8):
+        old[r, : r % 3] = math.log(0.1)
+    batch.batch["old_log_probs"] = old
+    trainer._update(batch, {}, {}, is_last_step=False)
+    # 8 rows, 2 ranks (rows 0-3, 4-7), mini-batches of 1 prompt x 4 rows = 2 rows per rank:
+    # global mini-batch 0 = rows 0, 1, 4, 5 (kept 0+1+1+2 = 4), mini-batch 1 = rows 2, 3, 6, 7 (2+0+0+1 = 3)
+    assert sent[0].batch["mix_kept_tokens"].tolist() == [4, 4, 3, 3, 4, 4, 3, 3]
+    # token-sum (or no all_max_clip): nothing added
+    trainer.config.actor_rollout_ref.actor.loss_agg_mode = "token-sum"
+    trainer._update(make_batch(SCORES, OFF), {}, {}, is_last_step=False)
+    assert "mix_kept_tokens" not in sent[1].batch.keys()
