@@ -644,6 +644,24 @@ class AdaptiveEntropyCoef:
         """Current alpha = exp(log_alpha)."""
         return float(self.log_alpha.detach().exp())
 
+    def state(self) -> dict[str, float]:
+        """Everything a resumed run needs, as plain floats: log_alpha and AdamW's step and moments."""
+        adam = self.optimizer.state.get(self.log_alpha, {})
+        return {"log_alpha": float(self.log_alpha.detach()), "step": float(adam.get("step", 0.0)),
+                "exp_avg": float(adam.get("exp_avg", 0.0)), "exp_avg_sq": float(adam.get("exp_avg_sq", 0.0))}
+
+    def load_state(self, state: dict[str, float]) -> None:
+        """Continue from a `state()` (log_alpha and the AdamW moments; the options stay this object's)."""
+        with torch.no_grad():
+            self.log_alpha.fill_(float(state["log_alpha"]))
+        if float(state.get("step", 0.0)) > 0:
+            dtype = self.log_alpha.dtype
+            self.optimizer.load_state_dict({
+                "state": {0: {"step": torch.tensor(float(state["step"])),
+                              "exp_avg": torch.tensor(float(state["exp_avg"]), dtype=dtype),
+                              "exp_avg_sq": torch.tensor(float(state["exp_avg_sq"]), dtype=dtype)}},
+                "param_groups": self.optimizer.state_dict()["param_groups"]})
+
     def update(self, entropy: float) -> dict[str, float]:
         """One AdamW step on alpha_loss = (entropy - target) * alpha. Returns alpha_loss, the new
         entropy_coeff and log_alpha."""

@@ -46,7 +46,7 @@ actor/alpha_loss, actor/log_alpha when those features are on.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from tensordict import TensorDict
@@ -63,24 +63,42 @@ from mix_src.core_alg import (
 )
 from mix_src.mix_config import LossConfig as MixLossConfig  # the `mix.loss` section, checked when built
 
-__all__ = ["KEPT_TOKENS", "MixLossConfig", "MixPolicyLoss", "add_kept_token_counts"]
+__all__ = ["ENTROPY_STATE", "KEPT_TOKENS", "MixLossConfig", "MixPolicyLoss", "add_kept_token_counts",
+           "pop_entropy_state"]
 
 KEPT_TOKENS = "mix_kept_tokens"  # (bsz,) float: all_max_clip's kept tokens in the row's global mini-batch
+ENTROPY_STATE = "mix_entropy_state/"  # metric keys carrying the learned entropy coefficient's state
+
+
+def pop_entropy_state(metrics: dict) -> dict[str, float] | None:
+    """Remove the `mix_entropy_state/*` entries (with or without the trainer's "actor/" prefix) from the
+    update's metrics and return the latest state, or None when there is none."""
+    state = {}
+    for key in [k for k in metrics if ENTROPY_STATE in k]:
+        values = metrics.pop(key)
+        while isinstance(values, (list, tuple)):  # per mini-batch / micro-batch / DP-rank lists
+            if not values:
+                break
+            values = values[-1]
+        if not isinstance(values, (list, tuple)):
+            state[key.split(ENTROPY_STATE, 1)[1]] = float(values)
+    return state or None
 
 
 def _uses_kept_token_counts(mix: MixLossConfig, loss_agg_mode: str) -> bool:
     return mix.all_max_clip is not None and loss_agg_mode == "token-mean" and not mix.use_sft_multitask_loss
 
 
-def add_kept_token_counts(batch, config, mix: MixLossConfig, dp_size: int) -> None:
+def add_kept_token_counts(batch, config, mix: MixLossConfig, dp_size: Callable[[], int]) -> None:
     """Driver side, before update_actor: put `mix_kept_tokens` (bsz,) into the DataProto ``batch`` when
-    all_max_clip is on with token-mean; a no-op otherwise. ``config`` is the whole trainer config."""
+    all_max_clip is on with token-mean; a no-op otherwise. ``config`` is the whole trainer config,
+    ``dp_size()`` the actor's data-parallel size (only asked when needed)."""
     actor = config.actor_rollout_ref.actor
     if not _uses_kept_token_counts(mix, mix.loss_agg_mode or actor.loss_agg_mode):
         return
     kept = batch.batch["response_mask"].bool() & (batch.batch["old_log_probs"] <= math.log(mix.all_max_clip))
     mini_batch_rows = int(actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n)
-    batch.batch[KEPT_TOKENS] = kept_tokens_per_mini_batch(kept, dp_size, mini_batch_rows).to(torch.float32)
+    batch.batch[KEPT_TOKENS] = kept_tokens_per_mini_batch(kept, dp_size(), mini_batch_rows).to(torch.float32)
 
 
 class MixPolicyLoss:
@@ -93,11 +111,15 @@ class MixPolicyLoss:
         loss_config: the `mix.loss` section: MixLossConfig, a dataclass or mapping with its field names
             (e.g. mix_config.LossConfig), or None for the defaults.
 
-    State: the learned entropy coefficient (use_adaptive_entropy) lives in this object on each worker;
-    it is not part of verl's checkpoint, so a resumed run restarts it from actor.entropy_coeff.
+        entropy_state: the learned entropy coefficient's state to continue from (a resumed run), as
+            `AdaptiveEntropyCoef.state()`; None = start at actor.entropy_coeff.
+
+    State: the learned entropy coefficient (use_adaptive_entropy) lives in this object on each worker. After
+    each update its state goes back to the driver in the metrics (`mix_entropy_state/*`, removed there by
+    `pop_entropy_state`); the trainer saves it with its checkpoint and re-installs the loss with it on resume.
     """
 
-    def __init__(self, config: Any, loss_config: Any = None):
+    def __init__(self, config: Any, loss_config: Any = None, entropy_state: dict | None = None):
         self.config = config
         self.mix = loss_config if isinstance(loss_config, MixLossConfig) else MixLossConfig.from_dict(loss_config)
         loss_mode = config.policy_loss.get("loss_mode", "vanilla") if config.get("policy_loss") else "vanilla"
@@ -123,6 +145,7 @@ class MixPolicyLoss:
             )
         self.kept_token_counts = _uses_kept_token_counts(self.mix, self.loss_agg_mode)
         self._entropy_coef: AdaptiveEntropyCoef | None = None  # built on the worker, at the first call
+        self._entropy_state = dict(entropy_state) if entropy_state else None
         self._pending_entropy = [0.0, 0.0]  # [sum of token entropies, tokens] of the current mini-batch
 
     # ---- the loss --------------------------------------------------------------------------------
@@ -250,6 +273,8 @@ class MixPolicyLoss:
         if self._entropy_coef is None:
             self._entropy_coef = AdaptiveEntropyCoef(base, mix.target_entropy, lr=mix.alpha_lr,
                                                      max_coef=mix.entropy_coeff_max)  # fmt: skip
+            if self._entropy_state is not None:
+                self._entropy_coef.load_state(self._entropy_state)
         coef = self._entropy_coef.coef  # constant during a mini-batch: the split does not matter
         metrics["actor/entropy_coeff"] = coef
 
@@ -267,5 +292,7 @@ class MixPolicyLoss:
             update = self._entropy_coef.update(mean_entropy)
             metrics["actor/alpha_loss"] = update["alpha_loss"]
             metrics["actor/log_alpha"] = update["log_alpha"]
+            for key, value in self._entropy_coef.state().items():
+                metrics[ENTROPY_STATE + key] = value
             self._pending_entropy = [0.0, 0.0]
         return coef

@@ -379,3 +379,39 @@ def test_kept_tokens_follow_verls_mini_batch_layout():
     data[KEPT_TOKENS] = torch.arange(6, dtype=torch.float32)
     with pytest.raises(ValueError, match="differs within one micro-batch"):
         run_mini_batch(loss_fn, data, 6, model)
+
+
+def test_adaptive_entropy_state_round_trips_through_the_metrics():
+    """A resumed run continues the learned coefficient: its state leaves the worker in the metrics, and a loss
+    built with it continues exactly where an uninterrupted one is (log_alpha and AdamW's moments)."""
+    from mix_src.loss import pop_entropy_state
+
+    mix = MixLossConfig(use_adaptive_entropy=True, target_entropy=1.0, alpha_lr=0.05)
+    batches = [make_batch(seed=s, model=BigramLM(seed=1)) for s in (3, 4, 5)]
+
+    def run(loss_fn, data):
+        _, _, metrics = run_mini_batch(loss_fn, data, 3, BigramLM(seed=1))
+        merged: dict = {}
+        for m in metrics:  # what the engine hands the trainer: per-key lists over micro-batches
+            for k, v in m.items():
+                merged.setdefault(k, []).append(v)
+        return merged
+
+    straight = MixPolicyLoss(actor_config(), mix)
+    for data in batches:
+        run(straight, data)
+
+    first = MixPolicyLoss(actor_config(), mix)
+    metrics = run(first, batches[0])
+    state = pop_entropy_state({f"actor/{k}" if not k.startswith("actor/") else k: v for k, v in metrics.items()})
+    assert state is not None and state["step"] == 1.0 and state["exp_avg"] != 0.0
+    resumed = MixPolicyLoss(actor_config(), mix, entropy_state=state)
+    for data in batches[1:]:
+        run(resumed, data)
+    assert resumed._entropy_coef.state() == straight._entropy_coef.state()
+    assert resumed._entropy_coef.coef != 0.01  # it moved
+    # without the state, a resumed run would restart from entropy_coeff
+    fresh = MixPolicyLoss(actor_config(), mix)
+    for data in batches[1:]:
+        run(fresh, data)
+    assert fresh._entropy_coef.coef != straight._entropy_coef.coef

@@ -21,7 +21,7 @@ def split_response(response: str, starts_in_think: bool) -> tuple[str | None, bo
     The answer is the text after the **last** ``</think>``; the response is well formed when it has a
     ``</think>`` and, unless it ``starts_in_think`` (the prompt ended with ``<think>``), a ``<think>``
     before it. Without a well-formed think block the answer segment is ``None``.
-    (LUFFY takes the text between the first and the second ``</think>``; spec §10 item 13.)
+    (LUFFY takes the text between the first and the second ``</think>``.)
     """
     close = response.rfind(THINK_CLOSE)
     if close < 0:

@@ -1,4 +1,4 @@
-"""The math-verify reward (LUFFY's ``reward_impl_version=3``, spec §6), safe inside verl's reward threads.
+"""The math-verify reward (LUFFY's ``reward_impl_version=3``, arXiv 2504.14945), safe inside verl's reward threads.
 
 Use it in verl 0.9.1 with::
 
@@ -38,7 +38,7 @@ How a response is graded:
    data_source and the reason is logged (the first time for each data_source and kind of reason, then at
    most once a minute with the count since). Bad reward *options* still raise: they are configuration.
 
-Departures from LUFFY (spec §6, §10 item 13): the answer is the text after the *last* ``</think>``
+Departures from LUFFY (github.com/ElliottYan/LUFFY): the answer is the text after the *last* ``</think>``
 (LUFFY: between the first and second); format errors can score differently from wrong answers; the last
 ``\\boxed{}`` outranks "the final answer is ..." phrases (math-verify's default ranks it after them);
 grading runs in parallel with a real timeout instead of sequentially under math-verify's SIGALRM.

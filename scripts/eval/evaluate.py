@@ -3,7 +3,7 @@
 Generates with vLLM when it is installed and a GPU is present, otherwise with HF transformers (fine for
 tiny models on a CPU); grades every sample with the training reward (mix_src.rewards, math-verify in
 worker processes with a hard timeout); prints a per-``data_source`` table and the **unweighted** average
-over sources (as LUFFY reports it, spec §6); writes everything to a JSON file.
+over sources (as LUFFY reports it); writes everything to a JSON file.
 
     python scripts/eval/evaluate.py --model ckpt/ --data data/valid.parquet --output results.json \\
         [--n 1] [--temperature 0.6] [--top-p 1.0] [--max-new-tokens 8192] [--backend auto|vllm|hf]
