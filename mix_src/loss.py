@@ -93,8 +93,10 @@ def add_kept_token_counts(batch, config, mix: MixLossConfig, dp_size: Callable[[
     """Driver side, before update_actor: put `mix_kept_tokens` (bsz,) into the DataProto ``batch`` when
     all_max_clip is on with token-mean; a no-op otherwise. ``config`` is the whole trainer config,
     ``dp_size()`` the actor's data-parallel size (only asked when needed)."""
+    if mix.all_max_clip is None:
+        return
     actor = config.actor_rollout_ref.actor
-    if not _uses_kept_token_counts(mix, mix.loss_agg_mode or actor.loss_agg_mode):
+    if not _uses_kept_token_counts(mix, mix.loss_agg_mode or actor.get("loss_agg_mode", "token-mean")):
         return
     kept = batch.batch["response_mask"].bool() & (batch.batch["old_log_probs"] <= math.log(mix.all_max_clip))
     mini_batch_rows = int(actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n)

@@ -137,29 +137,48 @@ def test_non_default_target_key_reaches_the_prefix_ratios(tmp_path, tiny_assets)
 
 
 class _FakeActorGroup:
-    """Only what the driver reads from the actor worker group here: its DP layout (2 ranks)."""
+    """The actor worker group as the driver sees it in these stages: its DP layout (2 ranks), checkpoint
+    calls, and the loss function it is given."""
 
     _dispatch_info = {"actor": [0, 1]}
     world_size = 2
 
+    def __init__(self):
+        self.loss_fns = []
 
-class _FakeCheckpointManager:
-    def update_weights(self, step):
-        self.step = step
+    def save_checkpoint(self, *a, **k):
+        pass
+
+    def load_checkpoint(self, *a, **k):
+        pass
+
+    def set_loss_fn(self, fn):
+        self.loss_fns.append(fn)
 
 
-def test_update_adds_all_max_clip_kept_counts_for_the_workers():
+def _stage6_trainer(tmp_path, mix, actor=None, metrics=None):
+    """A trainer whose stage 6 (update, checkpoint) runs for real, with update_actor replaced by a recorder
+    that returns ``metrics`` as the workers would."""
+    from test_mix_trainer_parity import make_trainer as parity_trainer
+
+    actor_cfg = {"loss_agg_mode": "token-mean", "ppo_mini_batch_size": 1, "checkpoint": {"async_save": False},
+                 **(actor or {})}
+    trainer = parity_trainer(tmp_path, actor_rollout_ref={"actor": actor_cfg, "rollout": {"n": N}},
+                             trainer={"save_freq": 1})
+    trainer.mix = mix_config_from_dict(mix)
+    trainer.n = N
+    trainer.actor_rollout_wg = _FakeActorGroup()
+    trainer.sent = []
+    trainer._update_actor = lambda batch: trainer.sent.append(batch) or DataProto(
+        meta_info={"metrics": {k: list(v) for k, v in (metrics or {}).items()}})
+    return trainer
+
+
+def test_update_adds_all_max_clip_kept_counts_for_the_workers(tmp_path):
     """Stage 6 puts each row's global mini-batch kept-token count into the batch before update_actor
     (all_max_clip with token-mean), laid out for verl's DP split."""
-    trainer = make_trainer("grpo", mix={"loss": {"all_max_clip": 0.5}})
-    trainer.config = OmegaConf.merge(trainer.config, {
-        "actor_rollout_ref": {"actor": {"loss_agg_mode": "token-mean", "ppo_mini_batch_size": 1}},
-        "trainer": {"critic_warmup": 0, "save_freq": -1}})
-    trainer.use_critic = False
-    trainer.actor_rollout_wg = _FakeActorGroup()
-    trainer.checkpoint_manager = _FakeCheckpointManager()
-    sent = []
-    trainer._update_actor = lambda batch: sent.append(batch) or DataProto(meta_info={"metrics": {}})
+    trainer = _stage6_trainer(tmp_path, {"loss": {"all_max_clip": 0.5}})
+    trainer._save_checkpoint = lambda: None
     batch = make_batch(SCORES, OFF)
     # p_old: row r keeps its first r % 3 tokens (p = 0.1), the others have p = 0.9 > 0.5
     old = torch.full((8, L), math.log(0.9))
@@ -169,8 +188,40 @@ def test_update_adds_all_max_clip_kept_counts_for_the_workers():
     trainer._update(batch, {}, {}, is_last_step=False)
     # 8 rows, 2 ranks (rows 0-3, 4-7), mini-batches of 1 prompt x 4 rows = 2 rows per rank:
     # global mini-batch 0 = rows 0, 1, 4, 5 (kept 0+1+1+2 = 4), mini-batch 1 = rows 2, 3, 6, 7 (2+0+0+1 = 3)
-    assert sent[0].batch["mix_kept_tokens"].tolist() == [4, 4, 3, 3, 4, 4, 3, 3]
+    assert trainer.sent[0].batch["mix_kept_tokens"].tolist() == [4, 4, 3, 3, 4, 4, 3, 3]
     # token-sum (or no all_max_clip): nothing added
     trainer.config.actor_rollout_ref.actor.loss_agg_mode = "token-sum"
     trainer._update(make_batch(SCORES, OFF), {}, {}, is_last_step=False)
-    assert "mix_kept_tokens" not in sent[1].batch.keys()
+    assert "mix_kept_tokens" not in trainer.sent[1].batch.keys()
+
+
+def test_learned_entropy_coefficient_is_checkpointed_and_restored(tmp_path):
+    """use_adaptive_entropy: the coefficient's state comes back from the workers in the update's metrics,
+    is saved with the checkpoint, and a resumed trainer re-installs the loss with it (a resumed run used to
+    restart the coefficient from actor.entropy_coeff)."""
+    from hydra import compose, initialize_config_module
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    with initialize_config_module(config_module="mix_src.config", version_base=None):
+        actor = compose(config_name="mix_ppo", overrides=["actor_rollout_ref.actor.entropy_coeff=0.01"])
+    actor = OmegaConf.to_container(actor.actor_rollout_ref.actor, resolve=True)
+    actor.update(ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=1, checkpoint={"async_save": False})
+    state = {"log_alpha": -4.2, "step": 3.0, "exp_avg": 0.25, "exp_avg_sq": 0.0625}
+    worker_metrics = {f"actor/mix_entropy_state/{k}": [[v - 1.0], [v]] for k, v in state.items()}  # 2 mini-batches
+    worker_metrics["actor/entropy_coeff"] = [0.01, 0.02]
+    mix = {"loss": {"use_adaptive_entropy": True}}
+
+    first = _stage6_trainer(tmp_path, mix, actor, worker_metrics)
+    first.train_dataloader = StatefulDataLoader(list(range(8)), batch_size=2)
+    metrics: dict = {}
+    first._update(make_batch(SCORES, OFF), metrics, {}, is_last_step=False)  # save_freq=1: saves step 1
+    assert first._entropy_state == state  # the last mini-batch's
+    assert "actor/entropy_coeff" in metrics and not any("mix_entropy_state" in k for k in metrics)
+
+    resumed = _stage6_trainer(tmp_path, mix, actor)
+    resumed.train_dataloader = StatefulDataLoader(list(range(8)), batch_size=2)
+    resumed.global_steps = 0
+    resumed._load_checkpoint()
+    assert resumed.global_steps == 1 and resumed._entropy_state == state
+    (loss_fn,) = resumed.actor_rollout_wg.loss_fns  # the workers get a loss that continues from the state
+    assert loss_fn._entropy_state == state
