@@ -34,6 +34,7 @@ __all__ = [
     "RESHAPE_MODES",
     "AdaptiveEntropyCoef",
     "agg_loss",
+    "kept_tokens_per_mini_batch",
     "apply_prefix_advantage_weights",
     "compute_grpo_outcome_advantage_split",
     "compute_sft_pure_loss",
@@ -284,6 +285,29 @@ def agg_loss(
             raise ValueError("global_batch_size is required for seq-mean-token-mean when dp_size > 1")
         global_batch_size = _nonzero(seq_mask.sum())
     return masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size
+
+
+def kept_tokens_per_mini_batch(kept_mask: torch.Tensor, dp_size: int, mini_batch_rows: int) -> torch.Tensor:
+    """The token count of each row's global mini-batch, for a token-mean over a subset of the tokens.
+
+    kept_mask: (B, L) the tokens that stay in the loss (e.g. `all_max_clip`'s). Returns (B,) float64: for
+    each row, the number of kept tokens in the global mini-batch it is trained in, under verl's layout
+    (`engine_workers.train_mini_batch` with `shuffle=False`): the B rows are split into `dp_size`
+    contiguous chunks (one per DP rank), each chunk into contiguous mini-batches of
+    `mini_batch_rows // dp_size` rows, and mini-batch j of every rank makes global mini-batch j.
+    Passed to `agg_loss` as `batch_num_tokens`, it makes the token-mean over the kept tokens of the whole
+    mini-batch, whatever the micro-batch split (verl's own `batch_num_tokens` counts every token).
+    """
+    rows = kept_mask.shape[0]
+    if dp_size < 1 or mini_batch_rows < dp_size or mini_batch_rows % dp_size or rows % dp_size \
+            or (rows // dp_size) % (mini_batch_rows // dp_size):
+        raise ValueError(f"{rows} rows cannot be split into {dp_size} DP ranks x mini-batches of {mini_batch_rows} "
+                         "rows (verl needs each to divide the next)")
+    per_rank, per_mini = rows // dp_size, mini_batch_rows // dp_size
+    mini_batch = (torch.arange(rows, device=kept_mask.device) % per_rank) // per_mini  # (B,) global mini-batch j
+    counts = _bool_mask(kept_mask).sum(dim=-1).to(torch.float64)
+    totals = torch.zeros(per_rank // per_mini, dtype=torch.float64, device=kept_mask.device)
+    return totals.index_add_(0, mini_batch, counts)[mini_batch]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -619,6 +643,24 @@ class AdaptiveEntropyCoef:
     def coef(self) -> float:
         """Current alpha = exp(log_alpha)."""
         return float(self.log_alpha.detach().exp())
+
+    def state(self) -> dict[str, float]:
+        """Everything a resumed run needs, as plain floats: log_alpha and AdamW's step and moments."""
+        adam = self.optimizer.state.get(self.log_alpha, {})
+        return {"log_alpha": float(self.log_alpha.detach()), "step": float(adam.get("step", 0.0)),
+                "exp_avg": float(adam.get("exp_avg", 0.0)), "exp_avg_sq": float(adam.get("exp_avg_sq", 0.0))}
+
+    def load_state(self, state: dict[str, float]) -> None:
+        """Continue from a `state()` (log_alpha and the AdamW moments; the options stay this object's)."""
+        with torch.no_grad():
+            self.log_alpha.fill_(float(state["log_alpha"]))
+        if float(state.get("step", 0.0)) > 0:
+            dtype = self.log_alpha.dtype
+            self.optimizer.load_state_dict({
+                "state": {0: {"step": torch.tensor(float(state["step"])),
+                              "exp_avg": torch.tensor(float(state["exp_avg"]), dtype=dtype),
+                              "exp_avg_sq": torch.tensor(float(state["exp_avg_sq"]), dtype=dtype)}},
+                "param_groups": self.optimizer.state_dict()["param_groups"]})
 
     def update(self, entropy: float) -> dict[str, float]:
         """One AdamW step on alpha_loss = (entropy - target) * alpha. Returns alpha_loss, the new

@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
 THINK_OPEN = "<think>\n"
+# The rows carry their normalised target under this name whatever ``mix.data.target_key`` says: the agent
+# loop and the trainer read it from here.
+TARGET_FIELD = "target"
 
 
 def normalize_target(value: Any) -> Optional[str]:
@@ -59,7 +62,8 @@ def normalize_target(value: Any) -> Optional[str]:
 
 
 class RLHFDatasetWithTarget(RLHFDataset):
-    """RLHFDataset whose rows carry ``target`` (str, ``""`` = no target) for prefix-guided rollouts."""
+    """RLHFDataset whose rows carry ``target`` (str, ``""`` = no target) for prefix-guided rollouts, read
+    from the column ``mix.data.target_key``."""
 
     def __init__(self, data_files, tokenizer, config: DictConfig, processor=None, max_samples: int = -1):
         mix = config.get("mix", None)
@@ -87,7 +91,9 @@ class RLHFDatasetWithTarget(RLHFDataset):
                     f"Add the column (see data/README.md), point mix.data.target_key at the right column, "
                     f"or set mix.n_prefix=0 for on-policy training. Columns present: {self.dataframe.column_names}"
                 )
-            self.dataframe = self.dataframe.add_column(key, [""] * len(self.dataframe))
+            if TARGET_FIELD in self.dataframe.column_names:
+                self.dataframe = self.dataframe.remove_columns([TARGET_FIELD])
+            self.dataframe = self.dataframe.add_column(TARGET_FIELD, [""] * len(self.dataframe))
             return
 
         raw = list(self.dataframe[key])
@@ -129,7 +135,8 @@ class RLHFDatasetWithTarget(RLHFDataset):
                 drop_rows.add(i)
 
         final = ["" if t is None else t for t in texts]
-        self.dataframe = self.dataframe.remove_columns([key]).add_column(key, final)
+        stale = [c for c in {key, TARGET_FIELD} if c in self.dataframe.column_names]
+        self.dataframe = self.dataframe.remove_columns(stale).add_column(TARGET_FIELD, final)
         if drop_rows:
             self.dataframe = self.dataframe.select([i for i in range(n_rows) if i not in drop_rows])
 

@@ -25,6 +25,13 @@ Entropy bonus: -c * entropy_loss with c = actor.entropy_coeff, or learned (use_a
     all-reduced over DP so every rank keeps the same c), or c = entropy_coeff * target_entropy / H with H
     this micro-batch's token-mean entropy (adaptive_entropy_fixed, as the original; this one variant
     depends on the micro-batch split).
+all_max_clip with token-mean: tokens with p > c leave the policy loss, and the token mean is over the kept
+    tokens of the whole mini-batch (verl's batch_num_tokens counts every token, which would leave the
+    loss (kept/total) times too small). That count must be known before the first micro-batch, so it is
+    taken at the start of the step, from old_log_probs: the trainer adds each row's global mini-batch
+    count as `mix_kept_tokens` (add_kept_token_counts). A token whose p crosses c during the step's
+    updates still follows the current p in the numerator (LUFFY's rule); on the first mini-batch of an
+    on-policy step p = p_old and the mean is exact.
 KL loss (actor.use_kl_loss): kl_loss_coef * agg(kl_penalty(log_prob, ref_log_prob, kl_loss_type)) over
     every valid token, prefix tokens included; it works together with the off-policy loss (the original
     crashes there).
@@ -38,7 +45,8 @@ actor/alpha_loss, actor/log_alpha when those features are on.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import math
+from typing import Any, Callable, Mapping
 
 import torch
 from tensordict import TensorDict
@@ -46,10 +54,53 @@ from verl.trainer.ppo.core_algos import kl_penalty
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.padding import no_padding_2_padding
 
-from mix_src.core_alg import AdaptiveEntropyCoef, agg_loss, compute_token_on_off_policy_loss, masked_mean
+from mix_src.core_alg import (
+    AdaptiveEntropyCoef,
+    agg_loss,
+    compute_token_on_off_policy_loss,
+    kept_tokens_per_mini_batch,
+    masked_mean,
+)
 from mix_src.mix_config import LossConfig as MixLossConfig  # the `mix.loss` section, checked when built
 
-__all__ = ["MixLossConfig", "MixPolicyLoss"]
+__all__ = ["ENTROPY_STATE", "KEPT_TOKENS", "MixLossConfig", "MixPolicyLoss", "add_kept_token_counts",
+           "pop_entropy_state"]
+
+KEPT_TOKENS = "mix_kept_tokens"  # (bsz,) float: all_max_clip's kept tokens in the row's global mini-batch
+ENTROPY_STATE = "mix_entropy_state/"  # metric keys carrying the learned entropy coefficient's state
+
+
+def pop_entropy_state(metrics: dict) -> dict[str, float] | None:
+    """Remove the `mix_entropy_state/*` entries (with or without the trainer's "actor/" prefix) from the
+    update's metrics and return the latest state, or None when there is none."""
+    state = {}
+    for key in [k for k in metrics if ENTROPY_STATE in k]:
+        values = metrics.pop(key)
+        while isinstance(values, (list, tuple)):  # per mini-batch / micro-batch / DP-rank lists
+            if not values:
+                break
+            values = values[-1]
+        if not isinstance(values, (list, tuple)):
+            state[key.split(ENTROPY_STATE, 1)[1]] = float(values)
+    return state or None
+
+
+def _uses_kept_token_counts(mix: MixLossConfig, loss_agg_mode: str) -> bool:
+    return mix.all_max_clip is not None and loss_agg_mode == "token-mean" and not mix.use_sft_multitask_loss
+
+
+def add_kept_token_counts(batch, config, mix: MixLossConfig, dp_size: Callable[[], int]) -> None:
+    """Driver side, before update_actor: put `mix_kept_tokens` (bsz,) into the DataProto ``batch`` when
+    all_max_clip is on with token-mean; a no-op otherwise. ``config`` is the whole trainer config,
+    ``dp_size()`` the actor's data-parallel size (only asked when needed)."""
+    if mix.all_max_clip is None:
+        return
+    actor = config.actor_rollout_ref.actor
+    if not _uses_kept_token_counts(mix, mix.loss_agg_mode or actor.get("loss_agg_mode", "token-mean")):
+        return
+    kept = batch.batch["response_mask"].bool() & (batch.batch["old_log_probs"] <= math.log(mix.all_max_clip))
+    mini_batch_rows = int(actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n)
+    batch.batch[KEPT_TOKENS] = kept_tokens_per_mini_batch(kept, dp_size(), mini_batch_rows).to(torch.float32)
 
 
 class MixPolicyLoss:
@@ -62,11 +113,15 @@ class MixPolicyLoss:
         loss_config: the `mix.loss` section: MixLossConfig, a dataclass or mapping with its field names
             (e.g. mix_config.LossConfig), or None for the defaults.
 
-    State: the learned entropy coefficient (use_adaptive_entropy) lives in this object on each worker;
-    it is not part of verl's checkpoint, so a resumed run restarts it from actor.entropy_coeff.
+        entropy_state: the learned entropy coefficient's state to continue from (a resumed run), as
+            `AdaptiveEntropyCoef.state()`; None = start at actor.entropy_coeff.
+
+    State: the learned entropy coefficient (use_adaptive_entropy) lives in this object on each worker. After
+    each update its state goes back to the driver in the metrics (`mix_entropy_state/*`, removed there by
+    `pop_entropy_state`); the trainer saves it with its checkpoint and re-installs the loss with it on resume.
     """
 
-    def __init__(self, config: Any, loss_config: Any = None):
+    def __init__(self, config: Any, loss_config: Any = None, entropy_state: dict | None = None):
         self.config = config
         self.mix = loss_config if isinstance(loss_config, MixLossConfig) else MixLossConfig.from_dict(loss_config)
         loss_mode = config.policy_loss.get("loss_mode", "vanilla") if config.get("policy_loss") else "vanilla"
@@ -90,7 +145,9 @@ class MixPolicyLoss:
                 f"the adaptive entropy coefficient starts from / scales actor.entropy_coeff, which must be > 0 "
                 f"(got {config.entropy_coeff})"
             )
+        self.kept_token_counts = _uses_kept_token_counts(self.mix, self.loss_agg_mode)
         self._entropy_coef: AdaptiveEntropyCoef | None = None  # built on the worker, at the first call
+        self._entropy_state = dict(entropy_state) if entropy_state else None
         self._pending_entropy = [0.0, 0.0]  # [sum of token entropies, tokens] of the current mini-batch
 
     # ---- the loss --------------------------------------------------------------------------------
@@ -125,10 +182,13 @@ class MixPolicyLoss:
         prefix_mask = batch["prefix_mask"].to(bool) & response_mask
 
         # ---- policy loss -------------------------------------------------------------------------
+        policy_info = info
+        if self.kept_token_counts:
+            policy_info = dict(info, batch_num_tokens=self._kept_tokens(data))
         common = dict(
             cliprange=self.cliprange, clip_upper_bound=self.clip_upper_bound, clip_ratio_c=self.clip_ratio_c,
             loss_remove_clip=mix.loss_remove_clip, loss_agg_mode=self.loss_agg_mode,
-            rollout_is_weights=batch.get("rollout_is_weights", None), **info,
+            rollout_is_weights=batch.get("rollout_is_weights", None), **policy_info,
         )  # fmt: skip
         metrics: dict[str, Any] = {}
         if mix.use_sft_multitask_loss:
@@ -188,6 +248,18 @@ class MixPolicyLoss:
             metrics["kl_coef"] = config.kl_loss_coef
         return policy_loss, metrics
 
+    @staticmethod
+    def _kept_tokens(data: TensorDict) -> float:
+        """all_max_clip's kept-token count of this micro-batch's global mini-batch (see add_kept_token_counts)."""
+        if KEPT_TOKENS not in data.keys():
+            raise KeyError(f"mix.loss.all_max_clip with token-mean needs '{KEPT_TOKENS}' in the batch; the MIX "
+                           "trainer adds it before update_actor (mix_src.loss.add_kept_token_counts)")
+        kept = data[KEPT_TOKENS]
+        if kept.numel() and kept.min() != kept.max():
+            raise ValueError(f"'{KEPT_TOKENS}' differs within one micro-batch: its rows come from different "
+                             "mini-batches than add_kept_token_counts assumed (actor.shuffle must be false)")
+        return max(float(kept[0]), 1.0) if kept.numel() else 1.0  # 0 kept tokens: the numerator is 0 too
+
     # ---- entropy coefficient -------------------------------------------------------------------------
 
     def _entropy_coefficient(self, entropy, response_mask, info, dp_group, metrics) -> float:
@@ -203,6 +275,8 @@ class MixPolicyLoss:
         if self._entropy_coef is None:
             self._entropy_coef = AdaptiveEntropyCoef(base, mix.target_entropy, lr=mix.alpha_lr,
                                                      max_coef=mix.entropy_coeff_max)  # fmt: skip
+            if self._entropy_state is not None:
+                self._entropy_coef.load_state(self._entropy_state)
         coef = self._entropy_coef.coef  # constant during a mini-batch: the split does not matter
         metrics["actor/entropy_coeff"] = coef
 
@@ -220,5 +294,7 @@ class MixPolicyLoss:
             update = self._entropy_coef.update(mean_entropy)
             metrics["actor/alpha_loss"] = update["alpha_loss"]
             metrics["actor/log_alpha"] = update["log_alpha"]
+            for key, value in self._entropy_coef.state().items():
+                metrics[ENTROPY_STATE + key] = value
             self._pending_entropy = [0.0, 0.0]
         return coef

@@ -279,6 +279,12 @@ def validate_mix_config(config: Any) -> MixConfig:
             "mix.loss.use_adaptive_entropy=true needs the entropy on the worker: set "
             "actor_rollout_ref.actor.entropy_coeff (its initial value) to a value > 0"
         )
+    agg_mode = mix.loss.loss_agg_mode or actor.get("loss_agg_mode", "token-mean")
+    if mix.loss.all_max_clip is not None and agg_mode == "token-mean" and actor.get("shuffle", False):
+        raise MixConfigError(
+            "mix.loss.all_max_clip with token-mean counts the kept tokens of each mini-batch before the update, "
+            "which needs verl's unshuffled mini-batches: set actor_rollout_ref.actor.shuffle=false"
+        )
     fg = config.algorithm.get("filter_groups") or {}
     if (mix.filter_groups.carry_over or mix.filter_groups.on_policy_only) and not fg.get("enable", False):
         raise MixConfigError(

@@ -68,7 +68,9 @@ from verl.utils.skip.skip_manager import SkipManager
 
 from mix_src import adv_estimators  # noqa: F401  (registers grpo_split with verl)
 from mix_src.core_alg import apply_prefix_advantage_weights, compute_grpo_outcome_advantage_split
+from mix_src.dataset import TARGET_FIELD
 from mix_src.filter_groups import filter_groups, plan_train_batch
+from mix_src.loss import add_kept_token_counts, pop_entropy_state
 from mix_src.mix_config import MixConfig
 from mix_src.prefix import compute_prefix_ratios
 from mix_src.seeding import request_seeds
@@ -106,7 +108,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         from mix_src.loss import MixPolicyLoss
 
         actor_cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
-        return MixPolicyLoss(actor_cfg, self.mix.loss)
+        return MixPolicyLoss(actor_cfg, self.mix.loss, entropy_state=getattr(self, "_entropy_state", None))
 
     # ------------------------------------------------------------------------------------------------
     # the loop
@@ -346,7 +348,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             global_step=self.global_steps,
             rng=np.random.default_rng([self.prefix_seed, self.global_steps, gen_index]),
         )
-        targets = gen_batch.non_tensor_batch.get(mix.data.target_key)
+        targets = gen_batch.non_tensor_batch.get(TARGET_FIELD)  # the dataset's normalised mix.data.target_key
         has_target = np.zeros(len(gen_batch), dtype=bool) if targets is None else np.array(
             [isinstance(t, str) and len(t) > 0 for t in targets]
         )
@@ -477,8 +479,12 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         if self.config.trainer.critic_warmup > self.global_steps:
             self._wake_rollout()
             return
+        add_kept_token_counts(batch, self.config, self.mix.loss, lambda: self._get_dp_size(self.actor_rollout_wg, "actor"))
         with marked_timer("update_actor", timing):
             actor_output = self._update_actor(batch)
+        entropy_state = pop_entropy_state(actor_output.meta_info["metrics"])  # the learned entropy coefficient
+        if entropy_state is not None:
+            self._entropy_state = entropy_state
         save_freq = self.config.trainer.save_freq
         # verl's ESI rule: save early when the capacity block / training plan expires before another step
         esi_expiring = should_save_ckpt_esi(
@@ -497,7 +503,8 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         """verl's checkpoint plus ``mix_state.pt``: the epoch, the carried groups and the dataloader position."""
         super()._save_checkpoint()
         folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
-        state = {"epoch": self._epoch, "carry": self._carry, "dataloader": self.train_dataloader.state_dict()}
+        state = {"epoch": self._epoch, "carry": self._carry, "dataloader": self.train_dataloader.state_dict(),
+                 "entropy_coef": getattr(self, "_entropy_state", None)}  # the learned entropy coefficient
         torch.save(state, os.path.join(folder, MIX_STATE_FILE))
 
     def _load_checkpoint(self):
@@ -520,6 +527,9 @@ class MIXRayPPOTrainer(RayPPOTrainer):
                 self._epoch, self._carry = state["epoch"], state["carry"]
                 if state.get("dataloader") is not None:
                     self.train_dataloader.load_state_dict(state["dataloader"])
+                self._entropy_state = state.get("entropy_coef")
+                if self._entropy_state is not None:  # the workers' loss continues the learned coefficient
+                    self.actor_rollout_wg.set_loss_fn(self._make_loss_fn())
         return result
 
     # ------------------------------------------------------------------------------------------------
@@ -537,6 +547,9 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         metrics["batch/solved"] = float(solved.mean())
         metrics["batch/on_solved"] = float(solved[~off].mean()) if (~off).any() else 0.0
         metrics["batch/off_solved"] = float(solved[off].mean()) if off.any() else 0.0
+        ungradable = batch.non_tensor_batch.get("ungradable")  # rows the reward could not grade (scored wrong)
+        if ungradable is not None:
+            metrics["reward/ungradable"] = int(np.count_nonzero(np.asarray(ungradable, dtype=bool)))
         truncated = batch.non_tensor_batch.get("prefix_truncated")
         if truncated is not None:
             metrics["batch/prefix_truncated"] = int(sum(bool(t) for t in truncated))

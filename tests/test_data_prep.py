@@ -243,3 +243,29 @@ def test_prepare_eval_passthrough_fields_and_errors(tmp_path):
         prep_eval.main(["--output", str(out), "--input", f"amc={tmp_path / 'odd.parquet'}"])
     with pytest.raises(SystemExit):  # argparse error: unknown benchmark name
         prep_eval.main(["--output", str(out), "--input", f"aime={tmp_path / 'odd.parquet'}"])
+
+
+def test_prepare_eval_passthrough_mixed_labels_and_malformed_rows(tmp_path, capsys):
+    """Rows already in our schema (e.g. converted ARC files): letter and number answer keys are kept (the
+    reward grades both); rows with another multiple-choice ground truth or an unusable prompt are dropped
+    and counted by reason."""
+    msg = [{"role": "user", "content": "Which?\n1. a\n2. b\n3. c\n4. d"}]
+    rows = [{"data_source": "arc_c", "prompt": msg, "reward_model": {"style": "rule", "ground_truth": gt},
+             "extra_info": {"split": "test"}} for gt in ("B", "4", "(C)", "E5", "Paris", "")]
+    rows.append({"data_source": "arc_c", "prompt": "not messages", "reward_model": {"ground_truth": "A"},
+                 "extra_info": {}})
+    _write_jsonl(tmp_path / "arc.jsonl", rows)
+    summary = prep_eval.main(["--output", str(tmp_path / "v.parquet"), "--input", f"arc_c={tmp_path / 'arc.jsonl'}"])
+    printed = capsys.readouterr().out
+    df = pd.read_parquet(tmp_path / "v.parquet")
+    assert [rm["ground_truth"] for rm in df["reward_model"]] == ["B", "4", "(C)"]
+    assert summary["benchmarks"]["arc_c"]["dropped"] == {
+        "ground truth is not an option label (a letter, or a number 1-26)": 2, "empty ground truth": 1,
+        "prompt is not a list of {role, content} messages": 1}
+    assert "arc_c: dropped 2 rows: ground truth is not an option label" in printed
+
+    from mix_src.rewards import compute_score
+
+    graded = [compute_score("arc_c", f"<think>x</think> \\boxed{{{ans}}}", rm["ground_truth"], dict(e))
+              for ans, rm, e in zip(("B", "D", "C"), df["reward_model"], df["extra_info"])]
+    assert [g["acc"] for g in graded] == [True, True, True]

@@ -94,3 +94,27 @@ def test_clear_errors(tmp_path, tiny_assets):
     with pytest.raises(SystemExit, match="is not a folder"):
         evaluate.main(["--model", str(tmp_path / "nope"), "--data", tiny_assets["val"],
                        "--output", str(tmp_path / "r.json")])
+
+
+def test_bad_rows_and_digit_labels_do_not_stop_an_evaluation(tmp_path, capsys):
+    """A validation file mixing ARC's letter and digit answer keys, plus rows that cannot be graded: every
+    row is loaded and scored, bad ones count as wrong and ungradable, the evaluation finishes."""
+    T = "<think>ok</think> "
+    mc = {"answer_type": "multiple_choice"}
+    rows = [{"data_source": "arc_c", "prompt": [{"role": "user", "content": "q"}],
+             "reward_model": {"style": "rule", "ground_truth": gt}, "extra_info": mc}
+            for gt in ("B", "4", "4", "1", "", "E5")]
+    path = tmp_path / "valid.parquet"
+    pd.DataFrame(rows).to_parquet(path)
+    loaded = evaluate.load_rows(str(path))
+    assert len(loaded) == 6
+    samples = [[(T + "\\boxed{B}", 3)], [(T + "\\boxed{4}", 3)], [(T + "\\boxed{D}", 3)], [(T + "\\boxed{B}", 3)],
+               [(T + "\\boxed{A}", 3)], [(T + "\\boxed{A}", 3)]]
+    recs = evaluate.score_samples(loaded, samples, [False] * 6, require_think=True)
+    assert [r["acc"] for r in recs] == [True, True, True, False, False, False]
+    assert [r["ungradable"] for r in recs] == [False, False, False, False, True, True]
+    summary = evaluate.summarize(recs)
+    assert summary["per_source"]["arc_c"]["ungradable"] == 2
+    assert summary["per_source"]["arc_c"]["acc"] == pytest.approx(3 / 6)
+    evaluate.print_table(summary)
+    assert "ungradable" in capsys.readouterr().out

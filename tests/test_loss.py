@@ -18,8 +18,8 @@ from verl.workers.engine.utils import prepare_micro_batches
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
-from mix_src.core_alg import agg_loss, compute_token_on_off_policy_loss
-from mix_src.loss import MixLossConfig, MixPolicyLoss
+from mix_src.core_alg import agg_loss, compute_token_on_off_policy_loss, kept_tokens_per_mini_batch
+from mix_src.loss import KEPT_TOKENS, MixLossConfig, MixPolicyLoss
 
 VOCAB, PROMPT, RESPONSE = 13, 4, 6
 
@@ -114,7 +114,17 @@ CONFIGS = {
     "token_sum_kl_k2": (dict(loss_agg_mode="token-sum", use_kl_loss=True, kl_loss_type="k2"), dict(all_max_clip=0.6)),
     "sft_multitask": (dict(use_kl_loss=True), dict(use_sft_multitask_loss=True, sft_loss_coef=0.5)),
     "adaptive_entropy": ({}, dict(use_adaptive_entropy=True, target_entropy=1.0, alpha_lr=0.05)),
+    "all_max_clip_token_mean": ({}, dict(all_max_clip=0.15)),
+    "all_max_clip_token_mean_kl": (dict(use_kl_loss=True), dict(all_max_clip=0.15, off_max_clip=0.5)),
 }  # fmt: skip
+
+
+def add_kept_counts(data, all_max_clip, dp_size=1, mini_batch_rows=None):
+    """What add_kept_token_counts puts into the batch on the driver (one DP rank, one mini-batch)."""
+    kept = data["response_mask"].bool() & (data["old_log_probs"] <= math.log(all_max_clip))
+    rows = data["response_mask"].shape[0]
+    data[KEPT_TOKENS] = kept_tokens_per_mini_batch(kept, dp_size, mini_batch_rows or rows).float()
+    return kept
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -124,7 +134,11 @@ def test_two_micro_batches_give_the_same_gradient_as_one(name):
     for micro_batch_size in (6, 3, 2):  # 1, 2 and 3 micro-batches of one mini-batch of 6 rows
         model = BigramLM(seed=1)
         loss_fn = MixPolicyLoss(actor_config(**actor_kw), MixLossConfig(**mix_kw))
-        total, grad, _ = run_mini_batch(loss_fn, make_batch(seed=3, model=model), micro_batch_size, model)
+        data = make_batch(seed=3, model=model)
+        if loss_fn.kept_token_counts:
+            kept = add_kept_counts(data, mix_kw["all_max_clip"])
+            assert 0 < kept.sum() < data["response_mask"].sum()  # some tokens really leave the loss
+        total, grad, _ = run_mini_batch(loss_fn, data, micro_batch_size, model)
         grads.append(grad)
         losses.append(total)
         if loss_fn._entropy_coef is not None:
@@ -323,3 +337,81 @@ def test_accepts_the_trainer_config_dataclass():
     model = BigramLM(seed=1)
     total, grad, _ = run_mini_batch(loss_fn, make_batch(seed=12, model=model), 3, model)
     assert math.isfinite(total) and grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("micro_batch_size", [6, 3, 2])
+def test_all_max_clip_token_mean_is_the_mean_over_kept_tokens(micro_batch_size):
+    """all_max_clip + token-mean: the policy loss is sum(kept losses) / (kept tokens of the mini-batch), as
+    LUFFY's token mean over its kept tokens, for 1, 2 or 3 micro-batches (verl's batch_num_tokens counts
+    every token, which made it (kept/total) x that)."""
+    c = 0.15
+    model = BigramLM(seed=1)
+    data = make_batch(seed=3, model=model, spread=0.0)  # old = current log-probs, as on an on-policy step
+    kept = add_kept_counts(data, c)
+    loss_fn = MixPolicyLoss(actor_config(entropy_coeff=0.0), MixLossConfig(all_max_clip=c))
+    total, _, _ = run_mini_batch(loss_fn, data, micro_batch_size, model)
+    padded = data.select("response_mask", "old_log_probs", "advantages", "prefix_mask").to_padded_tensor()
+    with torch.no_grad():
+        current = no_padding_2_padding(model(data)["log_probs"], data)
+    reference = compute_token_on_off_policy_loss(
+        padded["old_log_probs"], current, padded["advantages"], padded["response_mask"], padded["prefix_mask"].bool(),
+        all_max_clip=c, loss_agg_mode="token-mean", off_policy_reshape="p_div_p", off_policy_reshape_gamma=0.1,
+        clip_ratio_c=3.0)["pg_loss"]  # the whole mini-batch at once: the mean over its kept tokens
+    assert 0 < kept.sum() < padded["response_mask"].sum()
+    assert total == pytest.approx(reference.item(), rel=1e-5, abs=1e-7)
+
+
+def test_kept_tokens_follow_verls_mini_batch_layout():
+    """8 rows, 2 DP ranks, mini-batches of 4 rows: rank 0 holds rows 0-3, rank 1 rows 4-7; global mini-batch 0
+    is rows 0, 1, 4, 5 and mini-batch 1 rows 2, 3, 6, 7."""
+    kept = torch.tensor([[1, 0], [1, 1], [0, 0], [1, 0], [1, 1], [0, 1], [1, 1], [1, 1]], dtype=torch.bool)
+    out = kept_tokens_per_mini_batch(kept, dp_size=2, mini_batch_rows=4)
+    assert out.tolist() == [6.0, 6.0, 5.0, 5.0, 6.0, 6.0, 5.0, 5.0]
+    assert kept_tokens_per_mini_batch(kept, 1, 8).tolist() == [11.0] * 8
+    with pytest.raises(ValueError, match="cannot be split"):
+        kept_tokens_per_mini_batch(kept, dp_size=3, mini_batch_rows=3)
+    # the loss refuses a micro-batch whose rows come from different mini-batches, or a missing count
+    loss_fn = MixPolicyLoss(actor_config(), MixLossConfig(all_max_clip=0.5))
+    model = BigramLM(seed=1)
+    data = make_batch(seed=3, model=model)
+    with pytest.raises(KeyError, match="mix_kept_tokens"):
+        run_mini_batch(loss_fn, data, 6, model)
+    data[KEPT_TOKENS] = torch.arange(6, dtype=torch.float32)
+    with pytest.raises(ValueError, match="differs within one micro-batch"):
+        run_mini_batch(loss_fn, data, 6, model)
+
+
+def test_adaptive_entropy_state_round_trips_through_the_metrics():
+    """A resumed run continues the learned coefficient: its state leaves the worker in the metrics, and a loss
+    built with it continues exactly where an uninterrupted one is (log_alpha and AdamW's moments)."""
+    from mix_src.loss import pop_entropy_state
+
+    mix = MixLossConfig(use_adaptive_entropy=True, target_entropy=1.0, alpha_lr=0.05)
+    batches = [make_batch(seed=s, model=BigramLM(seed=1)) for s in (3, 4, 5)]
+
+    def run(loss_fn, data):
+        _, _, metrics = run_mini_batch(loss_fn, data, 3, BigramLM(seed=1))
+        merged: dict = {}
+        for m in metrics:  # what the engine hands the trainer: per-key lists over micro-batches
+            for k, v in m.items():
+                merged.setdefault(k, []).append(v)
+        return merged
+
+    straight = MixPolicyLoss(actor_config(), mix)
+    for data in batches:
+        run(straight, data)
+
+    first = MixPolicyLoss(actor_config(), mix)
+    metrics = run(first, batches[0])
+    state = pop_entropy_state({f"actor/{k}" if not k.startswith("actor/") else k: v for k, v in metrics.items()})
+    assert state is not None and state["step"] == 1.0 and state["exp_avg"] != 0.0
+    resumed = MixPolicyLoss(actor_config(), mix, entropy_state=state)
+    for data in batches[1:]:
+        run(resumed, data)
+    assert resumed._entropy_coef.state() == straight._entropy_coef.state()
+    assert resumed._entropy_coef.coef != 0.01  # it moved
+    # without the state, a resumed run would restart from entropy_coeff
+    fresh = MixPolicyLoss(actor_config(), mix)
+    for data in batches[1:]:
+        run(fresh, data)
+    assert fresh._entropy_coef.coef != straight._entropy_coef.coef

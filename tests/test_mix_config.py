@@ -73,3 +73,29 @@ def test_fixed_ratio_count_must_match_prefixed_rows():
     ok = compose_mix("mix.n_prefix=2", "actor_rollout_ref.rollout.n=4", "mix.prefix_strategy=fixed",
                      "mix.prefix_fix_ratios=[0.2,0.5]")  # fmt: skip
     assert validate_mix_config(ok).prefix_fix_ratios == [0.2, 0.5]
+
+
+def test_yaml_mix_section_equals_the_dataclass_defaults():
+    """One source of defaults: every key of mix_ppo_trainer.yaml's `mix:` section exists in MixConfig with the
+    same default, and every MixConfig field is in the YAML (so `mix.loss.x=...` works without a `+`)."""
+    import dataclasses
+
+    import yaml
+    from importlib.resources import files
+
+    from mix_src.mix_config import MixConfig
+
+    with open(files("mix_src.config") / "mix_ppo_trainer.yaml") as f:
+        yaml_mix = yaml.safe_load(f)["mix"]
+    assert yaml_mix == dataclasses.asdict(MixConfig())
+    cfg = compose_mix("mix.loss.adaptive_entropy_fixed=true", "actor_rollout_ref.actor.entropy_coeff=0.001")
+    assert validate_mix_config(cfg).loss.adaptive_entropy_fixed is True
+
+
+def test_all_max_clip_token_mean_refuses_shuffled_mini_batches():
+    ok = compose_mix("mix.loss.all_max_clip=0.9")
+    validate_mix_config(ok)
+    with pytest.raises(MixConfigError, match="actor_rollout_ref.actor.shuffle=false"):
+        validate_mix_config(compose_mix("mix.loss.all_max_clip=0.9", "actor_rollout_ref.actor.shuffle=true"))
+    validate_mix_config(compose_mix("mix.loss.all_max_clip=0.9", "actor_rollout_ref.actor.shuffle=true",
+                                    "mix.loss.loss_agg_mode=luffy-token-sum-norm"))  # a fixed W needs no count

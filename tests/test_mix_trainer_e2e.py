@@ -42,8 +42,10 @@ def test_luffy_full_target_grpo_split(tiny_assets, tmp_path):
 
 
 def test_partial_prefixes_and_resume_draw_the_same_ratios(tiny_assets, tmp_path):
-    """Random ratios in [0.3, 0.7] for 2 of 4 rows; a run resumed from step 1 draws what an uninterrupted one drew."""
-    common = ["mix.n_prefix=2", "mix.min_prefix_ratio=0.3", "mix.max_prefix_ratio=0.7", "mix.seed=7"]
+    """Random ratios in [0.3, 0.7] for 2 of 4 rows; a run resumed from step 1 draws what an uninterrupted one drew
+    and continues its learned entropy coefficient (checkpointed with the trainer's state)."""
+    common = ["mix.n_prefix=2", "mix.min_prefix_ratio=0.3", "mix.max_prefix_ratio=0.7", "mix.seed=7",
+              "mix.loss.use_adaptive_entropy=true", "actor_rollout_ref.actor.entropy_coeff=0.01", "mix.loss.alpha_lr=0.5"]
     full = mix_run(tiny_assets, tmp_path / "full", *common, "trainer.save_freq=-1")
     ratios = full.series("batch/avg_prefix_ratio")
     assert len(ratios) == 2 and ratios[0] != ratios[1]
@@ -57,6 +59,10 @@ def test_partial_prefixes_and_resume_draw_the_same_ratios(tiny_assets, tmp_path)
     assert first.series("batch/avg_prefix_ratio") == ratios[:1]
     assert [m["step"] for m in resumed.metrics] == [2]  # resumed at step 2
     assert resumed.series("batch/avg_prefix_ratio") == ratios[1:]
+    coefs = full.series("actor/entropy_coeff")  # the coefficient each step's loss used
+    assert coefs[0] == pytest.approx(0.01) and coefs[1] != pytest.approx(0.01)
+    assert resumed.series("actor/entropy_coeff") == pytest.approx(coefs[1:], rel=1e-9)
+    assert not any("mix_entropy_state" in k for m in full.metrics for k in m)  # state is not logged
 
 
 def test_filter_groups_accumulate_generation_batches(tiny_assets, tmp_path):

@@ -13,6 +13,7 @@ from mix_src.rewards.math_verify_reward import (
     compute_score_batch,
     grading_stats,
     make_config,
+    ungradable_counts,
     warmup,
 )
 
@@ -23,5 +24,6 @@ __all__ = [
     "compute_score_batch",
     "grading_stats",
     "make_config",
+    "ungradable_counts",
     "warmup",
 ]

@@ -21,7 +21,7 @@ def split_response(response: str, starts_in_think: bool) -> tuple[str | None, bo
     The answer is the text after the **last** ``</think>``; the response is well formed when it has a
     ``</think>`` and, unless it ``starts_in_think`` (the prompt ended with ``<think>``), a ``<think>``
     before it. Without a well-formed think block the answer segment is ``None``.
-    (LUFFY takes the text between the first and the second ``</think>``; spec §10 item 13.)
+    (LUFFY takes the text between the first and the second ``</think>``.)
     """
     close = response.rfind(THINK_CLOSE)
     if close < 0:
@@ -76,41 +76,75 @@ def normalize_latex(s: str) -> str:
 
 # ----------------------------------------------------------------------------------------------------
 # Multiple choice
+#
+# An option label is a letter A-Z, or a number 1-26 (public ARC files label some questions' options 1-4).
+# A number gold k is answered by the number k or by the k-th letter (1 = A, 2 = B, ...): ARC numbers its
+# options in order, and OpenCompass's and lm-eval's ARC loaders turn label k into the k-th letter in the
+# same way. A letter gold is answered by that letter only (LUFFY's and OpenCompass's graders accept no
+# number for it). The text of an option is never matched: the reward does not see the options.
 
 _LETTER_ONLY = re.compile(r"\(?\s*([A-Z])\s*\)?\s*[.:)]?")
+_LABEL_ONLY = re.compile(r"\(?\s*([A-Z]|[1-9][0-9]?)\s*\)?\s*[.:)]?")
 # No two unbounded quantifiers can trade characters here, so matching stays linear on long inputs.
 _ANSWER_IS = re.compile(r"answer(?:\s+is)?(?:\s*:)?\s*(?:option\s+)?\(?([A-Z])\b", re.IGNORECASE)
+_ANSWER_IS_LABEL = re.compile(r"answer(?:\s+is)?(?:\s*:)?\s*(?:option\s+)?\(?([A-Z]|[0-9]{1,2})\b(?![.,]\d)",
+                              re.IGNORECASE)
 _MC_SCAN_CHARS = 4000  # "answer is X" is searched in the last 4,000 characters of the answer
 _TEXT_WRAP = re.compile(r"\\(?:text|textbf|mathrm|mathbf)\{([^{}]*)\}")
+MAX_NUMBER_LABEL = 26  # a number label k stands for the k-th letter
 
 
-def normalize_choice(value: str) -> str | None:
-    """``"B"``, ``"(B)"``, ``"B."``, ``"B) 42"``, ``"\\text{B}"`` -> ``"B"``; anything else -> ``None``."""
+def normalize_choice(value: str, numbers: bool = False) -> str | None:
+    """``"B"``, ``"(B)"``, ``"B."``, ``"B) 42"``, ``"\\text{B}"`` -> ``"B"``; with ``numbers`` also
+    ``"4"``, ``"(4)"``, ``"4."`` -> ``"4"``; anything else -> ``None``."""
     s = _TEXT_WRAP.sub(r"\1", value.strip()).strip().strip("$").strip()
-    m = _LETTER_ONLY.match(s)
+    m = (_LABEL_ONLY if numbers else _LETTER_ONLY).match(s)
     if m is None:
         return None
     rest = s[m.end():]
-    if rest and not rest[0].isspace():  # "Bob" is not the letter B
+    if rest and not rest[0].isspace():  # "Bob" is not the letter B, "42x" is not the label 42
         return None
     return m.group(1)
 
 
-def extract_choice(answer: str) -> str | None:
-    """The chosen letter: the last ``\\boxed{}``, else the last "answer is X" / "Answer: X", else an
-    answer that is only a letter. ``None`` when no letter is found."""
+def gold_choice(ground_truth: str) -> str | None:
+    """The option label of a multiple-choice ground truth: a letter ``"A"``-``"Z"`` or a number
+    ``"1"``-``"26"`` (``"(B)"``, ``"4."`` are fine); ``None`` when it is neither."""
+    label = normalize_choice(ground_truth, numbers=True)
+    if label is not None and label.isdigit() and not 1 <= int(label) <= MAX_NUMBER_LABEL:
+        return None
+    return label
+
+
+def extract_choice(answer: str, numbers: bool = False) -> str | None:
+    """The chosen label: the last ``\\boxed{}``, else the last "answer is X" / "Answer: X", else an
+    answer that is only a label. Labels are letters, and with ``numbers`` also numbers 1-99. ``None``
+    when no label is found."""
     boxed = last_boxed(answer)
     if boxed is not None:
-        letter = normalize_choice(boxed)
-        if letter is not None:
-            return letter
+        label = normalize_choice(boxed, numbers)
+        if label is not None:
+            return label
     found = None
-    for m in _ANSWER_IS.finditer(answer[-_MC_SCAN_CHARS:]):
-        if m.group(1).isupper():
+    for m in (_ANSWER_IS_LABEL if numbers else _ANSWER_IS).finditer(answer[-_MC_SCAN_CHARS:]):
+        if m.group(1).isupper() or m.group(1).isdigit():
             found = m.group(1)
     if found is not None:
         return found
-    return normalize_choice(answer) if len(answer) < 64 else None
+    return normalize_choice(answer, numbers) if len(answer) < 64 else None
+
+
+def choice_correct(answer: str, gold: str) -> bool:
+    """Does ``answer`` choose the option labelled ``gold`` (from :func:`gold_choice`)? A letter gold
+    needs that letter; a number gold k takes k or the k-th letter."""
+    if not gold.isdigit():
+        return extract_choice(answer) == gold
+    chosen = extract_choice(answer, numbers=True)
+    if chosen is None:
+        return False
+    if chosen.isdigit():
+        return int(chosen) == int(gold)
+    return ord(chosen) - ord("A") + 1 == int(gold)
 
 
 # ----------------------------------------------------------------------------------------------------

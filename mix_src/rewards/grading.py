@@ -41,12 +41,13 @@ def _pred_config():
 
 
 def grade_math(answer: str, ground_truth: str) -> bool:
-    """True when math-verify finds the answer equivalent to the ground truth."""
+    """True when math-verify finds the answer equivalent to the ground truth. A ground truth math-verify
+    cannot parse raises ``ValueError`` (the caller counts the row as ungradable, not as a wrong answer)."""
     from math_verify import parse, verify
 
     gold = _parse_gold(ground_truth)
     if not gold:
-        return False
+        raise ValueError(f"math-verify cannot parse the ground truth {ground_truth[:80]!r}")
     pred = parse(answer, extraction_config=_pred_config(), parsing_timeout=None)
     if not pred:
         return False

@@ -1,4 +1,4 @@
-"""The math-verify reward (LUFFY's ``reward_impl_version=3``, spec §6), safe inside verl's reward threads.
+"""The math-verify reward (LUFFY's ``reward_impl_version=3``, arXiv 2504.14945), safe inside verl's reward threads.
 
 Use it in verl 0.9.1 with::
 
@@ -7,8 +7,10 @@ Use it in verl 0.9.1 with::
     +reward.custom_reward_function.reward_kwargs.wrong_score=-0.5     # optional, see RewardConfig
 
 ``compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)`` returns
-``{"score": float, "acc": bool, "format_ok": bool}``; verl's naive reward manager copies every key into
-``reward_extra_info``, so ``acc`` reaches ``non_tensor_batch`` (filter groups) and validation metrics.
+``{"score": float, "acc": bool, "format_ok": bool, "ungradable": bool}``; verl's naive reward manager copies
+every key into ``reward_extra_info``, so ``acc`` reaches ``non_tensor_batch`` (filter groups) and
+validation metrics (``val-aux/<data_source>/ungradable/mean@k``), and the MIX trainer logs the count of
+``ungradable`` rows of each step as ``reward/ungradable``.
 ``compute_score_batch`` grades many responses in parallel worker processes.
 
 How a response is graded:
@@ -19,16 +21,24 @@ How a response is graded:
    without it the whole response is graded. ``require_boxed`` also makes a missing ``\\boxed{}`` a
    format error (LUFFY's v1).
 2. **Kind.** ``extra_info["answer_type"]``, else the ``answer_type`` option, else the data source:
-   ``multiple_choice`` (a letter; data sources with a word ``arc``, ``gpqa``, ``mmlu`` or ``mcq``),
-   ``numeric`` (``gsm8k``) or ``math`` (everything else).
+   ``multiple_choice`` (data sources with a word ``arc``, ``gpqa``, ``mmlu`` or ``mcq``), ``numeric``
+   (``gsm8k``) or ``math`` (everything else). A multiple-choice ground truth is an option label: a
+   letter (answered by that letter) or a number k = 1..26, as in public ARC files (answered by k or by
+   the k-th letter; see :mod:`mix_src.rewards.answers`).
 3. **Grading.** ``multiple_choice`` and plain numbers are decided here with linear-time string code.
    ``math`` (and numbers that are not plain, e.g. ``\\frac{7}{2}``) is decided here when the last
    ``\\boxed{}`` matches the ground truth exactly or both are integers; otherwise by math-verify
    (``parse("$" + gt + "$")``, ``verify(gold, parse(answer))`` with ``\\boxed{}`` ranked first) in a
    worker process of :mod:`mix_src.rewards.pool` with a hard deadline of ``timeout_s``: a worker that
    overruns is killed, the item scores as wrong, and the run goes on.
+4. **Rows that cannot be graded never raise.** A ground truth that is empty, not a string or number, or
+   not an option label for a multiple-choice row, a ground truth math-verify cannot parse, a response
+   that is not a string, an unknown ``extra_info.answer_type``, a grading worker that errs, crashes or
+   overruns: the row scores ``wrong_score`` with ``"ungradable": True``, and a warning naming the
+   data_source and the reason is logged (the first time for each data_source and kind of reason, then at
+   most once a minute with the count since). Bad reward *options* still raise: they are configuration.
 
-Departures from LUFFY (spec §6, §10 item 13): the answer is the text after the *last* ``</think>``
+Departures from LUFFY (github.com/ElliottYan/LUFFY): the answer is the text after the *last* ``</think>``
 (LUFFY: between the first and second); format errors can score differently from wrong answers; the last
 ``\\boxed{}`` outranks "the final answer is ..." phrases (math-verify's default ranks it after them);
 grading runs in parallel with a real timeout instead of sequentially under math-verify's SIGALRM.
@@ -139,14 +149,61 @@ def _split_options(kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k not in _VERL_CALL_KWARGS}
 
 
+# --------------------------------------------------------------------------------- ungradable rows
+class Ungradable(Exception):
+    """A row that cannot be graded; ``kind`` groups the log lines (e.g. "ground truth", "response")."""
+
+    def __init__(self, kind: str, reason: str):
+        super().__init__(reason)
+        self.kind = kind
+
+
+_LOG_EVERY_S = 60.0  # at most one warning a minute per (data_source, kind) after the first
+_ungradable_lock = threading.Lock()
+_ungradable_counts: dict[str, int] = {}  # per data_source, this process
+_ungradable_log: dict[tuple[str, str], list] = {}  # (data_source, kind) -> [last log time, rows since]
+
+
+def _report_ungradable(data_source, kind: str, reason: str) -> None:
+    """Count the row and log it, rate-limited per (data_source, kind)."""
+    import time
+
+    source = str(data_source)
+    now = time.monotonic()
+    with _ungradable_lock:
+        _ungradable_counts[source] = _ungradable_counts.get(source, 0) + 1
+        state = _ungradable_log.setdefault((source, kind), [None, 0])
+        state[1] += 1
+        if state[0] is not None and now - state[0] < _LOG_EVERY_S:
+            return
+        since, state[0], state[1] = state[1], now, 0
+    more = f" ({since - 1} more such rows since the last message)" if since > 1 else ""
+    logger.warning("reward: ungradable row, scored as wrong (data_source %r, %s): %s%s", source, kind,
+                   reason[:300], more)
+
+
+def ungradable_counts() -> dict[str, int]:
+    """Rows that could not be graded in this process, per data_source."""
+    with _ungradable_lock:
+        return dict(_ungradable_counts)
+
+
+def _ungradable(cfg: RewardConfig, data_source, exc: Exception, format_ok: bool = False) -> dict:
+    if isinstance(exc, Ungradable):
+        kind, reason = exc.kind, str(exc)
+    else:  # a bug or an input nobody foresaw: still one row, never the run
+        kind, reason = "error", f"{type(exc).__name__}: {exc}"
+    _report_ungradable(data_source, kind, reason)
+    return {"score": float(cfg.wrong_score), "acc": False, "format_ok": bool(format_ok), "ungradable": True}
+
+
 # ---------------------------------------------------------------------------------------- dispatch
 def answer_type_for(data_source: str | None, extra_info: dict | None, cfg: RewardConfig) -> str:
     """``extra_info["answer_type"]`` > ``cfg.answer_type`` > words of the data source > ``math``."""
     if isinstance(extra_info, dict) and extra_info.get("answer_type") is not None:
         kind = extra_info["answer_type"]
         if kind not in ANSWER_TYPES:
-            raise ValueError(f"extra_info.answer_type must be one of {ANSWER_TYPES}, got {kind!r} "
-                             f"(data_source {data_source!r})")
+            raise Ungradable("answer_type", f"extra_info.answer_type must be one of {ANSWER_TYPES}, got {kind!r}")
         return kind
     if cfg.answer_type is not None:
         return cfg.answer_type
@@ -170,19 +227,18 @@ class _Pending:
 
 def _result(cfg: RewardConfig, correct: bool, format_ok: bool) -> dict:
     return {"score": float(cfg.correct_score if correct else cfg.wrong_score), "acc": bool(correct),
-            "format_ok": bool(format_ok)}
+            "format_ok": bool(format_ok), "ungradable": False}
 
 
 def _format_error(cfg: RewardConfig) -> dict:
-    return {"score": float(cfg.format_error_score), "acc": False, "format_ok": False}
+    return {"score": float(cfg.format_error_score), "acc": False, "format_ok": False, "ungradable": False}
 
 
 def _prepare(data_source, solution_str, ground_truth, extra_info, cfg: RewardConfig) -> dict | _Pending:
     """Everything that does not need sympy: a final result, or a job for a worker."""
     if not isinstance(solution_str, str):
-        raise TypeError(f"compute_score: solution_str must be a str, got {type(solution_str).__name__} "
-                        f"(data_source {data_source!r})")
-    gt = _ground_truth_text(ground_truth, data_source)
+        raise Ungradable("response", f"solution_str must be a str, got {type(solution_str).__name__}")
+    gt = _ground_truth_text(ground_truth)
     answer, format_ok = answers.split_response(solution_str, cfg.starts_in_think)
     if answer is None:
         if cfg.require_think:
@@ -193,12 +249,12 @@ def _prepare(data_source, solution_str, ground_truth, extra_info, cfg: RewardCon
     kind = answer_type_for(data_source, extra_info, cfg)
 
     if kind == "multiple_choice":
-        gold = answers.normalize_choice(gt)
+        gold = answers.gold_choice(gt)
         if gold is None:
-            raise ValueError(f"compute_score: multiple-choice ground truth must be a letter such as 'B', got "
-                             f"{gt!r} (data_source {data_source!r}); fix reward_model.ground_truth or set "
-                             "extra_info.answer_type")
-        return _result(cfg, answers.extract_choice(answer) == gold, format_ok)
+            raise Ungradable("ground truth", f"a multiple-choice ground truth must be an option label (a letter "
+                             f"such as 'B' or a number 1-{answers.MAX_NUMBER_LABEL}), got {gt[:80]!r}; fix "
+                             "reward_model.ground_truth or set extra_info.answer_type")
+        return _result(cfg, answers.choice_correct(answer, gold), format_ok)
 
     if kind == "numeric":
         gold_value = answers.parse_number(gt)
@@ -220,28 +276,31 @@ def _prepare(data_source, solution_str, ground_truth, extra_info, cfg: RewardCon
     return _Pending(answer, gt, format_ok)
 
 
-def _ground_truth_text(ground_truth: Any, data_source) -> str:
+def _ground_truth_text(ground_truth: Any) -> str:
+    if hasattr(ground_truth, "tolist") and not isinstance(ground_truth, str):  # numpy scalars and arrays
+        ground_truth = ground_truth.tolist()
     if isinstance(ground_truth, (list, tuple)) and len(ground_truth) == 1:
         ground_truth = ground_truth[0]
+    if isinstance(ground_truth, float) and ground_truth != ground_truth:  # NaN: a missing value in parquet
+        ground_truth = None
     if isinstance(ground_truth, (int, float)) and not isinstance(ground_truth, bool):
         ground_truth = str(ground_truth)
     if not isinstance(ground_truth, str) or not ground_truth.strip():
-        raise ValueError(f"compute_score: reward_model.ground_truth must be a non-empty string, got "
-                         f"{ground_truth!r} (data_source {data_source!r}); check the data file")
+        raise Ungradable("ground truth", f"reward_model.ground_truth must be a non-empty string, got "
+                         f"{str(ground_truth)[:80]!r}; check the data file")
     return ground_truth
 
 
-def _finish(cfg: RewardConfig, job: _Pending, outcome: Outcome) -> dict:
+def _finish(cfg: RewardConfig, data_source, job: _Pending, outcome: Outcome) -> dict:
     if outcome.status == "ok":
         return _result(cfg, bool(outcome.value), job.format_ok)
     snippet = job.answer[:120].replace("\n", " ")
     if outcome.status == "timeout":
-        logger.warning("math-verify timed out after %.1fs (scored as wrong): answer %r... (%d chars), "
-                       "ground truth %r", outcome.seconds, snippet, len(job.answer), job.ground_truth[:80])
+        reason = (f"math-verify timed out after {outcome.seconds:.1f}s on answer {snippet!r}... "
+                  f"({len(job.answer)} chars), ground truth {job.ground_truth[:80]!r}")
     else:
-        logger.warning("math-verify %s (scored as wrong): %s; answer %r...", outcome.status, outcome.error,
-                       snippet)
-    return _result(cfg, False, job.format_ok)
+        reason = f"math-verify {outcome.status}: {outcome.error}; answer {snippet!r}..."
+    return _ungradable(cfg, data_source, Ungradable(f"grader {outcome.status}", reason), job.format_ok)
 
 
 def _pool(cfg: RewardConfig) -> GradingPool:
@@ -253,11 +312,19 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     """verl custom-reward entry point; see the module docstring. Thread-safe."""
     from mix_src.rewards.grading import grade_math
 
-    cfg = make_config(**_split_options(kwargs))
-    job = _prepare(data_source, solution_str, ground_truth, extra_info, cfg)
+    cfg = make_config(**_split_options(kwargs))  # bad options are configuration errors: they raise
+    job = _prepare_or_ungradable(data_source, solution_str, ground_truth, extra_info, cfg)
     if isinstance(job, dict):
         return job
-    return _finish(cfg, job, _pool(cfg).run(grade_math, (job.answer, job.ground_truth), cfg.timeout_s))
+    return _finish(cfg, data_source, job, _pool(cfg).run(grade_math, (job.answer, job.ground_truth), cfg.timeout_s))
+
+
+def _prepare_or_ungradable(data_source, solution_str, ground_truth, extra_info, cfg: RewardConfig) -> dict | _Pending:
+    try:
+        return _prepare(data_source, solution_str, ground_truth, extra_info, cfg)
+    except Exception as exc:  # noqa: BLE001 - one bad row scores as wrong, never ends the run
+        format_ok = isinstance(solution_str, str) and answers.split_response(solution_str, cfg.starts_in_think)[1]
+        return _ungradable(cfg, data_source, exc, format_ok)
 
 
 def compute_score_batch(data_sources: Sequence, solution_strs: Sequence[str], ground_truths: Sequence,
@@ -274,13 +341,14 @@ def compute_score_batch(data_sources: Sequence, solution_strs: Sequence[str], gr
                          f"{None if extra_infos is None else len(extra_infos)}")
     cfg = make_config(**_split_options(kwargs))
     extra_infos = extra_infos if extra_infos is not None else [None] * n
-    jobs = [_prepare(d, s, g, e, cfg) for d, s, g, e in zip(data_sources, solution_strs, ground_truths, extra_infos)]
+    jobs = [_prepare_or_ungradable(d, s, g, e, cfg)
+            for d, s, g, e in zip(data_sources, solution_strs, ground_truths, extra_infos)]
     pending = [i for i, job in enumerate(jobs) if isinstance(job, _Pending)]
     if pending:
         outcomes = _pool(cfg).map([(grade_math, (jobs[i].answer, jobs[i].ground_truth)) for i in pending],
                                   cfg.timeout_s)
         for i, outcome in zip(pending, outcomes):
-            jobs[i] = _finish(cfg, jobs[i], outcome)
+            jobs[i] = _finish(cfg, data_sources[i], jobs[i], outcome)
     return jobs
 
 

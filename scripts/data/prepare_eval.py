@@ -18,7 +18,9 @@ Accepted row formats (auto-detected per file; override columns with ``--field NA
 * generic multiple choice: ``question``, ``choices``/``options`` (list of str), ``answer`` (a letter or a
   0-based index);
 * rows already in our schema (``prompt`` + ``reward_model``, e.g. LUFFY's ``valid.*.parquet``) are kept
-  as they are.
+  as they are; a multiple-choice ground truth there may be a letter or a number label (1-26, graded as
+  that number or the letter at that position); rows with another one, or without a usable prompt, are
+  dropped and counted.
 
 Prompts match training (``scripts/data/prepare_openr1.py``): LUFFY's system prompt + the problem
 (``--no-system-prompt``: one user message with a ``\\boxed{}`` instruction). ``extra_info`` holds
@@ -46,7 +48,7 @@ if __package__ in (None, ""):  # run as a script from a source checkout: make mi
     sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from prepare_openr1 import SYSTEM_PROMPT, USER_INSTRUCTION, load_table, make_prompt, resolve_system_prompt  # noqa: E402
 
-from mix_src.rewards.answers import last_boxed  # noqa: E402
+from mix_src.rewards.answers import gold_choice, last_boxed  # noqa: E402
 
 MATH = ("aime24", "aime25", "amc", "math500", "minerva", "olympiad_bench")
 MULTIPLE_CHOICE = ("arc_c", "gpqa_diamond")
@@ -99,7 +101,8 @@ class Converter:
         cols = set(df.columns)
         where = f"{self.name}={self.path}"
         if {"prompt", "reward_model"} <= cols:  # already in our schema
-            return [(i, self.passthrough(r)) for i, r in enumerate(df.to_dict("records"))]
+            made = [(i, self.passthrough(r)) for i, r in enumerate(df.to_dict("records"))]
+            return [(i, m) for i, m in made if m is not None]
         problem_key = self.fields.get("problem") or _first_present(cols, PROBLEM_KEYS)
         if problem_key is None or problem_key not in cols:
             raise SystemExit(f"error: {where}: no problem column (looked for {self.fields.get('problem') or list(PROBLEM_KEYS)}); "
@@ -116,9 +119,19 @@ class Converter:
                 out.append((i, made))
         return out
 
-    def passthrough(self, r: dict) -> dict:
-        gt = (r.get("reward_model") or {}).get("ground_truth")
-        return {"prompt": list(r["prompt"]), "ground_truth": _answer_text(gt), "extra": r.get("extra_info")}
+    def passthrough(self, r: dict) -> dict | None:
+        prompt = r.get("prompt")
+        if prompt is None or isinstance(prompt, str) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                                 for m in list(prompt)):
+            self.drop("prompt is not a list of {role, content} messages")
+            return None
+        reward_model = r.get("reward_model")
+        gt = _answer_text(reward_model.get("ground_truth")) if isinstance(reward_model, dict) else None
+        if gt and self.name in MULTIPLE_CHOICE:
+            if gold_choice(gt) is None:
+                self.drop("ground truth is not an option label (a letter, or a number 1-26)")
+                return None
+        return {"prompt": list(prompt), "ground_truth": gt, "extra": r.get("extra_info")}
 
     def math(self, r, problem, cols, where) -> dict | None:
         key = self.fields.get("answer") or _first_present(cols, ANSWER_KEYS)

@@ -1,4 +1,4 @@
-"""OpenR1-Math-style rows -> our training parquet (LUFFY's data, spec §1.1-1.2).
+"""OpenR1-Math-style rows -> our training parquet (LUFFY's training data, github.com/ElliottYan/LUFFY).
 
 Input rows need ``problem``, ``answer`` and ``generations`` (list of str); when the columns
 ``correctness_math_verify`` and ``is_reasoning_complete`` (lists of bool, one per generation) exist, only

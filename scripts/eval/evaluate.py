@@ -3,7 +3,7 @@
 Generates with vLLM when it is installed and a GPU is present, otherwise with HF transformers (fine for
 tiny models on a CPU); grades every sample with the training reward (mix_src.rewards, math-verify in
 worker processes with a hard timeout); prints a per-``data_source`` table and the **unweighted** average
-over sources (as LUFFY reports it, spec §6); writes everything to a JSON file.
+over sources (as LUFFY reports it); writes everything to a JSON file.
 
     python scripts/eval/evaluate.py --model ckpt/ --data data/valid.parquet --output results.json \\
         [--n 1] [--temperature 0.6] [--top-p 1.0] [--max-new-tokens 8192] [--backend auto|vllm|hf]
@@ -12,7 +12,9 @@ Differences from LUFFY's ``eval_scripts/generate_vllm.py``: the system prompt is
 ``--drop-system-prompt`` for LUFFY's behaviour); the response counts as starting inside ``<think>`` only
 when the templated prompt ends with ``<think>`` (LUFFY always prepends it); with ``--think auto`` a
 missing ``</think>`` is a format error only when the prompts ask for think tags.
-Repeated rows (``prepare_eval.py --repeat``) and ``--n`` both average into avg@k.
+A row whose ground truth cannot be graded (empty, or not an option label on a multiple-choice row) or a
+sample the grader cannot decide scores as wrong and is counted in the ``ungradable`` column; the
+evaluation goes on. Repeated rows (``prepare_eval.py --repeat``) and ``--n`` both average into avg@k.
 """
 
 from __future__ import annotations
@@ -42,11 +44,9 @@ def load_rows(path: str, max_rows: int = 0) -> list[dict]:
     if max_rows:
         df = df.iloc[:max_rows]
     rows = df.to_dict("records")
-    for i, r in enumerate(rows):
+    for r in rows:  # a row whose ground truth cannot be graded is still evaluated: it scores wrong, counted
         r["prompt"] = [dict(m) for m in r["prompt"]]
-        gt = (r.get("reward_model") or {}).get("ground_truth")
-        if gt is None or not str(gt).strip():
-            raise SystemExit(f"error: {path} row {i}: empty reward_model.ground_truth")
+        r["reward_model"] = dict(r["reward_model"]) if isinstance(r.get("reward_model"), dict) else {}
         r["extra_info"] = dict(r["extra_info"]) if isinstance(r.get("extra_info"), dict) else {}
     return rows
 
@@ -162,13 +162,13 @@ def score_samples(rows: list[dict], samples: list[list[tuple[str, int]]], starts
             continue
         results = compute_score_batch(
             [rows[flat[k][0]]["data_source"] for k in idx], [flat[k][2] for k in idx],
-            [rows[flat[k][0]]["reward_model"]["ground_truth"] for k in idx],
+            [rows[flat[k][0]]["reward_model"].get("ground_truth") for k in idx],
             [rows[flat[k][0]]["extra_info"] for k in idx],
             starts_in_think=flag, require_think=require_think, timeout_s=timeout_s)
         for k, res in zip(idx, results):
             i, j, text, ntok = flat[k]
             records[k] = {"row": i, "sample": j, "data_source": rows[i]["data_source"],
-                          "ground_truth": str(rows[i]["reward_model"]["ground_truth"]), "response": text,
+                          "ground_truth": str(rows[i]["reward_model"].get("ground_truth")), "response": text,
                           "response_tokens": ntok, **res}
     return records
 
@@ -176,23 +176,27 @@ def score_samples(rows: list[dict], samples: list[list[tuple[str, int]]], starts
 def summarize(records: list[dict]) -> dict:
     per: dict[str, dict] = {}
     for r in records:
-        s = per.setdefault(r["data_source"], {"n": 0, "acc": 0.0, "format_ok": 0.0, "score": 0.0, "tokens": 0})
+        s = per.setdefault(r["data_source"], {"n": 0, "acc": 0.0, "format_ok": 0.0, "score": 0.0, "tokens": 0,
+                                               "ungradable": 0})
         s["n"] += 1
+        s["ungradable"] += int(bool(r.get("ungradable", False)))
         s["acc"] += float(r["acc"])
         s["format_ok"] += float(r["format_ok"])
         s["score"] += float(r["score"])
         s["tokens"] += r["response_tokens"]
     table = {src: {"n": s["n"], "acc": s["acc"] / s["n"], "format_ok": s["format_ok"] / s["n"],
-                   "mean_score": s["score"] / s["n"], "mean_response_tokens": s["tokens"] / s["n"]}
+                   "mean_score": s["score"] / s["n"], "mean_response_tokens": s["tokens"] / s["n"],
+                   "ungradable": s["ungradable"]}
              for src, s in sorted(per.items())}
     average = sum(t["acc"] for t in table.values()) / len(table) if table else float("nan")
     return {"per_source": table, "average_acc": average}
 
 
 def print_table(summary: dict) -> None:
-    print(f"{'data_source':24s} {'n':>6s} {'acc':>7s} {'format_ok':>9s} {'tokens':>8s}")
+    print(f"{'data_source':24s} {'n':>6s} {'acc':>7s} {'format_ok':>9s} {'tokens':>8s} {'ungradable':>10s}")
     for src, t in summary["per_source"].items():
-        print(f"{src:24s} {t['n']:6d} {t['acc']:7.3f} {t['format_ok']:9.3f} {t['mean_response_tokens']:8.1f}")
+        print(f"{src:24s} {t['n']:6d} {t['acc']:7.3f} {t['format_ok']:9.3f} {t['mean_response_tokens']:8.1f} "
+              f"{t['ungradable']:10d}")
     print(f"{'average (unweighted)':24s} {'':6s} {summary['average_acc']:7.3f}   "
           f"over {len(summary['per_source'])} data sources")
 
@@ -264,6 +268,10 @@ def main(argv: list[str] | None = None) -> dict:
     if grading.get("timeout") or grading.get("crashed"):
         print(f"grading: {grading.get('timeout', 0)} timeouts, {grading.get('crashed', 0)} crashed workers "
               "(scored as wrong)")
+    n_bad = sum(t["ungradable"] for t in summary["per_source"].values())
+    if n_bad:
+        print(f"grading: {n_bad} samples could not be graded (scored as wrong; the reasons are logged above, and "
+              "the 'ungradable' column counts them per data_source)")
 
     result = {
         "model": os.path.abspath(a.model), "tokenizer": os.path.abspath(tok_path), "data": os.path.abspath(a.data),
@@ -272,7 +280,8 @@ def main(argv: list[str] | None = None) -> dict:
                      "seed": a.seed},
         "drop_system_prompt": a.drop_system_prompt, "require_think": require_think,
         "per_source": summary["per_source"], "average_acc": summary["average_acc"],
-        "grading": {"timeout_s": a.timeout, **grading},
+        "grading": {"timeout_s": a.timeout, **grading,
+                    "ungradable": sum(t["ungradable"] for t in summary["per_source"].values())},
         "seconds": {"generate": round(t_gen, 3), "score": round(t_score, 3), "total": round(time.time() - t_start, 3)},
     }
     os.makedirs(os.path.dirname(os.path.abspath(a.output)), exist_ok=True)
