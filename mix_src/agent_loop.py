@@ -49,6 +49,12 @@ logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
 
 
+# extra_fields a served row gets from verl's servers and server client (global_steps: every server, e.g.
+# vllm_async_server.py:689; num_cached_tokens: vllm_async_server.py:704; min/max_global_steps: llm_server.py:161).
+# None on a row that made no server call (its tokens come from no policy version).
+SERVER_EXTRA_KEYS = ("global_steps", "min_global_steps", "max_global_steps", "num_cached_tokens")
+
+
 @register("prefix_guided")
 class PrefixGuidedAgentLoop(AgentLoopBase):
     """Single-turn agent loop whose response may start with a prefix of the off-policy target."""
@@ -97,7 +103,9 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
         metrics: dict[str, Any] = {}
         gen_ids: list[int] = []
         gen_logprobs = None
-        extra: dict[str, Any] = {}
+        # Same keys on every row, served or not: DataProto.concat asserts equal keys across worker chunks,
+        # and a chunk of whole-target rows alone would otherwise lack the server's fields.
+        extra: dict[str, Any] = dict.fromkeys(SERVER_EXTRA_KEYS)
         room = self.generation_room(len(prompt_ids) + len(prefix_ids))
         max_tokens = remaining if room is None else min(remaining, room)
         if max_tokens > 0 and not ends_with_eos:  # a whole target (+EOS) needs no generation at all

