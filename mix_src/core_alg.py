@@ -24,14 +24,18 @@ Departures from the original (each one is a bug fix listed in spec §10 or a doc
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
+from mix_src.registry import Registry
+
 __all__ = [
     "LOSS_AGG_MODES",
-    "RESHAPE_MODES",
+    "OFF_POLICY_RESHAPES",
+    "ON_POLICY_RESHAPES",
+    "ReshapeParams",
     "AdaptiveEntropyCoef",
     "agg_loss",
     "kept_tokens_per_mini_batch",
@@ -41,6 +45,8 @@ __all__ = [
     "compute_token_on_off_policy_loss",
     "masked_mean",
     "masked_sum",
+    "register_off_policy_reshape",
+    "register_on_policy_reshape",
 ]
 
 LOSS_AGG_MODES = (
@@ -51,7 +57,6 @@ LOSS_AGG_MODES = (
     "seq-mean-token-sum-norm",
     "luffy-token-sum-norm",
 )
-RESHAPE_MODES = ("no_reshape", "logp", "p_logp", "square_root", "pow", "p_div_p")
 # The original baked gamma into the option name; these names stay accepted as aliases.
 P_DIV_P_ALIASES = {"p_div_p_0.1": 0.1, "p_div_p_0.3": 0.3, "p_div_p_0.5": 0.5}
 LOG_RATIO_CLAMP = 20.0  # |l - l_old| is clamped before exp, as verl's vanilla PPO loss does
@@ -336,53 +341,146 @@ def _dot(values: torch.Tensor, mask_f: torch.Tensor) -> torch.Tensor:
     return torch.dot(values.reshape(-1), mask_f.to(values.dtype).reshape(-1))
 
 
+class ReshapeParams(NamedTuple):
+    """The knobs of one side's reshape (mix.loss.{off,on}_policy_reshape_{gamma,weight,pow_exp})."""
+
+    gamma: float
+    weight: float
+    pow_exp: float
+
+
+OffPolicyReshape = Callable[[torch.Tensor, torch.Tensor, ReshapeParams], tuple]
+OnPolicyReshape = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ReshapeParams], tuple]
+
+OFF_POLICY_RESHAPES: Registry[OffPolicyReshape] = Registry("off-policy reshape", "mix.loss.off_policy_reshape")
+"""Off-policy shaping f(p) of prefix (demonstration) tokens; the token loss is -A * f.
+Signature: ``fn(log_prob, prob, params: ReshapeParams) -> (f, df_dlogp)`` on 1-D tensors of the prefix
+tokens (prob = exp(log_prob)); df_dlogp is the derivative of f w.r.t. log_prob (a tensor or a number),
+or None to let autograd compute it (the function is then called a second time with grad enabled).
+Register with ``@register_off_policy_reshape("name")``; pick with ``mix.loss.off_policy_reshape=name``."""
+register_off_policy_reshape = OFF_POLICY_RESHAPES.register
+
+ON_POLICY_RESHAPES: Registry[OnPolicyReshape] = Registry("on-policy reshape", "mix.loss.on_policy_reshape")
+"""On-policy 'ratio' r that replaces exp(l - l_old) in PPO-clip on on-policy tokens.
+Signature: ``fn(log_ratio, log_prob, old_log_prob, params: ReshapeParams) -> (r, dr_dlogp)`` on (B, L)
+tensors; log_ratio = l - l_old clamped to +-20 as verl does. dr_dlogp: the derivative w.r.t. log_prob
+(a tensor or a number), or None for autograd (called again with grad enabled; the clamp is then
+differentiated too). Option ``through_log_ratio`` (default True): r depends on log_prob through
+log_ratio, so a closed-form derivative is zeroed where the clamp is active; False when r is computed
+from log_prob / old_log_prob directly (p_div_p)."""
+register_on_policy_reshape = ON_POLICY_RESHAPES.register
+
+
 def _resolve_reshape(arg: str, mode: str, gamma: float) -> tuple[str, float]:
     if mode in P_DIV_P_ALIASES:
         return "p_div_p", P_DIV_P_ALIASES[mode]
-    _check_choice(arg, mode, (*RESHAPE_MODES, *P_DIV_P_ALIASES))
+    registry = OFF_POLICY_RESHAPES if arg.startswith("off") else ON_POLICY_RESHAPES
+    if mode not in registry:
+        raise ValueError(
+            f"{arg}={mode!r} is not allowed; allowed values: {', '.join([*registry.names(), *P_DIV_P_ALIASES])}"
+        )
     return mode, gamma
 
 
-def _on_policy_ratio(mode, log_ratio, lp, old, gamma, weight, pow_exp):
-    """On-policy 'ratio' r and dr/dl (spec §4.2 table; d = log_ratio). Tensors (B, L) or a float."""
-    if mode == "no_reshape":  # e^d
-        r = torch.exp(log_ratio)
-        return r, r
-    if mode == "logp":  # d itself (not exponentiated)
-        return log_ratio, 1.0
-    if mode == "p_logp":  # e^d + w*d
-        e = torch.exp(log_ratio)
-        return e + weight * log_ratio, e + weight
-    if mode == "square_root":  # (e^d)^(1/2)
-        r = torch.exp(0.5 * log_ratio)
-        return r, 0.5 * r
-    if mode == "pow":  # (e^d)^k
-        r = torch.exp(pow_exp * log_ratio)
-        return r, pow_exp * r
-    # p_div_p: [p/(p+gamma)] / [p_old/(p_old+gamma)]; dr/dl = r * gamma/(p+gamma)
+# ---- built-in on-policy reshapes (d = log_ratio) --------------------------------------------------
+@register_on_policy_reshape("no_reshape")
+def _on_no_reshape(log_ratio, lp, old, params):  # e^d
+    r = torch.exp(log_ratio)
+    return r, r
+
+
+@register_on_policy_reshape("logp")
+def _on_logp(log_ratio, lp, old, params):  # d itself (not exponentiated)
+    return log_ratio, 1.0
+
+
+@register_on_policy_reshape("p_logp")
+def _on_p_logp(log_ratio, lp, old, params):  # e^d + w*d
+    e = torch.exp(log_ratio)
+    return e + params.weight * log_ratio, e + params.weight
+
+
+@register_on_policy_reshape("square_root")
+def _on_square_root(log_ratio, lp, old, params):  # (e^d)^(1/2)
+    r = torch.exp(0.5 * log_ratio)
+    return r, 0.5 * r
+
+
+@register_on_policy_reshape("pow")
+def _on_pow(log_ratio, lp, old, params):  # (e^d)^k
+    r = torch.exp(params.pow_exp * log_ratio)
+    return r, params.pow_exp * r
+
+
+@register_on_policy_reshape("p_div_p", through_log_ratio=False)
+def _on_p_div_p(log_ratio, lp, old, params):  # [p/(p+gamma)] / [p_old/(p_old+gamma)]; dr/dl = r * gamma/(p+gamma)
     p, p_old = torch.exp(lp), torch.exp(old)
-    denom = p + gamma
-    r = p / denom * ((p_old + gamma) / p_old)
-    return r, r * (gamma / denom)
+    denom = p + params.gamma
+    r = p / denom * ((p_old + params.gamma) / p_old)
+    return r, r * (params.gamma / denom)
 
 
-def _off_policy_shape(mode, lp, p, gamma, weight, pow_exp):
-    """Off-policy shaped probability f(p) and df/dl (spec §4.2 table). Tensors or a float."""
-    if mode == "no_reshape":  # p
-        return p, p
-    if mode == "logp":  # w*l
-        return weight * lp, weight
-    if mode == "p_logp":  # w*l + p
-        return weight * lp + p, p + weight
-    if mode == "square_root":  # sqrt(p)
-        f = torch.exp(0.5 * lp)
-        return f, 0.5 * f
-    if mode == "pow":  # p^k
-        f = torch.exp(pow_exp * lp)
-        return f, pow_exp * f
-    # p_div_p: f = p/(p+gamma); df/dl = gamma*p/(p+gamma)^2 = f * (1 - f)
-    f = p / (p + gamma)
+# ---- built-in off-policy reshapes ----------------------------------------------------------------
+@register_off_policy_reshape("no_reshape")
+def _off_no_reshape(lp, p, params):  # p
+    return p, p
+
+
+@register_off_policy_reshape("logp")
+def _off_logp(lp, p, params):  # w*l
+    return params.weight * lp, params.weight
+
+
+@register_off_policy_reshape("p_logp")
+def _off_p_logp(lp, p, params):  # w*l + p
+    return params.weight * lp + p, p + params.weight
+
+
+@register_off_policy_reshape("square_root")
+def _off_square_root(lp, p, params):  # sqrt(p)
+    f = torch.exp(0.5 * lp)
+    return f, 0.5 * f
+
+
+@register_off_policy_reshape("pow")
+def _off_pow(lp, p, params):  # p^k
+    f = torch.exp(params.pow_exp * lp)
+    return f, params.pow_exp * f
+
+
+@register_off_policy_reshape("p_div_p")
+def _off_p_div_p(lp, p, params):  # f = p/(p+gamma); df/dl = gamma*p/(p+gamma)^2 = f * (1 - f)
+    f = p / (p + params.gamma)
     return f, torch.addcmul(f, f, f, value=-1.0)
+
+
+def _on_policy_ratio(mode, log_ratio, lp, old, params, in_clamp):
+    """On-policy 'ratio' r and dr/dl from the registered reshape (autograd when it gives no derivative).
+    in_clamp: None, or (B, L) bool, False where log_ratio was clamped (its derivative is 0 there)."""
+    fn = ON_POLICY_RESHAPES.get(mode)
+    r, dr = fn(log_ratio, lp, old, params)
+    if dr is None:
+        with torch.enable_grad():
+            x = lp.detach().requires_grad_(True)
+            r = fn((x - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), x, old, params)[0]
+            (dr,) = torch.autograd.grad(r, x, torch.ones_like(r))
+        r = r.detach()
+    elif in_clamp is not None and ON_POLICY_RESHAPES.options(mode).get("through_log_ratio", True):
+        dr = torch.where(in_clamp, dr, 0.0)
+    return r, dr
+
+
+def _off_policy_shape(mode, lp, p, params):
+    """Off-policy shaped probability f(p) and df/dl from the registered reshape (autograd when needed)."""
+    fn = OFF_POLICY_RESHAPES.get(mode)
+    f, df = fn(lp, p, params)
+    if df is None:
+        with torch.enable_grad():
+            x = lp.detach().requires_grad_(True)
+            f = fn(x, torch.exp(x), params)[0]
+            (df,) = torch.autograd.grad(f, x, torch.ones_like(f))
+        f = f.detach()
+    return f, df
 
 
 def compute_token_on_off_policy_loss(
@@ -511,12 +609,10 @@ def compute_token_on_off_policy_loss(
         if not has_on:
             obj, dobj = torch.zeros_like(lp), torch.zeros_like(lp)
         else:
-            r, dr = _on_policy_ratio(on_mode, log_ratio, lp, old_log_prob, on_gamma,
-                                     on_policy_reshape_weight, on_policy_reshape_pow_exp)  # fmt: skip
+            on_params = ReshapeParams(on_gamma, on_policy_reshape_weight, on_policy_reshape_pow_exp)
+            r, dr = _on_policy_ratio(on_mode, log_ratio, lp, old_log_prob, on_params, in_clamp)
             obj = advantages * r
             dobj = obj if dr is r else advantages * dr
-            if in_clamp is not None and on_mode != "p_div_p":
-                dobj = torch.where(in_clamp, dobj, 0.0)
             if not loss_remove_clip:
                 obj_clipped = advantages * r.clamp(1.0 - cliprange, max(clip_upper_bound, 1.0 + cliprange))
                 is_clipped = obj_clipped < obj
@@ -552,8 +648,8 @@ def compute_token_on_off_policy_loss(
                 f = p_o / (target_probs.reshape(-1)[idx] + 1e-6)
                 df = f
             else:
-                f, df = _off_policy_shape(off_mode, lp_o, p_o, off_gamma, off_policy_reshape_weight,
-                                          off_policy_reshape_pow_exp)  # fmt: skip
+                off_params = ReshapeParams(off_gamma, off_policy_reshape_weight, off_policy_reshape_pow_exp)
+                f, df = _off_policy_shape(off_mode, lp_o, p_o, off_params)
             if off_max_clip is not None:
                 over = f > off_max_clip
                 max_clip_frac = _count(over) / n_off

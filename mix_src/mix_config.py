@@ -20,10 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, get_args, get_origin, get_type_hints
 
 # The original LUFFY baked gamma into the option name (p_div_p_0.1 ...): accepted as p_div_p + the gamma key.
-from mix_src.core_alg import LOSS_AGG_MODES, RESHAPE_MODES
+from mix_src.core_alg import LOSS_AGG_MODES, OFF_POLICY_RESHAPES, ON_POLICY_RESHAPES
 from mix_src.core_alg import P_DIV_P_ALIASES as RESHAPE_ALIASES
-
-PrefixStrategy = Literal["random", "linear", "linear_max", "reverse_linear", "fixed"]
+from mix_src.prefix import PREFIX_STRATEGIES
 
 
 class MixConfigError(ValueError):
@@ -79,13 +78,13 @@ class LossConfig:
 
     def __post_init__(self):
         p = "mix.loss"
-        for key in ("off_policy_reshape", "on_policy_reshape"):
+        for key, registry in (("off_policy_reshape", OFF_POLICY_RESHAPES), ("on_policy_reshape", ON_POLICY_RESHAPES)):
             value = getattr(self, key)
             if value in RESHAPE_ALIASES:  # the original's names: keep the number in its own key
                 setattr(self, key, "p_div_p")
                 setattr(self, key + "_gamma", RESHAPE_ALIASES[value])
-            elif value not in RESHAPE_MODES:
-                raise MixConfigError(f"{p}.{key}={value!r} is not one of {[*RESHAPE_MODES, *RESHAPE_ALIASES]}")
+            elif value not in registry:
+                raise MixConfigError(f"{registry.unknown(value)}; the original's aliases: {list(RESHAPE_ALIASES)}")
         if self.loss_agg_mode is not None and self.loss_agg_mode not in LOSS_AGG_MODES:
             raise MixConfigError(f"{p}.loss_agg_mode={self.loss_agg_mode!r} is not one of {[None, *LOSS_AGG_MODES]}")
         for key in ("off_policy_reshape_gamma", "on_policy_reshape_gamma", "off_policy_reshape_pow_exp",
@@ -140,7 +139,7 @@ class MixConfig:
     """Everything under ``mix:``. Prefix keys follow LUFFY's ``actor_rollout_ref.rollout.*`` names."""
 
     n_prefix: int = 0  # rows per group (of rollout.n) that start from a target prefix; -1 = all, 0 = none
-    prefix_strategy: PrefixStrategy = "random"  # how each prefixed row's ratio is drawn (mix_src.prefix)
+    prefix_strategy: str = "random"  # how each prefixed row's ratio is drawn: a name registered in mix_src.prefix
     prefix_share_across_samples: bool = False  # one ratio per prompt instead of one per row
     min_prefix_ratio: float = 1.0  # random: ratio ~ U(min, max); 1.0 = the whole target + EOS
     max_prefix_ratio: float = 1.0
@@ -156,6 +155,8 @@ class MixConfig:
 
     def check(self, p: str = "mix") -> None:
         _in_range(f"{p}.n_prefix", self.n_prefix, -1, None)
+        if self.prefix_strategy not in PREFIX_STRATEGIES:
+            raise MixConfigError(PREFIX_STRATEGIES.unknown(self.prefix_strategy))
         _in_range(f"{p}.min_prefix_ratio", self.min_prefix_ratio, 0.0, 1.0)
         _in_range(f"{p}.max_prefix_ratio", self.max_prefix_ratio, 0.0, 1.0)
         if self.min_prefix_ratio > self.max_prefix_ratio:

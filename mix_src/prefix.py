@@ -1,4 +1,4 @@
-"""Prefix-ratio schedules and prefix assembly (pure numpy; spec §2.3 steps 3-5, §10 item 8).
+"""Prefix-ratio schedules (a registry of strategies) and prefix assembly (pure numpy).
 
 Rows are ordered `i*n + j` (prompt i, sample j), as after verl's `repeat(interleave=True)`. A row's ratio
 rho says how much of the prompt's off-policy target becomes the start of its response:
@@ -10,7 +10,7 @@ Which rows get a ratio (n_prefix):
     0   none (all ratios 0, in both modes; the original's shared mode gave every sample a ratio);
     k   samples 0..k-1 of every prompt (the original's convention); samples k..n-1 get 0.
 
-Strategies (S = prefix_steps, M = prefix_linear_max_ratio, s = global_step - 1, and window
+Built-in strategies (registered below; a plugin adds more with @register_prefix_strategy) (S = prefix_steps, M = prefix_linear_max_ratio, s = global_step - 1, and window
 k = the first k in 0..9 with s in [k*S/10, (k+1)*S/10]; steps past S stay in the last window on purpose):
     random          U(min_prefix_ratio, max_prefix_ratio)
     linear          M * (1 - min(s / S, 1))  (deterministic; in both modes, where the original allowed
@@ -28,14 +28,46 @@ prompt i the value (i mod N) of the list.
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["PREFIX_STRATEGIES", "build_prefix", "compute_prefix_ratios", "step_window"]
+from mix_src.registry import Registry
 
-PREFIX_STRATEGIES = ("random", "linear", "linear_max", "reverse_linear", "fixed")
+__all__ = ["PREFIX_STRATEGIES", "PrefixDraw", "build_prefix", "compute_prefix_ratios", "register_prefix_strategy",
+           "step_window"]
+
 NUM_WINDOWS = 10
+
+
+@dataclass(frozen=True)
+class PrefixDraw:
+    """What a prefix strategy sees for one generation batch (all arguments of compute_prefix_ratios).
+
+    shape: (num_prompts, 1) in shared mode, else (num_prompts, num_prefixed): the array to return.
+    num_prefixed: prefixed samples per prompt (n, or n_prefix). global_step counts from 1; rng is the
+    seeded generator of this batch (draw from it only, so seeded runs reproduce)."""
+
+    shape: tuple
+    num_prompts: int
+    num_prefixed: int
+    share_across_samples: bool
+    min_prefix_ratio: float
+    max_prefix_ratio: float
+    prefix_steps: int
+    prefix_linear_max_ratio: float
+    prefix_fix_ratios: Optional[Sequence[float]]
+    global_step: int
+    rng: np.random.Generator
+
+
+PrefixStrategy = Callable[[PrefixDraw], np.ndarray]
+PREFIX_STRATEGIES: Registry[PrefixStrategy] = Registry("prefix strategy", "mix.prefix_strategy")
+"""Prefix strategies. Signature: ``fn(draw: PrefixDraw) -> np.ndarray`` of ratios in [0, 1], of shape
+``draw.shape`` (or broadcastable to it). Register with ``@register_prefix_strategy("name")`` and pick it
+with ``mix.prefix_strategy=name``; compute_prefix_ratios puts the values on the prefixed rows."""
+register_prefix_strategy = PREFIX_STRATEGIES.register
 
 
 def _check_ratio(name: str, value: float) -> None:
@@ -49,6 +81,54 @@ def step_window(global_step: int, prefix_steps: int) -> int:
     s = global_step - 1
     k = -(-NUM_WINDOWS * s // prefix_steps) - 1  # ceil(10 s / S) - 1, exact in integers
     return min(max(k, 0), NUM_WINDOWS - 1)
+
+
+@register_prefix_strategy("random")
+def _random(d: PrefixDraw) -> np.ndarray:
+    return d.rng.uniform(d.min_prefix_ratio, d.max_prefix_ratio, size=d.shape)
+
+
+@register_prefix_strategy("linear")
+def _linear(d: PrefixDraw) -> np.ndarray:
+    s = d.global_step - 1
+    return np.full(d.shape, d.prefix_linear_max_ratio * (1.0 - min(s / d.prefix_steps, 1.0)))
+
+
+@register_prefix_strategy("linear_max")
+def _linear_max(d: PrefixDraw) -> np.ndarray:
+    window = step_window(d.global_step, d.prefix_steps)
+    return d.rng.uniform(0.0, (NUM_WINDOWS - window) * d.prefix_linear_max_ratio / NUM_WINDOWS, size=d.shape)
+
+
+@register_prefix_strategy("reverse_linear")
+def _reverse_linear(d: PrefixDraw) -> np.ndarray:
+    window = step_window(d.global_step, d.prefix_steps)
+    return d.rng.uniform(0.0, (window + 1) * d.prefix_linear_max_ratio / NUM_WINDOWS, size=d.shape)
+
+
+@register_prefix_strategy("fixed")
+def _fixed(d: PrefixDraw) -> np.ndarray:
+    if d.prefix_fix_ratios is None:
+        if d.num_prefixed == 1:
+            fixed = np.array([d.min_prefix_ratio])
+        else:
+            fixed = np.linspace(d.min_prefix_ratio, d.max_prefix_ratio, d.num_prefixed)
+    else:
+        fixed = np.asarray(d.prefix_fix_ratios, dtype=np.float64).reshape(-1)
+        if np.any((fixed < 0.0) | (fixed > 1.0)):
+            raise ValueError(f"prefix_fix_ratios entries must be in [0, 1], got {fixed.tolist()}")
+        if d.share_across_samples and fixed.size == 0:
+            raise ValueError("prefix_fix_ratios must not be empty")
+        if not d.share_across_samples and fixed.size not in (1, d.num_prefixed):
+            raise ValueError(
+                f"prefix_fix_ratios needs one value for all prefixed samples or one per prefixed sample "
+                f"({d.num_prefixed}), got {fixed.size}"
+            )
+        if not d.share_across_samples and fixed.size == 1:
+            fixed = np.repeat(fixed, d.num_prefixed)
+    if d.share_across_samples:  # prompt i gets value (i mod N)
+        return fixed[np.arange(d.num_prompts) % fixed.size][:, None]
+    return np.broadcast_to(fixed[None, :], d.shape)  # sample j gets value j
 
 
 def compute_prefix_ratios(
@@ -71,7 +151,7 @@ def compute_prefix_ratios(
     Args:
         num_prompts: number of prompts in the batch.
         n: samples per prompt (rollout.n).
-        strategy: one of PREFIX_STRATEGIES.
+        strategy: a name registered in PREFIX_STRATEGIES.
         n_prefix: samples per prompt that get a prefix: -1 = all, 0 = none, 1..n = the first n_prefix.
         min_prefix_ratio, max_prefix_ratio: range of `random` and of the default `fixed` list.
         prefix_steps: S, the number of steps over which the linear schedules move.
@@ -85,7 +165,7 @@ def compute_prefix_ratios(
         (num_prompts * n,) float64 array of ratios in [0, 1].
     """
     if strategy not in PREFIX_STRATEGIES:
-        raise ValueError(f"strategy={strategy!r} is not allowed; allowed values: {', '.join(PREFIX_STRATEGIES)}")
+        raise ValueError(PREFIX_STRATEGIES.unknown(strategy))
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if num_prompts < 0:
@@ -107,43 +187,17 @@ def compute_prefix_ratios(
     if num_prefixed == 0 or num_prompts == 0:
         return ratios.reshape(-1)
 
-    if strategy == "fixed":
-        if prefix_fix_ratios is None:
-            if num_prefixed == 1:
-                fixed = np.array([min_prefix_ratio])
-            else:
-                fixed = np.linspace(min_prefix_ratio, max_prefix_ratio, num_prefixed)
-        else:
-            fixed = np.asarray(prefix_fix_ratios, dtype=np.float64).reshape(-1)
-            if np.any((fixed < 0.0) | (fixed > 1.0)):
-                raise ValueError(f"prefix_fix_ratios entries must be in [0, 1], got {fixed.tolist()}")
-            if share_across_samples and fixed.size == 0:
-                raise ValueError("prefix_fix_ratios must not be empty")
-            if not share_across_samples and fixed.size not in (1, num_prefixed):
-                raise ValueError(
-                    f"prefix_fix_ratios needs one value for all prefixed samples or one per prefixed sample "
-                    f"({num_prefixed}), got {fixed.size}"
-                )
-            if not share_across_samples and fixed.size == 1:
-                fixed = np.repeat(fixed, num_prefixed)
-
     # one draw per prompt (shared) or per prefixed row (per-sample)
     shape = (num_prompts, 1) if share_across_samples else (num_prompts, num_prefixed)
-    s = global_step - 1
-    window = step_window(global_step, prefix_steps)
-    if strategy == "random":
-        drawn = rng.uniform(min_prefix_ratio, max_prefix_ratio, size=shape)
-    elif strategy == "linear":
-        drawn = np.full(shape, prefix_linear_max_ratio * (1.0 - min(s / prefix_steps, 1.0)))
-    elif strategy == "linear_max":
-        drawn = rng.uniform(0.0, (NUM_WINDOWS - window) * prefix_linear_max_ratio / NUM_WINDOWS, size=shape)
-    elif strategy == "reverse_linear":
-        drawn = rng.uniform(0.0, (window + 1) * prefix_linear_max_ratio / NUM_WINDOWS, size=shape)
-    elif share_across_samples:  # fixed, shared: prompt i gets value (i mod N)
-        drawn = fixed[np.arange(num_prompts) % fixed.size][:, None]
-    else:  # fixed, per sample: sample j gets value j
-        drawn = np.broadcast_to(fixed[None, :], shape)
-
+    draw = PrefixDraw(
+        shape=shape, num_prompts=num_prompts, num_prefixed=num_prefixed, share_across_samples=share_across_samples,
+        min_prefix_ratio=min_prefix_ratio, max_prefix_ratio=max_prefix_ratio, prefix_steps=prefix_steps,
+        prefix_linear_max_ratio=prefix_linear_max_ratio, prefix_fix_ratios=prefix_fix_ratios,
+        global_step=global_step, rng=rng,
+    )  # fmt: skip
+    drawn = np.asarray(PREFIX_STRATEGIES.get(strategy)(draw), dtype=np.float64)
+    if drawn.size and (np.isnan(drawn).any() or drawn.min() < 0.0 or drawn.max() > 1.0):
+        raise ValueError(f"prefix strategy {strategy!r} returned ratios outside [0, 1]")
     ratios[:, :num_prefixed] = drawn  # a shared (num_prompts, 1) draw broadcasts over the samples
     return ratios.reshape(-1)
 

@@ -294,7 +294,7 @@ def test_errors():
         MixPolicyLoss(actor_config(policy_loss={"loss_mode": "gspo"}))
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['mix.loss.use_off_policy_loss'\]; valid keys of mix.loss: \['off_policy_reshape'"):
         MixPolicyLoss(actor_config(), {"use_off_policy_loss": True})
-    with pytest.raises(ValueError, match="mix.loss.off_policy_reshape='p_div_p_0.2' is not one of"):
+    with pytest.raises(ValueError, match="mix.loss.off_policy_reshape='p_div_p_0.2' is not a registered off-policy reshape"):
         MixLossConfig(off_policy_reshape="p_div_p_0.2")
     with pytest.raises(ValueError, match="loss_agg_mode='mean'"):
         MixLossConfig(loss_agg_mode="mean")

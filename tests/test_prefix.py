@@ -127,7 +127,7 @@ def test_every_strategy_every_mode_shape_and_n_prefix(strategy, share):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(strategy="linear_variance"), r"strategy='linear_variance'.*allowed values: random, linear"),
+        (dict(strategy="linear_variance"), r"strategy='linear_variance'.*registered: random, linear, linear_max, reverse_linear, fixed"),
         (dict(n_prefix=5), r"n_prefix must be -1 .* \[0, n=4\], got 5"),
         (dict(n_prefix=-2), "n_prefix"),
         (dict(min_prefix_ratio=-0.1), r"min_prefix_ratio must be in \[0, 1\]"),
