@@ -1,59 +1,80 @@
-"""Registers mix_src's advantage estimators with verl's ``register_adv_est`` registry.
+"""Advantage estimators that see ``prefix_mask``: a registry the trainer calls for ``algorithm.adv_estimator``.
 
-Import this module (the trainer and the entry point do) and ``algorithm.adv_estimator=grpo_split`` becomes
-a valid verl estimator name: ``core_algos.get_adv_estimator_fn("grpo_split")`` returns
-:func:`grpo_split_estimator`.
+verl's own estimators (``verl.trainer.ppo.core_algos.register_adv_est``) never see which tokens came
+from a demonstration. An estimator registered here does; the trainer calls it for
+``algorithm.adv_estimator=<name>`` and falls back to verl's ``compute_advantage`` for every other name.
 
-verl's own ``compute_advantage`` calls estimators without ``prefix_mask``; called that way every row
-counts as on-policy, i.e. plain GRPO with LUFFY's ``std == 0 -> 1`` rule. ``MIXRayPPOTrainer`` calls
-:func:`mix_src.core_alg.compute_grpo_outcome_advantage_split` itself with the on-policy mask.
+Signature (one for all)::
+
+    @register_adv_estimator("name")
+    def fn(token_level_rewards, response_mask, index, prefix_mask, config) -> (advantages, returns)
+
+    token_level_rewards: (B, L) float; response_mask: (B, L) 0/1; index: (B,) int64 tensor, group id per
+    row (one per prompt); prefix_mask: (B, L) bool, True on demonstration (prefix) tokens; config: verl's
+    ``algorithm`` section (e.g. ``config.get("norm_adv_by_std_in_grpo", True)``).
+    Returns two (B, L) tensors.
+
+The decorator also registers the name with verl's ``register_adv_est`` (called without a prefix mask:
+every row on-policy), so verl's own config checks and any verl code path accept the name.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
-from verl.trainer.ppo.core_algos import register_adv_est
+from verl.trainer.ppo import core_algos
 
 from mix_src.core_alg import compute_grpo_outcome_advantage_split
+from mix_src.registry import Registry
 
-GRPO_SPLIT = "grpo_split"
+__all__ = ["ADV_ESTIMATORS", "grpo_split_estimator", "register_adv_estimator"]
+
+AdvEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+ADV_ESTIMATORS: Registry[AdvEstimator] = Registry("prefix-aware advantage estimator", "algorithm.adv_estimator")
 
 
-@register_adv_est(GRPO_SPLIT)
+def register_adv_estimator(name: str) -> Callable[[AdvEstimator], AdvEstimator]:
+    """Register ``fn(token_level_rewards, response_mask, index, prefix_mask, config)`` under ``name``
+    here and, as a verl-signature wrapper without prefix mask, in verl's estimator registry."""
+
+    def deco(fn: AdvEstimator) -> AdvEstimator:
+        ADV_ESTIMATORS.register(name)(fn)
+
+        def verl_signature(token_level_rewards, response_mask, index=None, config=None, **kwargs):
+            group_ids = np.unique(np.asarray(index).astype(str), return_inverse=True)[1]
+            return fn(token_level_rewards, response_mask, torch.as_tensor(group_ids, dtype=torch.long),
+                      torch.zeros(response_mask.shape, dtype=torch.bool), config if config is not None else {})  # fmt: skip
+
+        verl_signature.__name__ = verl_signature.__qualname__ = f"{name}_verl_signature"
+        verl_signature.mix_estimator = fn
+        old = core_algos.ADV_ESTIMATOR_REGISTRY.get(name)
+        if old is not None and _same_function(getattr(old, "mix_estimator", None), fn):
+            core_algos.ADV_ESTIMATOR_REGISTRY[name] = verl_signature  # the same module imported again
+        else:
+            core_algos.register_adv_est(name)(verl_signature)
+        return fn
+
+    return deco
+
+
+def _same_function(a: Any, b: Any) -> bool:
+    return a is not None and (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
+
+
+@register_adv_estimator("grpo_split")
 def grpo_split_estimator(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
-    index: np.ndarray,
-    epsilon: float = 1e-6,
-    norm_adv_by_std_in_grpo: bool = True,
-    config: Optional[Any] = None,
-    on_policy_mask: Optional[torch.Tensor] = None,
-    **kwargs,
+    index: Any,
+    prefix_mask: Optional[torch.Tensor],
+    config: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """verl-signature wrapper of ``compute_grpo_outcome_advantage_split``.
-
-    Args:
-        token_level_rewards: (bs, response_len) float.
-        response_mask: (bs, response_len) 0/1.
-        index: (bs,) group id per row (verl passes the uid strings).
-        on_policy_mask: (bs,) bool, rows whose group baseline counts; None = every row.
-    Returns:
-        (advantages, returns), each (bs, response_len).
-    """
-    if config is not None:
-        norm_adv_by_std_in_grpo = config.get("norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo)
-    group_ids = np.unique(np.asarray(index).astype(str), return_inverse=True)[1]
-    if on_policy_mask is None:
-        on_policy_mask = torch.ones(token_level_rewards.shape[0], dtype=torch.bool)
-    return compute_grpo_outcome_advantage_split(
-        token_level_rewards,
-        response_mask,
-        torch.as_tensor(group_ids, dtype=torch.long),
-        on_policy_mask,
-        epsilon=epsilon,
-        use_std=norm_adv_by_std_in_grpo,
-    )
+    """GRPO whose group baseline comes from the on-policy rows only (rows without a prefix token);
+    see :func:`mix_src.core_alg.compute_grpo_outcome_advantage_split`. ``config.norm_adv_by_std_in_grpo``
+    (verl's key; LUFFY's grpo_use_std) picks division by the group std."""
+    use_std = (config or {}).get("norm_adv_by_std_in_grpo", True)
+    on_policy = torch.ones(token_level_rewards.shape[0], dtype=torch.bool) if prefix_mask is None else ~prefix_mask.any(-1)
+    return compute_grpo_outcome_advantage_split(token_level_rewards, response_mask, index, on_policy, use_std=use_std)

@@ -1,11 +1,15 @@
-"""DAPO-style filter groups, pure numpy: which groups to keep, and the bookkeeping of accumulating kept
-groups over generation batches (with optional carry-over of the surplus to the next step).
+"""DAPO-style filter groups, pure numpy: which groups to keep (a registry of rules), and the bookkeeping
+of accumulating kept groups over generation batches (with optional carry-over of the surplus).
 
-A group (all rows of one prompt, same `uid`) is kept when its metric values are not all equal (std > 0)
-or when it has a single row, as DAPO does. Equality is exact (a float tolerance would keep or drop
-groups depending on rounding). With `row_mask` (e.g. on-policy rows only, `mix.filter_groups.
-on_policy_only`), only the masked rows decide; a group with no masked row falls back to all its rows,
-as grpo_split does for its statistics.
+A group is all rows of one prompt (same `uid`). A rule (``mix.filter_groups.rule``) decides from the
+per-group statistics of the metric which groups to keep. The built-in ``nonzero_std`` (DAPO's) keeps a
+group when its values are not all equal (std > 0) or when it has a single row; equality is exact (a
+float tolerance would keep or drop groups depending on rounding). With `row_mask` (e.g. on-policy rows
+only, `mix.filter_groups.on_policy_only`), only the masked rows decide; a group with no masked row falls
+back to all its rows, as grpo_split does for its statistics.
+
+A rule is registered with ``@register_group_filter("name")``; signature ``fn(stats: GroupStats) ->
+(G,) bool`` (keep the group), see :class:`GroupStats`.
 
 The trainer's loop (verl's `algorithm.filter_groups` keys plus `mix.filter_groups.carry_over`):
 
@@ -18,11 +22,38 @@ The trainer's loop (verl's `algorithm.filter_groups` keys plus `mix.filter_group
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["GroupFilterResult", "TrainBatchPlan", "filter_groups", "plan_train_batch"]
+from mix_src.registry import Registry
+
+__all__ = ["GROUP_FILTERS", "GroupFilterResult", "GroupStats", "TrainBatchPlan", "filter_groups", "plan_train_batch",
+           "register_group_filter"]
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    """Per-group statistics of the deciding rows' metric, each (G,) in order of first appearance:
+    count (rows), mean, std (population, ddof=0; exactly 0 when all values are equal), min, max."""
+
+    count: np.ndarray
+    mean: np.ndarray
+    std: np.ndarray
+    min: np.ndarray
+    max: np.ndarray
+
+
+GroupFilter = Callable[[GroupStats], np.ndarray]
+GROUP_FILTERS: Registry[GroupFilter] = Registry("group filter", "mix.filter_groups.rule")
+"""Group-filter rules. Signature: ``fn(stats: GroupStats) -> (G,) bool``, True = keep the group."""
+register_group_filter = GROUP_FILTERS.register
+
+
+@register_group_filter("nonzero_std")
+def _nonzero_std(stats: GroupStats) -> np.ndarray:
+    """DAPO: keep groups whose values differ (exactly), and single-row groups."""
+    return (stats.max != stats.min) | (stats.count == 1)
 
 
 def _group_ids(index: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -52,13 +83,14 @@ class GroupFilterResult:
     mean_std: float
 
 
-def filter_groups(index: Any, values: Any, row_mask: Any = None) -> GroupFilterResult:
+def filter_groups(index: Any, values: Any, row_mask: Any = None, rule: str = "nonzero_std") -> GroupFilterResult:
     """Decide which groups to keep.
 
     Args:
         index: (B,) group id per row (verl's uid: str or int).
         values: (B,) metric per row (e.g. `acc` or `seq_final_reward`; bool, int or float).
         row_mask: optional (B,) bool: only these rows decide (a group with none of them uses all rows).
+        rule: a name registered in GROUP_FILTERS.
 
     Returns:
         GroupFilterResult (vectorised: sorting and reduceat, no Python loop over rows).
@@ -93,7 +125,9 @@ def filter_groups(index: Any, values: Any, row_mask: Any = None) -> GroupFilterR
     std = np.sqrt(np.bincount(gid, weights=sq_dev, minlength=num_groups) / np.maximum(count, 1))
     std[gmax == gmin] = 0.0  # exactly equal values: exactly 0 (no rounding residue)
 
-    keep_group = (gmax != gmin) | (count == 1)
+    keep_group = np.asarray(GROUP_FILTERS.get(rule)(GroupStats(count, mean, std, gmin, gmax)), dtype=bool)
+    if keep_group.shape != (num_groups,):
+        raise ValueError(f"group filter {rule!r} returned shape {keep_group.shape}, expected ({num_groups},)")
     num_kept = int(keep_group.sum())
     return GroupFilterResult(
         keep_rows=keep_group[gid],

@@ -22,6 +22,7 @@ from typing import Any, Literal, Optional, get_args, get_origin, get_type_hints
 # The original LUFFY baked gamma into the option name (p_div_p_0.1 ...): accepted as p_div_p + the gamma key.
 from mix_src.core_alg import LOSS_AGG_MODES, OFF_POLICY_RESHAPES, ON_POLICY_RESHAPES
 from mix_src.core_alg import P_DIV_P_ALIASES as RESHAPE_ALIASES
+from mix_src.filter_groups import GROUP_FILTERS
 from mix_src.prefix import PREFIX_STRATEGIES
 
 
@@ -127,11 +128,13 @@ class LossConfig:
 class FilterGroupsConfig:
     """Extras on top of verl's ``algorithm.filter_groups.{enable, metric, max_num_gen_batches}``."""
 
+    rule: str = "nonzero_std"  # which groups to keep: a name registered in mix_src.filter_groups (DAPO's std > 0)
     carry_over: bool = False  # keep surplus kept groups for the next step instead of discarding them
     on_policy_only: bool = False  # compute a group's metric std over its on-policy rows only
 
     def check(self, p: str) -> None:
-        pass
+        if self.rule not in GROUP_FILTERS:
+            raise MixConfigError(GROUP_FILTERS.unknown(self.rule))
 
 
 @dataclass
@@ -246,6 +249,17 @@ def mix_config_from_dict(values: Optional[dict], prefix: str = "mix") -> MixConf
     return cfg
 
 
+def _check_adv_estimator(name: str) -> None:
+    """algorithm.adv_estimator must be a prefix-aware estimator (mix_src.adv_estimators) or one of verl's."""
+    from verl.trainer.ppo import core_algos  # here, not at the top: this module stays free of verl
+
+    from mix_src.adv_estimators import ADV_ESTIMATORS
+
+    verl_names = [n for n in core_algos.ADV_ESTIMATOR_REGISTRY if n not in ADV_ESTIMATORS]
+    if name not in ADV_ESTIMATORS and name not in core_algos.ADV_ESTIMATOR_REGISTRY and name != "gae":
+        raise MixConfigError(f"{ADV_ESTIMATORS.unknown(name)}; or one of verl's: {sorted({'gae', *verl_names})}")
+
+
 def validate_mix_config(config: Any) -> MixConfig:
     """Validate ``config.mix`` and its ties to verl's keys; return the typed :class:`MixConfig`.
 
@@ -287,10 +301,11 @@ def validate_mix_config(config: Any) -> MixConfig:
             "which needs verl's unshuffled mini-batches: set actor_rollout_ref.actor.shuffle=false"
         )
     fg = config.algorithm.get("filter_groups") or {}
-    if (mix.filter_groups.carry_over or mix.filter_groups.on_policy_only) and not fg.get("enable", False):
+    if (mix.filter_groups.carry_over or mix.filter_groups.on_policy_only or mix.filter_groups.rule != "nonzero_std") and not fg.get("enable", False):
         raise MixConfigError(
             "mix.filter_groups.* is set but algorithm.filter_groups.enable=false; set algorithm.filter_groups.enable=true"
         )
+    _check_adv_estimator(str(config.algorithm.adv_estimator))
     gen_bs = config.data.get("gen_batch_size", None)
     if gen_bs is not None and gen_bs != config.data.train_batch_size and not fg.get("enable", False):
         raise MixConfigError(

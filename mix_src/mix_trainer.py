@@ -14,8 +14,8 @@ The trainer only orchestrates; the maths lives in :mod:`mix_src.core_alg`, :mod:
    discarded, or kept for the next step with ``mix.filter_groups.carry_over``;
 4. log-probs — old (and reference) log-probs and critic values through the parent's helpers; verl's
    rollout correction over on-policy tokens only;
-5. advantage — ``grpo_split`` (baseline from on-policy rows only) or any verl estimator, then LUFFY's
-   alpha/beta prefix weights;
+5. advantage — a prefix-aware estimator from :mod:`mix_src.adv_estimators` (e.g. ``grpo_split``: baseline
+   from on-policy rows only) or else any verl estimator, then LUFFY's alpha/beta prefix weights;
 6. update    — actor update with the mixed loss (installed on the workers by ``init_workers``),
    checkpoint, weight sync to the rollout;
 7. metrics   — verl's data/timing metrics plus LUFFY's (``batch/avg_prefix_ratio``, ``batch/on_solved`` ...)
@@ -66,8 +66,8 @@ from verl.utils.debug import marked_timer
 from verl.utils.metric import reduce_metrics
 from verl.utils.skip.skip_manager import SkipManager
 
-from mix_src import adv_estimators  # noqa: F401  (registers grpo_split with verl)
-from mix_src.core_alg import apply_prefix_advantage_weights, compute_grpo_outcome_advantage_split
+from mix_src.adv_estimators import ADV_ESTIMATORS
+from mix_src.core_alg import apply_prefix_advantage_weights
 from mix_src.dataset import TARGET_FIELD
 from mix_src.filter_groups import filter_groups, plan_train_batch
 from mix_src.loss import add_kept_token_counts, pop_entropy_state
@@ -383,7 +383,8 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         on_policy = None
         if self.mix.filter_groups.on_policy_only:
             on_policy = ~batch.batch["prefix_mask"].any(-1).numpy()
-        return filter_groups(batch.non_tensor_batch["uid"], self._filter_metric(batch), row_mask=on_policy)
+        return filter_groups(batch.non_tensor_batch["uid"], self._filter_metric(batch), row_mask=on_policy,
+                             rule=self.mix.filter_groups.rule)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------------
     # stage 4: old and reference log-probs
@@ -446,13 +447,13 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             else:
                 batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
             prefix_mask = batch.batch["prefix_mask"]
-            if algo.adv_estimator == adv_estimators.GRPO_SPLIT:
-                advantages, returns = compute_grpo_outcome_advantage_split(
-                    token_level_rewards=batch.batch["token_level_rewards"],
-                    response_mask=batch.batch["response_mask"],
-                    index=torch.as_tensor(_group_ids(batch.non_tensor_batch["uid"])),
-                    on_policy_mask=~prefix_mask.any(-1),
-                    use_std=algo.get("norm_adv_by_std_in_grpo", True),
+            if algo.adv_estimator in ADV_ESTIMATORS:  # prefix-aware estimators (mix_src.adv_estimators)
+                advantages, returns = ADV_ESTIMATORS.get(algo.adv_estimator)(
+                    batch.batch["token_level_rewards"],
+                    batch.batch["response_mask"],
+                    torch.as_tensor(_group_ids(batch.non_tensor_batch["uid"])),
+                    prefix_mask,
+                    algo,
                 )
                 batch.batch["advantages"], batch.batch["returns"] = advantages, returns
             else:
