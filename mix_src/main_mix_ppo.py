@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import os
 import socket
+import sys
 from pprint import pprint
 
 import hydra
@@ -22,12 +23,15 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from verl.trainer.main_ppo_v0 import BaseTaskRunner
 
+from mix_src.luffy_keys import translate_overrides
 from mix_src.mix_config import MixConfigError, validate_mix_config
+from mix_src.registry import PLUGINS_ENV, load_plugins, resolve_plugin
 from mix_src.verl_parity import check_verl_keys
 
 
 def prepare_config(config: DictConfig) -> None:
     """Check the composed config on the driver, before Ray starts. Raises on bad input, naming the key."""
+    export_plugins(config)
     mix = validate_mix_config(config)
     check_verl_keys(config, mix)
     _check_backend(config)
@@ -45,6 +49,29 @@ def _check_backend(config: DictConfig) -> None:
             f"an accelerator ({'; '.join(mix_src.cpu.accelerator_signs()) or 'VERL_PLATFORM is not cpu'}). "
             "Run with VERL_PLATFORM=cpu to train on CPU here, or drop +backend=cpu to use the accelerator."
         )
+
+
+def export_plugins(config: DictConfig) -> list[str]:
+    """Import ``mix.plugins`` here (the driver) and make every Ray process import them: their specs
+    (paths made absolute) go into ``MIX_PLUGINS``, and ``mix_src.plugins`` into verl's
+    ``VERL_USE_EXTERNAL_MODULES`` (imported by verl/__init__.py in each process), both in this process's
+    environment (inherited by a local Ray cluster) and in ``ray_kwargs.ray_init.runtime_env.env_vars``."""
+    mix = config.get("mix") or {}
+    specs = [resolve_plugin(s) for s in (mix.get("plugins") or [])]
+    if not specs:
+        return []
+    load_plugins(specs)
+    external = [m for m in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
+    env = {PLUGINS_ENV: ",".join(specs), "VERL_USE_EXTERNAL_MODULES": ",".join(dict.fromkeys([*external, "mix_src.plugins"]))}
+    os.environ.update(env)
+    with open_dict(config):
+        config.mix.plugins = specs
+        runtime_env = config.ray_kwargs.ray_init.setdefault("runtime_env", {})
+        runtime_env.setdefault("env_vars", {})
+        runtime_env.env_vars.update(env)
+    for spec in specs:
+        print(f"[mix_src] plugin loaded: {spec}")
+    return specs
 
 
 def _local_paths(value) -> list[str]:
@@ -134,9 +161,8 @@ class MixTaskRunner(BaseTaskRunner):
         trainer.fit()
 
 
-def run_mix_ppo(config: DictConfig) -> None:
-    """Validate on the driver, then start Ray and train."""
-    from verl.trainer.main_ppo import run_ppo
+def config_stage(config: DictConfig) -> None:
+    """Everything the driver checks before Ray starts (ours, then verl's own validate_config)."""
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
     from verl.utils.device import auto_set_device
@@ -147,6 +173,12 @@ def run_mix_ppo(config: DictConfig) -> None:
     auto_set_device(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
 
+
+def run_mix_ppo(config: DictConfig) -> None:
+    """Validate on the driver, then start Ray and train."""
+    from verl.trainer.main_ppo import run_ppo
+
+    config_stage(config)
     run_ppo(config, task_runner_class=ray.remote(num_cpus=1)(MixTaskRunner))
 
 
@@ -156,4 +188,5 @@ def main(config: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = translate_overrides(sys.argv[1:])  # the original LUFFY's key names (mix_src/luffy_keys.py)
     main()

@@ -24,6 +24,7 @@ from mix_src.core_alg import LOSS_AGG_MODES, OFF_POLICY_RESHAPES, ON_POLICY_RESH
 from mix_src.core_alg import P_DIV_P_ALIASES as RESHAPE_ALIASES
 from mix_src.filter_groups import GROUP_FILTERS
 from mix_src.prefix import PREFIX_STRATEGIES
+from mix_src.registry import load_plugins
 
 
 class MixConfigError(ValueError):
@@ -152,6 +153,7 @@ class MixConfig:
     prefix_reward_weight_alpha: float = 1.0  # A <- A * alpha on target tokens ...
     prefix_reward_weight_beta: float = 1.0  # ... and A * beta on the other tokens
     seed: Optional[int] = None  # seed of the prefix-ratio generator (None = data.seed or 0)
+    plugins: list = field(default_factory=list)  # modules / .py files that register extensions (mix_src/registry.py)
     data: DataConfig = field(default_factory=DataConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
@@ -243,7 +245,12 @@ def _build(cls: type, values: Any, prefix: str):
 
 
 def mix_config_from_dict(values: Optional[dict], prefix: str = "mix") -> MixConfig:
-    """Build and check a :class:`MixConfig` from a plain dict (e.g. ``OmegaConf.to_container(cfg.mix)``)."""
+    """Build and check a :class:`MixConfig` from a plain dict (e.g. ``OmegaConf.to_container(cfg.mix)``).
+    The plugins in ``plugins`` are imported first, so the names they register are valid."""
+    plugins = (values or {}).get("plugins") or []
+    if not isinstance(plugins, (list, tuple)):
+        raise MixConfigError(f"{prefix}.plugins={plugins!r} must be a list of module names or .py paths")
+    load_plugins(plugins)
     cfg = _build(MixConfig, values, prefix)
     cfg.check(prefix)
     return cfg

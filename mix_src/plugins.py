@@ -1,0 +1,7 @@
+"""Imported by verl in every process at ``import verl`` (``VERL_USE_EXTERNAL_MODULES``, verl/__init__.py):
+loads the plugins the entry point exported in ``MIX_PLUGINS`` (see :mod:`mix_src.registry`), so Ray
+workers (FSDP actor, agent loop, reward loop) have them registered before anything is looked up."""
+
+from mix_src.registry import load_plugins_from_env
+
+load_plugins_from_env()
