@@ -25,6 +25,7 @@ from mix_src.core_alg import P_DIV_P_ALIASES as RESHAPE_ALIASES
 from mix_src.filter_groups import GROUP_FILTERS
 from mix_src.prefix import PREFIX_STRATEGIES
 from mix_src.registry import load_plugins
+from mix_src.rollout_policy import ROLLOUT_POLICIES
 
 
 class MixConfigError(ValueError):
@@ -153,6 +154,7 @@ class MixConfig:
     prefix_reward_weight_alpha: float = 1.0  # A <- A * alpha on target tokens ...
     prefix_reward_weight_beta: float = 1.0  # ... and A * beta on the other tokens
     seed: Optional[int] = None  # seed of the prefix-ratio generator (None = data.seed or 0)
+    rollout_policy: str = "prefix_guided"  # how the generate stage makes a batch: a name in mix_src.rollout_policy
     plugins: list = field(default_factory=list)  # modules / .py files that register extensions (mix_src/registry.py)
     data: DataConfig = field(default_factory=DataConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -162,6 +164,8 @@ class MixConfig:
         _in_range(f"{p}.n_prefix", self.n_prefix, -1, None)
         if self.prefix_strategy not in PREFIX_STRATEGIES:
             raise MixConfigError(PREFIX_STRATEGIES.unknown(self.prefix_strategy))
+        if self.rollout_policy not in ROLLOUT_POLICIES:
+            raise MixConfigError(ROLLOUT_POLICIES.unknown(self.rollout_policy))
         _in_range(f"{p}.min_prefix_ratio", self.min_prefix_ratio, 0.0, 1.0)
         _in_range(f"{p}.max_prefix_ratio", self.max_prefix_ratio, 0.0, 1.0)
         if self.min_prefix_ratio > self.max_prefix_ratio:

@@ -4,7 +4,7 @@ The trainer only orchestrates; the maths lives in :mod:`mix_src.core_alg`, :mod:
 :mod:`mix_src.filter_groups`, the worker loss in :mod:`mix_src.loss`, and the rollout in
 :mod:`mix_src.agent_loop`. One training step (``_step``) is a list of numbered stages:
 
-1. generate  — draw one prefix ratio per row on the driver (seeded from ``(seed, global_step, gen batch)``,
+1. generate  — the rollout policy (``mix.rollout_policy``; default ``prefix_guided``): draw one prefix ratio per row on the driver (seeded from ``(seed, global_step, gen batch)``,
    so a resumed run draws the same ratios), roll out through the prefix-guided agent loop, build the
    ``prefix_mask`` tensor (bsz x response_len) from the rows' ``prefix_token_mask``;
 2. reward    — the rule reward was computed inside the agent loop (verl's reward loop); extract it (a
@@ -74,6 +74,7 @@ from mix_src.loss import add_kept_token_counts, pop_entropy_state
 from mix_src.mix_config import MixConfig
 from mix_src.prefix import compute_prefix_ratios
 from mix_src.seeding import request_seeds
+from mix_src.rollout_policy import ROLLOUT_POLICIES, RolloutContext
 
 MIX_STATE_FILE = "mix_state.pt"
 
@@ -301,28 +302,48 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         return batch
 
     def _generate(self, batch_dict: dict, gen_index: int, timing: dict) -> DataProto:
-        """Stage 1: one generation batch of ``len(batch_dict) * n`` rows, rows ``i*n + j`` of prompt i."""
+        """Stage 1: one generation batch of ``len(batch_dict) * n`` rows, rows ``i*n + j`` of prompt i,
+        produced by the rollout policy ``mix.rollout_policy`` (mix_src/rollout_policy.py; default: one
+        prefix-guided pass)."""
         batch = DataProto.from_single_dict(batch_dict)
         batch.meta_info["temperature"] = self.config.actor_rollout_ref.rollout.temperature
         batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
         gen_batch = self._get_gen_batch(batch)
         gen_batch.meta_info["global_steps"] = self.global_steps
         gen_batch = gen_batch.repeat(repeat_times=self.n, interleave=True)
-        gen_batch.non_tensor_batch["prefix_ratio"] = self._prefix_ratios(gen_batch, gen_index)
         gen_batch.non_tensor_batch["rollout_seed"] = self._rollout_seeds(len(batch), gen_index)
+        batch = batch.repeat(repeat_times=self.n, interleave=True)
 
-        if not self._rollout_awake:  # a colocated reward model put it to sleep after the last batch
-            self._wake_rollout()
-        out = self.async_rollout_manager.generate_sequences(gen_batch)
-        timing.update(out.meta_info.pop("timing", {}))
+        def generate(ratios: np.ndarray, rows: Optional[np.ndarray] = None) -> DataProto:
+            idx = np.arange(len(batch)) if rows is None else np.asarray(rows, dtype=np.int64)
+            ratios = np.asarray(ratios, dtype=np.float64).reshape(-1)
+            if ratios.shape != idx.shape:
+                raise ValueError(f"rollout policy: {ratios.size} ratios for {idx.size} rows")
+            sub = gen_batch if rows is None else gen_batch[idx]
+            sub = DataProto(batch=sub.batch, non_tensor_batch=dict(sub.non_tensor_batch), meta_info=dict(sub.meta_info))
+            sub.non_tensor_batch["prefix_ratio"] = ratios
+            if not self._rollout_awake:  # a colocated reward model put it to sleep after the last batch
+                self._wake_rollout()
+            out = self.async_rollout_manager.generate_sequences(sub)
+            for key, value in out.meta_info.pop("timing", {}).items():
+                timing[key] = timing.get(key, 0.0) + value
+            part = batch[idx].union(out)
+            if "response_mask" not in part.batch.keys():
+                part.batch["response_mask"] = compute_response_mask(part)
+            part.batch["prefix_mask"] = _prefix_mask_tensor(
+                part.non_tensor_batch.pop("prefix_token_mask"), part.batch["response_mask"]
+            )
+            return self._extract_reward(part)
 
-        batch = batch.repeat(repeat_times=self.n, interleave=True).union(out)
-        if "response_mask" not in batch.batch.keys():
-            batch.batch["response_mask"] = compute_response_mask(batch)
-        batch.batch["prefix_mask"] = _prefix_mask_tensor(
-            batch.non_tensor_batch.pop("prefix_token_mask"), batch.batch["response_mask"]
-        )
-        return batch
+        seed = [self.prefix_seed, self.global_steps, gen_index]
+        ctx = RolloutContext(
+            batch=batch, n=self.n, global_step=self.global_steps, mix=self.mix, generate=generate,
+            prefix_ratios=lambda: self._prefix_ratios(gen_batch, gen_index), rng=np.random.default_rng([*seed, 1]),
+        )  # fmt: skip
+        out = ROLLOUT_POLICIES.get(self.mix.rollout_policy)(ctx)
+        if len(out) != len(batch):
+            raise ValueError(f"rollout policy {self.mix.rollout_policy!r} returned {len(out)} rows for {len(batch)}")
+        return out
 
     def _rollout_seeds(self, num_prompts: int, gen_index: int) -> np.ndarray:
         """Per-row sampling seeds from ``(rollout.seed, global_step, gen_index, prompt, sample)``: a sample's

@@ -27,7 +27,7 @@ PLOT_SCRIPT = REPO_ROOT / "scripts" / "plot_metrics.py"
 
 GPU_RECIPES = [
     "luffy_zero", "on_policy_grpo", "rl_with_sft_loss", "sft_then_rl",
-    "dapo_filter", "luffy_filter", "prefix_curriculum",
+    "dapo_filter", "luffy_filter", "prefix_curriculum", "guide_on_failure",
 ]  # fmt: skip
 RECIPES = [*GPU_RECIPES, "cpu_tiny"]
 
@@ -59,6 +59,10 @@ EXPECTED = {
     "prefix_curriculum": {
         "mix.n_prefix": -1, "mix.prefix_strategy": "linear_max", "mix.prefix_share_across_samples": False,
     },
+    "guide_on_failure": {
+        "mix.rollout_policy": "guide_on_failure", "mix.n_prefix": 1, "mix.min_prefix_ratio": 1.0,
+        "mix.loss.loss_remove_clip": True, "data.train_batch_size": 128,
+    },
     "cpu_tiny": {
         "mix.n_prefix": 1, "mix.min_prefix_ratio": 1.0, "actor_rollout_ref.rollout.name": "hf",
         "trainer.device": "cpu", "actor_rollout_ref.actor.strategy": "fsdp2",
@@ -73,10 +77,17 @@ DEMO_KEYS = [
 ]  # fmt: skip
 
 
+# What a run.sh passes besides the config (a plugin recipe loads its plugin file from its own folder).
+RUN_SH_OVERRIDES = {
+    "guide_on_failure": [f"mix.plugins=[{RECIPES_DIR / 'guide_on_failure' / 'guide_on_failure.py'}]",
+                         "mix.rollout_policy=guide_on_failure"],
+}  # fmt: skip
+
+
 def compose_recipe(name: str, overrides=(), config_name: str = "config"):
     """Compose recipes/<name>/<config_name>.yaml exactly as run.sh does (the recipe is the primary config)."""
     with initialize_config_dir(config_dir=str(RECIPES_DIR / name), version_base=None):
-        cfg = compose(config_name=config_name, overrides=list(overrides))
+        cfg = compose(config_name=config_name, overrides=[*RUN_SH_OVERRIDES.get(name, []), *overrides])
     OmegaConf.resolve(cfg)
     return cfg
 

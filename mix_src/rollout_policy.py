@@ -1,0 +1,90 @@
+"""Rollout policies: how the trainer's generate stage turns one batch of prompts into ``n`` scored rows each.
+
+The built-in ``prefix_guided`` (LUFFY) draws one prefix ratio per row from ``mix.prefix_strategy`` and
+generates once. A policy can instead generate several times and choose rows from each pass, e.g.
+guidance on failure (first pass on-policy, prefixes only where every sample failed; see
+recipes/guide_on_failure). Pick one with ``mix.rollout_policy=name``.
+
+Signature (one for all)::
+
+    @register_rollout_policy("name")
+    def fn(ctx: RolloutContext) -> DataProto     # len(ctx.batch) rows, in the order i*n + j
+
+The returned rows must be scored rows as ``ctx.generate`` returns them (one per input row, same order);
+:func:`replace_rows` merges a second pass into a first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from mix_src.registry import Registry
+
+__all__ = ["ROLLOUT_POLICIES", "RolloutContext", "register_rollout_policy", "replace_rows", "solved"]
+
+
+@dataclass
+class RolloutContext:
+    """What a rollout policy gets for one generation batch.
+
+    batch: the prompts repeated n times (a DataProto of B = num_prompts * n rows, row i*n + j = sample j of
+        prompt i; ``non_tensor_batch["uid"]`` is the prompt's group id). Read it; do not modify it.
+    n: samples per prompt (rollout.n). global_step: the trainer's step (from 1). mix: the MixConfig
+        (plugins may read their own settings from the strategy keys, e.g. n_prefix).
+    generate(ratios, rows=None) -> DataProto: generate the rows ``rows`` (int array; None = all B) with
+        one prefix ratio each (ratios: float array of len(rows), 0 = on-policy) and score them; the result
+        has the rows' tensors, ``prefix_mask`` (rows, response_len), ``response_mask``,
+        ``token_level_scores`` and the reward's extra keys (e.g. ``acc``).
+    prefix_ratios() -> (B,) float array: the configured strategy's ratios for this batch (seeded from
+        (seed, global_step, gen batch), as the default policy uses them; 0 for rows without a target).
+    rng: a generator seeded like the ratios, for the policy's own draws.
+    """
+
+    batch: Any
+    n: int
+    global_step: int
+    mix: Any
+    generate: Callable[..., Any]
+    prefix_ratios: Callable[[], np.ndarray]
+    rng: np.random.Generator
+
+
+RolloutPolicy = Callable[[RolloutContext], Any]
+ROLLOUT_POLICIES: Registry[RolloutPolicy] = Registry("rollout policy", "mix.rollout_policy")
+register_rollout_policy = ROLLOUT_POLICIES.register
+
+
+@register_rollout_policy("prefix_guided")
+def prefix_guided(ctx: RolloutContext):
+    """LUFFY: one pass, each row with its ratio from mix.prefix_strategy (ratio 0 = on-policy row)."""
+    return ctx.generate(ctx.prefix_ratios())
+
+
+def replace_rows(first, rows: np.ndarray, second):
+    """``first`` (B rows) with rows ``rows`` replaced, in order, by the rows of ``second``; row order kept."""
+    from verl import DataProto
+
+    rows = np.asarray(rows, dtype=np.int64)
+    if len(rows) != len(second):
+        raise ValueError(f"replace_rows: {len(rows)} row indices for {len(second)} new rows")
+    if len(rows) == 0:
+        return first
+    order = np.arange(len(first))
+    order[rows] = len(first) + np.arange(len(rows))
+    return DataProto.concat([first, second])[order]
+
+
+def solved(batch) -> np.ndarray:
+    """(rows,) bool: the reward's ``acc`` when it has one, else a positive sequence score."""
+    if "acc" in batch.non_tensor_batch:
+        return np.asarray(batch.non_tensor_batch["acc"], dtype=np.float64) > 0
+    return (batch.batch["token_level_scores"].sum(-1) > 0).numpy()
+
+
+def group_all_failed(batch, n: int, rows_solved: Optional[np.ndarray] = None) -> np.ndarray:
+    """(num_prompts,) bool: prompts none of whose n rows (i*n .. i*n + n-1) solved the task."""
+    s = solved(batch) if rows_solved is None else rows_solved
+    return ~s.reshape(-1, n).any(axis=1)
