@@ -2,14 +2,15 @@
 prefix advantage weights and the adaptive entropy coefficient.
 
 This module imports only torch/numpy, so it can be read and tested without verl or a GPU.
-Reference: ../shared/docs/luffy_spec.md §4 (formulas), §5 (actor), §10 (the original's bugs, not copied).
+Reference: the LUFFY paper (arXiv 2504.14945, section 3) and the original code (https://github.com/ElliottYan/LUFFY:
+luffy/verl/verl/mix_src/mix_core_alg.py, mix_actor.py); the original's bugs are not copied.
 
 Notation (shapes): B = rows (responses), L = response width (padded), G = number of groups (prompts).
     log_prob, old_log_prob, advantages, response_mask, prefix_mask: (B, L)
     l = log_prob, l_old = old_log_prob, d = l - l_old, p = exp(l), A = advantages
     valid = response_mask != 0, off = prefix_mask & valid (demonstration tokens), on = valid & ~off
 
-Departures from the original (each one is a bug fix listed in spec §10 or a documented choice):
+Departures from the original (each one is a bug fix of the original or a documented choice):
     * grpo_split: a group with no on-policy row falls back to statistics over all its rows (the original
       raises KeyError); "std == 0" is decided by exact equality of the group's scores.
     * every metric over an empty token set is 0 (never NaN); the clip fraction is measured before the max
@@ -146,7 +147,8 @@ def compute_grpo_outcome_advantage_split(
     epsilon: float = 1e-6,
     use_std: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO advantages whose group statistics come from the on-policy rows only (spec §4.1).
+    """GRPO advantages whose group statistics come from the on-policy rows only (the original's
+    `compute_grpo_outcome_advantage_split`, mix_core_alg.py).
 
     Args:
         token_level_rewards: (B, L) rewards; a row's score is their sum R_i.
@@ -221,7 +223,7 @@ def _rows_times_mask(row_values: torch.Tensor, mask: torch.Tensor, block_elems: 
 def apply_prefix_advantage_weights(
     advantages: torch.Tensor, prefix_mask: torch.Tensor, alpha: float, beta: float
 ) -> torch.Tensor:
-    """LUFFY's alpha/beta prefix weighting (spec §3.1 step 11): A * (alpha * g + beta * (1 - g)).
+    """LUFFY's alpha/beta prefix weighting (the original's mix_trainer.py, advantage stage): A * (alpha * g + beta * (1 - g)).
 
     advantages, prefix_mask: (B, L). Returns a new (B, L) tensor: prefix tokens scaled by alpha, the
     others by beta."""
@@ -513,7 +515,7 @@ def compute_token_on_off_policy_loss(
     global_batch_size: int | torch.Tensor | None = None,
     loss_scale_factor: float | None = None,
 ) -> dict[str, torch.Tensor]:
-    """LUFFY's mixed token loss (spec §4.2): PPO on on-policy tokens, -A * f(p) on prefix tokens.
+    """LUFFY's mixed token loss (the original's mix_core_alg.py): PPO on on-policy tokens, -A * f(p) on prefix tokens.
 
     Per valid token: loss = -A * f(p) on prefix tokens, and on the others the PPO-clip loss
     max(-A r, -A clip(r, 1 - eps, U)) with U = max(clip_upper_bound, 1 + eps); then `agg_loss`.
@@ -699,7 +701,7 @@ def compute_sft_pure_loss(log_prob: torch.Tensor, mask: torch.Tensor) -> torch.T
 
 
 # --------------------------------------------------------------------------------------------------
-# entropy coefficient (spec §5 step 4)
+# entropy coefficient (the original's mix_actor.py, use_adaptive_temperature)
 # --------------------------------------------------------------------------------------------------
 
 

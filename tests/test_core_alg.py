@@ -38,7 +38,7 @@ def test_pure_module_does_not_import_verl():
 
 
 def loop_grpo_split(rewards, mask, index, on_policy, epsilon=1e-6, use_std=True):
-    """Naive per-row reference of spec §4.1 (+ the documented fallback and the exact-equality rule)."""
+    """Naive per-row reference of the original's compute_grpo_outcome_advantage_split (+ the documented fallback and the exact-equality rule)."""
     scores = rewards.sum(-1).double()
     members, on_members = defaultdict(list), defaultdict(list)
     for i in range(len(index)):
@@ -247,7 +247,7 @@ def loop_token_loss(old, lp, adv, mask, prefix, *, cliprange=0.2, clip_upper_bou
                     loss_remove_clip=False, loss_agg_mode="token-mean", target_probs=None, clip_ratio_c=None,
                     rollout_is_weights=None, on_policy_reshape_gamma=None, dp_size=1, batch_num_tokens=None,
                     global_batch_size=None, loss_scale_factor=None):  # fmt: skip
-    """Token-by-token reference of spec §4.2 with autograd on scalars (the formulas as written there)."""
+    """Token-by-token reference of the original's compute_token_on_off_policy_loss, autograd on scalars."""
     aliases = {"p_div_p_0.1": 0.1, "p_div_p_0.3": 0.3, "p_div_p_0.5": 0.5}
     off_gamma = aliases.get(off_policy_reshape, off_policy_reshape_gamma)
     on_gamma = aliases.get(on_policy_reshape, off_policy_reshape_gamma if on_policy_reshape_gamma is None

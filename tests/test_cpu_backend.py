@@ -249,7 +249,7 @@ def test_fragment_composes_with_stock_verl_config():
 
 @pytest.mark.ray
 def test_stock_verl_main_ppo_grpo_two_steps(tiny_assets, tmp_path):
-    """Issue 3 item 4: stock verl GRPO, legacy trainer, 2 steps through the CPU backend (plus one greedy
+    """Stock verl GRPO, legacy trainer, 2 steps through the CPU backend (plus one greedy
     validation pass before training, the path recipes use)."""
     overrides = STOCK_VERL_CPU + tiny_overrides(tiny_assets, lr=1e-3) + [
         "trainer.use_v1=false",

@@ -22,7 +22,7 @@ def test_pure_module_does_not_import_verl():
 
 
 def loop_window(s, S):
-    """The original's window search (spec §2.3): first k with k*S/10 <= s <= (k+1)*S/10, else the last."""
+    """The original's window search (mix_vllm_rollout.py): first k with k*S/10 <= s <= (k+1)*S/10, else the last."""
     for k in range(10):
         if k * S / 10 <= s <= (k + 1) * S / 10:
             return k
@@ -59,7 +59,7 @@ def test_random_reproducible_and_in_range(share):
 
 
 def test_main_recipe_ratios():
-    # n = 8, n_prefix = 1, random with min = max = 1.0: [1, 0, 0, 0, 0, 0, 0, 0] per prompt (spec §2.3)
+    # n = 8, n_prefix = 1, random with min = max = 1.0: [1, 0, 0, 0, 0, 0, 0, 0] per prompt
     r = ratios(num_prompts=3, n=8, n_prefix=1, min_prefix_ratio=1.0, max_prefix_ratio=1.0)
     assert r.tolist() == ([1.0] + [0.0] * 7) * 3
     assert r.mean() == 0.125

@@ -1,4 +1,4 @@
-"""Benchmark of the pure LUFFY core (issue 2 item 9): `python -m mix_src.bench core [--repeats N]`.
+"""Benchmark of the pure LUFFY core: `python -m mix_src.bench core [--repeats N]`.
 
 1. grpo_split, vectorised vs a naive per-row loop (the original's algorithm), at 8,192 rows x 1,024
    tokens, n = 8, uid strings as verl passes them, int64 response mask as verl builds it. The floor is
@@ -65,7 +65,7 @@ def _peak_bytes(fn: Callable[[], object]) -> int:
 
 
 def naive_grpo_split(token_level_rewards, response_mask, index, on_policy_mask, epsilon=1e-6, use_std=True):
-    """The original's algorithm (spec §4.1) as a per-row Python loop, with the all-off-policy fallback."""
+    """The original's algorithm (the original's compute_grpo_outcome_advantage_split) as a per-row Python loop, with the all-off-policy fallback."""
     scores = token_level_rewards.sum(dim=-1)
     on_scores, all_scores = defaultdict(list), defaultdict(list)
     for i in range(scores.shape[0]):

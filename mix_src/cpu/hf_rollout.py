@@ -68,7 +68,7 @@ class HFRolloutServer:
         from transformers import AutoModelForCausalLM
 
         self.config: RolloutConfig = omega_conf_to_dataclass(config)
-        # The replica hands over the model config as a DictConfig (verl_0_9_1_notes §2, blocker 9).
+        # The replica hands over the model config as a DictConfig (verl/workers/rollout/replica.py).
         self.model_config: HFModelConfig = omega_conf_to_dataclass(model_config, dataclass_type=HFModelConfig)
         self.replica_rank = replica_rank
         self.global_steps: Optional[int] = None
