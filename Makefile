@@ -29,7 +29,7 @@ demo: install
 	bash recipes/cpu_tiny/run.sh
 
 bench: install
-	$(PY) -m mix_src.bench all
+	$(PY) -m scripts.bench all
 
 clean:
 	rm -rf $(VENV) build *.egg-info outputs

@@ -28,10 +28,20 @@ def test_declared_requirements_cover_verls_undeclared_imports():
 
 def test_package_data_and_plugin_entry_point():
     config_dir = Path(mix_src.__file__).parent / "config"
-    for name in ("mix_ppo.yaml", "mix_ppo_trainer.yaml", "agent_loops.yaml", "backend/cpu.yaml"):
+    for name in ("mix_ppo.yaml", "mix_ppo_trainer.yaml", "luffy_paper.yaml", "agent_loops.yaml", "backend/cpu.yaml"):
         assert (config_dir / name).is_file(), name
     eps = importlib.metadata.entry_points(group="verl.plugins")
     assert any(ep.name == "mix_src_cpu" and ep.value == "mix_src.cpu" for ep in eps)
+
+
+def test_installed_package_never_reaches_into_tests_or_scripts():
+    """Benchmarks and experiments live in scripts/ (not installed); nothing in mix_src imports them or tests/."""
+    package = Path(mix_src.__file__).parent
+    assert not (package / "bench").exists()
+    for path in package.rglob("*.py"):
+        text = path.read_text()
+        for bad in ("import tests", "from tests", "import conftest", "import e2e", "from scripts", "sys.path.insert"):
+            assert bad not in text, f"{path.relative_to(package.parent)} contains {bad!r}"
 
 
 def test_cpu_path_never_imports_gpu_only_packages():

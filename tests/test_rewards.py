@@ -168,7 +168,7 @@ def test_thread_safe_under_verl_style_executor():
 
 
 def test_batch_matches_sequential_and_checks_lengths():
-    from mix_src.bench.rewards import make_items
+    from scripts.bench.rewards import make_items
 
     items = make_items(40, seed=3, pathological_frac=0.0)
     items.append({"data_source": "math", "response": "no think block \\boxed{1}", "ground_truth": "1"})
@@ -298,7 +298,7 @@ def test_pool_reports_a_zygote_that_cannot_start():
 
 
 def test_bench_smoke(capsys):
-    from mix_src.bench import rewards as bench
+    from scripts.bench import rewards as bench
 
     bench.main(["--n", "30", "--pathological", "0", "--timeout", "10"])
     out = capsys.readouterr().out

@@ -2,7 +2,7 @@
 reward thread would) and with the batch API (``compute_score_batch``, parallel workers); print the
 throughput ratio and the worst single-item latency.
 
-    python -m mix_src.bench rewards [--n 2000] [--timeout 2.0] [--pathological 0.005] [--workers 0] [--seed 0]
+    python -m scripts.bench rewards [--n 2000] [--timeout 2.0] [--pathological 0.005] [--workers 0] [--seed 0]
 
 The responses mix correct answers (exact and equivalent forms), wrong answers, multiple choice, plain
 numbers, malformed responses and a small share of pathological ones (deeply nested LaTeX, power towers,
@@ -106,7 +106,7 @@ def make_items(n: int, seed: int = 0, pathological_frac: float = 0.005) -> list[
 
 
 def main(argv: list[str]) -> None:
-    p = argparse.ArgumentParser(prog="python -m mix_src.bench rewards", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m scripts.bench rewards", description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=2000, help="number of responses (default 2000)")
     p.add_argument("--timeout", type=float, default=2.0, help="per-item deadline in seconds (default 2.0; the reward default is 5)")
     p.add_argument("--workers", type=int, default=0, help="grading processes for the batch API (0 = #CPUs, max 8)")

@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m mix_src.bench {core,rewards,step,all}``.
+"""Benchmarks: ``python -m scripts.bench {core,rewards,step,all}``.
 
 Each benchmark prints ratios against a baseline measured in the same run (no absolute timing targets in
 tests)."""

@@ -1,4 +1,4 @@
-"""Dispatch ``python -m mix_src.bench NAME [args...]`` to ``mix_src.bench.NAME.main(args)``."""
+"""Dispatch ``python -m scripts.bench NAME [args...]`` to ``scripts.bench.NAME.main(args)``."""
 
 import importlib
 import sys
@@ -13,14 +13,14 @@ BENCHMARKS = {
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in (*BENCHMARKS, "all"):
-        print("usage: python -m mix_src.bench {" + ",".join([*BENCHMARKS, "all"]) + "} [args...]")
+        print("usage: python -m scripts.bench {" + ",".join([*BENCHMARKS, "all"]) + "} [args...]")
         for name, what in BENCHMARKS.items():
             print(f"  {name:8s} {what}")
         return 2
     names = list(BENCHMARKS) if argv[0] == "all" else [argv[0]]
     for name in names:
         print(f"=== bench {name} ===", flush=True)
-        importlib.import_module(f"mix_src.bench.{name}").main(argv[1:])
+        importlib.import_module(f"scripts.bench.{name}").main(argv[1:])
     return 0
 
 

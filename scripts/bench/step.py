@@ -1,6 +1,6 @@
 """Step-time overhead of the MIX trainer on CPU, two modes.
 
-``python -m mix_src.bench step --toy [--steps N] [--assets DIR]``: the toy-addition LUFFY step
+``python -m scripts.bench step --toy [--steps N] [--assets DIR]``: the toy-addition LUFFY step
 (``recipes/toy_addition/luffy.yaml``: 32 prompts x n 8, responses <= 16 tokens, the 0.5M-parameter base
 model) through ``python -m mix_src.main_mix_ppo``, then a plain-PyTorch reference loop in this process on the
 same model and batch shape (sample 32 x 7 responses with ``model.generate``, log-probs of the 256 rows, one
@@ -8,11 +8,11 @@ update of 2 mini-batches with AdamW; no Ray, no verl). Prints the median per-sta
 excluded: warm-up) and the ratio MIX / reference. The reference runs with 1 torch thread, as the Ray workers
 do (``OMP_NUM_THREADS=1``).
 
-``python -m mix_src.bench step [--steps N] [--n N] [--batch B]``: runs the CPU tiny config twice in one invocation, side by side on the same assets and sizes: verl's stock
+``python -m scripts.bench step [--steps N] [--n N] [--batch B]``: runs the CPU tiny config twice in one invocation, side by side on the same assets and sizes: verl's stock
 ``python -m verl.trainer.main_ppo`` (GRPO, legacy trainer) and ``python -m mix_src.main_mix_ppo`` with
 ``mix.n_prefix=0`` (same GRPO maths through our trainer, agent loop and loss). Prints the median
 ``timing_s/step`` of each (first step excluded: warm-up) and the ratio MIX / stock (target <= 1.10).
-Needs a source checkout (it reuses tests/e2e.py and scripts/make_tiny_assets.py).
+Run from the repository root of a source checkout (it reuses tests/e2e.py and scripts/make_tiny_assets.py).
 """
 
 from __future__ import annotations
@@ -27,11 +27,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _helpers():
-    sys.path.insert(0, str(REPO / "tests"))
-    import conftest  # noqa: F401  (tests/ on sys.path)
-    import e2e
+    import importlib.util
 
-    return e2e, conftest.load_make_tiny_assets()
+    from scripts import make_tiny_assets
+
+    # the test suite's e2e job runner, loaded by path: tests/ is not a package (and site-packages may hold
+    # an unrelated top-level "tests" package)
+    spec = importlib.util.spec_from_file_location("mix_tests_e2e", REPO / "tests" / "e2e.py")
+    e2e = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = e2e  # dataclasses look their module up while the module executes
+    spec.loader.exec_module(e2e)
+    return e2e, make_tiny_assets
 
 
 # verl's stage timers of one MIX step (timing_s/<key>), in step order; "step" is the whole step.
@@ -46,8 +52,7 @@ def toy_reference(assets: dict, steps: int, batch: int = 32, n: int = 8, respons
     import torch
     from transformers import AutoModelForCausalLM
 
-    sys.path.insert(0, str(REPO / "scripts" / "experiments"))
-    import toy_addition as ta
+    from scripts.experiments import toy_addition as ta
 
     from mix_src.core_alg import agg_loss, compute_token_on_off_policy_loss
 
@@ -114,8 +119,7 @@ def toy_reference(assets: dict, steps: int, batch: int = 32, n: int = 8, respons
 
 def toy_main(args) -> None:
     e2e, _ = _helpers()
-    sys.path.insert(0, str(REPO / "scripts" / "experiments"))
-    import toy_addition as ta
+    from scripts.experiments import toy_addition as ta
 
     assets = ta.prepare(args.assets, seed=0, log=lambda *a, **k: None)
     with tempfile.TemporaryDirectory(prefix="mix_bench_toy_") as tmp:
@@ -154,7 +158,7 @@ def toy_main(args) -> None:
 
 
 def main(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="python -m mix_src.bench step")
+    ap = argparse.ArgumentParser(prog="python -m scripts.bench step")
     ap.add_argument("--toy", action="store_true", help="toy-addition LUFFY step vs a plain-torch reference")
     ap.add_argument("--assets", default=str(REPO / "outputs" / "toy_addition"), help="toy assets (built if missing)")
     ap.add_argument("--steps", type=int, default=6)

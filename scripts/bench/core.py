@@ -1,4 +1,4 @@
-"""Benchmark of the pure LUFFY core: `python -m mix_src.bench core [--repeats N]`.
+"""Benchmark of the pure LUFFY core: `python -m scripts.bench core [--repeats N]`.
 
 1. grpo_split, vectorised vs a naive per-row loop (the original's algorithm), at 8,192 rows x 1,024
    tokens, n = 8, uid strings as verl passes them, int64 response mask as verl builds it. The floor is
@@ -179,7 +179,7 @@ def bench_token_loss(repeats: int, rows: int = 64, tokens: int = 8192, n: int = 
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m mix_src.bench core", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench core", description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15, help="timed repeats per function (median)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # see the docstring: CPU time of one thread is what we compare

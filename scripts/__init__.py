@@ -1,0 +1,1 @@
+"""Repository scripts (not installed): run from the repository root as ``python -m scripts.<module>``."""
