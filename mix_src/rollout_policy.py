@@ -64,7 +64,11 @@ def prefix_guided(ctx: RolloutContext):
 
 
 def replace_rows(first, rows: np.ndarray, second):
-    """``first`` (B rows) with rows ``rows`` replaced, in order, by the rows of ``second``; row order kept."""
+    """``first`` (B rows) with rows ``rows`` replaced, in order, by the rows of ``second``; row order kept.
+
+    A per-row field that only one pass has (e.g. an extra field of the inference server, absent when no
+    row of a pass reached the server) is None on the other pass's rows, as verl's agent loop fills it
+    within one batch."""
     from verl import DataProto
 
     rows = np.asarray(rows, dtype=np.int64)
@@ -72,9 +76,18 @@ def replace_rows(first, rows: np.ndarray, second):
         raise ValueError(f"replace_rows: {len(rows)} row indices for {len(second)} new rows")
     if len(rows) == 0:
         return first
+    a_keys, b_keys = set(first.batch.keys()), set(second.batch.keys())
+    if a_keys != b_keys:
+        raise ValueError(f"replace_rows: the passes have different tensors: {sorted(a_keys ^ b_keys)}")
+    parts = []
+    for part, other in ((first, second), (second, first)):
+        non_tensor = dict(part.non_tensor_batch)
+        for key in other.non_tensor_batch.keys() - non_tensor.keys():
+            non_tensor[key] = np.full(len(part), None, dtype=object)
+        parts.append(DataProto(batch=part.batch, non_tensor_batch=non_tensor, meta_info=part.meta_info))
     order = np.arange(len(first))
     order[rows] = len(first) + np.arange(len(rows))
-    return DataProto.concat([first, second])[order]
+    return DataProto.concat(parts)[order]
 
 
 def solved(batch) -> np.ndarray:

@@ -32,10 +32,10 @@ def scripted_context(solved_first_pass, *, n_prefix=1, has_target=None):
         acc = np.where(guided, 1.0, np.asarray(solved_first_pass, dtype=float)[idx])
         prefix = torch.zeros(len(idx), 3, dtype=torch.bool)
         prefix[torch.as_tensor(guided), :2] = True
-        return DataProto.from_dict(
-            tensors={"prefix_mask": prefix, "row": torch.as_tensor(idx)},
-            non_tensors={"acc": acc, "prefix_ratio": np.asarray(ratios, dtype=float)},
-        )
+        non_tensors = {"acc": acc, "prefix_ratio": np.asarray(ratios, dtype=float)}
+        if not guided.all():  # like the inference server's extra fields: absent when no row was generated
+            non_tensors["server_field"] = np.array(["x"] * len(idx), dtype=object)
+        return DataProto.from_dict(tensors={"prefix_mask": prefix, "row": torch.as_tensor(idx)}, non_tensors=non_tensors)
 
     targets = np.ones(rows_total, dtype=bool) if has_target is None else np.asarray(has_target)
     ctx = RolloutContext(
@@ -59,6 +59,7 @@ def test_only_all_fail_groups_get_guided_rows():
     assert out.batch["row"].tolist() == list(range(12))  # row order kept
     assert out.batch["prefix_mask"].any(-1).tolist() == [False] * 4 + [True, True, False, False] + [False] * 4
     assert out.non_tensor_batch["acc"].tolist() == solved[:4] + [1, 1, 0, 0] + [0] * 4
+    assert out.non_tensor_batch["server_field"].tolist() == ["x"] * 4 + [None, None, "x", "x"] + ["x"] * 4
 
 
 def test_no_second_pass_when_every_group_has_a_success():
