@@ -2,30 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import sys
 
 import pandas as pd
 import pytest
 
 from conftest import REPO_ROOT, load_make_tiny_assets
 
-DATA_DIR = os.path.join(REPO_ROOT, "scripts", "data")
-
-
-def _load(name: str):
-    if DATA_DIR not in sys.path:
-        sys.path.insert(0, DATA_DIR)
-    spec = importlib.util.spec_from_file_location(name, os.path.join(DATA_DIR, f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-openr1 = _load("prepare_openr1")
-prep_eval = _load("prepare_eval")
+from scripts.data import prepare_eval as prep_eval
+from scripts.data import prepare_openr1 as openr1
 
 T = lambda body: f"<think>\n{body}\n</think>\n\n\\boxed{{1}}"  # noqa: E731
 LONG = T("x" * 200)  # > 40 tokens under the char-level tiny tokenizer

@@ -3,28 +3,23 @@ the unweighted per-source average on hand-made responses."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pandas as pd
 import pytest
 
 from conftest import REPO_ROOT
 
-_spec = importlib.util.spec_from_file_location("evaluate", os.path.join(REPO_ROOT, "scripts", "eval", "evaluate.py"))
-evaluate = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(evaluate)
+from scripts.eval import evaluate
 
 
 def test_module_import_does_not_load_heavy_backends():
     import subprocess
     import sys
 
-    code = ("import importlib.util, sys; s = importlib.util.spec_from_file_location('e', sys.argv[1]); "
-            "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); "
+    code = ("import sys; import scripts.eval.evaluate; "
             "print(sorted(k for k in ('vllm', 'torch', 'transformers') if k in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code, _spec.origin], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO_ROOT)
     assert out.stdout.strip() == "[]"
 
 

@@ -29,7 +29,7 @@ Prompts match training (``scripts/data/prepare_openr1.py``): LUFFY's system prom
 
 Usage::
 
-    python scripts/data/prepare_eval.py --output data/valid.parquet \\
+    python -m scripts.data.prepare_eval --output data/valid.parquet \\
         --input aime24=raw/aime24.jsonl --input amc=raw/amc.parquet --input math500=raw/math500.jsonl \\
         --input gpqa_diamond=raw/gpqa_diamond.csv.parquet --repeat aime24=32 --repeat amc=32
 """
@@ -40,15 +40,10 @@ import argparse
 import math
 import os
 import random
-import sys
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-if __package__ in (None, ""):  # run as a script from a source checkout: make mix_src importable
-    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from prepare_openr1 import SYSTEM_PROMPT, USER_INSTRUCTION, load_table, make_prompt, resolve_system_prompt  # noqa: E402
-
-from mix_src.rewards.answers import gold_choice, last_boxed  # noqa: E402
+from mix_src.rewards.answers import gold_choice, last_boxed
+from scripts.data.prepare_openr1 import SYSTEM_PROMPT, USER_INSTRUCTION, load_table, make_prompt, resolve_system_prompt
 
 MATH = ("aime24", "aime25", "amc", "math500", "minerva", "olympiad_bench")
 MULTIPLE_CHOICE = ("arc_c", "gpqa_diamond")

@@ -18,7 +18,7 @@ Output columns (see data/README.md)::
 
 Usage (offline, local files)::
 
-    python scripts/data/prepare_openr1.py --input openr1.parquet --output data/openr1.parquet \\
+    python -m scripts.data.prepare_openr1 --input openr1.parquet --output data/openr1.parquet \\
         --tokenizer /models/Qwen2.5-Math-7B --max-target-tokens 8192
 
 ``--input`` is a parquet / jsonl / json file, a folder of them, a ``datasets.save_to_disk`` folder, or

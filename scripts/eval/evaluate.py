@@ -5,7 +5,7 @@ tiny models on a CPU); grades every sample with the training reward (mix_src.rew
 worker processes with a hard timeout); prints a per-``data_source`` table and the **unweighted** average
 over sources (as LUFFY reports it); writes everything to a JSON file.
 
-    python scripts/eval/evaluate.py --model ckpt/ --data data/valid.parquet --output results.json \\
+    python -m scripts.eval.evaluate --model ckpt/ --data data/valid.parquet --output results.json \\
         [--n 1] [--temperature 0.6] [--top-p 1.0] [--max-new-tokens 8192] [--backend auto|vllm|hf]
 
 Differences from LUFFY's ``eval_scripts/generate_vllm.py``: the system prompt is kept (pass
@@ -22,12 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from typing import Any, Callable
 
-if __package__ in (None, ""):  # run as a script: make mix_src importable from a source checkout
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 # ------------------------------------------------------------------------------------------- prompts

@@ -1,0 +1,1 @@
+"""Run from the repository root: ``python -m scripts.eval.<module> ...``."""
