@@ -22,7 +22,8 @@ export RAY_ADDRESS=local            # a private Ray cluster, never someone else'
 export TOKENIZERS_PARALLELISM=false WANDB_MODE="${WANDB_MODE:-disabled}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 NGPUS=                              # CPU only: the backend fragment sets one fake GPU
 
-"$PYTHON" "$ROOT/scripts/experiments/toy_addition.py" prepare --out "$ASSETS_DIR" >/dev/null  # no-op when cached
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # scripts.* are modules of the repository root
+"$PYTHON" -m scripts.experiments.toy_addition prepare --out "$ASSETS_DIR" >/dev/null  # no-op when cached
 TOKENIZER_PATH="$ASSETS_DIR/tokenizer"  # apart from the model: transformers 5 would swap it for Qwen2Tokenizer
 MODEL_PATH="${MODEL_PATH:-$ASSETS_DIR/base_seed0}"
 TRAIN_FILES="${TRAIN_FILES:-$ASSETS_DIR/train.parquet}"
@@ -41,7 +42,7 @@ mkdir -p "$OUTPUT_DIR"
 start=$SECONDS
 
 if [[ "$METHOD" == sft ]]; then
-  "$PYTHON" "$ROOT/scripts/experiments/toy_addition.py" sft-data "$TRAIN_FILES" "$OUTPUT_DIR/sft_messages.parquet" --seed "$SEED"
+  "$PYTHON" -m scripts.experiments.toy_addition sft-data "$TRAIN_FILES" "$OUTPUT_DIR/sft_messages.parquet" --seed "$SEED"
   "$PYTHON" -m torch.distributed.run --standalone --nnodes=1 --nproc_per_node=1 \
     -m verl.trainer.sft_trainer --config-path "$RECIPE_DIR" --config-name sft \
     "model.path=$MODEL_PATH" "model.tokenizer_path=$TOKENIZER_PATH" \

@@ -19,7 +19,7 @@ mismatch (one fp32 model does both).
 
 Usage::
 
-    python scripts/experiments/luffy_replica.py --method luffy --lr 5e-4 --steps 300 --seed 0 [--eval-every 25]
+    python -m scripts.experiments.luffy_replica --method luffy --lr 5e-4 --steps 300 --seed 0 [--eval-every 25]
         [--out outputs/toy_addition/replica/luffy_lr5e-4_seed0.json]
 """
 
@@ -32,11 +32,8 @@ import random
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import toy_addition as ta  # noqa: E402
-
-from mix_src import toy_addition as task  # noqa: E402
+from mix_src import toy_addition as task
+from scripts.experiments import toy_addition as ta
 
 RESPONSE_LEN, N, ENTROPY_COEFF, CLIP = 16, 8, 0.001, 0.2
 

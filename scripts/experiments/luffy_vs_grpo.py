@@ -16,11 +16,11 @@ Prints a table (step -> accuracy per method and seed), writes ``OUT/results.json
 
 Usage::
 
-    python scripts/experiments/luffy_vs_grpo.py [--steps 100] [--eval-every 20] [--seeds 0 1]
+    python -m scripts.experiments.luffy_vs_grpo [--steps 100] [--eval-every 20] [--seeds 0 1]
         [--methods luffy on_policy_grpo sft] [--out outputs/toy_addition/luffy_vs_grpo] [--rerun] [--no-run]
 
     # diagnostic figure: longer trainer runs (run.sh output dirs) next to luffy_replica.py curves
-    python scripts/experiments/luffy_vs_grpo.py --diagnostic OUT.png --long-runs DIR... --replicas JSON...
+    python -m scripts.experiments.luffy_vs_grpo --diagnostic OUT.png --long-runs DIR... --replicas JSON...
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-import toy_addition as ta  # noqa: E402  (scripts/experiments/toy_addition.py)
+from scripts.experiments import toy_addition as ta
 
 METHODS = ["luffy", "on_policy_grpo", "sft"]
 LABELS = {"luffy": "LUFFY (1 expert + 7 on-policy)", "on_policy_grpo": "on-policy GRPO (8 on-policy)",

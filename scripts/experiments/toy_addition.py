@@ -16,9 +16,9 @@ cached on disk (re-running is a no-op when the manifest matches):
 
 Usage::
 
-    python scripts/experiments/toy_addition.py prepare [--out outputs/toy_addition] [--seed 0]
-    python scripts/experiments/toy_addition.py sft-data OUT/train.parquet MESSAGES.parquet   # verl SFT data
-    python scripts/experiments/toy_addition.py eval MODEL_DIR [--tokenizer OUT/tokenizer] [--data OUT/heldout.parquet]
+    python -m scripts.experiments.toy_addition prepare [--out outputs/toy_addition] [--seed 0]
+    python -m scripts.experiments.toy_addition sft-data OUT/train.parquet MESSAGES.parquet   # verl SFT data
+    python -m scripts.experiments.toy_addition eval MODEL_DIR [--tokenizer OUT/tokenizer] [--data OUT/heldout.parquet]
 
 ``evaluate()`` is a held-out greedy evaluator (HF ``generate``) for any HF-format checkpoint.
 """
@@ -33,14 +33,10 @@ import string
 import sys
 import time
 
+from mix_src import toy_addition as task
+from scripts import make_tiny_assets as tiny_assets  # the char-level tokenizer builder
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
-
-from mix_src import toy_addition as task  # noqa: E402
-
-sys.path.insert(0, os.path.join(REPO_ROOT, "scripts"))
-import make_tiny_assets as tiny_assets  # noqa: E402  (scripts/make_tiny_assets.py: tokenizer builder)
 
 DEFAULT_OUT = os.path.join(REPO_ROOT, "outputs", "toy_addition")
 IM_START = "<|im_start|>"  # ChatML turn start (tokenizer: scripts/make_tiny_assets.py)

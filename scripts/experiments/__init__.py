@@ -1,0 +1,1 @@
+"""Experiments on the toy task: run from the repository root as ``python -m scripts.experiments.<module>``."""
