@@ -7,25 +7,18 @@ real verl/Ray jobs live in ``tests/e2e.py``.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 
 import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-if TESTS_DIR not in sys.path:  # so test modules can `from e2e import ...` under any rootdir/import mode
-    sys.path.insert(0, TESTS_DIR)
 
 
 def load_make_tiny_assets():
-    """Import ``scripts/make_tiny_assets.py`` by path (``scripts`` is not a package)."""
-    path = os.path.join(REPO_ROOT, "scripts", "make_tiny_assets.py")
-    spec = importlib.util.spec_from_file_location("make_tiny_assets", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """``scripts/make_tiny_assets.py`` (the repository root is on pytest's path, see pytest.ini)."""
+    from scripts import make_tiny_assets
+
+    return make_tiny_assets
 
 
 @pytest.fixture(scope="session")
