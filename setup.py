@@ -35,6 +35,7 @@ setup(
     install_requires=[
         "verl==0.9.1",
         *VERL_UNDECLARED,
+        "transferqueue==0.1.11",  # verl's V1 trainer (trainer.use_v1=true) moves data through it; needs tensordict>=0.10.0, verl pins <=0.10.0
         "transformers>=4.51",
         "tokenizers",
         "math-verify>=0.7",

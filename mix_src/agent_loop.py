@@ -11,6 +11,9 @@ does the same for stock verl via ``actor_rollout_ref.rollout.agent.agent_loop_co
 * ``rollout_seed`` — the row's sampling seed from the trainer (:mod:`mix_src.seeding`), sent to the server
   as ``sampling_params["seed"]``; rows without one (validation) are seeded from their batch position.
 
+On verl's V1 trainer, which runs the loop once per sample of a prompt with ``session_id`` 0..n-1, the prompt
+carries ``prefix_ratios`` and ``rollout_seeds`` (n each) instead, and sample ``session_id`` takes its own.
+
 With ``target_ids = tokenize(target) + [eos]`` and ``prefix = target_ids[:floor(ratio * len)]``
 (:func:`mix_src.prefix.build_prefix`), the response is ``prefix + generate(prompt + prefix)`` with
 ``max_tokens`` reduced by the prefix length. A row whose prefix fills the response (ratio 1.0: the whole
@@ -18,7 +21,9 @@ target + EOS) makes **no server call** — LUFFY generated a full, discarded con
 
 Returned ``extra_fields``: ``prefix_token_mask`` (uint8 array, 1 on prefix tokens, length of the
 response), ``prefix_ratio`` (float) and ``prefix_truncated`` (bool: the prefix did not fit the response
-length and was cut, counted by the trainer). Rollout log-probs of prefix tokens do not exist; when the
+length and was cut, counted by the trainer), and for a row that made no server call ``min_global_steps`` =
+``max_global_steps`` = the dispatching step - 1 (the weight version the trainer held when it dispatched the
+prompt; V1 casts these tags to int, ``verl/trainer/ppo/v1/trainer_base.py`` 1897). Rollout log-probs of prefix tokens do not exist; when the
 server returns log-probs, prefix positions hold 0.0 and the trainer keeps them out of rollout metrics.
 
 As verl's ``single_turn_agent_loop.py``: the per-row ``priority`` (set by verl's AgentLoopManager) goes to
@@ -82,6 +87,8 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
         """The row's sampling seed: the trainer's ``rollout_seed`` field, else one from the row's position
         (verl's ``priority``, e.g. in validation); see :mod:`mix_src.seeding`."""
         seed = kwargs.get("rollout_seed")
+        if seed is None and kwargs.get("rollout_seeds") is not None:  # V1: one list per prompt
+            seed = kwargs["rollout_seeds"][int(kwargs["session_id"])]
         if seed is not None:
             return int(seed)
         return fallback_seed(int(getattr(self.rollout_config, "seed", None) or 0), priority)  # verl's default: 42
@@ -93,7 +100,10 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
         sampling_params = {**sampling_params, "seed": self.request_seed(kwargs, priority)}
         prompt_ids = await self.ct_build_initial_tokens(messages)
 
-        ratio = float(kwargs.get("prefix_ratio", 0.0) or 0.0)
+        ratio = kwargs.get("prefix_ratio")
+        if ratio is None and kwargs.get("prefix_ratios") is not None:  # V1: one list per prompt
+            ratio = kwargs["prefix_ratios"][int(kwargs["session_id"])]
+        ratio = float(ratio or 0.0)
         prefix_ids = self.target_prefix_ids(kwargs.get("target"), ratio)
         truncated = len(prefix_ids) > self.response_length
         prefix_ids = prefix_ids[: self.response_length]
@@ -121,6 +131,9 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
             gen_logprobs = list(out.log_probs)[:max_tokens] if out.log_probs else None
             extra.update(out.extra_fields or {})
             metrics["num_preempted"] = out.num_preempted if out.num_preempted is not None else -1
+        elif kwargs.get("global_steps") is not None:  # no server call: the policy version at dispatch
+            version = int(kwargs["global_steps"]) - 1
+            extra.update(global_steps=version, min_global_steps=version, max_global_steps=version)
 
         response_ids = prefix_ids + gen_ids
         # verl stacks rollout log-probs only if every row has them: keep one rule for all rows.

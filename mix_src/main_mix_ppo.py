@@ -4,7 +4,8 @@ composed through the primary ``mix_ppo.yaml``; a recipe passes ``--config-path r
 On the driver, before Ray starts: validate the ``mix:`` section and its ties to verl's keys, refuse the
 verl settings the MIX trainer cannot honour (:mod:`mix_src.verl_parity`, each error names the key), check
 that the data and model paths exist and that ``+backend=cpu`` has the CPU backend active, then run verl's
-own ``run_ppo`` with :class:`MixTaskRunner`, which builds :class:`~mix_src.mix_trainer.MIXRayPPOTrainer`.
+own ``run_ppo`` with :class:`MixTaskRunner`, which builds :class:`~mix_src.mix_trainer.MIXRayPPOTrainer`, or with
+``trainer.use_v1=true`` :class:`~mix_src.mix_trainer_v1.MixTaskRunnerV1` (LUFFY on verl's V1 trainer).
 The ``prefix_guided`` agent loop needs no config path: it registers itself in each AgentLoopWorker
 (see :mod:`mix_src.agent_loop`).
 """
@@ -167,19 +168,80 @@ def config_stage(config: DictConfig) -> None:
     from verl.utils.config import validate_config
     from verl.utils.device import auto_set_device
 
-    if config.trainer.get("use_v1", False):
-        raise MixConfigError("trainer.use_v1=true: the MIX trainer builds on verl's RayPPOTrainer; set trainer.use_v1=false")
+    use_v1 = bool(config.trainer.get("use_v1", False))
+    if use_v1:
+        check_v1_config(config)
     prepare_config(config)
     auto_set_device(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
 
 
 def run_mix_ppo(config: DictConfig) -> None:
-    """Validate on the driver, then start Ray and train."""
+    """Validate on the driver, then start Ray and train (verl's V1 trainer with trainer.use_v1=true)."""
     from verl.trainer.main_ppo import run_ppo
 
     config_stage(config)
-    run_ppo(config, task_runner_class=ray.remote(num_cpus=1)(MixTaskRunner))
+    if bool(config.trainer.get("use_v1", False)):
+        from mix_src.mix_trainer_v1 import MixTaskRunnerV1
+
+        run_ppo(config, task_runner_class=ray.remote(MixTaskRunnerV1))
+    else:
+        run_ppo(config, task_runner_class=ray.remote(num_cpus=1)(MixTaskRunner))
+
+
+V1_MODES = ("sync", "colocate_async", "separate_async")
+
+
+def check_v1_config(config: DictConfig) -> None:
+    """Refuse, before Ray starts, what LUFFY on verl's V1 trainer (mix_src/mix_trainer_v1.py) cannot honour."""
+    mode = config.trainer.v1.trainer_mode
+    if mode not in V1_MODES:
+        raise MixConfigError(f"trainer.v1.trainer_mode={mode!r}: use one of {', '.join(V1_MODES)}")
+    if mode == "separate_async" and config.trainer.device == "cpu":
+        raise MixConfigError(
+            "trainer.v1.trainer_mode=separate_async does not run on the CPU backend: verl pushes weights to its "
+            "standalone rollout pool through a non-naive checkpoint engine (verl/trainer/ppo/v1/trainer_separate_async.py "
+            "67-69), and each of verl 0.9.1's (nccl needs cupy/CUDA, hccl Ascend, nixl/mooncake/kimi RDMA) needs an "
+            "accelerator; use sync or colocate_async on CPU"
+        )
+    try:
+        import transfer_queue  # noqa: F401
+    except ImportError as e:
+        raise MixConfigError(
+            "trainer.use_v1=true: verl's V1 trainer moves data through TransferQueue, which is not installed; "
+            "`pip install transferqueue==0.1.11`, or set trainer.use_v1=false"
+        ) from e
+    mix_fg = (config.get("mix") or {}).get("filter_groups") or {}
+    why = {
+        "carry_over": "verl's V1 replay buffer owns the surplus groups (sync mode discards them, the async modes keep "
+        "unsampled groups queued for the next step); set it to false, or trainer.use_v1=false",
+        "on_policy_only": "verl's V1 replay buffer takes the metric's std over every row of a group "
+        "(verl/trainer/ppo/v1/replay_buffer.py ReplayBuffer._dapo_filtered_keys) and has no per-row mask; set it to "
+        "false (with it off the expert row always counts), or trainer.use_v1=false",
+    }
+    for key, reason in why.items():
+        if mix_fg.get(key, False):
+            raise MixConfigError(f"mix.filter_groups.{key}=true is not supported on trainer.use_v1=true: {reason}")
+    fg = config.algorithm.get("filter_groups") or {}
+    if fg.get("enable", False) and int(fg.get("max_num_gen_batches", 0) or 0) > 0:
+        raise MixConfigError(
+            f"algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches}: verl's V1 replay buffer ignores it "
+            "(verl/trainer/ppo/v1/trainer_base.py _resolve_filter_groups_metric); set it to 0 and bound generation "
+            "with algorithm.filter_groups.max_inflight_gen_batches, or set trainer.use_v1=false"
+        )
+    loss = (config.get("mix") or {}).get("loss") or {}
+    if loss.get("use_adaptive_entropy", False):
+        raise MixConfigError(
+            "mix.loss.use_adaptive_entropy=true is not supported on trainer.use_v1=true: the learned coefficient's "
+            "state comes back in the update metrics and only MIXRayPPOTrainer saves it in its checkpoint (a resumed "
+            "V1 run would restart it); use a fixed actor.entropy_coeff, or trainer.use_v1=false"
+        )
+    if loss.get("all_max_clip") is not None:
+        raise MixConfigError(
+            f"mix.loss.all_max_clip={loss.all_max_clip} is not supported on trainer.use_v1=true: its token-mean "
+            "normaliser (kept tokens per mini-batch) is computed by MIXRayPPOTrainer before the update; set it to "
+            "null, or trainer.use_v1=false"
+        )
 
 
 @hydra.main(config_path="config", config_name="mix_ppo", version_base=None)

@@ -33,7 +33,6 @@ by zero.
 
 from __future__ import annotations
 
-import math
 import os
 import uuid
 from pprint import pprint
@@ -66,15 +65,13 @@ from verl.utils.debug import marked_timer
 from verl.utils.metric import reduce_metrics
 from verl.utils.skip.skip_manager import SkipManager
 
-from mix_src.adv_estimators import ADV_ESTIMATORS
-from mix_src.core_alg import apply_prefix_advantage_weights
 from mix_src.dataset import TARGET_FIELD
 from mix_src.filter_groups import filter_groups, plan_train_batch
 from mix_src.loss import add_kept_token_counts, pop_entropy_state
 from mix_src.mix_config import MixConfig
-from mix_src.prefix import compute_prefix_ratios
 from mix_src.seeding import request_seeds
 from mix_src.rollout_policy import ROLLOUT_POLICIES, RolloutContext
+from mix_src.stages import draw_prefix_ratios, luffy_advantages, prefix_mask_tensor, prefix_step_metrics, solve_metrics
 
 MIX_STATE_FILE = "mix_state.pt"
 
@@ -330,7 +327,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             part = batch[idx].union(out)
             if "response_mask" not in part.batch.keys():
                 part.batch["response_mask"] = compute_response_mask(part)
-            part.batch["prefix_mask"] = _prefix_mask_tensor(
+            part.batch["prefix_mask"] = prefix_mask_tensor(
                 part.non_tensor_batch.pop("prefix_token_mask"), part.batch["response_mask"]
             )
             return self._extract_reward(part)
@@ -354,26 +351,10 @@ class MIXRayPPOTrainer(RayPPOTrainer):
     def _prefix_ratios(self, gen_batch: DataProto, gen_index: int) -> np.ndarray:
         """One ratio per row (float64, rows ``i*n + j``), drawn from a generator seeded with
         ``(seed, global_step, gen_index)`` so a resumed run draws the same; rows without a target get 0."""
-        mix = self.mix
-        ratios = compute_prefix_ratios(
-            len(gen_batch) // self.n,
-            self.n,
-            strategy=mix.prefix_strategy,
-            n_prefix=mix.n_prefix,
-            min_prefix_ratio=mix.min_prefix_ratio,
-            max_prefix_ratio=mix.max_prefix_ratio,
-            prefix_steps=mix.prefix_steps,
-            prefix_linear_max_ratio=mix.prefix_linear_max_ratio,
-            prefix_fix_ratios=mix.prefix_fix_ratios,
-            share_across_samples=mix.prefix_share_across_samples,
-            global_step=self.global_steps,
-            rng=np.random.default_rng([self.prefix_seed, self.global_steps, gen_index]),
-        )
-        targets = gen_batch.non_tensor_batch.get(TARGET_FIELD)  # the dataset's normalised mix.data.target_key
-        has_target = np.zeros(len(gen_batch), dtype=bool) if targets is None else np.array(
-            [isinstance(t, str) and len(t) > 0 for t in targets]
-        )
-        return np.where(has_target, ratios, 0.0)
+        return draw_prefix_ratios(
+            self.mix, len(gen_batch) // self.n, self.n, seed=self.prefix_seed, global_step=self.global_steps,
+            gen_index=gen_index, targets=gen_batch.non_tensor_batch.get(TARGET_FIELD),
+        )  # fmt: skip
 
     def _extract_reward(self, batch: DataProto) -> DataProto:
         """Stage 2: the rule reward was computed in the agent loop (``rm_scores``); move it into place. A reward
@@ -467,18 +448,9 @@ class MIXRayPPOTrainer(RayPPOTrainer):
                 metrics.update(kl_metrics)
             else:
                 batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
-            prefix_mask = batch.batch["prefix_mask"]
-            if algo.adv_estimator in ADV_ESTIMATORS:  # prefix-aware estimators (mix_src.adv_estimators)
-                advantages, returns = ADV_ESTIMATORS.get(algo.adv_estimator)(
-                    batch.batch["token_level_rewards"],
-                    batch.batch["response_mask"],
-                    torch.as_tensor(_group_ids(batch.non_tensor_batch["uid"])),
-                    prefix_mask,
-                    algo,
-                )
-                batch.batch["advantages"], batch.batch["returns"] = advantages, returns
-            else:
-                batch = compute_advantage(
+
+            def verl_estimator():
+                out = compute_advantage(
                     batch,
                     adv_estimator=algo.adv_estimator,
                     gamma=algo.gamma,
@@ -487,9 +459,12 @@ class MIXRayPPOTrainer(RayPPOTrainer):
                     norm_adv_by_std_in_grpo=algo.get("norm_adv_by_std_in_grpo", True),
                     config=algo,
                 )
-            alpha, beta = self.mix.prefix_reward_weight_alpha, self.mix.prefix_reward_weight_beta
-            if alpha != 1.0 or beta != 1.0:
-                batch.batch["advantages"] = apply_prefix_advantage_weights(batch.batch["advantages"], prefix_mask, alpha, beta)
+                return out.batch["advantages"], out.batch["returns"]
+
+            batch.batch["advantages"], batch.batch["returns"] = luffy_advantages(
+                batch.batch["token_level_rewards"], batch.batch["response_mask"], batch.non_tensor_batch["uid"],
+                batch.batch["prefix_mask"], algo, self.mix, verl_estimator,
+            )  # fmt: skip
         return batch
 
     # ------------------------------------------------------------------------------------------------
@@ -558,17 +533,9 @@ class MIXRayPPOTrainer(RayPPOTrainer):
     # stage 7: metrics
     def _add_rollout_metrics(self, batch: DataProto, metrics: dict) -> None:
         """LUFFY's solve metrics over every generated row of the step (before filtering)."""
-        solved = _solved(batch)
         off = batch.batch["prefix_mask"].any(-1).numpy()
-        group_ids = _group_ids(batch.non_tensor_batch["uid"])
-        n_groups = group_ids.max() + 1
-        solved_per_group = np.bincount(group_ids, weights=solved, minlength=n_groups)
-        size = np.bincount(group_ids, minlength=n_groups)
-        metrics["batch/solve_none"] = float(np.mean(solved_per_group == 0))
-        metrics["batch/solve_all"] = float(np.mean(solved_per_group == size))
-        metrics["batch/solved"] = float(solved.mean())
-        metrics["batch/on_solved"] = float(solved[~off].mean()) if (~off).any() else 0.0
-        metrics["batch/off_solved"] = float(solved[off].mean()) if off.any() else 0.0
+        solved = _solved(batch)
+        metrics.update(solve_metrics(solved, off, batch.non_tensor_batch["uid"]))
         ungradable = batch.non_tensor_batch.get("ungradable")  # rows the reward could not grade (scored wrong)
         if ungradable is not None:
             metrics["reward/ungradable"] = int(np.count_nonzero(np.asarray(ungradable, dtype=bool)))
@@ -577,12 +544,8 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             metrics["batch/prefix_truncated"] = int(sum(bool(t) for t in truncated))
 
     def _add_step_metrics(self, batch: DataProto, metrics: dict, timing: dict) -> None:
-        ratios = np.asarray(batch.non_tensor_batch["prefix_ratio"], dtype=np.float64)
-        off = batch.batch["prefix_mask"].any(-1)
-        metrics["batch/avg_prefix_ratio"] = math.fsum(ratios) / len(ratios)  # exact: row order (balancing) cannot change it
-        metrics["batch/off_policy_rows"] = int(off.sum())
-        metrics["batch/prefix_token_frac"] = float(
-            (batch.batch["prefix_mask"].sum() / batch.batch["response_mask"].sum().clamp(min=1)).item()
+        metrics.update(
+            prefix_step_metrics(batch.non_tensor_batch["prefix_ratio"], batch.batch["prefix_mask"], batch.batch["response_mask"])
         )
         metrics["training/global_step"] = self.global_steps
         metrics["training/epoch"] = self._epoch
@@ -640,11 +603,6 @@ def merge_rollout_timing(parts: list[tuple[dict[str, float], int]]) -> dict[str,
     return merged
 
 
-def _group_ids(uids: np.ndarray) -> np.ndarray:
-    """Dense int64 group id per row from the per-prompt uid strings."""
-    return np.unique(np.asarray(uids, dtype=object).astype(str), return_inverse=True)[1].astype(np.int64)
-
-
 def _num_groups(batch: DataProto) -> int:
     return len(set(batch.non_tensor_batch["uid"].tolist()))
 
@@ -653,17 +611,6 @@ def _solved(batch: DataProto) -> np.ndarray:
     if "acc" in batch.non_tensor_batch:
         return np.asarray(batch.non_tensor_batch["acc"], dtype=np.float64) > 0
     return (batch.batch["token_level_scores"].sum(-1) > 0).numpy()
-
-
-def _prefix_mask_tensor(row_masks: np.ndarray, response_mask: torch.Tensor) -> torch.Tensor:
-    """(bsz, response_len) bool: the rows' ``prefix_token_mask`` arrays, right-padded, within the response."""
-    bsz, width = response_mask.shape
-    out = torch.zeros(bsz, width, dtype=torch.bool)
-    for i, m in enumerate(row_masks):
-        if m is not None and len(m):
-            k = min(len(m), width)
-            out[i, :k] = torch.as_tensor(np.asarray(m[:k], dtype=bool))
-    return out & response_mask.bool()
 
 
 def _rollout_vs_actor_metrics(batch: DataProto) -> dict[str, float]:

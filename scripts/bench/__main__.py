@@ -8,6 +8,7 @@ BENCHMARKS = {
     "rewards": "math-verify reward: sequential vs batch API throughput, worst-case latency",
     "step": "CPU tiny config: stock verl GRPO vs MIX trainer at n_prefix=0, step-time ratio; --toy: the toy "
     "LUFFY step's stage breakdown vs a plain-torch reference loop",
+    "v1": "cpu_tiny recipe: legacy MIX trainer vs V1 sync vs V1 colocate_async, step time and samples/s",
 }
 
 

@@ -1,0 +1,141 @@
+"""LUFFY's per-step pieces, called by both trainer bases (:mod:`mix_src.mix_trainer` on verl's legacy
+``RayPPOTrainer`` and :mod:`mix_src.mix_trainer_v1` on verl's V1 ``PPOTrainer``).
+
+Each function is numpy/torch only and independent of how the trainer stores its batch (``DataProto`` in the
+legacy loop, TransferQueue fields in V1): prefix-ratio drawing, the ``prefix_mask`` tensor, LUFFY's
+advantages (``grpo_split`` + the alpha/beta prefix weights) and LUFFY's metrics.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from mix_src.adv_estimators import ADV_ESTIMATORS
+from mix_src.core_alg import apply_prefix_advantage_weights
+from mix_src.mix_config import MixConfig
+from mix_src.prefix import compute_prefix_ratios
+
+__all__ = [
+    "draw_prefix_ratios",
+    "group_ids",
+    "luffy_advantages",
+    "prefix_mask_tensor",
+    "prefix_step_metrics",
+    "solve_metrics",
+]
+
+
+def group_ids(uids: Sequence) -> np.ndarray:
+    """Dense int64 group id per row from the per-prompt uid strings. (bsz,) -> (bsz,)"""
+    return np.unique(np.asarray(uids, dtype=object).astype(str), return_inverse=True)[1].astype(np.int64)
+
+
+def draw_prefix_ratios(
+    mix: MixConfig, num_prompts: int, n: int, *, seed: int, global_step: int, gen_index: int, targets: Optional[Sequence]
+) -> np.ndarray:
+    """One prefix ratio per row, float64 (num_prompts * n,), rows ``i*n + j`` (prompt i, sample j).
+
+    Drawn from ``np.random.default_rng([seed, global_step, gen_index])``, so a resumed run draws what an
+    uninterrupted one drew. ``targets`` has one entry per row (or None); rows without a non-empty string
+    target get 0 (no prefix).
+    """
+    ratios = compute_prefix_ratios(
+        num_prompts,
+        n,
+        strategy=mix.prefix_strategy,
+        n_prefix=mix.n_prefix,
+        min_prefix_ratio=mix.min_prefix_ratio,
+        max_prefix_ratio=mix.max_prefix_ratio,
+        prefix_steps=mix.prefix_steps,
+        prefix_linear_max_ratio=mix.prefix_linear_max_ratio,
+        prefix_fix_ratios=mix.prefix_fix_ratios,
+        share_across_samples=mix.prefix_share_across_samples,
+        global_step=global_step,
+        rng=np.random.default_rng([seed, global_step, gen_index]),
+    )
+    if targets is None:
+        return np.zeros(num_prompts * n, dtype=np.float64)
+    has_target = np.array([isinstance(t, str) and len(t) > 0 for t in targets], dtype=bool)
+    return np.where(has_target, ratios, 0.0)
+
+
+def prefix_mask_tensor(row_masks: Sequence, response_mask: torch.Tensor) -> torch.Tensor:
+    """(bsz, response_len) bool: the rows' ``prefix_token_mask`` arrays, right-padded, within the response.
+
+    ``row_masks`` has one 0/1 array (or None / empty for an on-policy row) per row.
+    """
+    bsz, width = response_mask.shape
+    out = torch.zeros(bsz, width, dtype=torch.bool)
+    for i, m in enumerate(row_masks):
+        if m is not None and len(m):
+            k = min(len(m), width)
+            out[i, :k] = torch.as_tensor(np.asarray(m[:k], dtype=bool))
+    return out & response_mask.bool()
+
+
+def luffy_advantages(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    uids: Sequence,
+    prefix_mask: torch.Tensor,
+    algorithm: Any,
+    mix: MixConfig,
+    verl_estimator: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages and returns, each (bsz, response_len).
+
+    A prefix-aware estimator registered in :data:`mix_src.adv_estimators.ADV_ESTIMATORS` (``grpo_split``: the
+    group baseline over the on-policy rows only) is called with ``prefix_mask``; any other estimator:
+    ``verl_estimator()``, the trainer's call into verl. Then LUFFY's prefix weights ``A <- A * (alpha * g + beta * (1 - g))``.
+
+    Args:
+        token_level_rewards: (bsz, response_len) float.
+        response_mask: (bsz, response_len) 0/1.
+        uids: (bsz,) prompt-group id per row.
+        prefix_mask: (bsz, response_len) bool.
+        algorithm: verl's ``algorithm`` config (adv_estimator, norm_adv_by_std_in_grpo).
+        mix: the validated ``mix:`` section (prefix_reward_weight_alpha/beta).
+    """
+    if algorithm.adv_estimator in ADV_ESTIMATORS:  # prefix-aware estimators (mix_src.adv_estimators, plugins)
+        advantages, returns = ADV_ESTIMATORS.get(algorithm.adv_estimator)(
+            token_level_rewards, response_mask, torch.as_tensor(group_ids(uids)), prefix_mask, algorithm
+        )
+    else:
+        advantages, returns = verl_estimator()
+    alpha, beta = mix.prefix_reward_weight_alpha, mix.prefix_reward_weight_beta
+    if alpha != 1.0 or beta != 1.0:
+        advantages = apply_prefix_advantage_weights(advantages, prefix_mask, alpha, beta)
+    return advantages, returns
+
+
+def solve_metrics(solved: np.ndarray, off_policy_rows: np.ndarray, uids: Sequence) -> dict[str, float]:
+    """LUFFY's solve metrics: ``batch/solve_none``, ``solve_all`` (fractions of prompt groups), ``solved``,
+    ``on_solved``, ``off_solved`` (fractions of rows). ``solved``, ``off_policy_rows``: (bsz,) bool."""
+    solved = np.asarray(solved, dtype=bool)
+    off = np.asarray(off_policy_rows, dtype=bool)
+    gid = group_ids(uids)
+    n_groups = int(gid.max()) + 1 if len(gid) else 0
+    solved_per_group = np.bincount(gid, weights=solved, minlength=n_groups)
+    size = np.bincount(gid, minlength=n_groups)
+    return {
+        "batch/solve_none": float(np.mean(solved_per_group == 0)),
+        "batch/solve_all": float(np.mean(solved_per_group == size)),
+        "batch/solved": float(solved.mean()),
+        "batch/on_solved": float(solved[~off].mean()) if (~off).any() else 0.0,
+        "batch/off_solved": float(solved[off].mean()) if off.any() else 0.0,
+    }
+
+
+def prefix_step_metrics(ratios: Sequence[float], prefix_mask: torch.Tensor, response_mask: torch.Tensor) -> dict[str, float]:
+    """``batch/avg_prefix_ratio`` (exact sum: row order cannot change it), ``batch/off_policy_rows``,
+    ``batch/prefix_token_frac`` (prefix tokens / response tokens). ``prefix_mask``, ``response_mask``: (bsz, L)."""
+    ratios = np.asarray(ratios, dtype=np.float64)
+    return {
+        "batch/avg_prefix_ratio": math.fsum(ratios) / max(len(ratios), 1),
+        "batch/off_policy_rows": int(prefix_mask.any(-1).sum()),
+        "batch/prefix_token_frac": float((prefix_mask.sum() / response_mask.sum().clamp(min=1)).item()),
+    }

@@ -1,0 +1,199 @@
+"""LUFFY on verl's V1 trainer (``trainer.use_v1=true``, mix_src/mix_trainer_v1.py) on the CPU backend.
+
+The end-to-end runs (marked ``ray``) are ``python -m mix_src.main_mix_ppo +backend=cpu trainer.use_v1=true ...``
+in their own process tree and Ray cluster (tests/e2e.py), with verl's TransferQueue; about a minute each.
+The refusals run on the driver before Ray starts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import ray
+from hydra import compose, initialize_config_module
+from test_dataset_agent_loop import TARGET, RecordingServer, _agent_loop, _run, tokenizer  # noqa: F401 (fixture)
+
+from e2e import MIX_CPU, run_verl, tiny_overrides
+from mix_src.mix_config import MixConfigError
+
+MIX = "mix_src.main_mix_ppo"
+LUFFY = ["mix.n_prefix=1", "mix.min_prefix_ratio=1.0", "mix.max_prefix_ratio=1.0", "algorithm.adv_estimator=grpo_split"]
+
+
+def v1_run(tiny_assets, tmp_path, mode, *extra, steps=2, name="run", timeout=420):
+    overrides = MIX_CPU + tiny_overrides(tiny_assets, steps=steps, n=4, batch_size=4, response_length=24)
+    overrides += ["trainer.use_v1=true", f"trainer.v1.trainer_mode={mode}"]
+    return run_verl(MIX, overrides + list(extra), tmp_path, timeout=timeout, name=name)
+
+
+def assert_luffy_step(m: dict) -> None:
+    """One trained step: one full expert row per prompt, graded correct, with a non-zero loss on its tokens."""
+    assert m["batch/avg_prefix_ratio"] == pytest.approx(0.25)  # 1 of 4 rows at ratio 1.0
+    assert m["batch/off_policy_rows"] == 4  # one per prompt
+    assert 0 < m["batch/prefix_token_frac"] < 1
+    assert m["batch/off_solved"] == 1.0  # the expert solutions are graded correct
+    for key in ("actor/off_policy_prob", "actor/on_policy_prob", "actor/off_pg_loss", "actor/grad_norm"):
+        assert key in m and math.isfinite(m[key]), key
+    assert 0.0 < m["actor/off_policy_prob"] < 1.0  # the shaped term saw the prefix tokens
+    assert m["actor/off_pg_loss"] != 0.0  # loss on prefix tokens
+    assert m["actor/grad_norm"] > 0
+
+
+@pytest.mark.ray
+def test_v1_sync_luffy_with_filter_groups_and_resume(tiny_assets, tmp_path):
+    """Sync mode, 2 steps, filter groups through verl's replay buffer, then a run resumed from the step-2 checkpoint.
+
+    Half the rows keep their target (mix.data.sample_target_ratio=0.5): a group without one has only failing
+    on-policy rows (acc std 0) and verl's replay buffer drops it; a group with one has its solved expert row and is
+    kept. So every trained group has exactly one expert row, and verl reports the evicted groups.
+    """
+    common = [*LUFFY, "mix.data.sample_target_ratio=0.5", "algorithm.filter_groups.enable=true",
+              "algorithm.filter_groups.metric=acc", f"trainer.default_local_dir={tmp_path / 'ckpt'}"]  # fmt: skip
+    first = v1_run(tiny_assets, tmp_path / "first", "sync", *common, "trainer.save_freq=2", steps=2)
+    assert [m["step"] for m in first.metrics] == [1, 2]
+    for m in first.metrics:
+        assert_luffy_step(m)
+    assert sum(m.get("training/filter_groups/evicted_samples", 0) for m in first.metrics) > 0
+    assert (tmp_path / "ckpt" / "global_step_2" / "actor").is_dir()
+
+    resumed = v1_run(tiny_assets, tmp_path / "resumed", "sync", *common, "trainer.resume_mode=auto", steps=3)
+    assert [m["step"] for m in resumed.metrics] == [3]  # resumed after step 2
+    assert_luffy_step(resumed.metrics[0])
+
+
+@pytest.mark.ray
+def test_v1_colocate_async_luffy(tiny_assets, tmp_path):
+    result = v1_run(tiny_assets, tmp_path, "colocate_async", *LUFFY)
+    assert [m["step"] for m in result.metrics] == [1, 2]
+    for m in result.metrics:
+        assert_luffy_step(m)
+        assert "training/off_policy/trajectory_staleness/mean" in m
+
+
+# ---------------------------------------------------------------------------------------------------
+# on the driver, before Ray: what V1 cannot honour is refused, naming the key and why
+
+
+def compose_v1(tiny_assets, *overrides):
+    with initialize_config_module(config_module="mix_src.config", version_base=None):
+        return compose(config_name="mix_ppo", overrides=[*MIX_CPU, *tiny_overrides(tiny_assets), "trainer.use_v1=true",
+                                                         *overrides])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "overrides, pattern",
+    [
+        (["trainer.v1.trainer_mode=fully_async"], r"trainer\.v1\.trainer_mode='fully_async': use one of sync, colocate_async"),
+        (["algorithm.filter_groups.enable=true", "mix.filter_groups.carry_over=true"],
+         r"mix\.filter_groups\.carry_over=true is not supported on trainer\.use_v1=true: verl's V1 replay buffer owns"),
+        (["algorithm.filter_groups.enable=true", "mix.filter_groups.on_policy_only=true"],
+         r"mix\.filter_groups\.on_policy_only=true .*_dapo_filtered_keys"),
+        (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=10"],
+         r"max_num_gen_batches=10: verl's V1 replay buffer ignores it .*max_inflight_gen_batches"),
+        (["mix.n_prefix=1", "algorithm.rollout_correction.rollout_is=token"], r"rollout_correction\.rollout_is is set"),
+        (["trainer.v1.trainer_mode=separate_async"], r"separate_async does not run on the CPU backend: .*checkpoint engine"),
+        (["mix.loss.use_adaptive_entropy=true"], r"mix\.loss\.use_adaptive_entropy=true is not supported on trainer\.use_v1"),
+        (["mix.loss.all_max_clip=0.9"], r"mix\.loss\.all_max_clip=0\.9 is not supported on trainer\.use_v1"),
+    ],
+)  # fmt: skip
+def test_v1_refusals_before_ray(tiny_assets, overrides, pattern):
+    from mix_src.main_mix_ppo import run_mix_ppo
+
+    with pytest.raises(MixConfigError, match=pattern):
+        run_mix_ppo(compose_v1(tiny_assets, *overrides))
+    assert not ray.is_initialized()
+
+
+# ---------------------------------------------------------------------------------------------------
+# the agent loop under V1: one list of ratios per prompt, sample ``session_id`` takes its own
+
+
+def test_agent_loop_takes_its_sessions_ratio_and_tags_no_call_rows(tokenizer):  # noqa: F811
+    server = RecordingServer(tokenizer.convert_tokens_to_ids("7"))
+    loop = _agent_loop(tokenizer, server)
+    target_ids = tokenizer.encode(TARGET, add_special_tokens=False) + [tokenizer.eos_token_id]
+    ratios = [1.0, 0.5, 0.0]
+    seeds = [11, 12, 13]
+    outs = [_run(loop, target=TARGET, prefix_ratios=ratios, rollout_seeds=seeds, session_id=i, global_steps=3)
+            for i in range(3)]  # fmt: skip
+    assert [o.extra_fields["prefix_ratio"] for o in outs] == ratios
+    assert [c["sampling_params"]["seed"] for c in server.calls] == [12, 13]  # each sample its own seed
+    assert [int(o.extra_fields["prefix_token_mask"].sum()) for o in outs] == [len(target_ids), len(target_ids) // 2, 0]
+    assert len(server.calls) == 2  # the whole-target row made no call
+    # V1 casts every row's version tags to int: the no-call row carries the version the trainer held at dispatch
+    assert outs[0].extra_fields["min_global_steps"] == outs[0].extra_fields["max_global_steps"] == 2
+
+
+def test_v1_rows_draw_the_shared_seeded_ratios():
+    """The V1 trainer attaches draw_prefix_ratios(seed, step, fetch index) per prompt; same inputs, same ratios."""
+    from mix_src.mix_config import mix_config_from_dict
+    from mix_src.stages import draw_prefix_ratios
+
+    mix = mix_config_from_dict({"n_prefix": 2, "min_prefix_ratio": 0.3, "max_prefix_ratio": 0.7})
+    kw = dict(seed=7, global_step=2, targets=[TARGET] * 8)
+    a = draw_prefix_ratios(mix, 2, 4, gen_index=0, **kw)
+    assert np.array_equal(a, draw_prefix_ratios(mix, 2, 4, gen_index=0, **kw))
+    assert not np.array_equal(a, draw_prefix_ratios(mix, 2, 4, gen_index=1, **kw))
+    per_prompt = a.reshape(2, 4)
+    assert (per_prompt[:, 2:] == 0).all() and ((per_prompt[:, :2] >= 0.3) & (per_prompt[:, :2] <= 0.7)).all()
+
+
+def test_separate_async_composes_for_a_gpu_config():
+    """separate_async cannot run on CPU (refused above); with a GPU-style config the LUFFY trainer builds (no Ray)."""
+    from mix_src.mix_trainer_v1 import MixPPOTrainerSeparateAsync, MixV1Mixin
+    from verl.trainer.ppo.v1 import PPOTrainerSeparateAsync, get_trainer_cls
+
+    with initialize_config_module(config_module="mix_src.config", version_base=None):
+        cfg = compose(config_name="mix_ppo", overrides=[
+            "trainer.use_v1=true", "trainer.v1.trainer_mode=separate_async", *LUFFY, "data.train_batch_size=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.nnodes=1",
+            "actor_rollout_ref.rollout.n_gpus_per_node=1", "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+        ])  # fmt: skip
+    assert get_trainer_cls("mix_separate_async") is MixPPOTrainerSeparateAsync
+    trainer = MixPPOTrainerSeparateAsync(cfg)
+    assert isinstance(trainer, MixV1Mixin) and isinstance(trainer, PPOTrainerSeparateAsync)
+    assert trainer.mix.n_prefix == 1 and trainer.parameter_sync_step == 4  # 4 local updates of 2 prompts per step
+    assert type(trainer.replay_buffer).__name__ == "ReplayBufferAsync"
+
+
+# ---------------------------------------------------------------------------------------------------
+# the recipes' V1 variant (recipes/README.md): every GPU recipe composes with trainer.use_v1=true
+
+
+V1_EXTRAS = {
+    "dapo_filter": ["algorithm.filter_groups.max_num_gen_batches=0"],
+    "luffy_filter": ["algorithm.filter_groups.max_num_gen_batches=0", "mix.filter_groups.carry_over=false"],
+}
+
+
+@pytest.mark.parametrize("name", ["luffy_zero", "on_policy_grpo", "rl_with_sft_loss", "sft_then_rl", "dapo_filter",
+                                  "luffy_filter", "prefix_curriculum"])  # fmt: skip
+@pytest.mark.parametrize("mode", ["sync", "colocate_async"])
+def test_recipes_v1_variant(name, mode):
+    from test_recipes import compose_recipe
+
+    from mix_src.main_mix_ppo import check_v1_config
+    from mix_src.mix_config import validate_mix_config
+
+    v1 = ["trainer.use_v1=true", f"trainer.v1.trainer_mode={mode}"]
+    if name in V1_EXTRAS:  # refused as is, naming the key
+        with pytest.raises(MixConfigError, match=r"(max_num_gen_batches=10|carry_over=true).*(ignores|owns)"):
+            check_v1_config(compose_recipe(name, v1))
+    cfg = compose_recipe(name, v1 + V1_EXTRAS.get(name, []))
+    check_v1_config(cfg)
+    validate_mix_config(cfg)
+
+
+def test_cpu_backend_shortens_the_replay_buffer_poll():
+    """verl polls TransferQueue every 2 s (replay_buffer.py:144, not configurable); on the CPU backend 0.05 s."""
+    import mix_src.cpu as cpu_backend
+    from mix_src.cpu.v1_patches import CPU_POLL_INTERVAL_S
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
+
+    assert cpu_backend.is_active()
+    kw = dict(trainer_config={}, max_off_policy_threshold=None, max_off_policy_strategy="drop", sampler_kwargs={})
+    assert ReplayBuffer(trainer_mode="sync", **kw).poll_interval == CPU_POLL_INTERVAL_S == 0.05
+    assert ReplayBufferAsync(trainer_mode="colocate_async", **kw).poll_interval == CPU_POLL_INTERVAL_S
+    assert ReplayBuffer(trainer_mode="sync", poll_interval=1.5, **kw).poll_interval == 1.5  # explicit value wins

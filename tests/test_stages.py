@@ -1,0 +1,56 @@
+"""mix_src.stages: the per-step pieces both trainer bases call (pure numpy/torch, hand-computed numbers)."""
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from mix_src.mix_config import mix_config_from_dict
+from mix_src.stages import luffy_advantages, prefix_mask_tensor, prefix_step_metrics, solve_metrics
+
+
+def test_prefix_mask_tensor_pads_and_stays_inside_the_response():
+    response_mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    rows = [np.array([1, 1, 0], dtype=np.uint8), None, np.array([1, 1, 1, 1, 1], dtype=np.uint8)]
+    out = prefix_mask_tensor(rows, response_mask)
+    assert out.dtype == torch.bool
+    assert out.int().tolist() == [[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]]
+
+
+def test_luffy_advantages_split_baseline_and_prefix_weights():
+    # one group of 4 rows: row 0 is the expert (solved), rows 1-3 on-policy with rewards 1, 0, 0
+    rewards = torch.zeros(4, 2)
+    rewards[:, -1] = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    response_mask = torch.ones(4, 2)
+    prefix_mask = torch.tensor([[True, True], [False, False], [False, False], [False, False]])
+    algo = OmegaConf.create({"adv_estimator": "grpo_split", "norm_adv_by_std_in_grpo": False})
+    mix = mix_config_from_dict({"prefix_reward_weight_alpha": 2.0, "prefix_reward_weight_beta": 0.5})
+
+    def never():
+        raise AssertionError("grpo_split must not call verl's estimator")
+
+    adv, _ = luffy_advantages(rewards, response_mask, ["u"] * 4, prefix_mask, algo, mix, never)
+    mu_on = 1.0 / 3.0  # baseline over the on-policy rows only
+    expected = torch.tensor([(1 - mu_on) * 2.0, (1 - mu_on) * 0.5, -mu_on * 0.5, -mu_on * 0.5])
+    assert torch.allclose(adv[:, 0], expected) and torch.allclose(adv[:, 1], expected)
+
+
+def test_luffy_advantages_other_estimators_go_through_verl():
+    algo = OmegaConf.create({"adv_estimator": "grpo"})
+    mix = mix_config_from_dict({})
+    adv = torch.full((2, 3), 0.5)
+    out, ret = luffy_advantages(torch.zeros(2, 3), torch.ones(2, 3), ["a", "b"], torch.zeros(2, 3, dtype=torch.bool),
+                                algo, mix, lambda: (adv, adv * 2))  # fmt: skip
+    assert out is adv and torch.equal(ret, adv * 2)  # alpha = beta = 1: untouched
+
+
+def test_solve_and_prefix_metrics():
+    solved = np.array([1, 0, 0, 0, 1, 1, 1, 1], dtype=bool)
+    off = np.array([1, 0, 0, 0, 1, 0, 0, 0], dtype=bool)
+    uids = ["a"] * 4 + ["b"] * 4
+    m = solve_metrics(solved, off, uids)
+    assert m == {"batch/solve_none": 0.0, "batch/solve_all": 0.5, "batch/solved": 5 / 8,
+                 "batch/on_solved": 3 / 6, "batch/off_solved": 1.0}  # fmt: skip
+    prefix_mask = torch.tensor([[1, 1, 0], [0, 0, 0]], dtype=torch.bool)
+    p = prefix_step_metrics([1.0, 0.0], prefix_mask, torch.tensor([[1, 1, 1], [1, 1, 0]]))
+    assert p == {"batch/avg_prefix_ratio": 0.5, "batch/off_policy_rows": 1, "batch/prefix_token_frac": pytest.approx(2 / 5)}
