@@ -229,6 +229,19 @@ def check_v1_config(config: DictConfig) -> None:
             "(verl/trainer/ppo/v1/trainer_base.py _resolve_filter_groups_metric); set it to 0 and bound generation "
             "with algorithm.filter_groups.max_inflight_gen_batches, or set trainer.use_v1=false"
         )
+    policy = (config.get("mix") or {}).get("rollout_policy", "prefix_guided")
+    if policy != "prefix_guided":
+        raise MixConfigError(
+            f"mix.rollout_policy={policy!r} is not supported on trainer.use_v1=true: verl's V1 trainer generates each "
+            "prompt's samples in its own agent-loop sessions, so a policy that looks at a first pass and generates a "
+            "second (mix_src/rollout_policy.py) has no place there; use trainer.use_v1=false"
+        )
+    rule = mix_fg.get("rule", "nonzero_std")
+    if fg.get("enable", False) and rule != "nonzero_std":
+        raise MixConfigError(
+            f"mix.filter_groups.rule={rule!r} is not supported on trainer.use_v1=true: verl's V1 replay buffer applies "
+            "its own std > 0 rule (verl/trainer/ppo/v1/replay_buffer.py); use trainer.use_v1=false"
+        )
     loss = (config.get("mix") or {}).get("loss") or {}
     if loss.get("use_adaptive_entropy", False):
         raise MixConfigError(

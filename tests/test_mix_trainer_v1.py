@@ -96,6 +96,10 @@ def compose_v1(tiny_assets, *overrides):
         (["trainer.v1.trainer_mode=separate_async"], r"separate_async does not run on the CPU backend: .*checkpoint engine"),
         (["mix.loss.use_adaptive_entropy=true"], r"mix\.loss\.use_adaptive_entropy=true is not supported on trainer\.use_v1"),
         (["mix.loss.all_max_clip=0.9"], r"mix\.loss\.all_max_clip=0\.9 is not supported on trainer\.use_v1"),
+        (["mix.plugins=[recipes/guide_on_failure/guide_on_failure.py]", "mix.rollout_policy=guide_on_failure"],
+         r"mix\.rollout_policy='guide_on_failure' is not supported on trainer\.use_v1=true"),
+        (["algorithm.filter_groups.enable=true", "mix.filter_groups.rule=test_rule"],
+         r"mix\.filter_groups\.rule='test_rule' is not supported on trainer\.use_v1=true"),
     ],
 )  # fmt: skip
 def test_v1_refusals_before_ray(tiny_assets, overrides, pattern):
