@@ -91,7 +91,18 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
             seed = kwargs["rollout_seeds"][int(kwargs["session_id"])]
         if seed is not None:
             return int(seed)
-        return fallback_seed(int(getattr(self.rollout_config, "seed", None) or 0), priority)  # verl's default: 42
+        rollout_seed = int(getattr(self.rollout_config, "seed", None) or 0)  # verl's default: 42
+        if kwargs.get("session_id") is not None:  # V1 sets no priority: the row's data index and its sample
+            return fallback_seed(rollout_seed, int(kwargs.get("index", 0) or 0), int(kwargs["session_id"]))
+        return fallback_seed(rollout_seed, priority)
+
+    @staticmethod
+    def deterministic_request_id(kwargs: dict[str, Any], priority: int) -> str:
+        """verl's ``det-{priority}`` (single_turn_agent_loop.py); on V1, where every request has priority 0,
+        the data index and sample keep concurrent ids distinct (vLLM refuses a running request's id)."""
+        if kwargs.get("session_id") is not None:
+            return f"det-{int(kwargs.get('index', 0) or 0)}-{int(kwargs['session_id'])}"
+        return f"det-{priority}"
 
     async def run(self, sampling_params: dict[str, Any], priority: int = 0, **kwargs) -> AgentLoopOutput:
         priority = int(priority)  # may arrive as np.int64 from the batch's non-tensor fields
@@ -122,7 +133,7 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
             full_determinism = getattr(self.rollout_config, "full_determinism", False)
             with simple_timer("generate_sequences", metrics):
                 out = await self.server_manager.generate(
-                    request_id=f"det-{priority}" if full_determinism else uuid4().hex,
+                    request_id=self.deterministic_request_id(kwargs, priority) if full_determinism else uuid4().hex,
                     prompt_ids=prompt_ids + prefix_ids,
                     sampling_params={**sampling_params, "max_tokens": max_tokens},
                     priority=priority,

@@ -69,7 +69,7 @@ from mix_src.dataset import TARGET_FIELD
 from mix_src.filter_groups import filter_groups, plan_train_batch
 from mix_src.loss import add_kept_token_counts, pop_entropy_state
 from mix_src.mix_config import MixConfig
-from mix_src.seeding import request_seeds
+from mix_src.seeding import pass_seeds, request_seeds
 from mix_src.rollout_policy import ROLLOUT_POLICIES, RolloutContext
 from mix_src.stages import draw_prefix_ratios, luffy_advantages, prefix_mask_tensor, prefix_step_metrics, solve_metrics
 
@@ -310,6 +310,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         gen_batch = gen_batch.repeat(repeat_times=self.n, interleave=True)
         gen_batch.non_tensor_batch["rollout_seed"] = self._rollout_seeds(len(batch), gen_index)
         batch = batch.repeat(repeat_times=self.n, interleave=True)
+        passes: list[tuple[dict, int]] = []  # (timing, rows) of each pass the rollout policy makes
 
         def generate(ratios: np.ndarray, rows: Optional[np.ndarray] = None) -> DataProto:
             idx = np.arange(len(batch)) if rows is None else np.asarray(rows, dtype=np.int64)
@@ -319,11 +320,12 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             sub = gen_batch if rows is None else gen_batch[idx]
             sub = DataProto(batch=sub.batch, non_tensor_batch=dict(sub.non_tensor_batch), meta_info=dict(sub.meta_info))
             sub.non_tensor_batch["prefix_ratio"] = ratios
+            # a later pass over the same rows draws new samples (seeded per pass, so runs still reproduce)
+            sub.non_tensor_batch["rollout_seed"] = pass_seeds(sub.non_tensor_batch["rollout_seed"], len(passes))
             if not self._rollout_awake:  # a colocated reward model put it to sleep after the last batch
                 self._wake_rollout()
             out = self.async_rollout_manager.generate_sequences(sub)
-            for key, value in out.meta_info.pop("timing", {}).items():
-                timing[key] = timing.get(key, 0.0) + value
+            passes.append((out.meta_info.pop("timing", {}), len(sub)))
             part = batch[idx].union(out)
             if "response_mask" not in part.batch.keys():
                 part.batch["response_mask"] = compute_response_mask(part)
@@ -338,6 +340,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             prefix_ratios=lambda: self._prefix_ratios(gen_batch, gen_index), rng=np.random.default_rng([*seed, 1]),
         )  # fmt: skip
         out = ROLLOUT_POLICIES.get(self.mix.rollout_policy)(ctx)
+        timing.update(merge_rollout_timing(passes))  # min/max/mean keep their meaning over several passes
         if len(out) != len(batch):
             raise ValueError(f"rollout policy {self.mix.rollout_policy!r} returned {len(out)} rows for {len(batch)}")
         return out

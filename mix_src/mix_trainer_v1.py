@@ -183,6 +183,8 @@ class MixV1Mixin:
         out = solve_metrics(solved, prefix_mask.any(-1).numpy(), uids)
         out.update(prefix_step_metrics([e.get("prefix_ratio", 0.0) for e in extra], prefix_mask, padded["response_mask"]))
         out["batch/prefix_truncated"] = int(sum(bool(e.get("prefix_truncated", False)) for e in extra))
+        # rows the reward could not grade (scored wrong), as the legacy trainer counts them
+        out["reward/ungradable"] = int(sum(bool(e.get("reward_extra_info", {}).get("ungradable")) for e in extra))
         return out
 
 

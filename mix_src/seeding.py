@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+_PASS_TAG = 0x5A55  # a rollout policy's later pass over the same rows
 _VALIDATION_TAG = 0x56414C  # "VAL": keeps validation seeds apart from any training (step, batch) pair
 
 
@@ -40,6 +41,15 @@ def request_seeds(rollout_seed: int, global_step: int, gen_index: int, num_promp
     return np.array([_seed63(*base, i, j) for i in range(num_prompts) for j in range(n)], dtype=np.int64)
 
 
-def fallback_seed(rollout_seed: int, position: int) -> int:
-    """Seed of a row the trainer did not seed (validation): from its position in the batch (verl's ``priority``)."""
-    return _seed63(int(rollout_seed), _VALIDATION_TAG, int(position))
+def fallback_seed(rollout_seed: int, *position: int) -> int:
+    """Seed of a row the trainer did not seed (validation): from its position, e.g. its place in the batch
+    (verl's ``priority``, legacy trainer) or its data index and sample (V1, where verl sets no priority)."""
+    return _seed63(int(rollout_seed), _VALIDATION_TAG, *(int(p) for p in position))
+
+
+def pass_seeds(seeds: np.ndarray, pass_index: int) -> np.ndarray:
+    """Seeds for a rollout policy's pass ``pass_index`` over rows seeded ``seeds`` (pass 0 keeps them), so a
+    second pass over the same rows draws new samples, reproducibly. (rows,) int64 -> (rows,) int64."""
+    if pass_index == 0:
+        return np.asarray(seeds, dtype=np.int64)
+    return np.array([_seed63(int(s), _PASS_TAG, int(pass_index)) for s in seeds], dtype=np.int64)

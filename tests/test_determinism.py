@@ -189,3 +189,25 @@ def test_agent_loop_sends_the_row_seed_to_the_server(tiny_assets):
     assert run(rollout_seed=np.int64(123), priority=5) == 123
     assert run(priority=5) == fallback_seed(11, 5) != run(priority=6)
     assert run() == fallback_seed(11, 0)  # verl always sets priority; 0 is its default
+    # V1 sets no priority (every request 0): the data index and the sample keep seeds apart
+    v1 = {(i, j): run(index=i, session_id=j) for i in (3, 4) for j in (0, 1)}
+    assert len(set(v1.values())) == 4 and v1[(3, 1)] == fallback_seed(11, 3, 1)
+
+
+def test_full_determinism_request_ids_stay_distinct_on_v1():
+    from mix_src.agent_loop import PrefixGuidedAgentLoop
+
+    rid = PrefixGuidedAgentLoop.deterministic_request_id
+    assert rid({}, 5) == "det-5"  # verl's own id on the legacy trainer
+    ids = {rid({"index": i, "session_id": j}, 0) for i in (0, 1) for j in (0, 1, 2)}
+    assert len(ids) == 6  # V1: every request has priority 0; vLLM refuses a running request's id
+
+
+def test_later_rollout_passes_get_new_reproducible_seeds():
+    from mix_src.seeding import pass_seeds
+
+    seeds = request_seeds(7, 3, 0, 2, 4)
+    assert np.array_equal(pass_seeds(seeds, 0), seeds)
+    second = pass_seeds(seeds, 1)
+    assert np.array_equal(second, pass_seeds(seeds, 1))
+    assert not set(second.tolist()) & set(seeds.tolist()) and len(set(second.tolist())) == len(seeds)

@@ -293,3 +293,42 @@ def test_rollout_timing_over_generation_batches_keeps_min_max_meaning():
     assert merged["agent_loop/slowest/response_length"] == 7  # from the batch with the slowest sample
     assert merged["generate_sequences"] == 12.0  # wall times add up
     assert merge_rollout_timing([(a, 8)]) == a
+
+
+def test_two_pass_rollout_policy_merges_timing_and_reseeds_the_second_pass():
+    from mix_src.rollout_policy import register_rollout_policy
+
+    @register_rollout_policy("test_two_passes")
+    def two_passes(ctx):
+        first = ctx.generate(np.zeros(len(ctx.batch)))
+        ctx.generate(np.zeros(2), rows=np.array([0, 1]))  # resample two rows on-policy
+        return first
+
+    trainer = make_trainer()
+    trainer.mix = mix_config_from_dict({"rollout_policy": "test_two_passes"})
+    trainer.config.actor_rollout_ref.rollout.seed = 5
+    seen = []
+
+    class Rollout:
+        def generate_sequences(self, gen_batch):
+            rows = len(gen_batch)
+            seen.append(list(gen_batch.non_tensor_batch["rollout_seed"]))
+            mask = np.empty(rows, dtype=object)
+            mask[:] = [np.zeros(0, dtype=np.uint8)] * rows
+            timing = {"agent_loop/generate_sequences/max": 4.0 if len(seen) == 1 else 1.0,
+                      "agent_loop/generate_sequences/mean": 2.0 if len(seen) == 1 else 1.0}  # fmt: skip
+            return DataProto.from_dict(
+                tensors={"responses": torch.zeros(rows, 4, dtype=torch.int64),
+                         "response_mask": torch.ones(rows, 4, dtype=torch.int64),
+                         "rm_scores": torch.zeros(rows, 4)},
+                non_tensors={"prefix_token_mask": mask}, meta_info={"timing": timing},
+            )  # fmt: skip
+
+    trainer.async_rollout_manager = Rollout()
+    batch_dict = {"input_ids": torch.zeros(2, 3, dtype=torch.int64), "raw_prompt": np.array(["a", "b"], dtype=object)}
+    timing = {}
+    trainer._generate(batch_dict, gen_index=0, timing=timing)
+    assert timing["agent_loop/generate_sequences/max"] == 4.0  # a max, not the sum of the passes
+    rows = 2 * N
+    assert timing["agent_loop/generate_sequences/mean"] == pytest.approx((2.0 * rows + 1.0 * 2) / (rows + 2))
+    assert seen[1] != seen[0][:2]  # the second pass over rows 0 and 1 samples anew
