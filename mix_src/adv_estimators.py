@@ -22,12 +22,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 
 from verl.trainer.ppo import core_algos
 
-from mix_src.core_alg import compute_grpo_outcome_advantage_split
+from mix_src.core_alg import compute_grpo_outcome_advantage_split, group_ids
 from mix_src.registry import Registry
 
 __all__ = ["ADV_ESTIMATORS", "grpo_split_estimator", "register_adv_estimator"]
@@ -44,8 +43,7 @@ def register_adv_estimator(name: str) -> Callable[[AdvEstimator], AdvEstimator]:
         ADV_ESTIMATORS.register(name)(fn)
 
         def verl_signature(token_level_rewards, response_mask, index=None, config=None, **kwargs):
-            group_ids = np.unique(np.asarray(index).astype(str), return_inverse=True)[1]
-            return fn(token_level_rewards, response_mask, torch.as_tensor(group_ids, dtype=torch.long),
+            return fn(token_level_rewards, response_mask, group_ids(index),
                       torch.zeros(response_mask.shape, dtype=torch.bool), config if config is not None else {})  # fmt: skip
 
         verl_signature.__name__ = verl_signature.__qualname__ = f"{name}_verl_signature"

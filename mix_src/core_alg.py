@@ -109,6 +109,11 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked_sum(values, mask) / _nonzero(_count(mask))
 
 
+def group_ids(index: Any) -> torch.Tensor:
+    """index: (B,) group id per row (numpy array of str/int, list, or tensor) -> (B,) long ids in [0, G)."""
+    return _group_ids(index, len(index))[0]
+
+
 def _group_ids(index: Any, num_rows: int) -> tuple[torch.Tensor, int]:
     """index: (B,) group id per row (numpy array of str/int, list, or tensor) -> ((B,) long ids in
     [0, G), G). Vectorised, no Python loop over rows."""

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from mix_src.adv_estimators import ADV_ESTIMATORS
+from mix_src import core_alg
 from mix_src.core_alg import apply_prefix_advantage_weights
 from mix_src.mix_config import MixConfig
 from mix_src.prefix import compute_prefix_ratios
@@ -31,7 +32,7 @@ __all__ = [
 
 def group_ids(uids: Sequence) -> np.ndarray:
     """Dense int64 group id per row from the per-prompt uid strings. (bsz,) -> (bsz,)"""
-    return np.unique(np.asarray(uids, dtype=object).astype(str), return_inverse=True)[1].astype(np.int64)
+    return core_alg.group_ids(np.asarray(uids, dtype=object)).numpy()
 
 
 def draw_prefix_ratios(
@@ -102,7 +103,7 @@ def luffy_advantages(
     """
     if algorithm.adv_estimator in ADV_ESTIMATORS:  # prefix-aware estimators (mix_src.adv_estimators, plugins)
         advantages, returns = ADV_ESTIMATORS.get(algorithm.adv_estimator)(
-            token_level_rewards, response_mask, torch.as_tensor(group_ids(uids)), prefix_mask, algorithm
+            token_level_rewards, response_mask, core_alg.group_ids(np.asarray(uids, dtype=object)), prefix_mask, algorithm
         )
     else:
         advantages, returns = verl_estimator()
