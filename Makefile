@@ -25,8 +25,9 @@ install: $(STAMP)
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# LUFFY vs on-policy GRPO on the toy-addition demo variant, side by side (scripts/experiments/demo.py)
 demo: install
-	bash recipes/cpu_tiny/run.sh
+	$(PY) -m scripts.experiments.demo
 
 bench: install
 	$(PY) -m scripts.bench all

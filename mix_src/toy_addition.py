@@ -21,14 +21,22 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Union
 
 DATA_SOURCE = "toy_addition"
-N_DIGITS = 3
-LO, HI = 10 ** (N_DIGITS - 1), 10**N_DIGITS - 1  # operands are 100..999
+N_DIGITS = 3  # the experiment's operands are 100..999; the demo (recipes/toy_addition/demo.sh) uses 2
 ANSWER_SEP = ">"
 _ANSWER_RE = re.compile(re.escape(ANSWER_SEP) + r"(\d+)")
-_TRACE_RE = re.compile(r"^\d\d \d\d \d\d" + re.escape(ANSWER_SEP) + r"\d{4}$")
+
+
+def operand_range(n_digits: int = N_DIGITS) -> tuple[int, int]:
+    """Smallest and largest ``n_digits``-digit operand (100..999 for 3)."""
+    return 10 ** (n_digits - 1), 10**n_digits - 1
+
+
+def n_columns(a: int, b: int) -> int:
+    """Columns of the trace: the digit count of the longer operand."""
+    return max(len(str(a)), len(str(b)))
 
 
 def digits_lsd(x: int, n: int = N_DIGITS) -> list[int]:
@@ -38,8 +46,8 @@ def digits_lsd(x: int, n: int = N_DIGITS) -> list[int]:
 
 def carries(a: int, b: int) -> list[int]:
     """Carry out of each column (units first) when adding ``a + b`` column by column."""
-    out, c = [], 0
-    for da, db in zip(digits_lsd(a), digits_lsd(b)):
+    out, c, n = [], 0, n_columns(a, b)
+    for da, db in zip(digits_lsd(a, n), digits_lsd(b, n)):
         c = (da + db + c) // 10
         out.append(c)
     return out
@@ -60,17 +68,18 @@ def parse_prompt(text: str) -> tuple[int, int]:
 
 def expert_trace(a: int, b: int) -> str:
     """The correct step-by-step solution (the LUFFY ``target``): digit/carry pairs, ``>``, 4-digit sum."""
-    pairs, c = [], 0
-    for da, db in zip(digits_lsd(a), digits_lsd(b)):
+    pairs, c, n = [], 0, n_columns(a, b)
+    for da, db in zip(digits_lsd(a, n), digits_lsd(b, n)):
         s = da + db + c
         c = s // 10
         pairs.append(f"{s % 10}{c}")
-    return " ".join(pairs) + f"{ANSWER_SEP}{a + b:0{N_DIGITS + 1}d}"
+    return " ".join(pairs) + f"{ANSWER_SEP}{a + b:0{n + 1}d}"
 
 
 def carry_free_trace(a: int, b: int) -> str:
     """The base model's (wrong on carry problems) procedure: column sums mod 10, carries always 0."""
-    ds = [(da + db) % 10 for da, db in zip(digits_lsd(a), digits_lsd(b))]
+    n = n_columns(a, b)
+    ds = [(da + db) % 10 for da, db in zip(digits_lsd(a, n), digits_lsd(b, n))]
     answer = "0" + "".join(str(d) for d in reversed(ds))
     return " ".join(f"{d}0" for d in ds) + f"{ANSWER_SEP}{answer}"
 
@@ -81,6 +90,14 @@ def extract_answer(solution: str) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
+def _is_trace(text: str) -> bool:
+    """One well-formed trace: k ``<digit><carry>`` pairs, ``>``, then a (k+1)-digit answer."""
+    pairs, sep, answer = text.partition(ANSWER_SEP)
+    cols = pairs.split(" ")
+    return (bool(sep) and all(len(c) == 2 and c.isdigit() for c in cols)
+            and len(answer) == len(cols) + 1 and answer.isdigit())
+
+
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> dict:
     """verl custom reward: ``score`` = ``acc`` = 1.0 when the final answer equals ``ground_truth``.
 
@@ -88,29 +105,67 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     """
     answer = extract_answer(solution_str)
     correct = answer is not None and answer == int(ground_truth)
-    format_ok = bool(_TRACE_RE.match(solution_str.strip()))
+    format_ok = _is_trace(solution_str.strip())
     return {"score": float(correct), "acc": float(correct), "format_ok": float(format_ok)}
 
 
-def sample_problems(n: int, rng: random.Random, *, carry: Optional[bool] = True,
-                    exclude: Iterable[tuple[int, int]] = ()) -> list[tuple[int, int]]:
-    """``n`` distinct problems ``(a, b)`` with 3-digit operands; ``carry``: True = at least one carry,
-    False = none, None = any. Problems in ``exclude`` are never drawn."""
+def _units_only_carry(a: int, b: int) -> bool:
+    c = carries(a, b)
+    return c[0] == 1 and not any(c[1:])
+
+
+# Named problem classes (``carry=<name>``). The demo's pair: training and in-distribution problems carry
+# out of the units column only, with units digits summing to 10..15; the out-of-distribution class carries
+# the same way but from the 6 digit pairs summing to 16..18 (7+9, 8+8, 9+7, 8+9, 9+8, 9+9), which no
+# training problem contains: the carry rule has to transfer to digit pairs it was never shown for.
+PROBLEM_CLASSES = {
+    "units_carry": lambda a, b: _units_only_carry(a, b) and a % 10 + b % 10 <= 15,
+    "units_carry_ood": lambda a, b: _units_only_carry(a, b) and a % 10 + b % 10 >= 16,
+}
+CarrySpec = Optional[Union[bool, tuple, str]]
+
+
+def matches(a: int, b: int, carry: CarrySpec) -> bool:
+    """``carry``: None = any problem, True = at least one carry, False = none, a tuple = exactly that carry
+    pattern, units first (``(1, 0)``: only the units column carries), a name = a :data:`PROBLEM_CLASSES`."""
+    if carry is None:
+        return True
+    if isinstance(carry, bool):
+        return has_carry(a, b) == carry
+    if isinstance(carry, str):
+        if carry not in PROBLEM_CLASSES:
+            raise ValueError(f"unknown problem class {carry!r}; known: {sorted(PROBLEM_CLASSES)}")
+        return PROBLEM_CLASSES[carry](a, b)
+    return tuple(carries(a, b)) == tuple(carry)
+
+
+def all_problems(carry: CarrySpec, n_digits: int = N_DIGITS) -> list[tuple[int, int]]:
+    """Every ``n_digits``-digit problem matching ``carry``, in order (for small classes: 2 digits)."""
+    lo, hi = operand_range(n_digits)
+    return [(a, b) for a in range(lo, hi + 1) for b in range(lo, hi + 1) if matches(a, b, carry)]
+
+
+def sample_problems(n: int, rng: random.Random, *, carry: CarrySpec = True,
+                    exclude: Iterable[tuple[int, int]] = (), n_digits: int = N_DIGITS) -> list[tuple[int, int]]:
+    """``n`` distinct problems ``(a, b)`` with ``n_digits``-digit operands whose carries match ``carry``
+    (see :func:`matches`). Problems in ``exclude`` are never drawn."""
     seen = set(exclude)
+    lo, hi = operand_range(n_digits)
     out = []
     while len(out) < n:
-        a, b = rng.randint(LO, HI), rng.randint(LO, HI)
-        if (a, b) in seen or (carry is not None and has_carry(a, b) != carry):
+        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+        if (a, b) in seen or not matches(a, b, carry):
             continue
         seen.add((a, b))
         out.append((a, b))
     return out
 
 
-def make_row(a: int, b: int, split: str, index: int) -> dict:
-    """One row in verl's RL schema plus LUFFY's ``target`` column (the expert trace)."""
+def make_row(a: int, b: int, split: str, index: int, data_source: str = DATA_SOURCE) -> dict:
+    """One row in verl's RL schema plus LUFFY's ``target`` column (the expert trace). ``data_source`` names
+    the row's metric group (verl logs ``val-core/<data_source>/acc/mean@1``)."""
     return {
-        "data_source": DATA_SOURCE,
+        "data_source": data_source,
         "prompt": [{"role": "user", "content": prompt_text(a, b)}],
         "ability": "arithmetic",
         "reward_model": {"style": "rule", "ground_truth": str(a + b)},
@@ -119,9 +174,11 @@ def make_row(a: int, b: int, split: str, index: int) -> dict:
     }
 
 
-def splits(seed: int = 0, n_train: int = 4096, n_heldout: int = 200) -> dict[str, list[tuple[int, int]]]:
-    """Held-out carry problems first (fixed by ``seed``), then disjoint carry training problems."""
+def splits(seed: int = 0, n_train: int = 4096, n_heldout: int = 200, n_digits: int = N_DIGITS,
+           carry: CarrySpec = True) -> dict[str, list[tuple[int, int]]]:
+    """Held-out problems first (fixed by ``seed``), then disjoint training problems, both with carries
+    matching ``carry`` (:func:`matches`)."""
     rng = random.Random(seed)
-    heldout = sample_problems(n_heldout, rng, carry=True)
-    train = sample_problems(n_train, rng, carry=True, exclude=heldout)
+    heldout = sample_problems(n_heldout, rng, carry=carry, n_digits=n_digits)
+    train = sample_problems(n_train, rng, carry=carry, exclude=heldout, n_digits=n_digits)
     return {"train": train, "heldout": heldout}

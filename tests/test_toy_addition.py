@@ -127,6 +127,53 @@ def test_splits_are_carry_problems_disjoint_and_deterministic():
     assert not any(task.has_carry(a, b) for a, b in free)
 
 
+@pytest.mark.parametrize(
+    "a, b, expert, carry_free",
+    [
+        (27, 48, "51 70>075", "50 60>065"),  # the demo variant: 2 columns, a 3-digit answer
+        (99, 99, "81 91>198", "80 80>088"),
+        (12, 34, "60 40>046", "60 40>046"),
+    ],
+)
+def test_two_digit_traces(a, b, expert, carry_free):
+    assert task.expert_trace(a, b) == expert and task.carry_free_trace(a, b) == carry_free
+    assert task.compute_score("", expert, str(a + b)) == {"score": 1.0, "acc": 1.0, "format_ok": 1.0}
+    # the format check counts columns: 2 pairs take a 3-digit answer, not a 4-digit one
+    assert task.compute_score("", expert[:-3] + "0" + expert[-3:], str(a + b))["format_ok"] == 0.0
+
+
+def test_demo_problem_classes_by_hand():
+    """units_carry: only the units column carries, units digits sum to 10..15; units_carry_ood: the same
+    carry from the 6 digit pairs summing to 16..18, which the training class never contains."""
+    assert task.matches(27, 48, "units_carry")  # 7+8=15, 2+4+1=7: no tens carry
+    assert not task.matches(27, 49, "units_carry") and task.matches(27, 49, "units_carry_ood")  # 7+9=16
+    assert not task.matches(57, 58, "units_carry")  # 5+5+1=11: the tens column carries too
+    assert not task.matches(21, 48, "units_carry")  # no carry at all
+    ind, ood = task.all_problems("units_carry", 2), task.all_problems("units_carry_ood", 2)
+    assert (len(ind), len(ood)) == (39 * 28, 6 * 28)  # digit pairs x tens pairs with a1+b1 <= 8
+    assert {(a % 10, b % 10) for a, b in ood} == {(7, 9), (8, 8), (9, 7), (8, 9), (9, 8), (9, 9)}
+    assert not {(a % 10, b % 10) for a, b in ind} & {(a % 10, b % 10) for a, b in ood}
+    with pytest.raises(ValueError, match="unknown problem class 'nope'"):
+        task.matches(1, 2, "nope")
+
+
+def test_demo_variant_splits(ta):
+    sp = ta.variant_splits("demo", seed=0)
+    assert (len(sp["heldout"]), len(sp["train"]), len(sp["ood"])) == (200, 892, 168)
+    assert not set(sp["heldout"]) & set(sp["train"]) and not set(sp["ood"]) & set(sp["train"])
+    assert all(task.matches(a, b, "units_carry") for a, b in sp["train"] + sp["heldout"])
+    assert ta.variant_splits("demo", seed=0) == sp
+    assert ta.variant_splits("addition3", seed=0) == task.splits(seed=0, n_train=ta.N_TRAIN, n_heldout=ta.N_HELDOUT)
+
+
+def test_summary_table_mean_and_each_seed():
+    lvg = _load("luffy_vs_grpo")
+    res = {"luffy": {0: {"curve": {0: 0.0, 40: 0.9}, "ood_curve": {40: 0.5}},
+                     1: {"curve": {0: 0.0, 40: 0.7}, "ood_curve": {40: 0.25}}}}
+    md = lvg.summary_table(res, ["luffy"], [0, 1], 40, has_ood=True)
+    assert "| **80.0** (90.0 / 70.0) | **37.5** (50.0 / 25.0) |" in md, md
+
+
 def test_row_schema():
     row = task.make_row(123, 459, "train", 7)
     assert row["prompt"] == [{"role": "user", "content": "123+459"}]

@@ -3,7 +3,8 @@
 # Usage: bash recipes/toy_addition/run.sh METHOD SEED [hydra overrides...]
 #   METHOD: luffy | on_policy_grpo   (python -m mix_src.main_mix_ppo, config METHOD.yaml, CPU backend)
 #         | sft                      (verl's own verl.trainer.sft_trainer, config sft.yaml, torchrun on CPU)
-# Env: STEPS (default 100), EVAL_EVERY (20), ASSETS_DIR (outputs/toy_addition),
+# Env: STEPS (default 100), EVAL_EVERY (20), VARIANT (addition3 | demo: scripts/experiments/toy_addition.py),
+#      ASSETS_DIR (outputs/toy_addition),
 #      OUTPUT_DIR (outputs/toy_addition/runs/METHOD_seedSEED), plus recipes/common.sh's PYTHON, LOGGER.
 # The first call builds the tokenizer, parquets and base model into ASSETS_DIR (a few minutes, cached).
 # RL runs log held-out greedy accuracy (val-core/toy_addition/acc/mean@1) every EVAL_EVERY steps to
@@ -14,7 +15,7 @@ case "$METHOD" in luffy|on_policy_grpo|sft) ;; *) echo "unknown METHOD '$METHOD'
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 : "${ASSETS_DIR:=$ROOT/outputs/toy_addition}"
 : "${OUTPUT_DIR:=$ASSETS_DIR/runs/${METHOD}_seed$SEED}"
-: "${STEPS:=100}" "${EVAL_EVERY:=20}"
+: "${STEPS:=100}" "${EVAL_EVERY:=20}" "${VARIANT:=addition3}"
 EXPERIMENT_NAME="toy_addition_${METHOD}_seed$SEED"
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
 export VERL_PLATFORM=cpu            # the CPU backend (mix_src.cpu), even on a machine with a GPU
@@ -23,10 +24,13 @@ export TOKENIZERS_PARALLELISM=false WANDB_MODE="${WANDB_MODE:-disabled}" OMP_NUM
 NGPUS=                              # CPU only: the backend fragment sets one fake GPU
 
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # scripts.* are modules of the repository root
-"$PYTHON" -m scripts.experiments.toy_addition prepare --out "$ASSETS_DIR" >/dev/null  # no-op when cached
+"$PYTHON" -m scripts.experiments.toy_addition prepare --out "$ASSETS_DIR" --variant "$VARIANT" >/dev/null  # no-op when cached
 TOKENIZER_PATH="$ASSETS_DIR/tokenizer"  # apart from the model: transformers 5 would swap it for Qwen2Tokenizer
 MODEL_PATH="${MODEL_PATH:-$ASSETS_DIR/base_seed0}"
 TRAIN_FILES="${TRAIN_FILES:-$ASSETS_DIR/train.parquet}"
+if [[ -z "${VAL_FILES:-}" && -f "$ASSETS_DIR/ood.parquet" ]]; then
+  VAL_FILES="[$ASSETS_DIR/heldout.parquet,$ASSETS_DIR/ood.parquet]"  # val-core/toy_addition{,_ood}/acc/mean@1
+fi
 VAL_FILES="${VAL_FILES:-$ASSETS_DIR/heldout.parquet}"
 # RL runs resume from the newest checkpoint in OUTPUT_DIR (verl resume_mode auto; they save the last step).
 # verl's file logger truncates metrics.jsonl when it starts, so on resume the metrics so far move to

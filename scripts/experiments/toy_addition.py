@@ -53,6 +53,17 @@ MODEL_KW = dict(
 # Pre-training of the base model: long enough to learn the format and the mod-10 procedure reliably.
 PRETRAIN = dict(steps=800, batch_size=64, lr=1e-3, warmup=50, weight_decay=0.0)
 N_TRAIN, N_HELDOUT = 4096, 200
+# Task variants. "addition3" is the experiment (3-digit operands, every problem has a carry; LUFFY needs
+# ~300 steps). "demo" is the smaller variant `make demo` trains in minutes with the same property (the base
+# model solves 0%, on-policy samples never earn a reward, LUFFY learns it): 2-digit operands whose only carry
+# is out of the units column (units sum 10..15: 1092 problems, 200 held out, 892 for training), plus an
+# out-of-distribution set (mix_src.toy_addition.PROBLEM_CLASSES). 2-digit carry-free traces need 400
+# pre-training steps, not 800.
+VARIANTS = {
+    "addition3": dict(n_digits=3, carry=True, ood=None, pretrain_steps=800),
+    "demo": dict(n_digits=2, carry="units_carry", ood="units_carry_ood", pretrain_steps=400),
+}
+OOD_SOURCE = "toy_addition_ood"  # data_source of the OOD rows: verl logs val-core/toy_addition_ood/acc/mean@1
 MAX_NEW_TOKENS = 16  # a trace is 13 characters + EOS
 
 
@@ -81,13 +92,27 @@ def prompt_ids(tokenizer, a: int, b: int) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------ data
-def write_parquets(out_dir: str, seed: int) -> dict:
+def variant_splits(variant: str, seed: int = 0) -> dict[str, list[tuple[int, int]]]:
+    """train / heldout (and ood) problems of ``variant``. addition3: sampled (task.splits); demo: its class is
+    small, so every problem is used: 200 held out at random, the rest train; ood = the whole OOD class."""
+    v = VARIANTS[variant]
+    if v["ood"] is None:
+        return task.splits(seed=seed, n_train=N_TRAIN, n_heldout=N_HELDOUT, n_digits=v["n_digits"], carry=v["carry"])
+    pool = task.all_problems(v["carry"], v["n_digits"])
+    random.Random(seed).shuffle(pool)
+    return {"heldout": pool[:N_HELDOUT], "train": pool[N_HELDOUT:], "ood": task.all_problems(v["ood"], v["n_digits"])}
+
+
+def write_parquets(out_dir: str, seed: int, variant: str = "addition3") -> dict:
     import pandas as pd
 
-    sp = task.splits(seed=seed, n_train=N_TRAIN, n_heldout=N_HELDOUT)
+    sp = variant_splits(variant, seed)
     paths = {}
-    for name, split in (("train", "train"), ("heldout", "test")):
-        rows = [task.make_row(a, b, split, i) for i, (a, b) in enumerate(sp[name])]
+    for name, split, source in (("train", "train", task.DATA_SOURCE), ("heldout", "test", task.DATA_SOURCE),
+                                ("ood", "test", OOD_SOURCE)):
+        if name not in sp:
+            continue
+        rows = [task.make_row(a, b, split, i, data_source=source) for i, (a, b) in enumerate(sp[name])]
         paths[name] = os.path.join(out_dir, f"{name}.parquet")
         pd.DataFrame(rows).to_parquet(paths[name], index=False)
     return paths
@@ -121,7 +146,7 @@ def _encode_example(tokenizer, a: int, b: int, trace: str) -> tuple[list[int], i
     return p + r, len(p)
 
 
-def pretrain_base(model_dir: str, tokenizer, seed: int, log=print, **overrides) -> dict:
+def pretrain_base(model_dir: str, tokenizer, seed: int, log=print, n_digits: int = task.N_DIGITS, **overrides) -> dict:
     """Pre-train a tiny Qwen2 on carry-free traces (loss on response tokens only). Deterministic for ``seed``."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -144,7 +169,7 @@ def pretrain_base(model_dir: str, tokenizer, seed: int, log=print, **overrides) 
     for step in range(hp["steps"]):
         seqs, plens = zip(*(
             _encode_example(tokenizer, a, b, task.carry_free_trace(a, b))
-            for a, b in task.sample_problems(hp["batch_size"], rng, carry=None)
+            for a, b in task.sample_problems(hp["batch_size"], rng, carry=None, n_digits=n_digits)
         ))  # fmt: skip
         assert len(set(map(len, seqs))) == 1, "all examples have the same length (no padding needed)"
         ids = torch.tensor(seqs)
@@ -210,12 +235,20 @@ def evaluate(model_dir_or_model, tokenizer, problems) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ all together
-def _fingerprint(seed: int) -> dict:
-    return {"version": 1, "seed": seed, "chars": "".join(CHARS), "model": MODEL_KW, "pretrain": PRETRAIN,
-            "n_train": N_TRAIN, "n_heldout": N_HELDOUT}
+def _pretrain_hparams(variant: str) -> dict:
+    return {**PRETRAIN, "steps": VARIANTS[variant]["pretrain_steps"]}
 
 
-def prepare(out_dir: str = DEFAULT_OUT, seed: int = 0, force: bool = False, log=print) -> dict:
+def _fingerprint(seed: int, variant: str) -> dict:
+    fp = {"version": 1, "seed": seed, "chars": "".join(CHARS), "model": MODEL_KW,
+          "pretrain": _pretrain_hparams(variant), "n_train": N_TRAIN, "n_heldout": N_HELDOUT}
+    if variant != "addition3":  # caches of the experiment's assets stay valid
+        fp["variant"] = {"name": variant, **VARIANTS[variant]}
+    return fp
+
+
+def prepare(out_dir: str = DEFAULT_OUT, seed: int = 0, force: bool = False, log=print,
+            variant: str = "addition3") -> dict:
     """Build (or reuse) tokenizer, parquets and the base model for ``seed``; returns paths and base eval.
 
     The data split is always seed 0 (the same held-out set for every run); ``seed`` picks the base model's
@@ -229,7 +262,12 @@ def prepare(out_dir: str = DEFAULT_OUT, seed: int = 0, force: bool = False, log=
         "model": os.path.join(out_dir, f"base_seed{seed}"),
     }
     manifest = os.path.join(paths["model"], "eval.json")
-    fp = _fingerprint(seed)
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown toy-addition variant {variant!r}; known: {sorted(VARIANTS)}")
+    v = VARIANTS[variant]
+    if v["ood"] is not None:
+        paths["ood"] = os.path.join(out_dir, "ood.parquet")
+    fp = _fingerprint(seed, variant)
     if not force and os.path.exists(manifest) and all(os.path.exists(p) for p in paths.values()):
         with open(manifest) as f:
             info = json.load(f)
@@ -240,12 +278,15 @@ def prepare(out_dir: str = DEFAULT_OUT, seed: int = 0, force: bool = False, log=
     tokenizer = build_tokenizer(paths["tokenizer"])
     tokenizer = load_tokenizer(paths["tokenizer"])  # evaluate exactly what verl will load
     assert tokenizer.encode("\n", add_special_tokens=False) != [] and len(tokenizer.encode("\n")) == 1
-    write_parquets(out_dir, seed=0)
-    train_info = pretrain_base(paths["model"], tokenizer, seed, log=log)
+    write_parquets(out_dir, seed=0, variant=variant)
+    train_info = pretrain_base(paths["model"], tokenizer, seed, log=log, n_digits=v["n_digits"],
+                               **_pretrain_hparams(variant))
     heldout = read_problems(paths["heldout"])
-    carry_free = task.sample_problems(N_HELDOUT, random.Random(12345), carry=False)
+    carry_free = task.sample_problems(N_HELDOUT, random.Random(12345), carry=False, n_digits=v["n_digits"])
     ev = {"heldout_carry": evaluate(paths["model"], tokenizer, heldout),
           "carry_free": evaluate(paths["model"], tokenizer, carry_free)}
+    if "ood" in paths:
+        ev["ood"] = evaluate(paths["model"], tokenizer, read_problems(paths["ood"]))
     with open(manifest, "w") as f:
         json.dump({"fingerprint": fp, "pretrain": train_info, "eval": ev}, f, indent=1)
     return {**paths, "base_eval": ev}
@@ -258,6 +299,8 @@ def main(argv=None) -> int:
     pp.add_argument("--out", default=DEFAULT_OUT)
     pp.add_argument("--seed", type=int, default=0)
     pp.add_argument("--force", action="store_true")
+    pp.add_argument("--variant", default="addition3", choices=sorted(VARIANTS),
+                    help="addition3: the experiment; demo: the 2-digit variant `make demo` trains")
     pe = sub.add_parser("eval", help="greedy held-out accuracy of an HF checkpoint")
     pe.add_argument("model")
     pe.add_argument("--tokenizer", default=os.path.join(DEFAULT_OUT, "tokenizer"))
@@ -270,7 +313,7 @@ def main(argv=None) -> int:
     if a.cmd == "sft-data":
         res = {"rows": write_sft_messages(a.train_parquet, a.out_parquet, a.seed), "path": a.out_parquet}
     elif a.cmd == "prepare":
-        res = prepare(a.out, seed=a.seed, force=a.force)
+        res = prepare(a.out, seed=a.seed, force=a.force, variant=a.variant)
     else:
         res = evaluate(a.model, a.tokenizer, read_problems(a.data))
     print(json.dumps(res, indent=1))
