@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.mix_src-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench clean install-gpu check-gpu-install
+.PHONY: install test demo evidence bench clean install-gpu check-gpu-install
 
 $(STAMP): setup.py
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -28,6 +28,11 @@ test: install
 # LUFFY vs on-policy GRPO on the toy-addition demo variant, side by side (scripts/experiments/demo.py)
 demo: install
 	$(PY) -m scripts.experiments.demo
+
+# The README's Evidence table and figure: 4 methods x 3 seeds on the demo variant (about 1 h on 2 cores)
+evidence: install
+	$(PY) -m scripts.experiments.luffy_vs_grpo --variant demo --steps 40 --eval-every 10 --seeds 0 1 2 \
+		--methods luffy on_policy_grpo sft sft_rl --out outputs/evidence
 
 bench: install
 	$(PY) -m scripts.bench all

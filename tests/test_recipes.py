@@ -1,6 +1,6 @@
 """Recipes: every config composes and validates (mix: section and verl's own checks), every run.sh is
 portable and passes overrides through, plot_metrics.py works on a small log, and cpu_tiny trains for
-real on CPU (the `make demo` path) and leaves its PNG.
+real on CPU (the CI smoke test of a whole run) and leaves its PNG.
 """
 
 from __future__ import annotations
@@ -346,7 +346,7 @@ def test_plot_metrics_cli_errors(tmp_path):
 
 @pytest.mark.ray
 def test_cpu_tiny_demo_trains_and_plots(tmp_path):
-    """`make demo`: recipes/cpu_tiny/run.sh builds the assets, trains 8 MIX steps on CPU, writes the PNG."""
+    """The CI smoke run: recipes/cpu_tiny/run.sh builds the assets, trains 8 MIX steps on CPU, writes the PNG."""
     from e2e import cpu_env, run_command
 
     out = tmp_path / "cpu_tiny"
