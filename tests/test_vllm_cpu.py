@@ -200,3 +200,26 @@ def test_stock_verl_grpo_with_vllm_rollout(tiny_assets, tmp_path):
         assert m["training/rollout_probs_diff_valid"] == 1
         assert m["training/rollout_probs_diff_max"] < 1e-4
     assert result.metrics[0]["actor/grad_norm"] > 0
+
+
+@needs_vllm
+@pytest.mark.ray
+def test_vllm_seeded_runs_are_identical(tiny_assets, tmp_path):
+    """The seeded-runs guarantee for the vLLM rollout too: LUFFY with verl's vLLM server on CPU, 2 steps
+    (step 2 samples from pushed weights), run twice with the same seeds -> identical metrics except timing.
+    The per-request seed reaches vLLM as SamplingParams.seed."""
+    from test_determinism import TIMING_KEYS, _same
+
+    overrides = MIX_CPU + tiny_overrides(tiny_assets, steps=2, n=4, batch_size=2, response_length=24, lr=1e-3) + [
+        "actor_rollout_ref.rollout.name=vllm",
+        "mix.n_prefix=1",
+        "actor_rollout_ref.rollout.temperature=1.0",
+        "data.seed=5", "mix.seed=5", "actor_rollout_ref.rollout.seed=5",
+    ]  # fmt: skip
+    runs = [run_verl("mix_src.main_mix_ppo", overrides, tmp_path / f"run{i}", timeout=420) for i in (1, 2)]
+    a, b = ([{k: v for k, v in m.items() if not TIMING_KEYS.search(k)} for m in r.metrics] for r in runs)
+    assert [m["step"] for m in a] == [1, 2] and a[0]["response_length/mean"] > 0
+    for step_a, step_b in zip(a, b, strict=True):
+        diff = {k: (step_a.get(k), step_b.get(k)) for k in step_a.keys() | step_b.keys()
+                if not _same(step_a.get(k), step_b.get(k))}
+        assert not diff, f"step {step_a['step']}: metrics differ between identically seeded vLLM runs: {diff}"

@@ -317,6 +317,9 @@ def main(argv=None) -> int:
     if a.assets is None:
         a.assets = ta.DEFAULT_OUT if a.variant == "addition3" else os.path.join(REPO_ROOT, "outputs", "demo", "assets")
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # hf_eval loads checkpoints: no "Loading weights" bars
     prep = ta.prepare(a.assets, seed=0, variant=a.variant)
     base_acc = prep["base_eval"]["heldout_carry"]["acc"]
     base_ood = prep["base_eval"].get("ood", {}).get("acc")
