@@ -64,6 +64,10 @@ SERVER_EXTRA_KEYS = ("global_steps", "min_global_steps", "max_global_steps", "nu
 class PrefixGuidedAgentLoop(AgentLoopBase):
     """Single-turn agent loop whose response may start with a prefix of the off-policy target."""
 
+    # run() keeps no per-row state on self: one instance serves every row of an agent-loop worker
+    # (mix_src.agent_loop_worker.MixAgentLoopWorker) instead of verl's hydra instantiate per row.
+    reusable = True
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.response_length = int(self.rollout_config.response_length)

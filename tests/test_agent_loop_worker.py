@@ -1,0 +1,95 @@
+"""MixAgentLoopWorker (mix_src/agent_loop_worker.py) without Ray: the worker is made with ``object.__new__`` and
+the attributes verl's ``_run_agent_loop`` reads."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from omegaconf import OmegaConf
+
+from verl.experimental.agent_loop.agent_loop import AgentLoopWorker, _agent_loop_registry
+
+from mix_src.agent_loop import PrefixGuidedAgentLoop
+from mix_src.agent_loop_worker import InProcessRewardWorker, MixAgentLoopWorker, in_process_reward
+
+BUILT: list[str] = []
+
+
+class _Loop:
+    reusable = False
+
+    def __init__(self, **kwargs):
+        BUILT.append(type(self).__name__)
+        self.server_manager = kwargs["server_manager"]
+
+    async def run(self, sampling_params, **kwargs):
+        return {"row": kwargs["row"], "loop": id(self)}
+
+
+class ReusableLoop(_Loop):
+    reusable = True
+
+
+class PerRowLoop(_Loop):
+    pass
+
+
+@pytest.fixture
+def worker(monkeypatch):
+    monkeypatch.setitem(_agent_loop_registry, "t_reusable", {"_target_": f"{__name__}.ReusableLoop"})
+    monkeypatch.setitem(_agent_loop_registry, "t_per_row", {"_target_": f"{__name__}.PerRowLoop"})
+    w = object.__new__(MixAgentLoopWorker)
+    w.config = OmegaConf.create({"data": {}})
+    w.llm_client, w.tokenizer, w.processor, w.hf_model_type, w.dataset_cls, w.tools = "llm", None, None, None, None, []
+    w._reused_loops = {}
+
+    async def postprocess(output, validate, **kwargs):
+        return output
+
+    w._agent_loop_postprocess = postprocess
+    BUILT.clear()
+    return w
+
+
+def _rows(worker, agent_name, n=3):
+    trajectory = {"step": 0, "sample_index": 0, "rollout_n": 0, "validate": False}
+
+    async def go():
+        return [await worker._run_agent_loop({}, trajectory, agent_name=agent_name, trace=False, row=i)
+                for i in range(n)]  # fmt: skip
+
+    return asyncio.run(go())
+
+
+def test_a_reusable_loop_is_built_once_per_worker(worker):
+    out = _rows(worker, "t_reusable")
+    assert [o["row"] for o in out] == [0, 1, 2]
+    assert BUILT == ["ReusableLoop"] and len({o["loop"] for o in out}) == 1
+
+
+def test_other_loops_are_built_per_row_by_verl(worker):
+    out = _rows(worker, "t_per_row")
+    assert [o["row"] for o in out] == [0, 1, 2] and BUILT == ["PerRowLoop"] * 3
+
+
+def test_prefix_guided_is_reusable_and_keeps_no_row_state():
+    assert PrefixGuidedAgentLoop.reusable and issubclass(MixAgentLoopWorker, AgentLoopWorker)
+
+
+def test_in_process_reward_answers_like_the_actor_handle(monkeypatch):
+    class Rewarder:
+        async def compute_score(self, data):
+            return {"reward_score": float(data), "reward_extra_info": {}}
+
+    handle = InProcessRewardWorker(Rewarder())
+    assert asyncio.run(handle.compute_score.remote(2)) == {"reward_score": 2.0, "reward_extra_info": {}}
+
+    from mix_src import cpu
+
+    rm = {"reward": {"reward_model": {"enable": True}}}
+    rule = {"reward": {"reward_model": {"enable": False}}}
+    monkeypatch.setattr(cpu, "is_active", lambda: True)
+    assert in_process_reward(OmegaConf.create(rule)) and not in_process_reward(OmegaConf.create(rm))
+    monkeypatch.setattr(cpu, "is_active", lambda: False)  # an accelerator host keeps verl's reward workers
+    assert not in_process_reward(OmegaConf.create(rule))
