@@ -16,6 +16,11 @@ is kept). verl's worker code runs unchanged except for:
   ``RewardLoopWorker`` class runs in this process and verl's ``_compute_score`` calls it through a
   handle-shaped wrapper: same inputs, same reward manager, no serialisation. On an accelerator host verl's
   separate reward processes are kept (they spread a slow reward function over processes).
+* **no load-balancer round trips with one rollout server** on the CPU backend: verl's server client makes
+  an awaited Ray call to its ``GlobalRequestLoadBalancer`` actor before every request and a second one
+  after it (``llm_server.py`` ``_acquire_server``/``_release_server``). With a single registered server
+  the answer is always that server, so :func:`pin_single_server` asks once and skips both calls (the
+  balancer's in-flight counts then stay 0; verl's legacy trainer does not read them).
 """
 
 from __future__ import annotations
@@ -56,15 +61,42 @@ class InProcessRewardWorker:
         self.compute_score = _LocalMethod(worker.compute_score)
 
 
-def in_process_reward(config) -> bool:
-    """Rule rewards (no reward model) on the CPU backend: computed in the agent-loop worker."""
+def cpu_backend_active() -> bool:
     from mix_src import cpu
 
-    return cpu.is_active() and not config.reward.reward_model.enable
+    return cpu.is_active()
+
+
+def in_process_reward(config) -> bool:
+    """Rule rewards (no reward model) on the CPU backend: computed in the agent-loop worker."""
+    return cpu_backend_active() and not config.reward.reward_model.enable
+
+
+def pin_single_server(client, get=ray.get) -> bool:
+    """Route ``client``'s requests straight to the rollout server when its load balancer has exactly one
+    (verl's ``GlobalRequestLoadBalancer``: ``get_status``); returns whether it did. Other balancers, or
+    several servers, keep verl's per-request routing."""
+    balancer = getattr(client, "_load_balancer", None)
+    try:
+        status = get(balancer.get_status.remote())
+        if len(status["registered_handles"]) != 1:
+            return False
+        server_id, handle = get(balancer.acquire_server.remote(request_id=f"mix-pin-{id(client)}"))
+        balancer.release_server.remote(server_id=server_id)
+    except Exception:  # not verl's balancer: leave the client as it is
+        return False
+
+    async def acquire(request_id, **extra):
+        return server_id, handle
+
+    client._acquire_server = acquire
+    client._release_server = lambda server_id, request_id=None: None
+    return True
 
 
 class MixAgentLoopWorker(AgentLoopWorker):
-    """verl's ``AgentLoopWorker`` with reusable agent loops and, on the CPU backend, in-process rule rewards."""
+    """verl's ``AgentLoopWorker`` with reusable agent loops and, on the CPU backend, in-process rule rewards
+    and no load-balancer calls for a single rollout server."""
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
@@ -73,6 +105,8 @@ class MixAgentLoopWorker(AgentLoopWorker):
             from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
 
             self.reward_loop_worker_handles = [InProcessRewardWorker(RewardLoopWorker(config))]
+        if cpu_backend_active():
+            pin_single_server(self.llm_client)
 
     def _reusable_loop(self, agent_name: str):
         """The worker's one instance of ``agent_name``'s loop if its class is reusable, else None."""

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from verl.experimental.agent_loop.agent_loop import AgentLoopWorker, _agent_loop_registry
 
 from mix_src.agent_loop import PrefixGuidedAgentLoop
-from mix_src.agent_loop_worker import InProcessRewardWorker, MixAgentLoopWorker, in_process_reward
+from mix_src.agent_loop_worker import InProcessRewardWorker, MixAgentLoopWorker, in_process_reward, pin_single_server
 
 BUILT: list[str] = []
 
@@ -93,3 +93,34 @@ def test_in_process_reward_answers_like_the_actor_handle(monkeypatch):
     assert in_process_reward(OmegaConf.create(rule)) and not in_process_reward(OmegaConf.create(rm))
     monkeypatch.setattr(cpu, "is_active", lambda: False)  # an accelerator host keeps verl's reward workers
     assert not in_process_reward(OmegaConf.create(rule))
+
+
+class _Method:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class FakeBalancer:
+    """verl's GlobalRequestLoadBalancer surface, answering in-process (get = identity)."""
+
+    def __init__(self, servers):
+        self.servers, self.calls = servers, []
+        self.get_status = _Method(lambda: {"registered_handles": list(self.servers)})
+        self.acquire_server = _Method(lambda request_id: self.calls.append("acquire") or next(iter(self.servers.items())))
+        self.release_server = _Method(lambda server_id: self.calls.append("release"))
+
+
+def test_one_rollout_server_is_pinned_and_the_balancer_left_alone():
+    from verl.workers.rollout.llm_server import LLMServerClient
+
+    client = LLMServerClient(OmegaConf.create({}), load_balancer_handle=FakeBalancer({"s0": "handle0"}))
+    assert pin_single_server(client, get=lambda x: x)
+    calls = list(client._load_balancer.calls)
+    assert asyncio.run(client._acquire_server("r1", prompt_ids=[1])) == ("s0", "handle0")
+    client._release_server("s0", request_id="r1")
+    assert client._load_balancer.calls == calls == ["acquire", "release"]  # nothing per request
+
+    several = LLMServerClient(OmegaConf.create({}), load_balancer_handle=FakeBalancer({"s0": 0, "s1": 1}))
+    assert not pin_single_server(several, get=lambda x: x) and "_acquire_server" not in vars(several)
+    other = LLMServerClient(OmegaConf.create({}), load_balancer_handle=object())  # not verl's balancer
+    assert not pin_single_server(other, get=lambda x: x) and "_acquire_server" not in vars(other)
