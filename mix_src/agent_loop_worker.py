@@ -25,6 +25,7 @@ is kept). verl's worker code runs unchanged except for:
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import hydra
@@ -54,11 +55,15 @@ class _LocalMethod:
 
 
 class InProcessRewardWorker:
-    """A ``RewardLoopWorker`` in this process, called like its Ray actor handle (``compute_score.remote``)."""
+    """A ``RewardLoopWorker`` in this process, called like its Ray actor handle (``compute_score.remote``).
+
+    Each call gets its own deep copy of the row's ``DataProto``, as the Ray hop gave the actor: verl's reward
+    managers mutate it (``naive.py`` ``run_single``: ``extra_info.update(...)``), and the row's ``extra_info``
+    dict is shared by the n samples of its prompt (and with the worker's batch) until it is copied."""
 
     def __init__(self, worker):
         self.worker = worker
-        self.compute_score = _LocalMethod(worker.compute_score)
+        self.compute_score = _LocalMethod(lambda data: worker.compute_score(copy.deepcopy(data)))
 
 
 def cpu_backend_active() -> bool:

@@ -124,3 +124,22 @@ def test_one_rollout_server_is_pinned_and_the_balancer_left_alone():
     assert not pin_single_server(several, get=lambda x: x) and "_acquire_server" not in vars(several)
     other = LLMServerClient(OmegaConf.create({}), load_balancer_handle=object())  # not verl's balancer
     assert not pin_single_server(other, get=lambda x: x) and "_acquire_server" not in vars(other)
+
+
+def test_the_in_process_reward_gets_its_own_copy_of_the_row():
+    """verl's naive reward manager updates the row's extra_info in place; over Ray that was the actor's copy."""
+    import numpy as np
+    import torch
+
+    from verl import DataProto
+
+    class Mutating:
+        async def compute_score(self, data):
+            data.non_tensor_batch["extra_info"][0].update(seen=True)
+            return {"reward_score": 1.0, "reward_extra_info": {}}
+
+    shared = {"answer_type": "numeric"}  # one dict for all samples of a prompt
+    data = DataProto.from_dict(tensors={"x": torch.zeros(1, 2)},
+                               non_tensors={"extra_info": np.array([shared], dtype=object)})  # fmt: skip
+    asyncio.run(InProcessRewardWorker(Mutating()).compute_score.remote(data))
+    assert shared == {"answer_type": "numeric"} and data.non_tensor_batch["extra_info"][0] is shared
