@@ -37,6 +37,7 @@ to a length mismatch between tokens and log-probs (both lists empty) is kept as 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -76,22 +77,26 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
         super().__init__(*args, **kwargs)
         self.response_length = int(self.rollout_config.response_length)
         self.eos_token_id = self.tokenizer.eos_token_id
-        self._prompt_cache: dict[str, list[int]] = {}
+        self._prompt_cache: dict[str, asyncio.Future] = {}
 
     async def prompt_token_ids(self, messages: list) -> list[int]:
         """verl's ``ct_build_initial_tokens(messages)``, once per distinct prompt of a reused instance: the n
-        samples of a prompt share it, and each call renders the chat template in an executor thread."""
+        samples of a prompt share it (rows run concurrently: they await one rendering task), and each call
+        renders the chat template in an executor thread."""
         try:
             key = json.dumps(messages, sort_keys=True)
         except TypeError:  # not plain JSON (e.g. image objects): no caching
             return await self.ct_build_initial_tokens(messages)
-        ids = self._prompt_cache.get(key)
-        if ids is None:
-            ids = await self.ct_build_initial_tokens(messages)
+        task = self._prompt_cache.get(key)
+        if task is None:
             if len(self._prompt_cache) >= PROMPT_CACHE_SIZE:
                 self._prompt_cache.clear()
-            self._prompt_cache[key] = ids
-        return list(ids)
+            task = self._prompt_cache[key] = asyncio.ensure_future(self.ct_build_initial_tokens(messages))
+        try:
+            return list(await task)
+        except BaseException:
+            self._prompt_cache.pop(key, None)  # a failed rendering is not kept
+            raise
 
     def target_prefix_ids(self, target: Any, ratio: float) -> list[int]:
         """Token ids of ``floor(ratio * len(target + EOS))`` leading target tokens (empty if no target)."""

@@ -1,5 +1,6 @@
 """RLHFDatasetWithTarget (target normalisation, counts, errors) and the prefix-guided agent loop (no Ray)."""
 
+import asyncio
 import math
 
 import numpy as np
@@ -215,3 +216,10 @@ def test_a_reused_loop_renders_each_prompt_once(tokenizer, monkeypatch):
     assert outs[0].prompt_ids == outs[1].prompt_ids != outs[2].prompt_ids
     outs[0].prompt_ids.append(-1)  # callers get their own list
     assert loop.loop.run_until_complete(loop.run(params, raw_prompt=_prompt("1+2?"))).prompt_ids == outs[1].prompt_ids
+
+    async def concurrently():  # as verl runs a batch's rows: all start before any rendering finishes
+        return await asyncio.gather(*[loop.run(params, raw_prompt=_prompt(q)) for q in ("5+6?", "5+6?", "7+8?")])
+
+    rendered.clear()
+    outs = loop.loop.run_until_complete(concurrently())
+    assert sorted(rendered) == ["5+6?", "7+8?"] and outs[0].prompt_ids == outs[1].prompt_ids != outs[2].prompt_ids
