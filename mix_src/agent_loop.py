@@ -37,6 +37,8 @@ to a length mismatch between tokens and log-probs (both lists empty) is kept as 
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import os
 from typing import Any, Optional
@@ -57,6 +59,9 @@ logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
 # extra_fields a served row gets from verl's servers and server client (global_steps: every server, e.g.
 # vllm_async_server.py:689; num_cached_tokens: vllm_async_server.py:704; min/max_global_steps: llm_server.py:161).
 # None on a row that made no server call (its tokens come from no policy version).
+# Distinct prompts whose token ids a reused loop instance keeps (cleared when full).
+PROMPT_CACHE_SIZE = 4096
+
 SERVER_EXTRA_KEYS = ("global_steps", "min_global_steps", "max_global_steps", "num_cached_tokens")
 
 
@@ -64,10 +69,34 @@ SERVER_EXTRA_KEYS = ("global_steps", "min_global_steps", "max_global_steps", "nu
 class PrefixGuidedAgentLoop(AgentLoopBase):
     """Single-turn agent loop whose response may start with a prefix of the off-policy target."""
 
+    # run() keeps no per-row state on self: one instance serves every row of an agent-loop worker
+    # (mix_src.agent_loop_worker.MixAgentLoopWorker) instead of verl's hydra instantiate per row.
+    reusable = True
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.response_length = int(self.rollout_config.response_length)
         self.eos_token_id = self.tokenizer.eos_token_id
+        self._prompt_cache: dict[str, asyncio.Future] = {}
+
+    async def prompt_token_ids(self, messages: list) -> list[int]:
+        """verl's ``ct_build_initial_tokens(messages)``, once per distinct prompt of a reused instance: the n
+        samples of a prompt share it (rows run concurrently: they await one rendering task), and each call
+        renders the chat template in an executor thread."""
+        try:
+            key = json.dumps(messages, sort_keys=True)
+        except TypeError:  # not plain JSON (e.g. image objects): no caching
+            return await self.ct_build_initial_tokens(messages)
+        task = self._prompt_cache.get(key)
+        if task is None:
+            if len(self._prompt_cache) >= PROMPT_CACHE_SIZE:
+                self._prompt_cache.clear()
+            task = self._prompt_cache[key] = asyncio.ensure_future(self.ct_build_initial_tokens(messages))
+        try:
+            return list(await task)
+        except BaseException:
+            self._prompt_cache.pop(key, None)  # a failed rendering is not kept
+            raise
 
     def target_prefix_ids(self, target: Any, ratio: float) -> list[int]:
         """Token ids of ``floor(ratio * len(target + EOS))`` leading target tokens (empty if no target)."""
@@ -109,7 +138,7 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
         messages = list(kwargs["raw_prompt"])
         # vLLM's per-request SamplingParams.seed; the hf server honours it too
         sampling_params = {**sampling_params, "seed": self.request_seed(kwargs, priority)}
-        prompt_ids = await self.ct_build_initial_tokens(messages)
+        prompt_ids = await self.prompt_token_ids(messages)
 
         ratio = kwargs.get("prefix_ratio")
         if ratio is None and kwargs.get("prefix_ratios") is not None:  # V1: one list per prompt

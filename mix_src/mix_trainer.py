@@ -40,7 +40,7 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 from tqdm import tqdm
 
 from verl import DataProto
@@ -96,8 +96,31 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         self.max_steps_duration = 0.0  # longest step so far (seconds), for verl's ESI expiry checkpoint
 
     # ------------------------------------------------------------------------------------------------
+    # worker calls: verl's own, on the batch's tensors plus the per-row fields the workers read
+    def _compute_old_log_prob(self, batch: DataProto):
+        return super()._compute_old_log_prob(worker_view(batch))
+
+    def _compute_ref_log_prob(self, batch: DataProto) -> DataProto:
+        return super()._compute_ref_log_prob(worker_view(batch))
+
+    def _compute_values(self, batch: DataProto) -> DataProto:
+        return super()._compute_values(worker_view(batch))
+
+    def _update_actor(self, batch: DataProto) -> DataProto:
+        return super()._update_actor(worker_view(batch))
+
+    def _update_critic(self, batch: DataProto) -> DataProto:
+        return super()._update_critic(worker_view(batch))
+
+    # ------------------------------------------------------------------------------------------------
     # set-up
     def init_workers(self):
+        agent_cfg = self.config.actor_rollout_ref.rollout.agent
+        if not agent_cfg.get("agent_loop_manager_class"):  # verl's option; one set by the user is kept
+            from mix_src.agent_loop_worker import MANAGER_FQN
+
+            with open_dict(agent_cfg):
+                agent_cfg.agent_loop_manager_class = MANAGER_FQN
         super().init_workers()
         self.actor_rollout_wg.set_loss_fn(self._make_loss_fn())
 
@@ -604,6 +627,21 @@ def merge_rollout_timing(parts: list[tuple[dict[str, float], int]]) -> dict[str,
     if slowest is not None:
         merged.update({k: v for k, v in slowest[0].items() if k.startswith("agent_loop/slowest/")})
     return merged
+
+
+# Per-row non-tensor fields the actor/ref/critic workers read (verl 0.9.1: only the model's multimodal inputs,
+# verl/workers/engine/fsdp/transformer_impl.py `extract_multi_modal_inputs`; losses and padding read tensors
+# and the batch-level meta info). verl's worker calls pass DataProto.to_tensordict(), which wraps every other
+# field too, one NonTensorData per row and key, then ships, unpacks and moves them for nothing: on the toy
+# LUFFY step (256 rows, ~20 such fields) about a third of the old-log-prob and update time.
+WORKER_NON_TENSOR_KEYS = ("multi_modal_inputs",)
+
+
+def worker_view(batch: DataProto) -> DataProto:
+    """``batch`` for a worker call: the same tensors and meta info (shared, not copied), and only the per-row
+    non-tensor fields in :data:`WORKER_NON_TENSOR_KEYS`."""
+    keep = {k: v for k, v in batch.non_tensor_batch.items() if k in WORKER_NON_TENSOR_KEYS}
+    return DataProto(batch=batch.batch, non_tensor_batch=keep, meta_info=batch.meta_info)
 
 
 def _num_groups(batch: DataProto) -> int:

@@ -183,6 +183,31 @@ def test_server_batches_requests_and_loads_pushed_weights(tiny_assets, tiny):
         asyncio.run(server.update_weights({"nope.weight": torch.zeros(1)}))
 
 
+def test_server_gathers_requests_that_trickle_in(tiny_assets, tiny):
+    """verl's agent loop sends a batch's requests one by one, milliseconds apart: they still form one decoding
+    batch (each batch pays a whole decoding loop), as long as the gaps stay under the quiet period."""
+    from verl.workers.config import HFModelConfig, RolloutConfig
+
+    from mix_src.cpu import hf_rollout
+    from mix_src.cpu.hf_rollout import HFRolloutServer
+
+    _, _, prompt = tiny
+    config = RolloutConfig(name="hf", prompt_length=32, response_length=4, tensor_model_parallel_size=1,
+                           dtype="float32")
+    server = HFRolloutServer(config, HFModelConfig(path=tiny_assets["model"], tokenizer_path=tiny_assets["tokenizer"]))
+    gap = getattr(hf_rollout, "_BATCH_QUIET_S", 0.03) / 3  # 10 ms
+
+    async def trickle(n):
+        async def one(i):
+            await asyncio.sleep(i * gap)
+            return await server.generate(prompt, {"temperature": 1.0, "seed": i}, f"r{i}")
+
+        return await asyncio.gather(*[one(i) for i in range(n)])
+
+    asyncio.run(trickle(8))  # spread over 70 ms
+    assert {k: server.get_stats()[k] for k in ("requests", "batches")} == {"requests": 8, "batches": 1}
+
+
 def test_selection_rules(monkeypatch):
     import mix_src.cpu as cpu
 

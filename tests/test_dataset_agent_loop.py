@@ -1,5 +1,6 @@
 """RLHFDatasetWithTarget (target normalisation, counts, errors) and the prefix-guided agent loop (no Ray)."""
 
+import asyncio
 import math
 
 import numpy as np
@@ -193,3 +194,32 @@ def test_prefix_longer_than_response_is_cut_and_flagged(tokenizer):
     out = _run(loop, target=TARGET, prefix_ratio=1.0)
     assert server.calls == [] and len(out.response_ids) == 5
     assert out.extra_fields["prefix_truncated"] is True and out.extra_fields["prefix_token_mask"].sum() == 5
+
+
+def test_a_reused_loop_renders_each_prompt_once(tokenizer, monkeypatch):
+    """The n samples of a prompt share its token ids: one chat-template rendering per distinct prompt."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopBase
+
+    server = RecordingServer(tokenizer.convert_tokens_to_ids("7"))
+    loop = _agent_loop(tokenizer, server)
+    rendered = []
+    real = AgentLoopBase.ct_build_initial_tokens
+
+    async def counting(self, messages, *a, **k):
+        rendered.append(messages[0]["content"])
+        return await real(self, messages, *a, **k)
+
+    monkeypatch.setattr(AgentLoopBase, "ct_build_initial_tokens", counting)
+    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
+    outs = [loop.loop.run_until_complete(loop.run(params, raw_prompt=_prompt(q))) for q in ("1+2?", "1+2?", "3+4?")]
+    assert rendered == ["1+2?", "3+4?"]
+    assert outs[0].prompt_ids == outs[1].prompt_ids != outs[2].prompt_ids
+    outs[0].prompt_ids.append(-1)  # callers get their own list
+    assert loop.loop.run_until_complete(loop.run(params, raw_prompt=_prompt("1+2?"))).prompt_ids == outs[1].prompt_ids
+
+    async def concurrently():  # as verl runs a batch's rows: all start before any rendering finishes
+        return await asyncio.gather(*[loop.run(params, raw_prompt=_prompt(q)) for q in ("5+6?", "5+6?", "7+8?")])
+
+    rendered.clear()
+    outs = loop.loop.run_until_complete(concurrently())
+    assert sorted(rendered) == ["5+6?", "7+8?"] and outs[0].prompt_ids == outs[1].prompt_ids != outs[2].prompt_ids

@@ -225,3 +225,22 @@ def test_learned_entropy_coefficient_is_checkpointed_and_restored(tmp_path):
     assert resumed.global_steps == 1 and resumed._entropy_state == state
     (loss_fn,) = resumed.actor_rollout_wg.loss_fns  # the workers get a loss that continues from the state
     assert loss_fn._entropy_state == state
+
+
+@pytest.mark.parametrize("method", ["_compute_old_log_prob", "_compute_ref_log_prob", "_compute_values",
+                                    "_update_actor", "_update_critic"])
+def test_worker_calls_get_tensors_and_meta_info_but_not_the_per_row_text_fields(monkeypatch, method):
+    """verl's worker calls wrap every per-row non-tensor field into a NonTensorData per row (to_tensordict);
+    the workers read only multimodal inputs among them, so the MIX trainer sends only those."""
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    sent = []
+    monkeypatch.setattr(RayPPOTrainer, method, lambda self, batch: sent.append(batch) or "out")
+    batch = make_batch([1.0, 0.0, 0.0, 1.0], off_rows=[0])
+    batch.non_tensor_batch["multi_modal_inputs"] = np.array([{}] * 4, dtype=object)
+    batch.meta_info["global_token_num"] = [3] * 4
+    assert getattr(make_trainer(), method)(batch) == "out"
+    (view,) = sent
+    assert set(view.non_tensor_batch) == {"multi_modal_inputs"}
+    assert view.batch is batch.batch and view.meta_info is batch.meta_info  # shared, nothing copied
+    assert set(batch.non_tensor_batch) == {"uid", "prefix_ratio", "multi_modal_inputs"}  # the caller's batch keeps all
