@@ -10,7 +10,7 @@ held-out greedy accuracy of both (200 problems; the trainer's own validation) an
 
 Usage::
 
-    python -m scripts.experiments.demo [--steps 30] [--eval-every 5] [--seed 0] [--out outputs/demo]
+    python -m scripts.experiments.demo [--steps 40] [--eval-every 5] [--seed 0] [--out outputs/demo]
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def plot(curves: dict, path: str, title: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=30, help="training steps of each method")
+    p.add_argument("--steps", type=int, default=40, help="training steps of each method")
     p.add_argument("--eval-every", type=int, default=5, help="held-out validation every N steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join(REPO_ROOT, "outputs", "demo"))
