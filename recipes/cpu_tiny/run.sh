@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CPU demo (`make demo`): builds the tiny assets if missing, trains LUFFY's main setting with the MIX
+# The CPU smoke run (CI; `make demo` is the toy-addition demo): builds the tiny assets if missing, trains LUFFY's main setting with the MIX
 # trainer on CPU for 8 steps (real Ray + verl, about 1-2 minutes on 2 cores), then plots the curves.
 # Usage: bash recipes/cpu_tiny/run.sh [hydra overrides...]     e.g. trainer.total_training_steps=4
 # Output: outputs/cpu_tiny/{assets/, metrics.jsonl, learning_curves.png} (OUTPUT_DIR to change).
