@@ -71,6 +71,7 @@ from mix_src.loss import add_kept_token_counts, pop_entropy_state
 from mix_src.mix_config import MixConfig
 from mix_src.seeding import pass_seeds, request_seeds
 from mix_src.rollout_policy import ROLLOUT_POLICIES, RolloutContext
+from mix_src.rollout_policy import solved as rows_solved
 from mix_src.stages import draw_prefix_ratios, luffy_advantages, prefix_mask_tensor, prefix_step_metrics, solve_metrics
 
 MIX_STATE_FILE = "mix_state.pt"
@@ -560,7 +561,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
     def _add_rollout_metrics(self, batch: DataProto, metrics: dict) -> None:
         """LUFFY's solve metrics over every generated row of the step (before filtering)."""
         off = batch.batch["prefix_mask"].any(-1).numpy()
-        solved = _solved(batch)
+        solved = rows_solved(batch)
         metrics.update(solve_metrics(solved, off, batch.non_tensor_batch["uid"]))
         ungradable = batch.non_tensor_batch.get("ungradable")  # rows the reward could not grade (scored wrong)
         if ungradable is not None:
@@ -646,12 +647,6 @@ def worker_view(batch: DataProto) -> DataProto:
 
 def _num_groups(batch: DataProto) -> int:
     return len(set(batch.non_tensor_batch["uid"].tolist()))
-
-
-def _solved(batch: DataProto) -> np.ndarray:
-    if "acc" in batch.non_tensor_batch:
-        return np.asarray(batch.non_tensor_batch["acc"], dtype=np.float64) > 0
-    return (batch.batch["token_level_scores"].sum(-1) > 0).numpy()
 
 
 def _rollout_vs_actor_metrics(batch: DataProto) -> dict[str, float]:

@@ -56,7 +56,7 @@ from mix_src import adv_estimators  # noqa: F401  (registers grpo_split with ver
 from mix_src.dataset import TARGET_FIELD
 from mix_src.mix_config import MixConfig, validate_mix_config
 from mix_src.seeding import request_seeds
-from mix_src.stages import draw_prefix_ratios, luffy_advantages, prefix_mask_tensor, prefix_step_metrics, solve_metrics
+from mix_src.stages import draw_prefix_ratios, luffy_advantages, prefix_mask_tensor, prefix_step_metrics, solve_metrics, solved_rows
 
 __all__ = [
     "MixTaskRunnerV1",
@@ -175,11 +175,7 @@ class MixV1Mixin:
         padded = data.to_padded_tensor()
         prefix_mask = padded["prefix_mask"].bool()
         acc = [e.get("reward_extra_info", {}).get("acc") for e in extra]
-        solved = (
-            np.array([bool(a) and float(a) > 0 for a in acc])
-            if all(a is not None for a in acc)
-            else (padded["rm_scores"].sum(-1) > 0).numpy()
-        )
+        solved = solved_rows(acc, lambda: padded["rm_scores"].sum(-1).numpy())
         out = solve_metrics(solved, prefix_mask.any(-1).numpy(), uids)
         out.update(prefix_step_metrics([e.get("prefix_ratio", 0.0) for e in extra], prefix_mask, padded["response_mask"]))
         out["batch/prefix_truncated"] = int(sum(bool(e.get("prefix_truncated", False)) for e in extra))

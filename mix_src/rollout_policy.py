@@ -91,10 +91,11 @@ def replace_rows(first, rows: np.ndarray, second):
 
 
 def solved(batch) -> np.ndarray:
-    """(rows,) bool: the reward's ``acc`` when it has one, else a positive sequence score."""
-    if "acc" in batch.non_tensor_batch:
-        return np.asarray(batch.non_tensor_batch["acc"], dtype=np.float64) > 0
-    return (batch.batch["token_level_scores"].sum(-1) > 0).numpy()
+    """(rows,) bool: the reward's ``acc`` when it has one, else a positive sequence score
+    (:func:`mix_src.stages.solved_rows`, the rule both trainers' metrics use)."""
+    from mix_src.stages import solved_rows  # here: stages imports mix_config, which imports this module
+
+    return solved_rows(batch.non_tensor_batch.get("acc"), lambda: batch.batch["token_level_scores"].sum(-1).numpy())
 
 
 def group_all_failed(batch, n: int, rows_solved: Optional[np.ndarray] = None) -> np.ndarray:

@@ -113,6 +113,16 @@ def luffy_advantages(
     return advantages, returns
 
 
+def solved_rows(acc: Optional[Sequence], scores: Callable[[], np.ndarray]) -> np.ndarray:
+    """Which rows count as solved: ``acc > 0`` when the reward reported an ``acc`` for every row, else a summed
+    score ``> 0``. acc: (bsz,) or None (rows without one: None entries); scores: returns the (bsz,) summed
+    token scores (called only when needed). Returns (bsz,) bool. Both trainers' LUFFY metrics and the
+    rollout policies use it (legacy: ``acc`` from the batch, V1: from each row's reward_extra_info)."""
+    if acc is not None and all(a is not None for a in acc):
+        return np.array([float(a) > 0 for a in acc], dtype=bool)  # NaN counts as unsolved
+    return np.asarray(scores()) > 0
+
+
 def solve_metrics(solved: np.ndarray, off_policy_rows: np.ndarray, uids: Sequence) -> dict[str, float]:
     """LUFFY's solve metrics: ``batch/solve_none``, ``solve_all`` (fractions of prompt groups), ``solved``,
     ``on_solved``, ``off_solved`` (fractions of rows). ``solved``, ``off_policy_rows``: (bsz,) bool."""

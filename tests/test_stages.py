@@ -6,7 +6,7 @@ import torch
 from omegaconf import OmegaConf
 
 from mix_src.mix_config import mix_config_from_dict
-from mix_src.stages import luffy_advantages, prefix_mask_tensor, prefix_step_metrics, solve_metrics
+from mix_src.stages import luffy_advantages, prefix_mask_tensor, prefix_step_metrics, solve_metrics, solved_rows
 
 
 def test_prefix_mask_tensor_pads_and_stays_inside_the_response():
@@ -54,3 +54,12 @@ def test_solve_and_prefix_metrics():
     prefix_mask = torch.tensor([[1, 1, 0], [0, 0, 0]], dtype=torch.bool)
     p = prefix_step_metrics([1.0, 0.0], prefix_mask, torch.tensor([[1, 1, 1], [1, 1, 0]]))
     assert p == {"batch/avg_prefix_ratio": 0.5, "batch/off_policy_rows": 1, "batch/prefix_token_frac": pytest.approx(2 / 5)}
+
+
+def test_solved_rows_prefers_acc_and_falls_back_to_scores():
+    """One rule for both trainers: acc > 0 when every row has an acc, else summed score > 0."""
+    scores = lambda: np.array([1.0, 0.0, 0.5, -1.0])  # noqa: E731
+    assert solved_rows([1.0, 0.0, 0.0, True], None).tolist() == [True, False, False, True]  # acc decides alone
+    assert solved_rows(np.array([1.0, float("nan"), 0.2, 0.0]), scores).tolist() == [True, False, True, False]
+    assert solved_rows([1.0, None, 0.0, 1.0], scores).tolist() == [True, False, True, False]  # a row without acc
+    assert solved_rows(None, scores).tolist() == [True, False, True, False]
