@@ -59,10 +59,9 @@ logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
 # extra_fields a served row gets from verl's servers and server client (global_steps: every server, e.g.
 # vllm_async_server.py:689; num_cached_tokens: vllm_async_server.py:704; min/max_global_steps: llm_server.py:161).
 # None on a row that made no server call (its tokens come from no policy version).
+SERVER_EXTRA_KEYS = ("global_steps", "min_global_steps", "max_global_steps", "num_cached_tokens")
 # Distinct prompts whose token ids a reused loop instance keeps (cleared when full).
 PROMPT_CACHE_SIZE = 4096
-
-SERVER_EXTRA_KEYS = ("global_steps", "min_global_steps", "max_global_steps", "num_cached_tokens")
 
 
 @register("prefix_guided")

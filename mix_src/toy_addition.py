@@ -24,7 +24,7 @@ import re
 from typing import Iterable, Optional, Union
 
 DATA_SOURCE = "toy_addition"
-N_DIGITS = 3  # the experiment's operands are 100..999; the demo (recipes/toy_addition/demo.sh) uses 2
+N_DIGITS = 3  # the experiment's operands are 100..999; the demo variant (scripts/experiments/demo.py) uses 2
 ANSWER_SEP = ">"
 _ANSWER_RE = re.compile(re.escape(ANSWER_SEP) + r"(\d+)")
 
@@ -67,7 +67,8 @@ def parse_prompt(text: str) -> tuple[int, int]:
 
 
 def expert_trace(a: int, b: int) -> str:
-    """The correct step-by-step solution (the LUFFY ``target``): digit/carry pairs, ``>``, 4-digit sum."""
+    """The correct step-by-step solution (the LUFFY ``target``): digit/carry pairs, ``>``, the sum with one
+    digit more than the operands (4 digits for 3-digit operands)."""
     pairs, c, n = [], 0, n_columns(a, b)
     for da, db in zip(digits_lsd(a, n), digits_lsd(b, n)):
         s = da + db + c
@@ -122,21 +123,19 @@ PROBLEM_CLASSES = {
     "units_carry": lambda a, b: _units_only_carry(a, b) and a % 10 + b % 10 <= 15,
     "units_carry_ood": lambda a, b: _units_only_carry(a, b) and a % 10 + b % 10 >= 16,
 }
-CarrySpec = Optional[Union[bool, tuple, str]]
+CarrySpec = Optional[Union[bool, str]]
 
 
 def matches(a: int, b: int, carry: CarrySpec) -> bool:
-    """``carry``: None = any problem, True = at least one carry, False = none, a tuple = exactly that carry
-    pattern, units first (``(1, 0)``: only the units column carries), a name = a :data:`PROBLEM_CLASSES`."""
+    """``carry``: None = any problem, True = at least one carry, False = none, a name = a
+    :data:`PROBLEM_CLASSES` entry."""
     if carry is None:
         return True
     if isinstance(carry, bool):
         return has_carry(a, b) == carry
-    if isinstance(carry, str):
-        if carry not in PROBLEM_CLASSES:
-            raise ValueError(f"unknown problem class {carry!r}; known: {sorted(PROBLEM_CLASSES)}")
-        return PROBLEM_CLASSES[carry](a, b)
-    return tuple(carries(a, b)) == tuple(carry)
+    if carry not in PROBLEM_CLASSES:
+        raise ValueError(f"unknown problem class {carry!r}; known: {sorted(PROBLEM_CLASSES)}")
+    return PROBLEM_CLASSES[carry](a, b)
 
 
 def all_problems(carry: CarrySpec, n_digits: int = N_DIGITS) -> list[tuple[int, int]]:

@@ -24,7 +24,7 @@ import sys
 import time
 
 from scripts.experiments import toy_addition as ta
-from scripts.experiments.luffy_vs_grpo import COLORS, LABELS, read_metrics
+from scripts.experiments.luffy_vs_grpo import plot, read_metrics
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 METHODS = ["luffy", "on_policy_grpo"]
@@ -39,27 +39,6 @@ def step_line(method: str, step: int, steps: int, m: dict) -> str:
     if ID_KEY in m:
         line += f"  held-out {100 * m[ID_KEY]:5.1f}%"
     return line
-
-
-def plot(curves: dict, path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for method, curve in curves.items():
-        xs = sorted(curve)
-        ax.plot(xs, [100 * curve[x] for x in xs], color=COLORS[method], marker="o", ms=4, label=LABELS[method])
-    ax.set_xlabel("training step (32 prompts x 8 responses)")
-    ax.set_ylabel("held-out greedy accuracy (%), 200 problems")
-    ax.set_ylim(-3, 103)
-    ax.grid(alpha=0.3)
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv=None) -> int:
@@ -120,7 +99,8 @@ def main(argv=None) -> int:
     curves = {m: {s: d[ID_KEY] for s, d in metrics[m].items() if ID_KEY in d} for m in METHODS}
     ood = {m: {s: d[OOD_KEY] for s, d in metrics[m].items() if OOD_KEY in d} for m in METHODS}
     png = os.path.join(a.out, "demo.png")
-    plot(curves, png, f"toy addition (demo variant), {a.steps} steps, seed {a.seed}, CPU")
+    plot({m: {a.seed: {"curve": curves[m]}} for m in METHODS}, METHODS, [a.seed], png,
+         f"toy addition (demo variant), {a.steps} steps, seed {a.seed}, CPU")
     final = {m: curves[m][max(curves[m])] for m in METHODS}
     summary = {"steps": a.steps, "seed": a.seed, "wall_s": round(time.time() - t0, 1), "base_acc": base,
                "heldout": curves, "ood": ood, "final": final}
