@@ -35,12 +35,13 @@ AdvEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ADV_ESTIMATORS: Registry[AdvEstimator] = Registry("prefix-aware advantage estimator", "algorithm.adv_estimator")
 
 
-def register_adv_estimator(name: str) -> Callable[[AdvEstimator], AdvEstimator]:
+def register_adv_estimator(name: str, **entry) -> Callable[[AdvEstimator], AdvEstimator]:
     """Register ``fn(token_level_rewards, response_mask, index, prefix_mask, config)`` under ``name``
-    here and, as a verl-signature wrapper without prefix mask, in verl's estimator registry."""
+    here and, as a verl-signature wrapper without prefix mask, in verl's estimator registry. ``entry``:
+    the self-description of :meth:`mix_src.registry.Registry.register` (bases, why_not, check, reads)."""
 
     def deco(fn: AdvEstimator) -> AdvEstimator:
-        ADV_ESTIMATORS.register(name)(fn)
+        ADV_ESTIMATORS.register(name, **entry)(fn)
 
         def verl_signature(token_level_rewards, response_mask, index=None, config=None, **kwargs):
             return fn(token_level_rewards, response_mask, group_ids(index),

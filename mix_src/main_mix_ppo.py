@@ -26,7 +26,7 @@ from verl.trainer.main_ppo_v0 import BaseTaskRunner
 
 from mix_src.luffy_keys import translate_overrides
 from mix_src.mix_config import MixConfigError, validate_mix_config
-from mix_src.registry import PLUGINS_ENV, load_plugins, resolve_plugin
+from mix_src.registry import PLUGINS_ENV, check_selected_entries, load_plugins, resolve_plugin
 from mix_src.verl_parity import check_verl_keys
 
 
@@ -34,6 +34,7 @@ def prepare_config(config: DictConfig) -> None:
     """Check the composed config on the driver, before Ray starts. Raises on bad input, naming the key."""
     export_plugins(config)
     mix = validate_mix_config(config)
+    check_selected_entries(config)  # each selected registry entry: its trainer bases and its own checks
     check_verl_keys(config, mix)
     _check_backend(config)
     _check_paths(config)

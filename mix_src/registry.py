@@ -10,6 +10,15 @@ that uses it:
     group filters         mix_src.filter_groups.register_group_filter      (mix.filter_groups.rule)
     rollout policies      mix_src.rollout_policy.register_rollout_policy   (mix.rollout_policy)
 
+Every entry describes itself (:class:`Entry`): the trainer bases it supports (``"legacy"`` =
+:class:`~mix_src.mix_trainer.MIXRayPPOTrainer`, ``"v1"`` = ``trainer.use_v1=true``) and, for each base it does
+not support, why; its own config checks; and the config keys it reads. :func:`check_selected_entries`, run
+by the entry point before Ray starts, looks up the entry each registry's key selects, refuses it on a base it
+does not support (with its reason) and runs its checks, so no caller special-cases a name:
+
+    @REG.register("mine", bases=("legacy",), why_not={"v1": "needs a second generation pass"},
+                  check=lambda cfg: ..., reads=("mix.my_key",))
+
 A plugin is a Python module or a ``.py`` file that registers with these decorators (or verl's own,
 e.g. ``register_policy_loss``); ``mix.plugins=[my_pkg.my_mod, /abs/or/relative/plugin.py]`` loads it.
 The entry point imports the plugins on the driver before the config is validated and exports them in
@@ -25,38 +34,115 @@ import importlib
 import importlib.util
 import os
 import sys
-from typing import Callable, Generic, Iterator, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, Iterator, Mapping, Optional, TypeVar
 
-__all__ = ["PLUGINS_ENV", "Registry", "load_plugins", "load_plugins_from_env"]
+__all__ = [
+    "BASES", "PLUGINS_ENV", "Entry", "EntryConfigError", "Registry", "check_selected_entries", "load_plugins",
+    "load_plugins_from_env", "trainer_base",
+]  # fmt: skip
+
+BASES = ("legacy", "v1")  # the trainer bases: MIXRayPPOTrainer, and verl's V1 trainer (trainer.use_v1=true)
 
 PLUGINS_ENV = "MIX_PLUGINS"  # comma-separated module names / absolute .py paths, exported to Ray workers
 F = TypeVar("F", bound=Callable)
 _LOADED: dict[str, str] = {}  # plugin spec -> module name
+_REGISTRIES: list["Registry"] = []  # every Registry made, in creation order (check_selected_entries walks them)
+
+
+class EntryConfigError(ValueError):
+    """A registry entry refuses the config (unsupported trainer base, or its own check failed)."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What a registry entry says of itself.
+
+    ``bases``: the trainer bases it supports; ``why_not``: for every other base, why (the refusal's text);
+    ``check(config)``: its own config checks on the whole composed config, raising :class:`EntryConfigError`
+    (or any ValueError) naming the key and value; ``reads``: the config keys (full dotted paths) it reads;
+    ``options``: free-form settings documented by the registry that owns the entry."""
+
+    name: str
+    fn: Callable
+    bases: tuple[str, ...] = BASES
+    why_not: Mapping[str, str] = field(default_factory=dict)
+    check: Optional[Callable[[Any], None]] = None
+    reads: tuple[str, ...] = ()
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def refusal(self, registry: "Registry", base: str) -> Optional[str]:
+        """The error text if this entry cannot run on ``base``, else None."""
+        if base in self.bases:
+            return None
+        return (
+            f"{registry.config_key}={self.name!r} is not supported on the {base!r} trainer base "
+            f"({_BASE_SWITCH[base]}): {self.why_not[base]}"
+        )
+
+
+_BASE_SWITCH = {"legacy": "trainer.use_v1=false", "v1": "trainer.use_v1=true"}
 
 
 class Registry(Generic[F]):
     """Name -> function. ``kind`` names the extension point in errors; ``config_key`` the key that picks
     from it. Iterating yields the registered names (built-ins first, then plugins, in order)."""
 
-    def __init__(self, kind: str, config_key: str):
+    def __init__(self, kind: str, config_key: str, selected: Optional[Callable[[Any], list[str]]] = None):
+        """``selected(config)`` returns the names the config picks from this registry (default: the value
+        at ``config_key``, if set); :func:`check_selected_entries` checks exactly those entries."""
         self.kind, self.config_key = kind, config_key
+        self._selected = selected
         self._entries: dict[str, F] = {}
-        self._options: dict[str, dict] = {}
+        self._described: dict[str, Entry] = {}
+        _REGISTRIES.append(self)
 
-    def register(self, name: str, **options) -> Callable[[F], F]:
-        """Decorator: ``@REG.register("name")`` adds the function under ``name``; ``options`` are stored
-        with it (see the registry's own documentation). A name registered twice is an error, unless it
+    def register(
+        self,
+        name: str,
+        *,
+        bases: tuple[str, ...] = BASES,
+        why_not: Optional[Mapping[str, str]] = None,
+        check: Optional[Callable[[Any], None]] = None,
+        reads: tuple[str, ...] = (),
+        **options,
+    ) -> Callable[[F], F]:
+        """Decorator: ``@REG.register("name", ...)`` adds the function under ``name`` with its self-description
+        (:class:`Entry`; ``options`` are stored with it, see the registry's own documentation). Every base
+        left out of ``bases`` needs its reason in ``why_not``. A name registered twice is an error, unless it
         is the same function again (a module imported twice)."""
+        bases = tuple(bases)
+        why_not = dict(why_not or {})
+        unknown = [b for b in (*bases, *why_not) if b not in BASES]
+        if unknown:
+            raise ValueError(f"{self.kind} {name!r}: unknown trainer base(s) {unknown}; the bases are {list(BASES)}")
+        missing = [b for b in BASES if b not in bases and not why_not.get(b)]
+        if missing:
+            raise ValueError(f"{self.kind} {name!r} does not support base(s) {missing}: say why in why_not={{base: reason}}")
 
         def deco(fn: F) -> F:
             old = self._entries.get(name)
             if old is not None and _qualname(old) != _qualname(fn):
                 raise ValueError(f"{self.kind} {name!r} is already registered (by {_qualname(old)})")
             self._entries[name] = fn
-            self._options[name] = dict(options)
+            self._described[name] = Entry(name, fn, bases, why_not, check, tuple(reads), dict(options))
             return fn
 
         return deco
+
+    def describe(self, name: str) -> Entry:
+        """The entry registered as ``name``, with its self-description."""
+        self.get(name)
+        return self._described[name]
+
+    def selected(self, config: Any) -> list[str]:
+        """The names ``config`` picks from this registry."""
+        if self._selected is not None:
+            return [str(n) for n in self._selected(config)]
+        from omegaconf import OmegaConf
+
+        value = OmegaConf.select(config, self.config_key, default=None)
+        return [] if value is None else [str(value)]
 
     def get(self, name: str) -> F:
         """The function registered as ``name`` (plugins in ``MIX_PLUGINS`` are imported first)."""
@@ -67,8 +153,7 @@ class Registry(Generic[F]):
         return self._entries[name]
 
     def options(self, name: str) -> dict:
-        self.get(name)
-        return self._options[name]
+        return dict(self.describe(name).options)
 
     def unknown(self, name: str) -> str:
         """The error text for an unknown name: the key, the value and every registered name."""
@@ -91,6 +176,35 @@ class Registry(Generic[F]):
 
     def __len__(self) -> int:
         return len(self.names())
+
+
+def trainer_base(config: Any) -> str:
+    """``"v1"`` with ``trainer.use_v1=true``, else ``"legacy"``."""
+    trainer = config.get("trainer") or {}
+    return "v1" if bool(trainer.get("use_v1", False)) else "legacy"
+
+
+def check_selected_entries(config: Any) -> None:
+    """Before Ray starts: for every registry, each entry the config selects must support this trainer base,
+    and its own ``check`` must pass. Raises :class:`EntryConfigError` naming the key and the entry. A name no
+    registry knows is left to the caller's own error (e.g. verl's estimators are not in ours)."""
+    load_plugins_from_env()
+    base = trainer_base(config)
+    for registry in list(_REGISTRIES):
+        for name in registry.selected(config):
+            if name not in registry._entries:
+                continue
+            entry = registry._described[name]
+            why = entry.refusal(registry, base)
+            if why:
+                raise EntryConfigError(why)
+            if entry.check is not None:
+                try:
+                    entry.check(config)
+                except EntryConfigError:
+                    raise
+                except ValueError as e:
+                    raise EntryConfigError(f"{registry.config_key}={name!r}: {e}") from e
 
 
 def _qualname(fn: Callable) -> str:

@@ -142,3 +142,41 @@ def test_registry_refuses_a_second_function_under_one_name():
         reg.register("x")(two)
     with pytest.raises(KeyError, match=r"mix\.thing='y' is not a registered thing; registered: x"):
         reg.get("y")
+
+
+# ---------------------------------------------------------------- self-describing entries (mix_src.registry.Entry)
+def test_entry_describes_itself_and_refuses_unsupported_base_before_ray():
+    """An entry's bases / why_not / check / reads are stored; check_selected_entries refuses an unsupported
+    base with the entry's own reason and runs the entry's check, naming the key — no caller names the entry."""
+    from mix_src.registry import EntryConfigError, check_selected_entries
+
+    def my_check(cfg):
+        if cfg.mix.prefix_linear_max_ratio > 0.9:
+            raise ValueError(f"mix.prefix_linear_max_ratio={cfg.mix.prefix_linear_max_ratio} must be <= 0.9 here")
+
+    @register_prefix_strategy("test_legacy_only", bases=("legacy",), why_not={"v1": "needs the legacy loop"},
+                              check=my_check, reads=("mix.prefix_linear_max_ratio",))  # fmt: skip
+    def _legacy_only(d):
+        return np.zeros(d.shape)
+
+    from mix_src.prefix import PREFIX_STRATEGIES
+
+    entry = PREFIX_STRATEGIES.describe("test_legacy_only")
+    assert entry.bases == ("legacy",) and entry.reads == ("mix.prefix_linear_max_ratio",) and entry.check is my_check
+    cfg = compose_mix("mix.prefix_strategy=test_legacy_only", "mix.prefix_linear_max_ratio=0.5")
+    check_selected_entries(cfg)  # legacy base, check passes
+    cfg.trainer.use_v1 = True
+    with pytest.raises(EntryConfigError, match=r"mix.prefix_strategy='test_legacy_only' is not supported on the 'v1'.*needs the legacy loop"):
+        check_selected_entries(cfg)
+    cfg.trainer.use_v1 = False
+    cfg.mix.prefix_linear_max_ratio = 1.0
+    with pytest.raises(EntryConfigError, match=r"mix.prefix_strategy='test_legacy_only': mix.prefix_linear_max_ratio=1.0"):
+        check_selected_entries(cfg)
+
+
+def test_entry_without_reason_for_a_missing_base_is_refused_at_registration():
+    reg = Registry("test thing", "mix.test_thing")
+    with pytest.raises(ValueError, match=r"does not support base\(s\) \['v1'\]: say why"):
+        reg.register("x", bases=("legacy",))
+    with pytest.raises(ValueError, match="unknown trainer base"):
+        reg.register("y", bases=("legacy", "v2"))
