@@ -20,6 +20,10 @@ Policy loss (from `mix.loss`):
                             the NLL is aggregated exactly like the policy loss (same mode, same global
                             normalisation), so the two terms share one scale (the original divides them
                             differently) and the sum stays micro-batch invariant.
+    row_loss                a per-row choice (mix_src/row_loss.py): the rows a rollout policy marked with
+                            `sft_row` take sft_loss_coef * the token-mean NLL over the SFT tokens of the global
+                            mini-batch (count `mix_sft_tokens`, added by add_kept_token_counts); the other
+                            rows take the default loss above (prefix tokens there keep the off-policy loss).
 Entropy bonus: -c * entropy_loss with c = actor.entropy_coeff, or learned (use_adaptive_entropy:
     core_alg.AdaptiveEntropyCoef, stepped once per mini-batch on the mini-batch's token-mean entropy,
     all-reduced over DP so every rank keeps the same c), or c = entropy_coeff * target_entropy / H with H
@@ -62,9 +66,10 @@ from mix_src.core_alg import (
     masked_mean,
 )
 from mix_src.mix_config import LossConfig as MixLossConfig  # the `mix.loss` section, checked when built
+from mix_src.row_loss import ROW_LOSSES, SFT_ROW, SFT_TOKENS, sft_token_mean
 
 __all__ = ["ENTROPY_STATE", "KEPT_TOKENS", "MixLossConfig", "MixPolicyLoss", "add_kept_token_counts",
-           "pop_entropy_state"]
+           "add_sft_token_counts", "pop_entropy_state"]
 
 KEPT_TOKENS = "mix_kept_tokens"  # (bsz,) float: all_max_clip's kept tokens in the row's global mini-batch
 ENTROPY_STATE = "mix_entropy_state/"  # metric keys carrying the learned entropy coefficient's state
@@ -91,8 +96,11 @@ def _uses_kept_token_counts(mix: MixLossConfig, loss_agg_mode: str) -> bool:
 
 def add_kept_token_counts(batch, config, mix: MixLossConfig, dp_size: Callable[[], int]) -> None:
     """Driver side, before update_actor: put `mix_kept_tokens` (bsz,) into the DataProto ``batch`` when
-    all_max_clip is on with token-mean; a no-op otherwise. ``config`` is the whole trainer config,
-    ``dp_size()`` the actor's data-parallel size (only asked when needed)."""
+    all_max_clip is on with token-mean, and `mix_sft_tokens` when mix.loss.row_loss is set
+    (add_sft_token_counts); a no-op otherwise. ``config`` is the whole trainer config, ``dp_size()`` the
+    actor's data-parallel size (only asked when needed)."""
+    if mix.row_loss is not None:
+        add_sft_token_counts(batch, config, mix, dp_size)
     if mix.all_max_clip is None:
         return
     actor = config.actor_rollout_ref.actor
@@ -101,6 +109,20 @@ def add_kept_token_counts(batch, config, mix: MixLossConfig, dp_size: Callable[[
     kept = batch.batch["response_mask"].bool() & (batch.batch["old_log_probs"] <= math.log(mix.all_max_clip))
     mini_batch_rows = int(actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n)
     batch.batch[KEPT_TOKENS] = kept_tokens_per_mini_batch(kept, dp_size(), mini_batch_rows).to(torch.float32)
+
+
+def add_sft_token_counts(batch, config, mix: MixLossConfig, dp_size: Callable[[], int]) -> None:
+    """Driver side, before update_actor, with ``mix.loss.row_loss`` set: put `mix_sft_tokens` (bsz,) into the
+    DataProto ``batch``: the SFT tokens (the row loss's sft_mask) of each row's global mini-batch, under the
+    same layout as `mix_kept_tokens`. The batch must carry the rollout policy's `sft_row` (bsz,)."""
+    if SFT_ROW not in batch.batch.keys():
+        raise KeyError(f"mix.loss.row_loss={mix.row_loss!r} needs the per-row field '{SFT_ROW}' in the batch; it is "
+                       "set by a rollout policy that marks SFT rows (e.g. recipes/hpt: mix.rollout_policy=hpt)")
+    response_mask = batch.batch["response_mask"].bool()
+    _, sft_mask = ROW_LOSSES.get(mix.row_loss)(response_mask, batch.batch["prefix_mask"].bool() & response_mask,
+                                               batch.batch[SFT_ROW].bool())  # fmt: skip
+    mini_batch_rows = int(config.actor_rollout_ref.actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n)
+    batch.batch[SFT_TOKENS] = kept_tokens_per_mini_batch(sft_mask, dp_size(), mini_batch_rows).to(torch.float32)
 
 
 class MixPolicyLoss:
@@ -191,6 +213,9 @@ class MixPolicyLoss:
             rollout_is_weights=batch.get("rollout_is_weights", None), **policy_info,
         )  # fmt: skip
         metrics: dict[str, Any] = {}
+        rl_mask, sft_mask = response_mask, None
+        if mix.row_loss is not None:  # the rows' own choice (mix_src/row_loss.py)
+            rl_mask, sft_mask = self._row_masks(data, response_mask, prefix_mask)
         if mix.use_sft_multitask_loss:
             off_rows = prefix_mask.any(dim=-1, keepdim=True)  # rows with a prefix are off-policy rows
             out = compute_token_on_off_policy_loss(
@@ -208,7 +233,7 @@ class MixPolicyLoss:
                                               aggregation=AggregationType.MEAN)  # fmt: skip
         else:
             out = compute_token_on_off_policy_loss(
-                batch["old_log_probs"], log_prob, batch["advantages"], response_mask, prefix_mask,
+                batch["old_log_probs"], log_prob, batch["advantages"], rl_mask, prefix_mask & rl_mask,
                 off_policy_reshape=mix.off_policy_reshape, off_policy_reshape_gamma=mix.off_policy_reshape_gamma,
                 off_policy_reshape_weight=mix.off_policy_reshape_weight,
                 off_policy_reshape_pow_exp=mix.off_policy_reshape_pow_exp, on_policy_reshape=mix.on_policy_reshape,
@@ -217,6 +242,12 @@ class MixPolicyLoss:
                 off_min_clip=mix.off_min_clip, all_max_clip=mix.all_max_clip, **common,
             )  # fmt: skip
             pg_loss = out["pg_loss"]
+            if sft_mask is not None:
+                sft_loss = sft_token_mean(log_prob, sft_mask, self._sft_tokens(data), info["dp_size"])
+                pg_loss = pg_loss + mix.sft_loss_coef * sft_loss
+                metrics["actor/sft_loss"] = Metric(value=sft_loss, aggregation=total_agg)
+                metrics["actor/sft_nll"] = Metric(value=masked_mean(-log_prob.detach(), sft_mask),
+                                                  aggregation=AggregationType.MEAN)  # fmt: skip
         mean_metrics = {
             "actor/pg_clipfrac": out["on_pg_clipfrac"], "actor/ppo_kl": out["ppo_kl"],
             "actor/pg_clipfrac_lower": out["on_pg_clipfrac_lower"],
@@ -247,6 +278,28 @@ class MixPolicyLoss:
             metrics["kl_loss"] = Metric(value=kl_loss, aggregation=total_agg)
             metrics["kl_coef"] = config.kl_loss_coef
         return policy_loss, metrics
+
+    def _row_masks(self, data: TensorDict, response_mask: torch.Tensor, prefix_mask: torch.Tensor):
+        """(rl_mask, sft_mask), each (bsz, L) bool, from the row loss ``mix.loss.row_loss`` and `sft_row`."""
+        if SFT_ROW not in data.keys():
+            raise KeyError(f"mix.loss.row_loss={self.mix.row_loss!r} needs the per-row field '{SFT_ROW}' (bsz,) in the "
+                           "batch; a rollout policy that marks SFT rows sets it (e.g. recipes/hpt)")
+        sft_row = data[SFT_ROW].to(response_mask.device).bool().reshape(-1)
+        if sft_row.shape[0] != response_mask.shape[0]:
+            raise ValueError(f"'{SFT_ROW}' has {sft_row.shape[0]} rows for a micro-batch of {response_mask.shape[0]}")
+        return ROW_LOSSES.get(self.mix.row_loss)(response_mask, prefix_mask, sft_row)
+
+    @staticmethod
+    def _sft_tokens(data: TensorDict) -> float:
+        """The SFT tokens of this micro-batch's global mini-batch (see add_sft_token_counts)."""
+        if SFT_TOKENS not in data.keys():
+            raise KeyError(f"mix.loss.row_loss needs '{SFT_TOKENS}' in the batch; the MIX trainer adds it before "
+                           "update_actor (mix_src.loss.add_sft_token_counts)")
+        counts = data[SFT_TOKENS]
+        if counts.numel() and counts.min() != counts.max():
+            raise ValueError(f"'{SFT_TOKENS}' differs within one micro-batch: its rows come from different "
+                             "mini-batches than add_sft_token_counts assumed (actor.shuffle must be false)")
+        return max(float(counts[0]), 1.0) if counts.numel() else 1.0
 
     @staticmethod
     def _kept_tokens(data: TensorDict) -> float:

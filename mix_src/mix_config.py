@@ -24,8 +24,9 @@ from mix_src.core_alg import LOSS_AGG_MODES, OFF_POLICY_RESHAPES, ON_POLICY_RESH
 from mix_src.core_alg import P_DIV_P_ALIASES as RESHAPE_ALIASES
 from mix_src.filter_groups import GROUP_FILTERS
 from mix_src.prefix import PREFIX_STRATEGIES
-from mix_src.registry import load_plugins
+from mix_src.registry import _REGISTRIES, load_plugins
 from mix_src.rollout_policy import ROLLOUT_POLICIES
+from mix_src.row_loss import ROW_LOSSES
 
 
 class MixConfigError(ValueError):
@@ -73,6 +74,7 @@ class LossConfig:
     loss_agg_mode: Optional[str] = None  # None: actor.loss_agg_mode; "luffy-token-sum-norm" only here
     use_sft_multitask_loss: bool = False  # PPO on on-policy rows + sft_loss_coef * NLL of prefix tokens
     sft_loss_coef: float = 1.0
+    row_loss: Optional[str] = None  # a per-row SFT / policy-loss choice (mix_src/row_loss.py); None = off
     use_adaptive_entropy: bool = False  # learn the entropy coefficient (starts at actor.entropy_coeff)
     adaptive_entropy_fixed: bool = False  # c = entropy_coeff * target_entropy / H (no learning)
     target_entropy: float = 1.0  # H*, token-mean entropy target of both adaptive variants
@@ -109,6 +111,15 @@ class LossConfig:
         _in_range(f"{p}.target_entropy", self.target_entropy, 0.0, None)
         if self.use_adaptive_entropy and self.adaptive_entropy_fixed:
             raise MixConfigError(f"{p}.use_adaptive_entropy and {p}.adaptive_entropy_fixed exclude each other; pick one")
+        if self.row_loss is not None:
+            if self.row_loss not in ROW_LOSSES:
+                raise MixConfigError(ROW_LOSSES.unknown(self.row_loss))
+            if self.use_sft_multitask_loss:
+                raise MixConfigError(f"{p}.row_loss={self.row_loss!r} and {p}.use_sft_multitask_loss both choose the "
+                                     "SFT rows; pick one")
+            if self.all_max_clip is not None:
+                raise MixConfigError(f"{p}.row_loss={self.row_loss!r} with {p}.all_max_clip={self.all_max_clip} is not "
+                                     "supported (its kept-token mean would count the SFT rows); set it to null")
         if self.use_sft_multitask_loss:
             shaping = sorted(f.name for f in dataclasses.fields(self)
                              if f.name.startswith("off_") and getattr(self, f.name) != f.default)  # fmt: skip
@@ -156,6 +167,7 @@ class MixConfig:
     seed: Optional[int] = None  # seed of the prefix-ratio generator (None = data.seed or 0)
     rollout_policy: str = "prefix_guided"  # how the generate stage makes a batch: a name in mix_src.rollout_policy
     plugins: list = field(default_factory=list)  # modules / .py files that register extensions (mix_src/registry.py)
+    plugin_options: dict = field(default_factory=dict)  # settings of plugin entries, {entry name: {key: value}}; each entry's check validates its own
     data: DataConfig = field(default_factory=DataConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
@@ -183,6 +195,10 @@ class MixConfig:
                 _in_range(f"{p}.prefix_fix_ratios[{i}]", r, 0.0, 1.0)
         _in_range(f"{p}.prefix_reward_weight_alpha", self.prefix_reward_weight_alpha, 0.0, None)
         _in_range(f"{p}.prefix_reward_weight_beta", self.prefix_reward_weight_beta, 0.0, None)
+        for name in self.plugin_options:  # an entry's own check validates its settings; a stray name is an error
+            if not any(name in registry for registry in _REGISTRIES):
+                raise MixConfigError(f"{p}.plugin_options.{name}: no registered entry is called {name!r} (load its "
+                                     f"plugin with {p}.plugins)")
         self.data.check(f"{p}.data")
         self.filter_groups.check(f"{p}.filter_groups")
 
@@ -227,6 +243,10 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         if not isinstance(value, str):
             raise MixConfigError(f"{key}={value!r} must be a string")
         return value
+    if hint is dict:
+        if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+            raise MixConfigError(f"{key}={value!r} must be a mapping {{entry name: {{key: value}}}}")
+        return {str(k): dict(v) for k, v in value.items()}
     if hint is list or origin is list:
         if not isinstance(value, (list, tuple)):
             raise MixConfigError(f"{key}={value!r} must be a list")

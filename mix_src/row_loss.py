@@ -1,0 +1,65 @@
+"""Row losses: a per-row choice between the policy loss and SFT (NLL), made by a rollout policy.
+
+A rollout policy marks rows as SFT rows with the per-row field ``sft_row`` ((bsz,) float 0/1 in the batch,
+e.g. HPT: every row of a prompt the model could not solve, recipes/hpt). It travels with the batch to the
+worker loss (:class:`mix_src.loss.MixPolicyLoss`) like ``prefix_mask``. ``mix.loss.row_loss=name`` picks an
+entry of :data:`ROW_LOSSES`, which says which tokens take which loss; the worker loss then computes
+
+    loss = PG(rl_mask)  +  sft_loss_coef * NLL(sft_mask)
+
+    PG(rl_mask)    the mixed on/off-policy loss (core_alg.compute_token_on_off_policy_loss) over the tokens of
+                   ``rl_mask`` (prefix tokens inside it keep LUFFY's off-policy loss), aggregated with
+                   ``mix.loss.loss_agg_mode`` like every other policy loss;
+    NLL(sft_mask)  the token mean of -log p over the ``sft_mask`` tokens of the whole global mini-batch
+                   (:func:`sft_token_mean`; the count travels as ``mix_sft_tokens``, added by
+                   ``mix_src.loss.add_kept_token_counts``), so the sum stays micro-batch invariant.
+
+Signature (one for all)::
+
+    @register_row_loss("name", bases=..., why_not=..., check=..., reads=...)
+    def fn(response_mask, prefix_mask, sft_row) -> (rl_mask, sft_mask)
+        response_mask: (bsz, L) bool; prefix_mask: (bsz, L) bool (tokens copied from the target);
+        sft_row: (bsz,) bool. Returns two (bsz, L) bool masks within response_mask.
+
+Torch only (no verl): the maths is tested on its own (tests/test_hpt.py).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from mix_src.registry import Registry
+
+__all__ = ["ROW_LOSSES", "SFT_ROW", "SFT_TOKENS", "register_row_loss", "sft_rows", "sft_token_mean"]
+
+SFT_ROW = "sft_row"  # (bsz,) float 0/1: the row is trained with SFT (set by a rollout policy)
+SFT_TOKENS = "mix_sft_tokens"  # (bsz,) float: the SFT tokens of the row's global mini-batch
+
+RowLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+_WHY_NOT_V1 = ("the per-row 'sft_row' field is set by a rollout policy (mix.rollout_policy), and rollout "
+               "policies run on the legacy trainer base only")
+ROW_LOSSES: Registry[RowLoss] = Registry("row loss", "mix.loss.row_loss")
+register_row_loss = ROW_LOSSES.register
+
+
+@register_row_loss("sft_rows", bases=("legacy",), why_not={"v1": _WHY_NOT_V1},
+                   reads=("mix.loss.sft_loss_coef", "mix.loss.loss_agg_mode"))
+def sft_rows(response_mask: torch.Tensor, prefix_mask: torch.Tensor, sft_row: torch.Tensor):
+    """SFT on every response token of an SFT row, the policy loss on every token of the other rows.
+
+    response_mask, prefix_mask: (bsz, L) bool; sft_row: (bsz,) bool -> (rl_mask, sft_mask), each (bsz, L) bool."""
+    sft = sft_row.to(torch.bool).unsqueeze(-1)
+    response_mask = response_mask.to(torch.bool)
+    return response_mask & ~sft, response_mask & sft
+
+
+def sft_token_mean(log_prob: torch.Tensor, sft_mask: torch.Tensor, sft_tokens: float, dp_size: int = 1) -> torch.Tensor:
+    """This micro-batch's share of the global mini-batch's token mean of -log p over the SFT tokens.
+
+    log_prob, sft_mask: (bsz, L); sft_tokens: the SFT tokens of the global mini-batch (all DP ranks; >= 1).
+    Summed over micro-batches and averaged over DP ranks (as verl's engine does) it is
+    sum(-log p * m) / sft_tokens over the mini-batch. Returns a scalar (0 when no SFT token)."""
+    m = sft_mask.to(log_prob.dtype)
+    return (-log_prob * m).sum() / max(float(sft_tokens), 1.0) * dp_size
