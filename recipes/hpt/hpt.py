@@ -1,0 +1,87 @@
+"""HPT (Hybrid Post-Training), as a mix_src plugin: per prompt, SFT on the expert solution or RL on the
+model's own samples, chosen by how often those samples solve the prompt.
+
+Paper: Lv et al., "Towards a Unified View of Large Language Model Post-Training" (arXiv 2509.04419).
+Official code: github.com/TsinghuaC3I/Unify-Post-Training, ``hpt/verl/verl/mix_src/mix_trainer.py``
+(``select_on_off_ada_balance`` and the ``unify_strategy == 'switch'`` branch of ``fit``) and
+``mix_actor.py`` (``offline_loss_type == "sft"``), commit ae332f5fa4dc8b4c3d3cd77ebc9cff3a3abab2d0.
+
+Per generation batch:
+
+1. all ``n`` samples of every prompt on-policy (the official ``n_verify`` first pass);
+2. ``k`` = the prompt's solved samples; if ``k <= switch_gate`` (official default 0) and the prompt has a
+   target, its ``n`` rows are replaced by the whole target + EOS (ratio 1.0) and marked ``sft_row`` = 1;
+   the other prompts keep their ``n`` on-policy rows (``sft_row`` = 0).
+
+The loss is the core's row loss ``mix.loss.row_loss=sft_rows`` (mix_src/row_loss.py): the policy loss on the
+RL rows + ``sft_loss_coef`` x the token-mean NLL of the SFT rows. The official code keeps one target row
+per SFT prompt; here the group keeps its ``n`` rows (n identical copies), which leaves the token-mean
+NLL unchanged (README: every difference). Settings: ``mix.plugin_options.hpt.switch_gate`` (default 0).
+Load it with ``mix.plugins=[recipes/hpt/hpt.py] mix.rollout_policy=hpt mix.loss.row_loss=sft_rows``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mix_src.registry import EntryConfigError
+from mix_src.rollout_policy import RolloutContext, register_rollout_policy, replace_rows, solved
+from mix_src.row_loss import SFT_ROW
+
+NAME = "hpt"
+DEFAULTS = {"switch_gate": 0}  # the official exp_scripts/train.sh (Qwen2.5-Math): SWITCH_GATE=0
+
+
+def options(mix) -> dict:
+    """The plugin's settings from ``mix.plugin_options.hpt`` over :data:`DEFAULTS`."""
+    return {**DEFAULTS, **dict(mix.plugin_options.get(NAME) or {})}
+
+
+def switch_to_sft(solved_counts: np.ndarray, has_target: np.ndarray, switch_gate: int) -> np.ndarray:
+    """HPT's switch (official ``select_on_off_ada_balance``, 'switch'): (P,) solved samples per prompt,
+    (P,) bool target present -> (P,) bool, True = train the prompt with SFT on its target."""
+    return (np.asarray(solved_counts) <= switch_gate) & np.asarray(has_target, dtype=bool)
+
+
+def _check(config) -> None:
+    mix = config.mix
+    opts = dict((mix.get("plugin_options") or {}).get(NAME) or {})
+    unknown = sorted(set(opts) - set(DEFAULTS))
+    if unknown:
+        raise EntryConfigError(f"mix.plugin_options.{NAME}: unknown key(s) {unknown}; valid: {sorted(DEFAULTS)}")
+    gate = opts.get("switch_gate", DEFAULTS["switch_gate"])
+    n = int(config.actor_rollout_ref.rollout.n)
+    if isinstance(gate, bool) or not isinstance(gate, int) or not -1 <= gate <= n:
+        raise EntryConfigError(f"mix.plugin_options.{NAME}.switch_gate={gate!r} must be an integer in [-1, "
+                               f"rollout.n={n}] (-1: never SFT, i.e. GRPO; n: always SFT)")
+    if mix.loss.get("row_loss") != "sft_rows":
+        raise EntryConfigError(f"mix.rollout_policy={NAME!r} marks SFT rows for mix.loss.row_loss=sft_rows (got "
+                               f"{mix.loss.get('row_loss')!r}); set mix.loss.row_loss=sft_rows")
+    if not (mix.n_prefix == -1 and mix.prefix_strategy == "random" and mix.min_prefix_ratio == 1.0
+            and mix.max_prefix_ratio == 1.0):  # fmt: skip
+        raise EntryConfigError(
+            f"mix.rollout_policy={NAME!r} trains SFT prompts on the whole target: set mix.n_prefix=-1, "
+            f"mix.prefix_strategy=random, mix.min_prefix_ratio=1.0, mix.max_prefix_ratio=1.0 (got n_prefix="
+            f"{mix.n_prefix}, prefix_strategy={mix.prefix_strategy}, ratios=[{mix.min_prefix_ratio}, "
+            f"{mix.max_prefix_ratio}])"
+        )
+
+
+@register_rollout_policy(
+    NAME, bases=("legacy",),
+    why_not={"v1": "rollout policies run on the legacy trainer base only (MIXRayPPOTrainer)"},
+    check=_check,
+    reads=("mix.plugin_options.hpt.switch_gate", "mix.loss.row_loss", "mix.n_prefix", "mix.prefix_strategy",
+           "mix.min_prefix_ratio", "mix.max_prefix_ratio", "actor_rollout_ref.rollout.n"),
+)  # fmt: skip
+def hpt(ctx: RolloutContext):
+    n = ctx.n
+    first = ctx.generate(np.zeros(len(ctx.batch)))  # pass 1: all on-policy
+    ratios = ctx.prefix_ratios()  # n_prefix=-1, ratio 1.0: 1.0 on every row with a target, 0 elsewhere
+    has_target = (ratios.reshape(-1, n) > 0).all(axis=1)
+    sft_prompts = switch_to_sft(solved(first).reshape(-1, n).sum(axis=1), has_target, options(ctx.mix)["switch_gate"])
+    rows = np.flatnonzero(np.repeat(sft_prompts, n))
+    out = replace_rows(first, rows, ctx.generate(ratios[rows], rows)) if rows.size else first
+    out.batch[SFT_ROW] = torch.as_tensor(np.repeat(sft_prompts, n), dtype=torch.float32)
+    return out
