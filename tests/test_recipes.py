@@ -27,7 +27,7 @@ PLOT_SCRIPT = REPO_ROOT / "scripts" / "plot_metrics.py"
 
 GPU_RECIPES = [
     "luffy_zero", "on_policy_grpo", "rl_with_sft_loss", "sft_then_rl",
-    "dapo_filter", "luffy_filter", "prefix_curriculum", "guide_on_failure",
+    "dapo_filter", "luffy_filter", "prefix_curriculum", "guide_on_failure", "hpt",
 ]  # fmt: skip
 RECIPES = [*GPU_RECIPES, "cpu_tiny"]
 
@@ -63,6 +63,13 @@ EXPECTED = {
         "mix.rollout_policy": "guide_on_failure", "mix.n_prefix": 1, "mix.min_prefix_ratio": 1.0,
         "mix.loss.loss_remove_clip": True, "data.train_batch_size": 128,
     },
+    "hpt": {
+        "mix.rollout_policy": "hpt", "mix.loss.row_loss": "sft_rows", "mix.loss.sft_loss_coef": 1.0,
+        "mix.n_prefix": -1, "mix.min_prefix_ratio": 1.0, "mix.plugin_options": {"hpt": {"switch_gate": 0}},
+        "actor_rollout_ref.actor.optim.lr": 5e-6, "actor_rollout_ref.rollout.n": 8,
+        "algorithm.norm_adv_by_std_in_grpo": False, "mix.loss.loss_remove_clip": True,
+        "mix.loss.loss_agg_mode": "luffy-token-sum-norm", "data.train_batch_size": 128,
+    },
     "cpu_tiny": {
         "mix.n_prefix": 1, "mix.min_prefix_ratio": 1.0, "actor_rollout_ref.rollout.name": "hf",
         "trainer.device": "cpu", "actor_rollout_ref.actor.strategy": "fsdp2",
@@ -81,6 +88,7 @@ DEMO_KEYS = [
 RUN_SH_OVERRIDES = {
     "guide_on_failure": [f"mix.plugins=[{RECIPES_DIR / 'guide_on_failure' / 'guide_on_failure.py'}]",
                          "mix.rollout_policy=guide_on_failure"],
+    "hpt": [f"mix.plugins=[{RECIPES_DIR / 'hpt' / 'hpt.py'}]"],
 }  # fmt: skip
 
 
