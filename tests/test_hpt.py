@@ -352,3 +352,20 @@ def test_hpt_plugin_trains_two_steps(tiny_assets, tmp_path):
         assert np.isfinite(m["actor/sft_loss"]) and m["actor/sft_loss"] > 0
         assert m["actor/sft_nll"] > 0
     assert result.metrics[1]["actor/sft_nll"] < result.metrics[0]["actor/sft_nll"]  # SFT lowers the targets' NLL
+
+
+def test_compare_entry_composes_on_the_toy_task():
+    """compare.yaml's plugin and overrides on top of the toy task's base settings (the harness's composition):
+    the mix section validates and every selected entry accepts the config, before Ray."""
+    from hydra import compose, initialize_config_dir
+
+    from mix_src.mix_config import validate_mix_config
+
+    spec = yaml.safe_load((ROOT / "recipes" / "hpt" / "compare.yaml").read_text())
+    assert spec["kind"] == "rl" and set(spec) == {"kind", "plugins", "overrides"}
+    plugins = "mix.plugins=[" + ",".join(str(ROOT / p) for p in spec["plugins"]) + "]"
+    with initialize_config_dir(config_dir=str(ROOT / "recipes" / "toy_addition"), version_base=None):
+        cfg = compose(config_name="on_policy_grpo", overrides=[plugins, *spec["overrides"]])
+    mix = validate_mix_config(cfg)
+    check_selected_entries(cfg)
+    assert mix.rollout_policy == "hpt" and mix.loss.row_loss == "sft_rows" and mix.n_prefix == -1
