@@ -9,7 +9,9 @@ entry of :data:`ROW_LOSSES`, which says which tokens take which loss; the worker
 
     PG(rl_mask)    the mixed on/off-policy loss (core_alg.compute_token_on_off_policy_loss) over the tokens of
                    ``rl_mask`` (prefix tokens inside it keep LUFFY's off-policy loss), aggregated with
-                   ``mix.loss.loss_agg_mode`` like every other policy loss;
+                   ``mix.loss.loss_agg_mode`` like every other policy loss (its normaliser is the whole
+                   mini-batch's: with token-mean, all response tokens, the SFT rows' included; with
+                   luffy-token-sum-norm, as in HPT's recipe, the fixed width W);
     NLL(sft_mask)  the token mean of -log p over the ``sft_mask`` tokens of the whole global mini-batch
                    (:func:`sft_token_mean`; the count travels as ``mix_sft_tokens``, added by
                    ``mix_src.loss.add_kept_token_counts``), so the sum stays micro-batch invariant.
