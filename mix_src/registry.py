@@ -9,6 +9,7 @@ that uses it:
     advantage estimators  mix_src.adv_estimators.register_adv_estimator    (algorithm.adv_estimator)
     group filters         mix_src.filter_groups.register_group_filter      (mix.filter_groups.rule)
     rollout policies      mix_src.rollout_policy.register_rollout_policy   (mix.rollout_policy)
+    loss combinations     mix_src.loss_combine.register_loss_combine       (mix.loss.combine)
 
 Every entry describes itself (:class:`Entry`): the trainer bases it supports (``"legacy"`` =
 :class:`~mix_src.mix_trainer.MIXRayPPOTrainer`, ``"v1"`` = ``trainer.use_v1=true``) and, for each base it does
