@@ -351,18 +351,18 @@ def test_loss_config_refuses_what_a_combination_would_ignore():
 @pytest.mark.ray
 def test_chord_recipe_trains_two_steps(tiny_assets, tmp_path):
     """`python -m mix_src.main_mix_ppo --config-path recipes/chord --config-name config +backend=cpu` with the
-    recipe's settings (n 10 = 8 on-policy + 2 expert rows per prompt, grpo_split, the chord combination) on the
+    recipe's settings (n 9 = 8 on-policy + 1 expert row per prompt, grpo_split, the chord combination) on the
     tiny assets: 2 steps, the expert rows are trained, mu is the recipe's, the loss is finite and moves weights."""
     from e2e import MIX_CPU, run_verl, tiny_overrides
 
     recipe = PLUGIN.parent
     overrides = ["--config-path", str(recipe), "--config-name", "config", *MIX_CPU,
-                 *tiny_overrides(tiny_assets, steps=2, n=10, batch_size=2, response_length=24),
+                 *tiny_overrides(tiny_assets, steps=2, n=9, batch_size=2, response_length=24),
                  f"mix.plugins=[{PLUGIN}]"]  # fmt: skip
     result = run_verl("mix_src.main_mix_ppo", overrides, tmp_path, timeout=420)
     assert [m["step"] for m in result.metrics] == [1, 2]
     for m in result.metrics:
-        assert m["batch/off_policy_rows"] == 4 and m["batch/avg_prefix_ratio"] == pytest.approx(0.2)
+        assert m["batch/off_policy_rows"] == 2 and m["batch/avg_prefix_ratio"] == pytest.approx(1 / 9)
         assert m["actor/chord_mu"] == pytest.approx(0.1)
         assert 0 < m["actor/chord_phi_mean"] <= 0.25 and m["actor/chord_sft_loss"] > 0
         assert math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0

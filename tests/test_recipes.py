@@ -64,7 +64,7 @@ EXPECTED = {
         "mix.loss.loss_remove_clip": True, "data.train_batch_size": 128,
     },
     "chord": {
-        "mix.loss.combine": "chord", "mix.n_prefix": 2, "actor_rollout_ref.rollout.n": 10, "mix.min_prefix_ratio": 1.0,
+        "mix.loss.combine": "chord", "mix.n_prefix": 1, "actor_rollout_ref.rollout.n": 9, "mix.min_prefix_ratio": 1.0,
         "algorithm.adv_estimator": "grpo_split", "algorithm.norm_adv_by_std_in_grpo": True,
         "mix.loss.loss_agg_mode": "token-mean", "mix.loss.loss_remove_clip": False,
         "mix.loss.combine_args": {"mu_warmup_steps": 0, "mu_decay_steps": 0, "mu_peak": 0.1, "mu_valley": 0.1,
