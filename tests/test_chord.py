@@ -366,3 +366,23 @@ def test_chord_recipe_trains_two_steps(tiny_assets, tmp_path):
         assert m["actor/chord_mu"] == pytest.approx(0.1)
         assert 0 < m["actor/chord_phi_mean"] <= 0.25 and m["actor/chord_sft_loss"] > 0
         assert math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0
+
+
+def test_compare_yaml_composes_on_the_toy_task():
+    """recipes/chord/compare.yaml (the comparison harness's contract: plugins + overrides on the toy task's base
+    settings, recipes/toy_addition/on_policy_grpo.yaml) composes, validates and passes the entry's checks."""
+    import yaml
+    from hydra import compose, initialize_config_dir
+
+    from mix_src.mix_config import validate_mix_config
+
+    spec = yaml.safe_load((PLUGIN.parent / "compare.yaml").read_text())
+    assert set(spec) <= {"kind", "plugins", "overrides"} and spec.get("kind", "rl") == "rl"
+    root = PLUGIN.parents[2]
+    plugins = [str(root / p) for p in spec["plugins"]]
+    assert all(Path(p).is_file() for p in plugins)
+    with initialize_config_dir(config_dir=str(root / "recipes" / "toy_addition"), version_base=None):
+        cfg = compose(config_name="on_policy_grpo", overrides=[f"mix.plugins=[{','.join(plugins)}]", *spec["overrides"]])
+    mix = validate_mix_config(cfg)
+    check_selected_entries(cfg)
+    assert mix.loss.combine == "chord" and mix.n_prefix == 1 and cfg.actor_rollout_ref.rollout.n == 9
