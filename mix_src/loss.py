@@ -36,6 +36,9 @@ all_max_clip with token-mean: tokens with p > c leave the policy loss, and the t
     count as `mix_kept_tokens` (add_kept_token_counts). A token whose p crosses c during the step's
     updates still follows the current p in the numerator (LUFFY's rule); on the first mini-batch of an
     on-policy step p = p_old and the mean is exact.
+Loss combination (mix.loss.combine, a registered mix_src.loss_combine entry): PPO-clip on the on-policy rows,
+    combined with the expert rows' tokens by the entry (e.g. recipes/chord: (1-mu)*RL + mu*SFT); each population
+    normalised by its own global mini-batch size, counted on the driver (add_combine_inputs).
 KL loss (actor.use_kl_loss): kl_loss_coef * agg(kl_penalty(log_prob, ref_log_prob, kl_loss_type)) over
     every valid token, prefix tokens included; it works together with the off-policy loss (the original
     crashes there).
@@ -65,13 +68,20 @@ from mix_src.core_alg import (
     kept_tokens_per_mini_batch,
     masked_mean,
 )
+from mix_src.loss_combine import LOSS_COMBINES, CombineInputs
 from mix_src.mix_config import LossConfig as MixLossConfig  # the `mix.loss` section, checked when built
 from mix_src.row_loss import ROW_LOSSES, SFT_ROW, SFT_TOKENS, sft_token_mean
 
-__all__ = ["ENTROPY_STATE", "KEPT_TOKENS", "MixLossConfig", "MixPolicyLoss", "add_kept_token_counts",
-           "add_sft_token_counts", "pop_entropy_state"]
+__all__ = ["COMBINE_FIELDS", "ENTROPY_STATE", "KEPT_TOKENS", "MixLossConfig", "MixPolicyLoss", "add_combine_inputs",
+           "add_kept_token_counts", "add_sft_token_counts", "pop_entropy_state"]
 
 KEPT_TOKENS = "mix_kept_tokens"  # (bsz,) float: all_max_clip's kept tokens in the row's global mini-batch
+# mix.loss.combine's per-row inputs, (bsz,) float each (add_combine_inputs): the on-policy / expert tokens and
+# rows of the row's global mini-batch, and the trainer's global step
+ON_TOKENS, ON_ROWS = "mix_on_tokens", "mix_on_rows"
+EXPERT_TOKENS, EXPERT_ROWS = "mix_expert_tokens", "mix_expert_rows"
+GLOBAL_STEP = "mix_global_step"
+COMBINE_FIELDS = (ON_TOKENS, ON_ROWS, EXPERT_TOKENS, EXPERT_ROWS, GLOBAL_STEP)
 ENTROPY_STATE = "mix_entropy_state/"  # metric keys carrying the learned entropy coefficient's state
 
 
@@ -123,6 +133,36 @@ def add_sft_token_counts(batch, config, mix: MixLossConfig, dp_size: Callable[[]
                                                batch.batch[SFT_ROW].bool())  # fmt: skip
     mini_batch_rows = int(config.actor_rollout_ref.actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n)
     batch.batch[SFT_TOKENS] = kept_tokens_per_mini_batch(sft_mask, dp_size(), mini_batch_rows).to(torch.float32)
+def add_combine_inputs(batch, config, mix: MixLossConfig, dp_size: Callable[[], int], global_step: int) -> None:
+    """Driver side, before update_actor: with ``mix.loss.combine`` set, put COMBINE_FIELDS into the DataProto
+    ``batch`` (rows with a prefix token are expert rows; counts per global mini-batch under verl's layout,
+    see core_alg.kept_tokens_per_mini_batch); a no-op otherwise."""
+    if mix.combine is None:
+        return
+    response_mask = batch.batch["response_mask"].bool()
+    expert = batch.batch["prefix_mask"].bool() & response_mask
+    on = response_mask & ~expert.any(dim=-1, keepdim=True)
+    dp = dp_size()
+    mini_batch_rows = int(config.actor_rollout_ref.actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n)
+    for key, mask in ((ON_TOKENS, on), (ON_ROWS, on.any(-1, keepdim=True)), (EXPERT_TOKENS, expert),
+                      (EXPERT_ROWS, expert.any(-1, keepdim=True))):  # fmt: skip
+        batch.batch[key] = kept_tokens_per_mini_batch(mask, dp, mini_batch_rows).to(torch.float32)
+    batch.batch[GLOBAL_STEP] = torch.full((len(response_mask),), float(global_step))
+
+
+def _row_values(data: TensorDict, keys, feature: str, helper: str) -> dict[str, float]:
+    """The per-row values ``keys`` of a micro-batch, one number each (equal on every row of the micro-batch)."""
+    values = {}
+    for key in keys:
+        if key not in data.keys():
+            raise KeyError(f"{feature} needs '{key}' in the batch; the MIX trainer adds it before update_actor "
+                           f"(mix_src.loss.{helper})")
+        value = data[key]
+        if value.numel() and value.min() != value.max():
+            raise ValueError(f"'{key}' differs within one micro-batch: its rows come from different mini-batches "
+                             f"than {helper} assumed (actor.shuffle must be false)")
+        values[key] = float(value.reshape(-1)[0]) if value.numel() else 0.0
+    return values
 
 
 class MixPolicyLoss:
@@ -216,7 +256,10 @@ class MixPolicyLoss:
         rl_mask, sft_mask = response_mask, None
         if mix.row_loss is not None:  # the rows' own choice (mix_src/row_loss.py)
             rl_mask, sft_mask = self._row_masks(data, response_mask, prefix_mask)
-        if mix.use_sft_multitask_loss:
+        if mix.combine is not None:  # a registered loss combination (mix_src.loss_combine)
+            pg_loss, out = self._combined_policy_loss(data, batch, log_prob, response_mask, prefix_mask, info,
+                                                      common, metrics)  # fmt: skip
+        elif mix.use_sft_multitask_loss:
             off_rows = prefix_mask.any(dim=-1, keepdim=True)  # rows with a prefix are off-policy rows
             out = compute_token_on_off_policy_loss(
                 batch["old_log_probs"], log_prob, batch["advantages"], response_mask & ~off_rows,
@@ -300,6 +343,35 @@ class MixPolicyLoss:
             raise ValueError(f"'{SFT_TOKENS}' differs within one micro-batch: its rows come from different "
                              "mini-batches than add_sft_token_counts assumed (actor.shuffle must be false)")
         return max(float(counts[0]), 1.0) if counts.numel() else 1.0
+    def _combined_policy_loss(self, data, batch, log_prob, response_mask, prefix_mask, info, common, metrics):
+        """``mix.loss.combine``: PPO-clip on the on-policy rows, then the registered combination (its module
+        docstring: mix_src/loss_combine.py) makes the policy loss from it and the expert tokens."""
+        mix = self.mix
+        counts = _row_values(data, COMBINE_FIELDS, "mix.loss.combine", "add_combine_inputs")
+        expert_rows = prefix_mask.any(dim=-1, keepdim=True)  # rows with a prefix are expert rows
+        on_mask = response_mask & ~expert_rows
+
+        def numbers(tokens: str, rows: str) -> dict:  # the population's global mini-batch size (>= 1: 0/0 -> 0)
+            return dict(info, batch_num_tokens=max(counts[tokens], 1.0), global_batch_size=max(counts[rows], 1.0))
+
+        on_info, expert_info = numbers(ON_TOKENS, ON_ROWS), numbers(EXPERT_TOKENS, EXPERT_ROWS)
+        out = compute_token_on_off_policy_loss(
+            batch["old_log_probs"], log_prob, batch["advantages"], on_mask, torch.zeros_like(prefix_mask),
+            on_policy_reshape=mix.on_policy_reshape, on_policy_reshape_gamma=mix.on_policy_reshape_gamma,
+            on_policy_reshape_weight=mix.on_policy_reshape_weight,
+            on_policy_reshape_pow_exp=mix.on_policy_reshape_pow_exp, **{**common, **on_info},
+        )  # fmt: skip
+        out["off_policy_prob"] = masked_mean(log_prob.detach().exp(), prefix_mask)
+        inputs = CombineInputs(
+            log_prob=log_prob, on_mask=on_mask, expert_mask=prefix_mask, rl_loss=out["pg_loss"],
+            agg_on=lambda m: agg_loss(m, on_mask, self.loss_agg_mode, **on_info),
+            agg_expert=lambda m: agg_loss(m, prefix_mask, self.loss_agg_mode, **expert_info),
+            global_step=int(counts[GLOBAL_STEP]),
+        )  # fmt: skip
+        loss, extra = LOSS_COMBINES.get(mix.combine)(inputs, dict(mix.combine_args))
+        metrics.update(Metric.from_dict({f"actor/{k}": float(v) for k, v in extra.items()},
+                                        aggregation=AggregationType.MEAN))  # fmt: skip
+        return loss, out
 
     @staticmethod
     def _kept_tokens(data: TensorDict) -> float:

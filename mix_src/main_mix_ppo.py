@@ -250,6 +250,12 @@ def check_v1_config(config: DictConfig) -> None:
             "state comes back in the update metrics and only MIXRayPPOTrainer saves it in its checkpoint (a resumed "
             "V1 run would restart it); use a fixed actor.entropy_coeff, or trainer.use_v1=false"
         )
+    if loss.get("combine") is not None:
+        raise MixConfigError(
+            f"mix.loss.combine={loss.combine!r} is not supported on trainer.use_v1=true: its per-population token "
+            "counts and the global step reach the worker loss from MIXRayPPOTrainer, before the update "
+            "(mix_src.loss.add_combine_inputs); use trainer.use_v1=false"
+        )
     if loss.get("all_max_clip") is not None:
         raise MixConfigError(
             f"mix.loss.all_max_clip={loss.all_max_clip} is not supported on trainer.use_v1=true: its token-mean "

@@ -15,6 +15,7 @@ This module imports no verl (torch only through the pure core_alg, for its optio
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, get_args, get_origin, get_type_hints
@@ -23,6 +24,7 @@ from typing import Any, Literal, Optional, get_args, get_origin, get_type_hints
 from mix_src.core_alg import LOSS_AGG_MODES, OFF_POLICY_RESHAPES, ON_POLICY_RESHAPES
 from mix_src.core_alg import P_DIV_P_ALIASES as RESHAPE_ALIASES
 from mix_src.filter_groups import GROUP_FILTERS
+from mix_src.loss_combine import LOSS_COMBINES
 from mix_src.prefix import PREFIX_STRATEGIES
 from mix_src.registry import _REGISTRIES, load_plugins
 from mix_src.rollout_policy import ROLLOUT_POLICIES
@@ -73,6 +75,8 @@ class LossConfig:
     clip_upper_bound: float = 1.0  # widens the upper clip bound to max(this, 1 + clip_ratio_high)
     loss_agg_mode: Optional[str] = None  # None: actor.loss_agg_mode; "luffy-token-sum-norm" only here
     use_sft_multitask_loss: bool = False  # PPO on on-policy rows + sft_loss_coef * NLL of prefix tokens
+    combine: Optional[str] = None  # a registered loss combination (mix_src/loss_combine.py); None: LUFFY's loss
+    combine_args: dict = field(default_factory=dict)  # its settings, checked by the entry
     sft_loss_coef: float = 1.0
     row_loss: Optional[str] = None  # a per-row SFT / policy-loss choice (mix_src/row_loss.py); None = off
     use_adaptive_entropy: bool = False  # learn the entropy coefficient (starts at actor.entropy_coeff)
@@ -120,6 +124,21 @@ class LossConfig:
             if self.all_max_clip is not None:
                 raise MixConfigError(f"{p}.row_loss={self.row_loss!r} with {p}.all_max_clip={self.all_max_clip} is not "
                                      "supported (its kept-token mean would count the SFT rows); set it to null")
+        if self.combine is not None and self.row_loss is not None:
+            raise MixConfigError(f"{p}.combine={self.combine!r} and {p}.row_loss={self.row_loss!r} each decide how rows "
+                                 "enter the loss; pick one")
+        if self.combine is not None:
+            if self.combine not in LOSS_COMBINES:
+                raise MixConfigError(LOSS_COMBINES.unknown(self.combine))
+            if not isinstance(self.combine_args, collections.abc.Mapping):
+                raise MixConfigError(f"{p}.combine_args={self.combine_args!r} must be a mapping")
+            ignored = sorted(f.name for f in dataclasses.fields(self) if (f.name.startswith("off_")
+                             or f.name in ("all_max_clip", "use_sft_multitask_loss")) and getattr(self, f.name) != f.default)  # fmt: skip
+            if ignored:
+                raise MixConfigError(f"{p}.combine={self.combine!r} makes the policy loss of the on-policy and expert "
+                                     f"rows, so {ignored} would be ignored; leave them at their defaults")
+        elif self.combine_args:
+            raise MixConfigError(f"{p}.combine_args is set but {p}.combine is not; set both or neither")
         if self.use_sft_multitask_loss:
             shaping = sorted(f.name for f in dataclasses.fields(self)
                              if f.name.startswith("off_") and getattr(self, f.name) != f.default)  # fmt: skip
@@ -195,6 +214,10 @@ class MixConfig:
                 _in_range(f"{p}.prefix_fix_ratios[{i}]", r, 0.0, 1.0)
         _in_range(f"{p}.prefix_reward_weight_alpha", self.prefix_reward_weight_alpha, 0.0, None)
         _in_range(f"{p}.prefix_reward_weight_beta", self.prefix_reward_weight_beta, 0.0, None)
+        for name, settings in self.plugin_options.items():
+            if not isinstance(settings, dict):
+                raise MixConfigError(f"{p}.plugin_options.{name}={settings!r} must be a mapping {{key: value}} (the "
+                                     f"settings of the entry {name!r})")
         for name in self.plugin_options:  # an entry's own check validates its settings; a stray name is an error
             if not any(name in registry for registry in _REGISTRIES):
                 raise MixConfigError(f"{p}.plugin_options.{name}: no registered entry is called {name!r} (load its "
@@ -244,9 +267,9 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             raise MixConfigError(f"{key}={value!r} must be a string")
         return value
     if hint is dict:
-        if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
-            raise MixConfigError(f"{key}={value!r} must be a mapping {{entry name: {{key: value}}}}")
-        return {str(k): dict(v) for k, v in value.items()}
+        if not isinstance(value, dict):
+            raise MixConfigError(f"{key}={value!r} must be a mapping")
+        return {str(k): v for k, v in value.items()}
     if hint is list or origin is list:
         if not isinstance(value, (list, tuple)):
             raise MixConfigError(f"{key}={value!r} must be a list")
@@ -330,6 +353,11 @@ def validate_mix_config(config: Any) -> MixConfig:
         raise MixConfigError(
             "mix.loss.all_max_clip with token-mean counts the kept tokens of each mini-batch before the update, "
             "which needs verl's unshuffled mini-batches: set actor_rollout_ref.actor.shuffle=false"
+        )
+    if mix.loss.combine is not None and actor.get("shuffle", False):
+        raise MixConfigError(
+            f"mix.loss.combine={mix.loss.combine!r} counts the on-policy and expert tokens of each mini-batch before "
+            "the update, which needs verl's unshuffled mini-batches: set actor_rollout_ref.actor.shuffle=false"
         )
     fg = config.algorithm.get("filter_groups") or {}
     if (mix.filter_groups.carry_over or mix.filter_groups.on_policy_only or mix.filter_groups.rule != "nonzero_std") and not fg.get("enable", False):

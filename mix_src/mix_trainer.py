@@ -67,7 +67,7 @@ from verl.utils.skip.skip_manager import SkipManager
 
 from mix_src.dataset import TARGET_FIELD
 from mix_src.filter_groups import filter_groups, plan_train_batch
-from mix_src.loss import add_kept_token_counts, pop_entropy_state
+from mix_src.loss import add_combine_inputs, add_kept_token_counts, pop_entropy_state
 from mix_src.mix_config import MixConfig
 from mix_src.seeding import pass_seeds, request_seeds
 from mix_src.rollout_policy import ROLLOUT_POLICIES, RolloutContext
@@ -504,6 +504,8 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             self._wake_rollout()
             return
         add_kept_token_counts(batch, self.config, self.mix.loss, lambda: self._get_dp_size(self.actor_rollout_wg, "actor"))
+        add_combine_inputs(batch, self.config, self.mix.loss, lambda: self._get_dp_size(self.actor_rollout_wg, "actor"),
+                           self.global_steps)  # fmt: skip
         with marked_timer("update_actor", timing):
             actor_output = self._update_actor(batch)
         entropy_state = pop_entropy_state(actor_output.meta_info["metrics"])  # the learned entropy coefficient

@@ -27,7 +27,7 @@ PLOT_SCRIPT = REPO_ROOT / "scripts" / "plot_metrics.py"
 
 GPU_RECIPES = [
     "luffy_zero", "on_policy_grpo", "rl_with_sft_loss", "sft_then_rl",
-    "dapo_filter", "luffy_filter", "prefix_curriculum", "guide_on_failure", "hpt",
+    "dapo_filter", "luffy_filter", "prefix_curriculum", "guide_on_failure", "hpt", "chord",
 ]  # fmt: skip
 RECIPES = [*GPU_RECIPES, "cpu_tiny"]
 
@@ -70,6 +70,14 @@ EXPECTED = {
         "algorithm.norm_adv_by_std_in_grpo": False, "mix.loss.loss_remove_clip": True,
         "mix.loss.loss_agg_mode": "luffy-token-sum-norm", "data.train_batch_size": 128,
     },
+    "chord": {
+        "mix.loss.combine": "chord", "mix.n_prefix": 1, "actor_rollout_ref.rollout.n": 9, "mix.min_prefix_ratio": 1.0,
+        "algorithm.adv_estimator": "grpo_split", "algorithm.norm_adv_by_std_in_grpo": True,
+        "mix.loss.loss_agg_mode": "token-mean", "mix.loss.loss_remove_clip": False,
+        "mix.loss.combine_args": {"mu_warmup_steps": 0, "mu_decay_steps": 0, "mu_peak": 0.1, "mu_valley": 0.1,
+                                  "enable_phi_function": True},
+        "actor_rollout_ref.actor.entropy_coeff": 0.0, "actor_rollout_ref.actor.clip_ratio": 0.2,
+    },
     "cpu_tiny": {
         "mix.n_prefix": 1, "mix.min_prefix_ratio": 1.0, "actor_rollout_ref.rollout.name": "hf",
         "trainer.device": "cpu", "actor_rollout_ref.actor.strategy": "fsdp2",
@@ -89,6 +97,7 @@ RUN_SH_OVERRIDES = {
     "guide_on_failure": [f"mix.plugins=[{RECIPES_DIR / 'guide_on_failure' / 'guide_on_failure.py'}]",
                          "mix.rollout_policy=guide_on_failure"],
     "hpt": [f"mix.plugins=[{RECIPES_DIR / 'hpt' / 'hpt.py'}]"],
+    "chord": [f"mix.plugins=[{RECIPES_DIR / 'chord' / 'chord.py'}]"],
 }  # fmt: skip
 
 
