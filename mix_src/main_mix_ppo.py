@@ -27,7 +27,7 @@ from verl.trainer.main_ppo_v0 import BaseTaskRunner
 
 from mix_src.luffy_keys import translate_overrides
 from mix_src.mix_config import MixConfigError, validate_mix_config
-from mix_src.model_context import resolve_max_model_len
+from mix_src.model_context import check_attention, resolve_max_model_len
 from mix_src.registry import PLUGINS_ENV, load_plugins, resolve_plugin
 from mix_src.verl_parity import check_verl_keys
 
@@ -40,6 +40,7 @@ def prepare_config(config: DictConfig) -> None:
     _check_backend(config)
     _check_paths(config)
     resolve_max_model_len(config)  # the agent loop's clamp needs the model context (mix_src/model_context.py)
+    check_attention(config)  # sdpa/eager need use_remove_padding=false; flash_attention_2 needs flash_attn
 
 
 def _check_backend(config: DictConfig) -> None:

@@ -1,4 +1,5 @@
-"""``actor_rollout_ref.rollout.max_model_len``: the model context the prefix-guided agent loop clamps to.
+"""Model settings the driver resolves and checks before Ray: ``rollout.max_model_len`` (the model context the
+prefix-guided agent loop clamps to) and the attention implementation (:func:`check_attention`).
 
 verl fills a null ``rollout.max_model_len`` only inside its server actor, from the model config's
 ``max_position_embeddings`` (``vllm_async_server.py`` ``_validate_configs``, same in ``async_sglang_server.py``),
@@ -99,3 +100,52 @@ def resolve_max_model_len(config) -> Optional[int]:
     with open_dict(config):
         rollout.max_model_len = context
     return context
+
+
+# verl's HFModelConfig default (verl/workers/config/model.py: override_config.get("attn_implementation", ...))
+VERL_DEFAULT_ATTN = "flash_attention_2"
+SDPA_OVERRIDES = (
+    "+actor_rollout_ref.model.override_config.attn_implementation=sdpa actor_rollout_ref.model.use_remove_padding=false"
+)
+
+
+def check_attention(config, *, cuda: Optional[bool] = None) -> None:
+    """Refuse, before Ray, attention settings that cannot work; the path without flash-attn is
+    ``override_config.attn_implementation=sdpa`` (or ``eager``, as the CPU backend uses) with
+    ``use_remove_padding=false``.
+
+    * ``use_remove_padding=true`` packs a batch's sequences into one row and relies on flash-attn's varlen
+      kernels to keep them apart (verl/models/transformers/monkey_patch.py patches transformers'
+      ``_flash_attention_forward``); under sdpa/eager the packed sequences would attend to each other.
+    * ``flash_attention_2`` (verl's default) where ``flash_attn`` is not importable, on a CUDA machine: verl
+      would fail when its workers load the model (``make install-gpu NO_FLASH_ATTN=1`` skips flash-attn).
+      Checked on the driver, in the driver's environment (``cuda``: default ``torch.cuda.is_available()``).
+    """
+    sections = [("actor_rollout_ref.model", config.actor_rollout_ref.model)]
+    critic = config.get("critic") or {}
+    if critic.get("enable") or (critic.get("enable") is None and config.algorithm.get("adv_estimator") == "gae"):
+        if critic.get("model") is not None:
+            sections.append(("critic.model", critic.model))
+    for key, model in sections:
+        impl = str((model.get("override_config") or {}).get("attn_implementation") or VERL_DEFAULT_ATTN)
+        varlen = impl.startswith("flash_attention")
+        if not varlen and model.get("use_remove_padding", True):
+            raise MixConfigError(
+                f"{key}.override_config.attn_implementation={impl} with {key}.use_remove_padding=true: remove-padding "
+                "packs the batch's sequences into one row and only flash-attn's varlen kernels keep them apart "
+                "(verl/models/transformers/monkey_patch.py); set "
+                f"{key}.use_remove_padding=false (the path without flash-attn: {SDPA_OVERRIDES})"
+            )
+        if impl == VERL_DEFAULT_ATTN:
+            import importlib.util
+
+            if cuda is None:
+                import torch
+
+                cuda = torch.cuda.is_available()
+            if cuda and importlib.util.find_spec("flash_attn") is None:
+                raise MixConfigError(
+                    f"{key}.override_config.attn_implementation={impl} (verl's default) but flash_attn is not installed "
+                    "here (`make install-gpu NO_FLASH_ATTN=1` skips it: it has no wheel for torch 2.11 + CUDA 13). "
+                    f"Install it (README, GPU install), or train without it: {SDPA_OVERRIDES}"
+                )
