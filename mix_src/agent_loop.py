@@ -27,8 +27,9 @@ prompt; V1 casts these tags to int, ``verl/trainer/ppo/v1/trainer_base.py`` 1897
 server returns log-probs, prefix positions hold 0.0 and the trainer keeps them out of rollout metrics.
 
 As verl's ``single_turn_agent_loop.py``: the per-row ``priority`` (set by verl's AgentLoopManager) goes to
-the server, and ``rollout.full_determinism`` makes the request id ``det-{priority}``. With a
-``rollout.max_model_len`` below prompt + response length, ``max_tokens`` is clamped to the room left
+the server, and ``rollout.full_determinism`` makes the request id ``det-{priority}``. ``rollout.max_model_len``
+is the model's context when left null (resolved on the driver, :mod:`mix_src.model_context`, or here by verl's
+server rule: verl fills it only inside its server actor). With a ``max_model_len`` below prompt + response length, ``max_tokens`` is clamped to the room left
 after prompt + prefix (vLLM: ``max_model_len - len``, at least 1; SGLang: ``max_model_len - len - 1``,
 see verl's ``async_sglang_server.py``), and a row with no room makes no call and answers with its
 prefix alone: a shorter answer, as verl's servers give, instead of their ValueError. SGLang's answer
@@ -62,6 +63,8 @@ logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
 SERVER_EXTRA_KEYS = ("global_steps", "min_global_steps", "max_global_steps", "num_cached_tokens")
 # Distinct prompts whose token ids a reused loop instance keeps (cleared when full).
 PROMPT_CACHE_SIZE = 4096
+# The model context per (path, hf_config_path, override_config), where rollout.max_model_len is null.
+_MODEL_CONTEXT: dict[tuple, Optional[int]] = {}
 
 
 @register("prefix_guided")
@@ -104,9 +107,31 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
         target_ids = self.tokenizer.encode(target, add_special_tokens=False)
         return list(build_prefix(target_ids, ratio, self.eos_token_id))
 
+    def max_model_len(self) -> Optional[int]:
+        """``rollout.max_model_len`` (the driver resolves a null one, :mod:`mix_src.model_context`); still null
+        (stock verl's entry point, a hub id the driver had not cached): the model's context by verl's server
+        rule, read once here. None only where no model config is readable (no clamp, as before)."""
+        value = getattr(self.rollout_config, "max_model_len", None)
+        if value:
+            return int(value)
+        model = self.config.actor_rollout_ref.get("model") if hasattr(self.config.actor_rollout_ref, "get") else None
+        path = model.get("path") if model else None
+        if not path:
+            return None
+        key = (str(path), str(model.get("hf_config_path")), str(model.get("override_config")))
+        if key not in _MODEL_CONTEXT:  # once per process (verl's own loop classes are built per row)
+            from mix_src.model_context import model_context_length
+
+            try:
+                _MODEL_CONTEXT[key] = model_context_length(model, local_files_only=False)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("prefix_guided: no max_model_len and the model context is unreadable (%s): no clamp", e)
+                _MODEL_CONTEXT[key] = None
+        return _MODEL_CONTEXT[key]
+
     def generation_room(self, context_len: int) -> Optional[int]:
-        """Most new tokens the server can give after ``context_len`` tokens (None: no max_model_len set)."""
-        max_model_len = getattr(self.rollout_config, "max_model_len", None)
+        """Most new tokens the server can give after ``context_len`` tokens (None: no model context known)."""
+        max_model_len = self.max_model_len()
         if not max_model_len:
             return None
         return int(max_model_len) - context_len - (1 if getattr(self.rollout_config, "name", None) == "sglang" else 0)

@@ -3,7 +3,8 @@ composed through the primary ``mix_ppo.yaml``; a recipe passes ``--config-path r
 
 On the driver, before Ray starts: validate the ``mix:`` section and its ties to verl's keys, refuse the
 verl settings the MIX trainer cannot honour (:mod:`mix_src.verl_parity`, each error names the key), check
-that the data and model paths exist and that ``+backend=cpu`` has the CPU backend active, then run verl's
+that the data and model paths exist and that ``+backend=cpu`` has the CPU backend active, resolve
+``rollout.max_model_len`` from the model's context (:mod:`mix_src.model_context`), then run verl's
 own ``run_ppo`` with :class:`MixTaskRunner`, which builds :class:`~mix_src.mix_trainer.MIXRayPPOTrainer`, or with
 ``trainer.use_v1=true`` :class:`~mix_src.mix_trainer_v1.MixTaskRunnerV1` (LUFFY on verl's V1 trainer).
 The ``prefix_guided`` agent loop needs no config path: it registers itself in each AgentLoopWorker
@@ -26,6 +27,7 @@ from verl.trainer.main_ppo_v0 import BaseTaskRunner
 
 from mix_src.luffy_keys import translate_overrides
 from mix_src.mix_config import MixConfigError, validate_mix_config
+from mix_src.model_context import check_attention, resolve_max_model_len
 from mix_src.registry import PLUGINS_ENV, check_selected_entries, load_plugins, resolve_plugin
 from mix_src.verl_parity import check_verl_keys
 
@@ -38,6 +40,8 @@ def prepare_config(config: DictConfig) -> None:
     check_verl_keys(config, mix)
     _check_backend(config)
     _check_paths(config)
+    resolve_max_model_len(config)  # the agent loop's clamp needs the model context (mix_src/model_context.py)
+    check_attention(config)  # sdpa/eager need use_remove_padding=false; flash_attention_2 needs flash_attn
 
 
 def _check_backend(config: DictConfig) -> None:

