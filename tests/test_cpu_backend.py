@@ -374,3 +374,15 @@ def test_server_takes_verls_lora_base_sync_then_adapter_sync(tiny_assets, tiny):
     with actor.disable_adapter():  # the adapter changes what the server computes
         base_lp, _ = reference_logprobs(actor, prompt, out.token_ids, 0.0)
     assert (base_lp - ref).abs().max() > 1e-3
+
+    # model.lora.merge=True: verl sends merged full weights under plain HF names and peft_config=None
+    # (transformer_impl._merged_lora_per_tensor_param); a fresh server loads them as any update
+    import copy
+
+    merged = copy.deepcopy(actor).merge_and_unload()
+    server2 = HFRolloutServer(config, HFModelConfig(path=tiny_assets["model"], tokenizer_path=tiny_assets["tokenizer"]))
+    adapter._server = type("H", (), {"__getattr__": lambda self, m: type("M", (), {"remote": staticmethod(getattr(server2, m))})})()
+    asyncio.run(adapter.update_weights(iter(merged.state_dict().items()), peft_config=None, base_sync_done=True))
+    out2 = asyncio.run(server2.generate(prompt, greedy, "r1"))
+    assert out2.token_ids == out.token_ids
+    torch.testing.assert_close(torch.tensor(out2.log_probs), ref, atol=1e-4, rtol=0)
