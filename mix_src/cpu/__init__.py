@@ -253,12 +253,17 @@ def _patch_replay_buffer_poll(mod) -> None:
 
 
 def _patch_reference_offload(mod) -> None:
+    """The reference (forward-only) engine's ``CPUOffloadPolicy(pin_memory=True)``
+    (``verl/workers/engine/fsdp/transformer_impl.py:462``) pins memory in torch's
+    ``_fsdp_param.py:315`` -> "Cannot access accelerator device"; on CPU it does not pin (``worker_patches``)."""
     from .worker_patches import unpin_reference_offload
 
     unpin_reference_offload(mod)
 
 
 def _patch_critic_attention(mod) -> None:
+    """``load_valuehead_model`` hard-codes ``attn_implementation="flash_attention_2"`` (``verl/utils/model.py:649``);
+    on CPU verl's critic gets its config's attention (``worker_patches``)."""
     from .worker_patches import cpu_attention_critic
 
     cpu_attention_critic(mod)
