@@ -359,7 +359,7 @@ def test_server_takes_verls_lora_base_sync_then_adapter_sync(tiny_assets, tiny):
 
     adapter = HFServerAdapter.__new__(HFServerAdapter)
     adapter.rollout_rank, adapter._server = 0, Handle()
-    peft_config = actor.peft_config["default"]
+    peft_config = actor.peft_config["default"].to_dict()  # as verl's engine returns it (transformer_impl.py:1060)
     base = {k.removeprefix("base_model.model."): v for k, v in actor.state_dict().items() if "lora_" not in k}
     assert any(".base_layer." in k for k in base)  # verl's replace_lora_wrapper spelling
     asyncio.run(adapter.update_weights(iter(base.items()), peft_config=peft_config, base_sync_done=False))

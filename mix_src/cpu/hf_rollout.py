@@ -255,8 +255,10 @@ class HFRolloutServer:
             self.global_steps = global_steps
 
     def _load_lora(self, tensors: dict[str, torch.Tensor], peft_config: Any) -> None:
-        from peft import PeftModel, get_peft_model, set_peft_model_state_dict
+        from peft import PeftConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 
+        if isinstance(peft_config, dict):  # verl sends peft_config.to_dict() (transformer_impl.py:1060)
+            peft_config = PeftConfig.from_peft_type(**peft_config)
         if not isinstance(self.model, PeftModel):
             self.model = get_peft_model(self.model, copy.deepcopy(peft_config))
             self.model.eval()
