@@ -55,6 +55,10 @@ def _check_backend(config: DictConfig) -> None:
             f"an accelerator ({'; '.join(mix_src.cpu.accelerator_signs()) or 'VERL_PLATFORM is not cpu'}). "
             "Run with VERL_PLATFORM=cpu to train on CPU here, or drop +backend=cpu to use the accelerator."
         )
+    if config.trainer.get("device") == "cpu":
+        from mix_src.cpu.config_check import check_worker_keys
+
+        check_worker_keys(config)
 
 
 def export_plugins(config: DictConfig) -> list[str]:

@@ -133,6 +133,16 @@ class MixV1Mixin:
         tu.assign_non_tensor_stack(batch, "rollout_seeds", seeds.reshape(len(batch), self.n).tolist())
         return batch
 
+    # ---- values: the reference's adapter switch must not reach the critic ----------------------------
+    def _compute_values(self, batch, metrics: dict):
+        """verl 0.9.1's V1 ``_compute_ref_log_prob`` puts ``no_lora_adapter=True`` into ``batch.extra_info`` for a
+        LoRA actor's reference (``verl/trainer/ppo/v1/trainer_base.py`` 1703-1705) and leaves it there;
+        ``_compute_values`` (1724-1730) sends the same extra_info to the critic, whose ``infer_batch`` then calls
+        ``disable_adapter()`` on a model without adapters (``verl/workers/engine_workers.py`` 403, 425):
+        AttributeError with LoRA + a critic + a reference policy. The flag belongs to the reference call only."""
+        batch.extra_info.pop("no_lora_adapter", None)
+        return super()._compute_values(batch, metrics)
+
     # ---- advantages: prefix_mask, grpo_split, alpha/beta --------------------------------------------
     def _compute_advantage(self, batch, metrics: dict):
         batch = super()._compute_advantage(batch, metrics)

@@ -131,6 +131,26 @@ def _refuse_sglang(config: Any, mix: Any) -> Optional[str]:
     return SGLANG_UNRESOLVABLE if _get(config, "actor_rollout_ref.rollout.name") == "sglang" else None
 
 
+def _refuse_layered_summon_base_sync(config: Any, mix: Any) -> Optional[str]:
+    """LoRA adapter sync with ``rollout.layered_summon`` and a dummy-loaded rollout: verl's first weight sync sends
+    the base model (``verl/workers/engine_workers.py`` 793-801, ``base_sync_done`` starts False when
+    ``"dummy" in load_format``, 673), and ``collect_lora_params`` refuses that under layered summon
+    (``verl/utils/fsdp_utils.py`` 725-730) -- a crash at the first sync, after Ray and every worker started."""
+    lora = (_get(config, "actor_rollout_ref.model.lora_rank", 0) or 0) > 0 or (
+        _get(config, "actor_rollout_ref.model.lora.rank", 0) or 0
+    ) > 0
+    merge = _get(config, "actor_rollout_ref.model.lora.merge", False)
+    load_format = str(_get(config, "actor_rollout_ref.rollout.load_format", "dummy"))
+    if lora and not merge and _get(config, "actor_rollout_ref.rollout.layered_summon", False) and "dummy" in load_format:
+        return (
+            f"actor_rollout_ref.rollout.layered_summon=true with actor_rollout_ref.rollout.load_format={load_format}: "
+            "verl's first LoRA weight sync must send the base model, which layered summon cannot (verl/utils/"
+            "fsdp_utils.py collect_lora_params: 'To use layered_summon, you must make sure base-model is preloaded'). "
+            "Set actor_rollout_ref.rollout.load_format=safetensors, or layered_summon=false."
+        )
+    return None
+
+
 CHECKS: list[Callable[[Any, Any], Optional[str]]] = [
     _refuse_remax,
     _refuse_bypass_mode,
@@ -138,6 +158,7 @@ CHECKS: list[Callable[[Any, Any], Optional[str]]] = [
     _refuse_profiler,
     _refuse_policy_loss_mode,
     _refuse_sglang,
+    _refuse_layered_summon_base_sync,
 ]
 
 # The settings refused (for the README and the guard test): key=value that triggers it -> check.

@@ -328,3 +328,61 @@ def test_run_verl_fails_clearly_and_leaves_nothing_running(tmp_path):
         run_verl("crash_job", ["x=1"], tmp_path, timeout=60, env=env, name="crash")
     result = run_verl("crash_job", [], tmp_path, timeout=60, env=env, name="crash", check=False)
     assert result.returncode == 1 and result.metrics == [] and "boom" in result.log_tail()
+
+
+def test_server_takes_verls_lora_base_sync_then_adapter_sync(tiny_assets, tiny):
+    """LoRA with verl's adapter sync (model.lora.merge=False; verl/workers/engine_workers.py update_weights): the
+    first sync sends base weights with peft's ``base_layer`` names, every later one the adapter tensors of
+    ``get_peft_model_state_dict`` with the peft config. The server then scores tokens as the actor's peft model."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from verl.workers.config import HFModelConfig, RolloutConfig
+
+    from mix_src.cpu.hf_rollout import HFRolloutServer, HFServerAdapter
+
+    model, tok, prompt = tiny
+    config = RolloutConfig(name="hf", prompt_length=32, response_length=8, tensor_model_parallel_size=1,
+                           dtype="float32")
+    server = HFRolloutServer(config, HFModelConfig(path=tiny_assets["model"], tokenizer_path=tiny_assets["tokenizer"]))
+    actor = get_peft_model(type(model)(model.config).eval(), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    actor.load_state_dict(model.state_dict(), strict=False)  # base weights of the tiny model
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in actor.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)  # a trained adapter (peft initialises lora_B to 0)
+            elif "lora_" not in name:
+                p.add_(0.01 * torch.randn_like(p))  # and moved base weights, which only the base sync carries
+
+    class Handle:  # the adapter's Ray handle, in-process
+        def __getattr__(self, method):
+            return type("M", (), {"remote": staticmethod(getattr(server, method))})
+
+    adapter = HFServerAdapter.__new__(HFServerAdapter)
+    adapter.rollout_rank, adapter._server = 0, Handle()
+    peft_config = actor.peft_config["default"].to_dict()  # as verl's engine returns it (transformer_impl.py:1060)
+    base = {k.removeprefix("base_model.model."): v for k, v in actor.state_dict().items() if "lora_" not in k}
+    assert any(".base_layer." in k for k in base)  # verl's replace_lora_wrapper spelling
+    asyncio.run(adapter.update_weights(iter(base.items()), peft_config=peft_config, base_sync_done=False))
+    lora = get_peft_model_state_dict(actor)
+    asyncio.run(adapter.update_weights(iter(lora.items()), peft_config=peft_config, base_sync_done=True, global_steps=2))
+    assert server.get_stats()["lora_syncs"] == 1
+
+    greedy = {"temperature": 0.0, "logprobs": True, "ignore_eos": True}
+    out = asyncio.run(server.generate(prompt, greedy, "r0"))
+    ref, _ = reference_logprobs(actor, prompt, out.token_ids, 0.0)
+    torch.testing.assert_close(torch.tensor(out.log_probs), ref, atol=1e-5, rtol=0)
+    with actor.disable_adapter():  # the adapter changes what the server computes
+        base_lp, _ = reference_logprobs(actor, prompt, out.token_ids, 0.0)
+    assert (base_lp - ref).abs().max() > 1e-3
+
+    # model.lora.merge=True: verl sends merged full weights under plain HF names and peft_config=None
+    # (transformer_impl._merged_lora_per_tensor_param); a fresh server loads them as any update
+    import copy
+
+    merged = copy.deepcopy(actor).merge_and_unload()
+    server2 = HFRolloutServer(config, HFModelConfig(path=tiny_assets["model"], tokenizer_path=tiny_assets["tokenizer"]))
+    adapter._server = type("H", (), {"__getattr__": lambda self, m: type("M", (), {"remote": staticmethod(getattr(server2, m))})})()
+    asyncio.run(adapter.update_weights(iter(merged.state_dict().items()), peft_config=None, base_sync_done=True))
+    out2 = asyncio.run(server2.generate(prompt, greedy, "r1"))
+    assert out2.token_ids == out.token_ids
+    torch.testing.assert_close(torch.tensor(out2.log_probs), ref, atol=1e-4, rtol=0)

@@ -201,3 +201,21 @@ def test_cpu_backend_shortens_the_replay_buffer_poll():
     assert ReplayBuffer(trainer_mode="sync", **kw).poll_interval == CPU_POLL_INTERVAL_S == 0.05
     assert ReplayBufferAsync(trainer_mode="colocate_async", **kw).poll_interval == CPU_POLL_INTERVAL_S
     assert ReplayBuffer(trainer_mode="sync", poll_interval=1.5, **kw).poll_interval == 1.5  # explicit value wins
+
+
+def test_values_call_does_not_inherit_the_references_adapter_switch():
+    """verl's V1 _compute_ref_log_prob leaves no_lora_adapter=True in batch.extra_info; the critic must not get it
+    (its model has no adapter to disable: AttributeError in the LoRA + critic + reference run before the fix)."""
+    from types import SimpleNamespace
+
+    from mix_src.mix_trainer_v1 import MixV1Mixin
+
+    class VerlV1:
+        def _compute_values(self, batch, metrics):
+            self.critic_saw = dict(batch.extra_info)
+            return batch
+
+    trainer = object.__new__(type("T", (MixV1Mixin, VerlV1), {}))
+    batch = SimpleNamespace(extra_info={"no_lora_adapter": True, "temperature": 1.0})
+    trainer._compute_values(batch, {})
+    assert trainer.critic_saw == {"temperature": 1.0}

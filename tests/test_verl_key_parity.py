@@ -187,3 +187,12 @@ def test_gpu_install_pins_are_verls_own():
     assert "--no-build-isolation $(FLASH_ATTN)" in makefile
     setup = open(os.path.join(root, "setup.py")).read()
     assert '"gpu": ["verl[vllm]==0.9.1"]' in setup  # flash-attn is never built by pip in isolation
+
+
+def test_lora_layered_summon_needs_a_preloaded_base():
+    lora = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.rollout.layered_summon=true"]
+    with pytest.raises(MixConfigError, match=r"actor_rollout_ref\.rollout\.layered_summon=true with .*load_format=dummy"):
+        verl_parity.check_verl_keys(compose_mix(*lora))
+    verl_parity.check_verl_keys(compose_mix(*lora, "actor_rollout_ref.rollout.load_format=safetensors"))
+    verl_parity.check_verl_keys(compose_mix(*lora, "++actor_rollout_ref.model.lora.merge=true"))
+    verl_parity.check_verl_keys(compose_mix("actor_rollout_ref.rollout.layered_summon=true"))  # no LoRA

@@ -28,7 +28,9 @@ question is first imported (no heavy import at plugin load):
 (6) lets verl's own vLLM rollout run on vLLM's CPU build (``vllm_cpu``: the ``vllm`` distribution alias,
     a check before Ray starts, CPU linear layers whose weights verl can reload);
 (7) shortens verl's V1 replay-buffer poll from 2 s to 0.05 s (``verl.trainer.ppo.v1.replay_buffer``, see
-    ``v1_patches.py``).
+    ``v1_patches.py``);
+(8) lets the reference policy's FSDP2 engine offload without pinned memory (``transformer_impl``) and loads
+    verl's critic with a CPU attention implementation (``verl.utils.model``), see ``worker_patches.py``.
 It logs one line ``mix_src.cpu: CPU backend active (...)`` per process, and logs failures at ERROR level
 (verl itself only logs a failing plugin import at DEBUG).
 
@@ -250,6 +252,23 @@ def _patch_replay_buffer_poll(mod) -> None:
     patch_replay_buffer_poll(mod)
 
 
+def _patch_reference_offload(mod) -> None:
+    """The reference (forward-only) engine's ``CPUOffloadPolicy(pin_memory=True)``
+    (``verl/workers/engine/fsdp/transformer_impl.py:462``) pins memory in torch's
+    ``_fsdp_param.py:315`` -> "Cannot access accelerator device"; on CPU it does not pin (``worker_patches``)."""
+    from .worker_patches import unpin_reference_offload
+
+    unpin_reference_offload(mod)
+
+
+def _patch_critic_attention(mod) -> None:
+    """``load_valuehead_model`` hard-codes ``attn_implementation="flash_attention_2"`` (``verl/utils/model.py:649``);
+    on CPU verl's critic gets its config's attention (``worker_patches``)."""
+    from .worker_patches import cpu_attention_critic
+
+    cpu_attention_critic(mod)
+
+
 def activate() -> None:
     """Register everything (idempotent). Called at import when ``is_selected()``."""
     global _ACTIVE
@@ -268,6 +287,8 @@ def activate() -> None:
     after_import("verl.workers.rollout.replica", _register_replica)
     _register_vllm()
     after_import("verl.trainer.ppo.v1.replay_buffer", _patch_replay_buffer_poll)
+    after_import("verl.workers.engine.fsdp.transformer_impl", _patch_reference_offload)
+    after_import("verl.utils.model", _patch_critic_attention)
     _ACTIVE = True
     logger.info(
         "mix_src.cpu: CPU backend active (pid %d; platform cpu/gloo, fsdp engines on cpu, rollout '%s')",

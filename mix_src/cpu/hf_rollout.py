@@ -12,7 +12,9 @@ Three pieces, mirroring verl's vLLM backend (``verl/workers/rollout/vllm_rollout
   ``LLMServerManager`` routes the agent loops' requests to it.
 * ``HFServerAdapter`` (``_ROLLOUT_REGISTRY[("hf", "async")]``) -- lives in the actor worker (hybrid
   engine); ``update_weights`` receives the FSDP engine's full tensors and pushes them to the server
-  (through the Ray object store: fine for tiny models), so the server samples from the current policy.
+  (through the Ray object store: fine for tiny models), so the server samples from the current policy. With
+  LoRA (verl's adapter sync, ``model.lora.merge=False``) the base weights come once and then the adapter
+  tensors, which the server applies with peft's LoRA layers (``update_lora``); merged LoRA weights are full weights.
 
 Only text prompts; rollout TP/DP/PP must be 1 per replica.
 """
@@ -20,6 +22,7 @@ Only text prompts; rollout TP/DP/PP must be 1 per replica.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import os
 from typing import Any, Generator, Optional
@@ -49,6 +52,11 @@ _BATCH_QUIET_S = 0.03
 def server_name(replica_rank: int, name_suffix: str = "") -> str:
     """Ray actor name of a replica's server; the in-worker adapter finds its server by this name."""
     return f"mix_src_hf_rollout_server_{replica_rank}{name_suffix}"
+
+
+def _base_name(name: str) -> str:
+    """A weight's HF name whether or not peft wraps its module (``base_model.model.`` / ``.base_layer``)."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
 def _eos_ids(model_config: HFModelConfig) -> set[int]:
@@ -223,7 +231,11 @@ class HFRolloutServer:
         self._logged = dict(self.stats)
 
     def _load(self, state_dict: dict[str, torch.Tensor]) -> None:
-        own = self.model.state_dict()
+        """Full weights by HF name. Under a LoRA adapter (``update_lora`` wrapped the model) they go to the base
+        layers: verl's base sync names a LoRA-wrapped linear ``<module>.base_layer.weight``
+        (``verl.utils.fsdp_utils.replace_lora_wrapper``); both spellings map to the same base weight."""
+        own = {_base_name(k): v for k, v in self.model.state_dict().items() if ".lora_" not in k}
+        state_dict = {_base_name(k): v for k, v in state_dict.items()}
         unexpected = sorted(set(state_dict) - set(own))
         if unexpected:
             raise KeyError(f"hf rollout: weights not in the rollout model: {unexpected[:5]} ...")
@@ -234,6 +246,37 @@ class HFRolloutServer:
         missing = [n for n in own if n not in state_dict and own[n].data_ptr() not in received]
         if missing:  # tied weights share storage with a received tensor and are fine
             raise KeyError(f"hf rollout: actor sent no value for {missing[:5]} ...")
+
+    async def update_lora(self, tensors: dict[str, torch.Tensor], peft_config: Any, global_steps: Optional[int] = None):
+        """Load the actor's LoRA adapter (verl's adapter sync, ``model.lora.merge=False``): the tensors of
+        ``peft.get_peft_model_state_dict`` on the actor, applied on top of the base weights as the actor applies
+        them (the same peft LoRA layers), as verl's vLLM rollout adds them with ``add_lora``."""
+        async with self._lock():
+            await asyncio.to_thread(self._load_lora, tensors, peft_config)
+        if global_steps is not None:
+            self.global_steps = global_steps
+
+    def _load_lora(self, tensors: dict[str, torch.Tensor], peft_config: Any) -> None:
+        from peft import PeftConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+
+        if isinstance(peft_config, dict):  # verl sends peft_config.to_dict() (transformer_impl.py:1060)
+            peft_config = PeftConfig.from_peft_type(**peft_config)
+        if not isinstance(self.model, PeftModel):
+            self.model = get_peft_model(self.model, copy.deepcopy(peft_config))
+            self.model.eval()
+        with torch.no_grad():
+            tensors = {k: v.to(self.dtype) for k, v in tensors.items()}
+            result = set_peft_model_state_dict(self.model, tensors)
+        unexpected = list(getattr(result, "unexpected_keys", []) or [])
+        if unexpected:
+            raise KeyError(f"hf rollout: LoRA tensors not in the rollout model: {unexpected[:5]} ...")
+        lora_b = [v for k, v in tensors.items() if "lora_B" in k]
+        self.stats["lora_syncs"] = self.stats.get("lora_syncs", 0) + 1
+        logger.info(
+            "mix_src.cpu: hf rollout %d loaded LoRA adapter #%d (%d tensors, r=%s, |lora_B|=%.6g)",
+            self.replica_rank, self.stats["lora_syncs"], len(tensors), getattr(peft_config, "r", "?"),
+            float(torch.sqrt(sum((b.double() ** 2).sum() for b in lora_b))) if lora_b else 0.0,
+        )
 
     async def set_global_steps(self, global_steps: int):
         self.global_steps = global_steps
@@ -334,17 +377,24 @@ class HFServerAdapter(BaseRollout):
         weights: Generator[tuple[str, torch.Tensor], None, None],
         wire_format: str = "named_tensors",
         peft_config: Any = None,
+        base_sync_done: bool = False,
         global_steps: Optional[int] = None,
         **kwargs,
     ):
+        """verl's weight sync (``verl/workers/engine_workers.py`` ``update_weights``, 786-806): full weights, or
+        with LoRA (``model.lora.merge=False``) the base weights once (``base_sync_done=False``, names
+        ``<module>.base_layer.weight``) and then the adapter tensors with their ``peft_config`` at every sync;
+        with ``model.lora.merge=True`` the merged full weights and ``peft_config=None``."""
         if wire_format != "named_tensors":
             raise NotImplementedError(f"hf rollout: wire_format={wire_format!r} (only named_tensors)")
-        if peft_config is not None:
-            raise NotImplementedError("hf rollout: LoRA adapter sync is not supported; set model.lora.merge=True")
         state_dict = {}
         # Every rank must drain the generator: DTensor.full_tensor() inside it is a collective.
         for name, tensor in weights:
             if self.rollout_rank == 0:
                 state_dict[name] = tensor.detach().to("cpu", copy=True)
-        if self.rollout_rank == 0:
+        if self.rollout_rank != 0:
+            return
+        if peft_config is not None and base_sync_done:  # verl's adapter sync: LoRA tensors only
+            await self._server_handle().update_lora.remote(state_dict, peft_config, global_steps)
+        else:  # full weights; LoRA base weights (first sync) or merged weights (model.lora.merge=True)
             await self._server_handle().update_weights.remote(state_dict, global_steps)

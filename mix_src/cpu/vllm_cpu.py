@@ -142,13 +142,17 @@ def check_rollout_available(config: Any) -> None:
 
 def patch_validate_config(mod) -> None:
     """``verl.utils.config.validate_config`` runs on the driver before ``ray.init`` (stock
-    ``verl/trainer/main_ppo.py:177``, ``mix_src.main_mix_ppo.run_mix_ppo``): check the rollout there too."""
+    ``verl/trainer/main_ppo.py:177``, ``mix_src.main_mix_ppo.run_mix_ppo``): check the rollout there too, and
+    the worker keys the CPU backend refuses (``config_check.check_worker_keys``)."""
     original = mod.validate_config
     if getattr(original, "_mix_src_cpu", False):
         return
 
     def validate_config(config, *args, **kwargs):
+        from .config_check import check_worker_keys
+
         check_rollout_available(config)
+        check_worker_keys(config)
         return original(config, *args, **kwargs)
 
     validate_config._mix_src_cpu = True

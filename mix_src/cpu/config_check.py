@@ -1,0 +1,92 @@
+"""Worker settings the CPU backend cannot honour, refused on the driver before Ray starts, naming the key.
+
+verl would otherwise fail inside a Ray worker, after the cluster and every worker started (or, for some, at the
+first weight sync). :func:`check_worker_keys` runs in ``mix_src.main_mix_ppo.prepare_config`` when
+``trainer.device=cpu`` and, for stock ``verl.trainer.main_ppo``, inside ``verl.utils.config.validate_config``
+(patched by ``vllm_cpu.patch_validate_config``, which runs before ``ray.init``).
+
+Each entry of :data:`CHECKS` reads the keys it names and returns the refusal, or None. Everything not refused
+here runs on the CPU backend (README, "CPU backend": reference policy, critic, LoRA, dynamic batch sizes).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from mix_src.mix_config import MixConfigError
+
+# Model sections the FSDP workers build (actor/rollout/ref share one model config; the critic has its own).
+MODEL_SECTIONS = ("actor_rollout_ref.model", "critic.model")
+STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy")
+CPU_ATTENTION = ("eager", "sdpa", "flex_attention")
+
+
+def _get(config: Any, dotted: str, default: Any = None) -> Any:
+    node = config
+    for part in dotted.split("."):
+        if node is None:
+            return default
+        node = node.get(part, None) if hasattr(node, "get") else getattr(node, part, None)
+    return default if node is None else node
+
+
+def _uses_critic(config: Any) -> bool:
+    """verl's ``need_critic`` (``verl/trainer/ppo/utils.py`` 96): ``critic.enable``, else GAE."""
+    enable = _get(config, "critic.enable")
+    return bool(enable) if enable is not None else str(_get(config, "algorithm.adv_estimator")) == "gae"
+
+
+def _sections(config: Any) -> list[str]:
+    return [s for s in MODEL_SECTIONS if s == "actor_rollout_ref.model" or _uses_critic(config)]
+
+
+def refuse_strategy(config: Any) -> Optional[str]:
+    for key in STRATEGY_KEYS:
+        if key.startswith("critic.") and not _uses_critic(config):
+            continue
+        value = _get(config, key)
+        if value is not None and str(value) != "fsdp2":
+            return (
+                f"{key}={value}: the CPU backend runs FSDP2 only. FSDP1 (fsdp) builds its module with "
+                "sync_module_states=True, which torch refuses for CPU parameters ('requires them to be on GPU'), and "
+                "mix_src.cpu registers verl's FSDP engines alone for device cpu (no megatron/veomni engine). "
+                f"Set {key}=fsdp2 (backend/cpu.yaml does)."
+            )
+    return None
+
+
+def refuse_flash_attention(config: Any) -> Optional[str]:
+    for section in _sections(config):
+        key = f"{section}.override_config.attn_implementation"
+        value = _get(config, key)
+        if value is not None and str(value) not in CPU_ATTENTION:
+            return (
+                f"{key}={value}: flash-attention kernels are CUDA kernels and flash-attn is not installable on a "
+                f"CPU-only host; use one of {', '.join(CPU_ATTENTION)} (backend/cpu.yaml sets eager)."
+            )
+    return None
+
+
+def refuse_liger(config: Any) -> Optional[str]:
+    for section in _sections(config):
+        if _get(config, f"{section}.use_liger", False):
+            return (
+                f"{section}.use_liger=true: Liger kernels are Triton GPU kernels (liger-kernel, not installed on the "
+                f"CPU backend); set {section}.use_liger=false."
+            )
+    return None
+
+
+CHECKS: dict[str, Callable[[Any], Optional[str]]] = {
+    "actor_rollout_ref.actor.strategy=fsdp": refuse_strategy,
+    "actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2": refuse_flash_attention,
+    "actor_rollout_ref.model.use_liger=true": refuse_liger,
+}
+
+
+def check_worker_keys(config: Any) -> None:
+    """Raise :class:`MixConfigError` naming the first worker setting the CPU backend cannot honour."""
+    for check in CHECKS.values():
+        message = check(config)
+        if message:
+            raise MixConfigError(message)
