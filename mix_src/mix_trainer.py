@@ -259,12 +259,18 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         return metrics
 
     def _model_shape(self):
+        """The actor's :class:`~mix_src.flops.ModelShape` (read once; a failure is kept and raised again)."""
         if self._flops_shape is None:
             from transformers import AutoConfig
 
             model_cfg = self.config.actor_rollout_ref.model
-            cfg = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.get("trust_remote_code", False))
-            self._flops_shape = ModelShape.from_hf_config(cfg.to_dict())
+            try:
+                cfg = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.get("trust_remote_code", False))
+                self._flops_shape = ModelShape.from_hf_config(cfg.to_dict())
+            except (OSError, ValueError) as e:
+                self._flops_shape = e
+        if isinstance(self._flops_shape, Exception):
+            raise self._flops_shape
         return self._flops_shape
 
     def _count_rollout_flops(self, part: DataProto) -> None:
