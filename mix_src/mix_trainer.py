@@ -86,6 +86,11 @@ class FilterGroupsExhausted(RuntimeError):
 class MIXRayPPOTrainer(RayPPOTrainer):
     """RayPPOTrainer with prefix-guided rollouts, the mixed on/off-policy loss and filter groups."""
 
+    _flops: Optional[dict] = None  # training FLOPs so far per count (set in __init__)
+    _step_rollout_flops: Optional[dict] = None  # this step's generation FLOPs per count
+    _flops_shape: Any = None  # the actor's ModelShape, read from its config.json on first use (or the read error)
+    _budget_reached = False
+
     def __init__(self, *args, mix_config: MixConfig, **kwargs):
         self.mix = mix_config
         super().__init__(*args, **kwargs)
@@ -98,9 +103,6 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         self._rollout_awake = False  # whether the rollout replicas hold their weights (see _wake_rollout)
         self.max_steps_duration = 0.0  # longest step so far (seconds), for verl's ESI expiry checkpoint
         self._flops = {c: 0.0 for c in FLOPS_COUNTS}  # training FLOPs so far, both counts (mix_src/flops.py)
-        self._step_rollout_flops = {c: 0.0 for c in FLOPS_COUNTS}
-        self._flops_shape = None  # the actor's ModelShape, read from its config.json on first use
-        self._budget_reached = False
 
     # ------------------------------------------------------------------------------------------------
     # worker calls: verl's own, on the batch's tensors plus the per-row fields the workers read
@@ -267,7 +269,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             try:
                 cfg = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.get("trust_remote_code", False))
                 self._flops_shape = ModelShape.from_hf_config(cfg.to_dict())
-            except (OSError, ValueError) as e:
+            except Exception as e:  # noqa: BLE001 - kept, and raised to the caller on every use
                 self._flops_shape = e
         if isinstance(self._flops_shape, Exception):
             raise self._flops_shape
@@ -280,8 +282,10 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         if self.mix.flops_budget is None:
             try:
                 self._model_shape()
-            except (OSError, ValueError):
-                return  # reported by _count_flops
+            except Exception:  # noqa: BLE001 - reported by _count_flops
+                return
+        if self._step_rollout_flops is None:
+            self._step_rollout_flops = {c: 0.0 for c in FLOPS_COUNTS}
         p, r, g = lengths_from_masks(part.batch["attention_mask"], part.batch["responses"], part.batch["prefix_mask"])
         for c in FLOPS_COUNTS:
             self._step_rollout_flops[c] += rollout_flops(self._model_shape(), p, r, g, c)
@@ -292,20 +296,23 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         if self.mix.flops_budget is None:  # counting is only metrics then: a model config it cannot read is no error
             try:
                 self._model_shape()
-            except (OSError, ValueError) as e:
+            except Exception as e:  # noqa: BLE001
                 metrics["flops/unavailable"] = 1
                 if not getattr(self, "_flops_warned", False):
                     print(f"[mix_src] FLOPs not counted (mix_src/flops.py cannot read the actor's config): {e}")
                     self._flops_warned = True
                 return False
+        if self._flops is None:
+            self._flops = {c: 0.0 for c in FLOPS_COUNTS}
+        rollout = self._step_rollout_flops or {c: 0.0 for c in FLOPS_COUNTS}
         p, r, _ = lengths_from_masks(batch.batch["attention_mask"], batch.batch["responses"])
         epochs = int(self.config.actor_rollout_ref.actor.get("ppo_epochs", 1))
         for c in FLOPS_COUNTS:
             train = rl_step_flops(self._model_shape(), p, r, ppo_epochs=epochs, ref_policy=self.use_reference_policy,
                                   count=c)
-            step = train + self._step_rollout_flops[c]
+            step = train + rollout[c]
             self._flops[c] += step
-            metrics[f"flops/rollout_{c}"] = self._step_rollout_flops[c]
+            metrics[f"flops/rollout_{c}"] = rollout[c]
             metrics[f"flops/step_{c}"] = step
             metrics[f"flops/total_{c}"] = self._flops[c]
         metrics["flops/num_tokens"] = int((p + r).sum())
@@ -597,7 +604,8 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         super()._save_checkpoint()
         folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
         state = {"epoch": self._epoch, "carry": self._carry, "dataloader": self.train_dataloader.state_dict(),
-                 "entropy_coef": getattr(self, "_entropy_state", None), "flops": dict(self._flops)}  # the learned entropy coefficient
+                 "entropy_coef": getattr(self, "_entropy_state", None),  # the learned entropy coefficient
+                 "flops": dict(self._flops or {})}  # the FLOPs so far: a resumed run's budget counts them
         torch.save(state, os.path.join(folder, MIX_STATE_FILE))
 
     def _load_checkpoint(self):
@@ -621,7 +629,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
                 if state.get("dataloader") is not None:
                     self.train_dataloader.load_state_dict(state["dataloader"])
                 self._entropy_state = state.get("entropy_coef")
-                self._flops.update(state.get("flops") or {})  # the budget counts the run so far
+                self._flops = {**{c: 0.0 for c in FLOPS_COUNTS}, **(state.get("flops") or {})}  # the budget counts the run so far
                 if self._entropy_state is not None:  # the workers' loss continues the learned coefficient
                     self.actor_rollout_wg.set_loss_fn(self._make_loss_fn())
         return result

@@ -467,6 +467,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.evals < 2 or a.evals % 2:
         p.error("--evals must be even and >= 2 (SFT->RL starts from an SFT evaluation point)")
+    a.out = os.path.abspath(a.out)  # run.sh and the trainer's processes get absolute paths
+    a.assets = os.path.abspath(a.assets) if a.assets else None
     wrap = _wrapper(a.wrap)
     methods = {m: load_method(m) for m in a.methods}  # refuses an unknown method before anything runs
     t_start = time.time()
