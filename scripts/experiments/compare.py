@@ -22,7 +22,7 @@ applied on top of the toy task's base settings]``, optional ``kind: rl`` (defaul
 less than one step, reported). verl's SFT trainer cannot be given a hook, but an SFT step's FLOPs are fixed here
 (32 sequences of one length), so the budget becomes ``ceil(budget / step FLOPs)`` steps before launch, checked
 after the run against the token count verl logs (``train/global_tokens``). SFT->RL: the first
-``sft_fraction`` of the budget is SFT (the SFT run's checkpoint at that step, rounded to an evaluation point),
+``sft_fraction`` of the budget is SFT (the SFT run's checkpoint nearest to that step; the share is reported),
 the rest RL from that checkpoint with ``mix.flops_budget = budget - SFT FLOPs``.
 
 **Evaluation.** Held-out (in distribution) and OOD greedy accuracy at about ``--evals`` points per run: RL runs
@@ -270,7 +270,7 @@ def run_sft(task: Task, assets: dict, seed: int, steps: int, save_freq: int, ste
     tok = ta.load_tokenizer(assets["tokenizer"])
     base = base_eval(task, assets)
     evals = [{"step": 0, "optimizer_steps": 0, "flops": {"6n": 0.0, "full": 0.0}, "heldout": base["heldout"], "ood": base["ood"]}]
-    for step in range(save_freq, steps + 1, save_freq):
+    for step in sorted(set(range(save_freq, steps + 1, save_freq)) | {steps}):
         hf = os.path.join(rdir, "checkpoints", f"global_step_{step}", "huggingface")
         evals.append({"step": step, "optimizer_steps": step, "flops": {c: step * step_flops[c] for c in step_flops},
                       "heldout": ts.evaluate_rows(hf, tok, assets["heldout"], task.compute_score, task.max_new_tokens)["acc"],
@@ -465,8 +465,8 @@ def main(argv=None) -> int:
     p.add_argument("--rl-overrides", nargs="*", default=[], help="Hydra overrides added to every RL run (tests: smaller batches)")
     p.add_argument("--pretrain-steps", type=int, default=None, help="base pre-training steps (tests: a barely trained base)")
     a = p.parse_args(argv)
-    if a.evals < 2 or a.evals % 2:
-        p.error("--evals must be even and >= 2 (SFT->RL starts from an SFT evaluation point)")
+    if a.evals < 2:
+        p.error("--evals must be >= 2 (SFT->RL starts from an SFT checkpoint before the last)")
     a.out = os.path.abspath(a.out)  # run.sh and the trainer's processes get absolute paths
     a.assets = os.path.abspath(a.assets) if a.assets else None
     wrap = _wrapper(a.wrap)
@@ -491,9 +491,8 @@ def main(argv=None) -> int:
         if len(set(lens)) != 1:
             print(f"[compare] {tname}: SFT sequences have {len(set(lens))} lengths; step FLOPs use the mean ({mean_len:.1f})")
         step_fl = {c: sft_step_flops(shape, [mean_len] * SFT_BATCH, c) for c in ("6n", "full")}
-        sft_steps_raw = math.ceil(a.budget / step_fl[a.count])
-        save_freq = max(1, math.ceil(sft_steps_raw / a.evals))
-        sft_steps = save_freq * a.evals  # a multiple of the evaluation interval (overshoot < evals steps, reported)
+        sft_steps = math.ceil(a.budget / step_fl[a.count])  # the first step count reaching the budget
+        save_freq = max(1, math.ceil(sft_steps / a.evals))  # verl's SFT trainer also saves the last step
         prompt_len = len(ta.prompt_ids(ta.load_tokenizer(assets["tokenizer"]), 10, 10))
         test_freq = max(1, int(a.budget / rl_step_upper_bound(shape, prompt_len, task.max_response_length,
                                                                   count=a.count) / a.evals))
@@ -544,7 +543,7 @@ def main(argv=None) -> int:
 
 def run_sft_rl(task: Task, assets: dict, m: Method, seed: int, a, sft_steps: int, save_freq: int, step_fl: dict,
                rdir: str, wrap: list[str], test_freq: int, tokens_per_step: int) -> dict:
-    """SFT for ``m.sft_fraction`` of the budget (the seed's SFT run's checkpoint at that evaluation point; the
+    """SFT for ``m.sft_fraction`` of the budget (the seed's SFT run's checkpoint nearest to it; the
     SFT run is made here when the grid has none), then ``m.rl_method`` from it for the rest of the budget."""
     sft_dir = os.path.join(a.out, "runs", task.name, f"sft_seed{seed}")
     done = os.path.join(sft_dir, "done.json")
@@ -553,8 +552,8 @@ def run_sft_rl(task: Task, assets: dict, m: Method, seed: int, a, sft_steps: int
         sft = run_sft(task, assets, seed, sft_steps, save_freq, step_fl, sft_dir, wrap, tokens_per_step)
         sft.update({"budget": a.budget, "count": a.count, "evals_asked": a.evals, "method": "sft", "seed": seed, "task": task.name})
         json.dump(sft, open(done, "w"), indent=1)
-    k = max(1, min(a.evals - 1, round(m.sft_fraction * a.evals)))
-    split_step = k * save_freq
+    points = sorted(set(range(save_freq, sft_steps + 1, save_freq)) | {sft_steps})  # the SFT run's checkpoints
+    split_step = min(points[:-1] or points, key=lambda st: abs(st - m.sft_fraction * sft_steps))
     sft_flops = {c: split_step * step_fl[c] for c in step_fl}
     ckpt = os.path.join(sft_dir, "checkpoints", f"global_step_{split_step}", "huggingface")
     rl = run_rl(task, assets, load_method(m.rl_method), seed, a.budget - sft_flops[a.count], a.count,
