@@ -99,3 +99,19 @@ def test_tiny_grid_end_to_end(tmp_path):
     again = subprocess.run([sys.executable, "-m", "scripts.experiments.compare", *args], cwd=cmp.REPO_ROOT, env=env,
                            capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "run.sh" not in again.stdout, again.stdout[-2000:]
+
+
+@pytest.mark.parametrize("task", sorted(cmp.TASKS))
+@pytest.mark.parametrize("method", ["luffy", "grpo", "guide_on_failure"])
+def test_rl_runs_compose_and_validate(method, task):
+    """What the harness passes run.sh for every RL launch method on every task composes and passes mix_src's checks."""
+    from mix_src.mix_config import validate_mix_config
+    from mix_src.registry import load_plugins
+
+    m = cmp.load_method(method)
+    cfg = _compose_toy("on_policy_grpo", [*cmp.TASKS[task].overrides, *cmp.rl_args(m), "mix.flops_budget=1e12"])
+    load_plugins(list(cfg.mix.plugins))
+    mix = validate_mix_config(cfg)
+    assert mix.flops_budget == 1e12
+    if task == "sort":
+        assert cfg.reward.custom_reward_function.path == "pkg://mix_src.toy_sort" and cfg.data.max_response_length == 24
