@@ -12,7 +12,7 @@ TORCH_CPU_INDEX    ?= https://download.pytorch.org/whl/cpu
 TORCH_INSTALL_ARGS ?=
 INSTALL_TORCH       = $(PY) scripts/install_torch.py --index $(TORCH_CPU_INDEX) $(TORCH_INSTALL_ARGS)
 
-.PHONY: install install-torch test demo evidence bench clean install-gpu check-gpu-install
+.PHONY: install install-torch test demo evidence compare bench clean install-gpu check-gpu-install
 
 $(STAMP): setup.py scripts/install_torch.py
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -44,11 +44,18 @@ test: install
 demo: install
 	$(PY) -m scripts.experiments.demo
 
-# The README's Evidence table and figure: LUFFY, SFT, SFT->RL x 3 seeds on the demo variant, in and out of
-# distribution (one run after another; about 30 min on 2 cores)
+# The comparison harness (scripts/experiments/compare.py): launch methods x seeds x both toy tasks at matched
+# training FLOPs. `make compare` is the smoke grid (2 seeds, a small budget); `make evidence` the full
+# grid (5 seeds) behind the README's Evidence section. COMPARE_WRAP prefixes every run (e.g. a lock).
+COMPARE_METHODS ?= luffy grpo sft sft_rl guide_on_failure
+COMPARE_WRAP    ?=
+compare: install
+	$(PY) -m scripts.experiments.compare --methods $(COMPARE_METHODS) --tasks addition sort --seeds 0 1 \
+		--budget 4e11 --evals 4 --last-k 2 --out outputs/compare_smoke --wrap "$(COMPARE_WRAP)"
+
 evidence: install
-	$(PY) -m scripts.experiments.luffy_vs_grpo --variant demo --steps 40 --eval-every 10 --seeds 0 1 2 \
-		--methods luffy sft sft_rl --out outputs/evidence
+	$(PY) -m scripts.experiments.compare --methods $(COMPARE_METHODS) --tasks addition sort --seeds 0 1 2 3 4 \
+		--budget 2e12 --evals 8 --last-k 2 --out outputs/compare_evidence --wrap "$(COMPARE_WRAP)"
 
 bench: install
 	$(PY) -m scripts.bench all

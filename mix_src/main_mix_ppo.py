@@ -213,6 +213,13 @@ def check_v1_config(config: DictConfig) -> None:
             "67-69), and each of verl 0.9.1's (nccl needs cupy/CUDA, hccl Ascend, nixl/mooncake/kimi RDMA) needs an "
             "accelerator; use sync or colocate_async on CPU"
         )
+    if (config.get("mix") or {}).get("flops_budget") is not None:
+        raise MixConfigError(
+            "mix.flops_budget is not supported on trainer.use_v1=true: the budget stop lives in the legacy trainer's "
+            "loop (mix_src/mix_trainer.py MIXRayPPOTrainer.fit); the V1 loop is verl's own fit "
+            "(verl/trainer/ppo/v1/trainer_base.py), which mix_src does not override, so the budget would be ignored. "
+            "Unset mix.flops_budget or set trainer.use_v1=false"
+        )
     try:
         import transfer_queue  # noqa: F401
     except ImportError as e:

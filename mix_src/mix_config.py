@@ -25,6 +25,7 @@ from mix_src.core_alg import LOSS_AGG_MODES, OFF_POLICY_RESHAPES, ON_POLICY_RESH
 from mix_src.core_alg import P_DIV_P_ALIASES as RESHAPE_ALIASES
 from mix_src.filter_groups import GROUP_FILTERS
 from mix_src.loss_combine import LOSS_COMBINES
+from mix_src.flops import COUNTS as FLOPS_COUNTS
 from mix_src.prefix import PREFIX_STRATEGIES
 from mix_src.registry import _REGISTRIES, load_plugins
 from mix_src.rollout_policy import ROLLOUT_POLICIES
@@ -187,6 +188,8 @@ class MixConfig:
     rollout_policy: str = "prefix_guided"  # how the generate stage makes a batch: a name in mix_src.rollout_policy
     plugins: list = field(default_factory=list)  # modules / .py files that register extensions (mix_src/registry.py)
     plugin_options: dict = field(default_factory=dict)  # settings of plugin entries, {entry name: {key: value}}; each entry's check validates its own
+    flops_budget: Optional[float] = None  # stop training at the first step whose cumulative FLOPs reach this (mix_src/flops.py)
+    flops_count: str = "full"  # which count the budget uses: "6n" (6N rule) or "full" (+ attention, LM head)
     data: DataConfig = field(default_factory=DataConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
@@ -222,6 +225,10 @@ class MixConfig:
             if not any(name in registry for registry in _REGISTRIES):
                 raise MixConfigError(f"{p}.plugin_options.{name}: no registered entry is called {name!r} (load its "
                                      f"plugin with {p}.plugins)")
+        if self.flops_budget is not None:
+            _in_range(f"{p}.flops_budget", self.flops_budget, 1.0, None)
+        if self.flops_count not in FLOPS_COUNTS:
+            raise MixConfigError(f"{p}.flops_count={self.flops_count!r}: use one of {list(FLOPS_COUNTS)}")
         self.data.check(f"{p}.data")
         self.filter_groups.check(f"{p}.filter_groups")
 
@@ -363,6 +370,11 @@ def validate_mix_config(config: Any) -> MixConfig:
     if (mix.filter_groups.carry_over or mix.filter_groups.on_policy_only or mix.filter_groups.rule != "nonzero_std") and not fg.get("enable", False):
         raise MixConfigError(
             "mix.filter_groups.* is set but algorithm.filter_groups.enable=false; set algorithm.filter_groups.enable=true"
+        )
+    if mix.flops_budget is not None and (config.algorithm.adv_estimator == "gae" or config.get("critic", {}).get("enable")):
+        raise MixConfigError(
+            "mix.flops_budget counts the actor's compute only (mix_src/flops.py); a critic (algorithm.adv_estimator=gae "
+            "or critic.enable=true) would go uncounted: unset mix.flops_budget or use a critic-free estimator"
         )
     _check_adv_estimator(str(config.algorithm.adv_estimator))
     gen_bs = config.data.get("gen_batch_size", None)

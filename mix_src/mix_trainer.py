@@ -67,6 +67,8 @@ from verl.utils.skip.skip_manager import SkipManager
 
 from mix_src.dataset import TARGET_FIELD
 from mix_src.filter_groups import filter_groups, plan_train_batch
+from mix_src.flops import COUNTS as FLOPS_COUNTS
+from mix_src.flops import ModelShape, lengths_from_masks, rl_step_flops, rollout_flops
 from mix_src.loss import add_combine_inputs, add_kept_token_counts, pop_entropy_state
 from mix_src.mix_config import MixConfig
 from mix_src.seeding import pass_seeds, request_seeds
@@ -84,6 +86,11 @@ class FilterGroupsExhausted(RuntimeError):
 class MIXRayPPOTrainer(RayPPOTrainer):
     """RayPPOTrainer with prefix-guided rollouts, the mixed on/off-policy loss and filter groups."""
 
+    _flops: Optional[dict] = None  # training FLOPs so far per count (set in __init__)
+    _step_rollout_flops: Optional[dict] = None  # this step's generation FLOPs per count
+    _flops_shape: Any = None  # the actor's ModelShape, read from its config.json on first use (or the read error)
+    _budget_reached = False
+
     def __init__(self, *args, mix_config: MixConfig, **kwargs):
         self.mix = mix_config
         super().__init__(*args, **kwargs)
@@ -95,6 +102,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         self._epoch = 0
         self._rollout_awake = False  # whether the rollout replicas hold their weights (see _wake_rollout)
         self.max_steps_duration = 0.0  # longest step so far (seconds), for verl's ESI expiry checkpoint
+        self._flops = {c: 0.0 for c in FLOPS_COUNTS}  # training FLOPs so far, both counts (mix_src/flops.py)
 
     # ------------------------------------------------------------------------------------------------
     # worker calls: verl's own, on the batch's tensors plus the per-row fields the workers read
@@ -172,6 +180,10 @@ class MIXRayPPOTrainer(RayPPOTrainer):
                     break
                 tracker.log(data=metrics, step=self.global_steps)
                 progress_bar.update(1)
+                if self._budget_reached:
+                    print(f"[mix_src] mix.flops_budget={self.mix.flops_budget:.4g} reached at step {self.global_steps} "
+                          f"({self.mix.flops_count} count: {self._flops[self.mix.flops_count]:.4g} FLOPs): training ends")
+                    break
                 self.global_steps += 1
                 SkipManager.set_step(self.global_steps)
             self._finalize_async_calls(blocking=True)
@@ -225,10 +237,13 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         metrics: dict[str, Any] = {}
         timing: dict[str, float] = {}
         is_last_step = self.global_steps >= self.total_training_steps
+        self._step_rollout_flops = {c: 0.0 for c in FLOPS_COUNTS}
         with marked_timer("step", timing):
             batch = self._collect_batch(batches, metrics, timing)  # stages 1-3
             if batch is None:
                 return None
+            if self._count_flops(batch, metrics):  # mix.flops_budget: this step is the last
+                is_last_step = True
             self._sleep_rollout()
             batch = self._compute_log_probs(batch, metrics, timing)  # stage 4
             batch = self._compute_advantages(batch, metrics, timing)  # stage 5
@@ -244,6 +259,66 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         if hasattr(self.train_dataset, "on_batch_end"):  # verl's experimental dataset hook, as in its fit
             self.train_dataset.on_batch_end(batch=batch)
         return metrics
+
+    def _model_shape(self):
+        """The actor's :class:`~mix_src.flops.ModelShape` (read once; a failure is kept and raised again)."""
+        if self._flops_shape is None:
+            from transformers import AutoConfig
+
+            model_cfg = self.config.actor_rollout_ref.model
+            try:
+                cfg = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.get("trust_remote_code", False))
+                self._flops_shape = ModelShape.from_hf_config(cfg.to_dict())
+            except Exception as e:  # noqa: BLE001 - kept, and raised to the caller on every use
+                self._flops_shape = e
+        if isinstance(self._flops_shape, Exception):
+            raise self._flops_shape
+        return self._flops_shape
+
+    def _count_rollout_flops(self, part: DataProto) -> None:
+        """Generation FLOPs of one rollout pass (every row it generated, kept or not)."""
+        if "attention_mask" not in part.batch.keys() or "responses" not in part.batch.keys():
+            return
+        if self.mix.flops_budget is None:
+            try:
+                self._model_shape()
+            except Exception:  # noqa: BLE001 - reported by _count_flops
+                return
+        if self._step_rollout_flops is None:
+            self._step_rollout_flops = {c: 0.0 for c in FLOPS_COUNTS}
+        p, r, g = lengths_from_masks(part.batch["attention_mask"], part.batch["responses"], part.batch["prefix_mask"])
+        for c in FLOPS_COUNTS:
+            self._step_rollout_flops[c] += rollout_flops(self._model_shape(), p, r, g, c)
+
+    def _count_flops(self, batch: DataProto, metrics: dict) -> bool:
+        """The step's FLOPs (mix_src/flops.py: rollout passes + old/ref log-probs + ppo_epochs updates) into
+        ``flops/*`` metrics and the running totals; True when ``mix.flops_budget`` is reached with this step."""
+        if self.mix.flops_budget is None:  # counting is only metrics then: a model config it cannot read is no error
+            try:
+                self._model_shape()
+            except Exception as e:  # noqa: BLE001
+                metrics["flops/unavailable"] = 1
+                if not getattr(self, "_flops_warned", False):
+                    print(f"[mix_src] FLOPs not counted (mix_src/flops.py cannot read the actor's config): {e}")
+                    self._flops_warned = True
+                return False
+        if self._flops is None:
+            self._flops = {c: 0.0 for c in FLOPS_COUNTS}
+        rollout = self._step_rollout_flops or {c: 0.0 for c in FLOPS_COUNTS}
+        p, r, _ = lengths_from_masks(batch.batch["attention_mask"], batch.batch["responses"])
+        epochs = int(self.config.actor_rollout_ref.actor.get("ppo_epochs", 1))
+        for c in FLOPS_COUNTS:
+            train = rl_step_flops(self._model_shape(), p, r, ppo_epochs=epochs, ref_policy=self.use_reference_policy,
+                                  count=c)
+            step = train + rollout[c]
+            self._flops[c] += step
+            metrics[f"flops/rollout_{c}"] = rollout[c]
+            metrics[f"flops/step_{c}"] = step
+            metrics[f"flops/total_{c}"] = self._flops[c]
+        metrics["flops/num_tokens"] = int((p + r).sum())
+        budget = self.mix.flops_budget
+        self._budget_reached = budget is not None and self._flops[self.mix.flops_count] >= budget
+        return self._budget_reached
 
     def _dump_rollouts(self, batch: DataProto, timing: dict, rollout_data_dir: str) -> None:
         """``trainer.rollout_data_dir``: verl's JSONL dump of the step's training rows, plus each row's
@@ -356,6 +431,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             part.batch["prefix_mask"] = prefix_mask_tensor(
                 part.non_tensor_batch.pop("prefix_token_mask"), part.batch["response_mask"]
             )
+            self._count_rollout_flops(part)
             return self._extract_reward(part)
 
         seed = [self.prefix_seed, self.global_steps, gen_index]
@@ -530,7 +606,8 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         super()._save_checkpoint()
         folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
         state = {"epoch": self._epoch, "carry": self._carry, "dataloader": self.train_dataloader.state_dict(),
-                 "entropy_coef": getattr(self, "_entropy_state", None)}  # the learned entropy coefficient
+                 "entropy_coef": getattr(self, "_entropy_state", None),  # the learned entropy coefficient
+                 "flops": dict(self._flops or {})}  # the FLOPs so far: a resumed run's budget counts them
         torch.save(state, os.path.join(folder, MIX_STATE_FILE))
 
     def _load_checkpoint(self):
@@ -554,6 +631,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
                 if state.get("dataloader") is not None:
                     self.train_dataloader.load_state_dict(state["dataloader"])
                 self._entropy_state = state.get("entropy_coef")
+                self._flops = {**{c: 0.0 for c in FLOPS_COUNTS}, **(state.get("flops") or {})}  # the budget counts the run so far
                 if self._entropy_state is not None:  # the workers' loss continues the learned coefficient
                     self.actor_rollout_wg.set_loss_fn(self._make_loss_fn())
         return result

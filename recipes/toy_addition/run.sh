@@ -5,7 +5,9 @@
 #         | sft                      (verl's own verl.trainer.sft_trainer, config sft.yaml, torchrun on CPU)
 # Env: STEPS (default 100), EVAL_EVERY (20), VARIANT (addition3 | demo: scripts/experiments/toy_addition.py),
 #      ASSETS_DIR (outputs/toy_addition),
-#      OUTPUT_DIR (outputs/toy_addition/runs/METHOD_seedSEED), plus recipes/common.sh's PYTHON, LOGGER.
+#      OUTPUT_DIR (outputs/toy_addition/runs/METHOD_seedSEED), MODEL_PATH, TRAIN_FILES, VAL_FILES,
+#      SKIP_PREPARE=1 (ASSETS_DIR holds another toy task's assets: scripts/experiments/compare.py), plus
+#      recipes/common.sh's PYTHON, LOGGER.
 # The first call builds the tokenizer, parquets and base model into ASSETS_DIR (a few minutes, cached).
 # RL runs log held-out greedy accuracy (val-core/toy_addition/acc/mean@1) every EVAL_EVERY steps to
 # OUTPUT_DIR/metrics.jsonl and save the last step in HF format; SFT saves an HF checkpoint every
@@ -24,7 +26,9 @@ export TOKENIZERS_PARALLELISM=false WANDB_MODE="${WANDB_MODE:-disabled}" OMP_NUM
 NGPUS=                              # CPU only: the backend fragment sets one fake GPU
 
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # scripts.* are modules of the repository root
-"$PYTHON" -m scripts.experiments.toy_addition prepare --out "$ASSETS_DIR" --variant "$VARIANT" >/dev/null  # no-op when cached
+if [[ "${SKIP_PREPARE:-0}" != 1 ]]; then  # SKIP_PREPARE=1: ASSETS_DIR was built by the caller (another toy task)
+  "$PYTHON" -m scripts.experiments.toy_addition prepare --out "$ASSETS_DIR" --variant "$VARIANT" >/dev/null  # no-op when cached
+fi
 TOKENIZER_PATH="$ASSETS_DIR/tokenizer"  # apart from the model: transformers 5 would swap it for Qwen2Tokenizer
 MODEL_PATH="${MODEL_PATH:-$ASSETS_DIR/base_seed0}"
 TRAIN_FILES="${TRAIN_FILES:-$ASSETS_DIR/train.parquet}"

@@ -235,24 +235,25 @@ def evaluate(model_dir_or_model, tokenizer, problems) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ all together
-def _pretrain_hparams(variant: str) -> dict:
-    return {**PRETRAIN, "steps": VARIANTS[variant]["pretrain_steps"]}
+def _pretrain_hparams(variant: str, steps: int | None = None) -> dict:
+    return {**PRETRAIN, "steps": steps or VARIANTS[variant]["pretrain_steps"]}
 
 
-def _fingerprint(seed: int, variant: str) -> dict:
+def _fingerprint(seed: int, variant: str, pretrain_steps: int | None = None) -> dict:
     fp = {"version": 1, "seed": seed, "chars": "".join(CHARS), "model": MODEL_KW,
-          "pretrain": _pretrain_hparams(variant), "n_train": N_TRAIN, "n_heldout": N_HELDOUT}
+          "pretrain": _pretrain_hparams(variant, pretrain_steps), "n_train": N_TRAIN, "n_heldout": N_HELDOUT}
     if variant != "addition3":  # caches of the experiment's assets stay valid
         fp["variant"] = {"name": variant, **VARIANTS[variant]}
     return fp
 
 
 def prepare(out_dir: str = DEFAULT_OUT, seed: int = 0, force: bool = False, log=print,
-            variant: str = "addition3") -> dict:
+            variant: str = "addition3", pretrain_steps: int | None = None) -> dict:
     """Build (or reuse) tokenizer, parquets and the base model for ``seed``; returns paths and base eval.
 
     The data split is always seed 0 (the same held-out set for every run); ``seed`` picks the base model's
-    initialisation and pre-training stream (``base_seed{seed}``).
+    initialisation and pre-training stream (``base_seed{seed}``). ``pretrain_steps`` overrides the variant's
+    (tests build a barely trained base with it).
     """
     out_dir = os.path.abspath(out_dir)
     paths = {
@@ -267,7 +268,7 @@ def prepare(out_dir: str = DEFAULT_OUT, seed: int = 0, force: bool = False, log=
     v = VARIANTS[variant]
     if v["ood"] is not None:
         paths["ood"] = os.path.join(out_dir, "ood.parquet")
-    fp = _fingerprint(seed, variant)
+    fp = _fingerprint(seed, variant, pretrain_steps)
     if not force and os.path.exists(manifest) and all(os.path.exists(p) for p in paths.values()):
         with open(manifest) as f:
             info = json.load(f)
@@ -280,7 +281,7 @@ def prepare(out_dir: str = DEFAULT_OUT, seed: int = 0, force: bool = False, log=
     assert tokenizer.encode("\n", add_special_tokens=False) != [] and len(tokenizer.encode("\n")) == 1
     write_parquets(out_dir, seed=0, variant=variant)
     train_info = pretrain_base(paths["model"], tokenizer, seed, log=log, n_digits=v["n_digits"],
-                               **_pretrain_hparams(variant))
+                               **_pretrain_hparams(variant, pretrain_steps))
     heldout = read_problems(paths["heldout"])
     carry_free = task.sample_problems(N_HELDOUT, random.Random(12345), carry=False, n_digits=v["n_digits"])
     ev = {"heldout_carry": evaluate(paths["model"], tokenizer, heldout),
