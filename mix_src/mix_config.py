@@ -24,6 +24,7 @@ from mix_src.core_alg import LOSS_AGG_MODES, OFF_POLICY_RESHAPES, ON_POLICY_RESH
 from mix_src.core_alg import P_DIV_P_ALIASES as RESHAPE_ALIASES
 from mix_src.filter_groups import GROUP_FILTERS
 from mix_src.prefix import PREFIX_STRATEGIES
+from mix_src.prefix_select import PREFIX_TOKEN_SELECTS
 from mix_src.registry import load_plugins
 from mix_src.rollout_policy import ROLLOUT_POLICIES
 
@@ -78,9 +79,13 @@ class LossConfig:
     target_entropy: float = 1.0  # H*, token-mean entropy target of both adaptive variants
     alpha_lr: float = 1e-2  # AdamW learning rate of log(c)
     entropy_coeff_max: Optional[float] = None  # cap of the learned coefficient
+    prefix_token_select: Optional[str] = None  # which prefix tokens keep their advantage: a name in mix_src.prefix_select
+    prefix_token_select_ratio: float = 0.0  # the selection's one number (its meaning: the entry's docstring)
 
     def __post_init__(self):
         p = "mix.loss"
+        if self.prefix_token_select is not None and self.prefix_token_select not in PREFIX_TOKEN_SELECTS:
+            raise MixConfigError(PREFIX_TOKEN_SELECTS.unknown(self.prefix_token_select))
         for key, registry in (("off_policy_reshape", OFF_POLICY_RESHAPES), ("on_policy_reshape", ON_POLICY_RESHAPES)):
             value = getattr(self, key)
             if value in RESHAPE_ALIASES:  # the original's names: keep the number in its own key
