@@ -378,3 +378,55 @@ def test_mix_config_rejects_an_unknown_selection():
 
     with pytest.raises(MixConfigError, match="mix.loss.prefix_token_select='nope' is not a registered"):
         LossConfig(prefix_token_select="nope")
+
+
+# ---- the recipe, the harness entry and a real run ------------------------------------------------------
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _compare_entry():
+    import yaml
+
+    return yaml.safe_load((REPO / "recipes" / "prefix_rft" / "compare.yaml").read_text())
+
+
+@pytest.mark.parametrize("use_v1", [False, True])
+def test_recipe_and_harness_entry_pass_the_before_ray_checks(pr, use_v1):
+    """recipes/prefix_rft/config.yaml (as run.sh composes it) and compare.yaml's overrides on the toy task's
+    LUFFY config: the mix section validates and every selected entry accepts both trainer bases."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from mix_src.mix_config import validate_mix_config
+    from mix_src.registry import check_selected_entries
+
+    entry = _compare_entry()
+    assert set(entry) == {"plugins", "overrides"} and all((REPO / p).is_file() for p in entry["plugins"])
+    plugin_override = "mix.plugins=[" + ",".join(str(REPO / p) for p in entry["plugins"]) + "]"
+    for folder, name, overrides in [("prefix_rft", "config", []), ("toy_addition", "luffy", entry["overrides"])]:
+        with initialize_config_dir(config_dir=str(REPO / "recipes" / folder), version_base=None):
+            cfg = compose(config_name=name, overrides=[plugin_override, *overrides, f"trainer.use_v1={use_v1}"])
+        OmegaConf.resolve(cfg)
+        validate_mix_config(cfg)
+        check_selected_entries(cfg)
+        assert cfg.mix.loss.prefix_token_select == "prefix_rft_entropy" and cfg.algorithm.adv_estimator == "dr_grpo_prefix"
+
+
+@pytest.mark.ray
+def test_prefix_rft_trains_two_steps(tiny_assets, tmp_path):
+    """2 steps of `python -m mix_src.main_mix_ppo +backend=cpu` with the harness's Prefix-RFT settings (compare.yaml)
+    on tiny assets: prefixed rows, the entropy selection on the worker, prefix tokens on the PPO-clip path."""
+    from e2e import MIX_CPU, run_verl, tiny_overrides
+
+    entry = _compare_entry()
+    plugins = "mix.plugins=[" + ",".join(str(REPO / p) for p in entry["plugins"]) + "]"
+    overrides = MIX_CPU + tiny_overrides(tiny_assets, steps=2, n=4, batch_size=4, response_length=24)
+    overrides += [plugins, *entry["overrides"], "mix.prefix_steps=2"]
+    result = run_verl("mix_src.main_mix_ppo", overrides, tmp_path, timeout=420)
+    assert [m["step"] for m in result.metrics] == [1, 2]
+    for m in result.metrics:
+        assert 0 <= m["batch/avg_prefix_ratio"] <= 0.95 / 4  # 1 of 4 rows, ratio <= hi(s) <= 0.95
+        assert m["actor/off_policy_prob"] == 0  # prefix tokens take the on-policy PPO-clip branch
+        assert math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0
+    kept = [m["actor/prefix_kept_frac"] for m in result.metrics if m["batch/prefix_token_frac"] > 0]
+    assert kept and all(0.2 <= k <= 1.0 for k in kept)  # the top-entropy 20% (at least) of prefix tokens kept
