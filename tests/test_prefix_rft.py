@@ -392,8 +392,9 @@ def _compare_entry():
 
 @pytest.mark.parametrize("use_v1", [False, True])
 def test_recipe_and_harness_entry_pass_the_before_ray_checks(pr, use_v1):
-    """recipes/prefix_rft/config.yaml (as run.sh composes it) and compare.yaml's overrides on the toy task's
-    LUFFY config: the mix section validates and every selected entry accepts both trainer bases."""
+    """recipes/prefix_rft/config.yaml (as run.sh composes it), and compare.yaml's overrides on the toy task's base
+    settings (on_policy_grpo.yaml, as the harness applies them): the mix section validates and every selected
+    entry accepts both trainer bases."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -401,9 +402,9 @@ def test_recipe_and_harness_entry_pass_the_before_ray_checks(pr, use_v1):
     from mix_src.registry import check_selected_entries
 
     entry = _compare_entry()
-    assert set(entry) == {"plugins", "overrides"} and all((REPO / p).is_file() for p in entry["plugins"])
+    assert set(entry) == {"kind", "plugins", "overrides"} and entry["kind"] == "rl" and all((REPO / p).is_file() for p in entry["plugins"])
     plugin_override = "mix.plugins=[" + ",".join(str(REPO / p) for p in entry["plugins"]) + "]"
-    for folder, name, overrides in [("prefix_rft", "config", []), ("toy_addition", "luffy", entry["overrides"])]:
+    for folder, name, overrides in [("prefix_rft", "config", []), ("toy_addition", "on_policy_grpo", entry["overrides"])]:
         with initialize_config_dir(config_dir=str(REPO / "recipes" / folder), version_base=None):
             cfg = compose(config_name=name, overrides=[plugin_override, *overrides, f"trainer.use_v1={use_v1}"])
         OmegaConf.resolve(cfg)
