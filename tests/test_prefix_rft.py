@@ -413,21 +413,36 @@ def test_recipe_and_harness_entry_pass_the_before_ray_checks(pr, use_v1):
         assert cfg.mix.loss.prefix_token_select == "prefix_rft_entropy" and cfg.algorithm.adv_estimator == "dr_grpo_prefix"
 
 
+PARITY_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    score = float(len(solution_str) % 2)  # a reward the random tiny model earns about half the time
+    return {"score": score, "acc": score}
+"""
+
+
 @pytest.mark.ray
 def test_prefix_rft_trains_two_steps(tiny_assets, tmp_path):
     """2 steps of `python -m mix_src.main_mix_ppo +backend=cpu` with the harness's Prefix-RFT settings (compare.yaml)
-    on tiny assets: prefixed rows, the entropy selection on the worker, prefix tokens on the PPO-clip path."""
+    on tiny assets: prefixed rows, the entropy selection on the worker, prefix tokens on the PPO-clip path. The
+    random tiny model never solves a task, so the reward here is the response length's parity (mixed rewards:
+    non-zero advantages and a real update through the selection)."""
     from e2e import MIX_CPU, run_verl, tiny_overrides
 
+    reward = tmp_path / "parity_reward.py"
+    reward.write_text(PARITY_REWARD)
     entry = _compare_entry()
     plugins = "mix.plugins=[" + ",".join(str(REPO / p) for p in entry["plugins"]) + "]"
-    overrides = MIX_CPU + tiny_overrides(tiny_assets, steps=2, n=4, batch_size=4, response_length=24)
+    overrides = MIX_CPU + tiny_overrides(
+        tiny_assets, steps=2, n=4, batch_size=4, response_length=24,
+        reward=[f"reward.custom_reward_function.path={reward}", "reward.custom_reward_function.name=compute_score"],
+    )  # fmt: skip
     overrides += [plugins, *entry["overrides"], "mix.prefix_steps=2"]
-    result = run_verl("mix_src.main_mix_ppo", overrides, tmp_path, timeout=420)
+    result = run_verl("mix_src.main_mix_ppo", overrides, tmp_path / "run", timeout=420)
     assert [m["step"] for m in result.metrics] == [1, 2]
     for m in result.metrics:
         assert 0 <= m["batch/avg_prefix_ratio"] <= 0.95 / 4  # 1 of 4 rows, ratio <= hi(s) <= 0.95
         assert m["actor/off_policy_prob"] == 0  # prefix tokens take the on-policy PPO-clip branch
         assert math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0
-    kept = [m["actor/prefix_kept_frac"] for m in result.metrics if m["batch/prefix_token_frac"] > 0]
-    assert kept and all(0.2 <= k <= 1.0 for k in kept)  # the top-entropy 20% (at least) of prefix tokens kept
+    prefixed = [m for m in result.metrics if m["batch/prefix_token_frac"] > 0]
+    assert prefixed, "no step had a prefix token"
+    assert all(0.2 <= m["actor/prefix_kept_frac"] < 1.0 for m in prefixed)  # the top 20% (at least) kept, some dropped
