@@ -39,6 +39,10 @@ all_max_clip with token-mean: tokens with p > c leave the policy loss, and the t
 Loss combination (mix.loss.combine, a registered mix_src.loss_combine entry): PPO-clip on the on-policy rows,
     combined with the expert rows' tokens by the entry (e.g. recipes/chord: (1-mu)*RL + mu*SFT); each population
     normalised by its own global mini-batch size, counted on the driver (add_combine_inputs).
+Prefix token selection (mix.loss.prefix_token_select, a registry in mix_src.prefix_select): per micro-batch,
+    the prefix tokens the entry does not keep get advantage 0 before the policy loss (they stay in its token
+    count); an entry with option prefix_tokens_on_policy=True also makes the prefix tokens on-policy tokens of
+    the loss (PPO-clip on exp(l - l_old)). Metric actor/prefix_kept_frac.
 KL loss (actor.use_kl_loss): kl_loss_coef * agg(kl_penalty(log_prob, ref_log_prob, kl_loss_type)) over
     every valid token, prefix tokens included; it works together with the off-policy loss (the original
     crashes there).
@@ -70,6 +74,7 @@ from mix_src.core_alg import (
 )
 from mix_src.loss_combine import LOSS_COMBINES, CombineInputs
 from mix_src.mix_config import LossConfig as MixLossConfig  # the `mix.loss` section, checked when built
+from mix_src.prefix_select import PrefixTokenView, select_prefix_tokens
 from mix_src.row_loss import ROW_LOSSES, SFT_ROW, SFT_TOKENS, sft_token_mean
 
 __all__ = ["COMBINE_FIELDS", "ENTROPY_STATE", "KEPT_TOKENS", "MixLossConfig", "MixPolicyLoss", "add_combine_inputs",
@@ -242,6 +247,19 @@ class MixPolicyLoss:
                 f"{tuple(response_mask.shape)} (bsz, response_len)"
             )
         prefix_mask = batch["prefix_mask"].to(bool) & response_mask
+        advantages = batch["advantages"]
+        metrics: dict[str, Any] = {}
+        if mix.prefix_token_select is not None:  # which prefix tokens keep their advantage (mix_src.prefix_select)
+            view = PrefixTokenView(
+                entropy=None if entropy is None else entropy.detach(), log_prob=log_prob.detach(),
+                old_log_prob=batch["old_log_probs"], advantages=advantages, response_mask=response_mask,
+                prefix_mask=prefix_mask, ratio=mix.prefix_token_select_ratio,
+            )  # fmt: skip
+            advantages, kept, prefix_on_policy = select_prefix_tokens(mix.prefix_token_select, view)
+            metrics["actor/prefix_kept_frac"] = Metric(value=float(masked_mean(kept.float(), prefix_mask)),
+                                                       aggregation=AggregationType.MEAN)  # fmt: skip
+            if prefix_on_policy:  # the entry's option: prefix tokens get the on-policy PPO-clip loss
+                prefix_mask = torch.zeros_like(prefix_mask)
 
         # ---- policy loss -------------------------------------------------------------------------
         policy_info = info
@@ -252,7 +270,6 @@ class MixPolicyLoss:
             loss_remove_clip=mix.loss_remove_clip, loss_agg_mode=self.loss_agg_mode,
             rollout_is_weights=batch.get("rollout_is_weights", None), **policy_info,
         )  # fmt: skip
-        metrics: dict[str, Any] = {}
         rl_mask, sft_mask = response_mask, None
         if mix.row_loss is not None:  # the rows' own choice (mix_src/row_loss.py)
             rl_mask, sft_mask = self._row_masks(data, response_mask, prefix_mask)
@@ -262,7 +279,7 @@ class MixPolicyLoss:
         elif mix.use_sft_multitask_loss:
             off_rows = prefix_mask.any(dim=-1, keepdim=True)  # rows with a prefix are off-policy rows
             out = compute_token_on_off_policy_loss(
-                batch["old_log_probs"], log_prob, batch["advantages"], response_mask & ~off_rows,
+                batch["old_log_probs"], log_prob, advantages, response_mask & ~off_rows,
                 torch.zeros_like(prefix_mask), on_policy_reshape=mix.on_policy_reshape,
                 on_policy_reshape_gamma=mix.on_policy_reshape_gamma,
                 on_policy_reshape_weight=mix.on_policy_reshape_weight,
@@ -276,7 +293,7 @@ class MixPolicyLoss:
                                               aggregation=AggregationType.MEAN)  # fmt: skip
         else:
             out = compute_token_on_off_policy_loss(
-                batch["old_log_probs"], log_prob, batch["advantages"], rl_mask, prefix_mask & rl_mask,
+                batch["old_log_probs"], log_prob, advantages, rl_mask, prefix_mask & rl_mask,
                 off_policy_reshape=mix.off_policy_reshape, off_policy_reshape_gamma=mix.off_policy_reshape_gamma,
                 off_policy_reshape_weight=mix.off_policy_reshape_weight,
                 off_policy_reshape_pow_exp=mix.off_policy_reshape_pow_exp, on_policy_reshape=mix.on_policy_reshape,

@@ -27,6 +27,7 @@ from mix_src.filter_groups import GROUP_FILTERS
 from mix_src.loss_combine import LOSS_COMBINES
 from mix_src.flops import COUNTS as FLOPS_COUNTS
 from mix_src.prefix import PREFIX_STRATEGIES
+from mix_src.prefix_select import PREFIX_TOKEN_SELECTS
 from mix_src.registry import _REGISTRIES, load_plugins
 from mix_src.rollout_policy import ROLLOUT_POLICIES
 from mix_src.row_loss import ROW_LOSSES
@@ -85,9 +86,13 @@ class LossConfig:
     target_entropy: float = 1.0  # H*, token-mean entropy target of both adaptive variants
     alpha_lr: float = 1e-2  # AdamW learning rate of log(c)
     entropy_coeff_max: Optional[float] = None  # cap of the learned coefficient
+    prefix_token_select: Optional[str] = None  # which prefix tokens keep their advantage: a name in mix_src.prefix_select
+    prefix_token_select_ratio: float = 0.0  # the selection's one number (its meaning: the entry's docstring)
 
     def __post_init__(self):
         p = "mix.loss"
+        if self.prefix_token_select is not None and self.prefix_token_select not in PREFIX_TOKEN_SELECTS:
+            raise MixConfigError(PREFIX_TOKEN_SELECTS.unknown(self.prefix_token_select))
         for key, registry in (("off_policy_reshape", OFF_POLICY_RESHAPES), ("on_policy_reshape", ON_POLICY_RESHAPES)):
             value = getattr(self, key)
             if value in RESHAPE_ALIASES:  # the original's names: keep the number in its own key
@@ -125,6 +130,9 @@ class LossConfig:
             if self.all_max_clip is not None:
                 raise MixConfigError(f"{p}.row_loss={self.row_loss!r} with {p}.all_max_clip={self.all_max_clip} is not "
                                      "supported (its kept-token mean would count the SFT rows); set it to null")
+        if self.combine is not None and self.prefix_token_select is not None:
+            raise MixConfigError(f"{p}.combine={self.combine!r} makes the expert rows' loss itself, so "
+                                 f"{p}.prefix_token_select={self.prefix_token_select!r} would be ignored; pick one")
         if self.combine is not None and self.row_loss is not None:
             raise MixConfigError(f"{p}.combine={self.combine!r} and {p}.row_loss={self.row_loss!r} each decide how rows "
                                  "enter the loss; pick one")

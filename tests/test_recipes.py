@@ -27,7 +27,7 @@ PLOT_SCRIPT = REPO_ROOT / "scripts" / "plot_metrics.py"
 
 GPU_RECIPES = [
     "luffy_zero", "on_policy_grpo", "rl_with_sft_loss", "sft_then_rl",
-    "dapo_filter", "luffy_filter", "prefix_curriculum", "guide_on_failure", "hpt", "chord",
+    "dapo_filter", "luffy_filter", "prefix_curriculum", "guide_on_failure", "hpt", "chord", "prefix_rft",
 ]  # fmt: skip
 RECIPES = [*GPU_RECIPES, "cpu_tiny"]
 
@@ -78,6 +78,13 @@ EXPECTED = {
                                   "enable_phi_function": True},
         "actor_rollout_ref.actor.entropy_coeff": 0.0, "actor_rollout_ref.actor.clip_ratio": 0.2,
     },
+    "prefix_rft": {
+        "algorithm.adv_estimator": "dr_grpo_prefix", "mix.n_prefix": 1, "mix.prefix_strategy": "prefix_rft_cosine",
+        "mix.max_prefix_ratio": 0.95, "mix.min_prefix_ratio": 0.05, "mix.loss.loss_remove_clip": False,
+        "mix.loss.prefix_token_select": "prefix_rft_entropy", "mix.loss.prefix_token_select_ratio": 0.8,
+        "mix.loss.loss_agg_mode": None, "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-sum-norm",
+        "actor_rollout_ref.actor.calculate_entropy": True, "actor_rollout_ref.rollout.n": 8,
+    },
     "cpu_tiny": {
         "mix.n_prefix": 1, "mix.min_prefix_ratio": 1.0, "actor_rollout_ref.rollout.name": "hf",
         "trainer.device": "cpu", "actor_rollout_ref.actor.strategy": "fsdp2",
@@ -98,6 +105,7 @@ RUN_SH_OVERRIDES = {
                          "mix.rollout_policy=guide_on_failure"],
     "hpt": [f"mix.plugins=[{RECIPES_DIR / 'hpt' / 'hpt.py'}]"],
     "chord": [f"mix.plugins=[{RECIPES_DIR / 'chord' / 'chord.py'}]"],
+    "prefix_rft": [f"mix.plugins=[{RECIPES_DIR / 'prefix_rft' / 'prefix_rft.py'}]"],
 }  # fmt: skip
 
 
