@@ -26,7 +26,8 @@ from verl.trainer.main_ppo_v0 import BaseTaskRunner
 
 from mix_src.luffy_keys import translate_overrides
 from mix_src.mix_config import MixConfigError, validate_mix_config
-from mix_src.registry import PLUGINS_ENV, check_selected_entries, load_plugins, resolve_plugin
+from mix_src.cpu import ROLLOUT_ENV
+from mix_src.registry import PLUGINS_ENV, check_selected_entries, load_plugins, load_verl_plugins, resolve_plugin
 from mix_src.verl_parity import check_verl_keys
 
 
@@ -51,24 +52,36 @@ def _check_backend(config: DictConfig) -> None:
             f"an accelerator ({'; '.join(mix_src.cpu.accelerator_signs()) or 'VERL_PLATFORM is not cpu'}). "
             "Run with VERL_PLATFORM=cpu to train on CPU here, or drop +backend=cpu to use the accelerator."
         )
+    if mix_src.cpu.is_active():
+        mix_src.cpu.log_active()  # again, now that the rollout is known (export_plugins set MIX_CPU_ROLLOUT)
 
 
 def export_plugins(config: DictConfig) -> list[str]:
-    """Import ``mix.plugins`` here (the driver) and make every Ray process import them: their specs
-    (paths made absolute) go into ``MIX_PLUGINS``, and ``mix_src.plugins`` into verl's
-    ``VERL_USE_EXTERNAL_MODULES`` (imported by verl/__init__.py in each process), both in this process's
-    environment (inherited by a local Ray cluster) and in ``ray_kwargs.ray_init.runtime_env.env_vars``."""
+    """Make every Ray process load what this one did, and fail as loudly: ``mix_src.plugins`` goes into verl's
+    ``VERL_USE_EXTERNAL_MODULES`` (imported by verl/__init__.py in each process, where it imports verl's
+    ``verl.plugins`` entry points raising on a failure, :func:`mix_src.registry.load_verl_plugins`, and the
+    ``mix.plugins``); ``mix.plugins`` are imported here and their specs (paths made absolute) go into
+    ``MIX_PLUGINS``; the rollout name goes into ``MIX_CPU_ROLLOUT`` (the CPU backend's "active" line). All
+    of it in this process's environment (inherited by a local Ray cluster) and in
+    ``ray_kwargs.ray_init.runtime_env.env_vars``. Returns the plugin specs."""
+    load_verl_plugins()  # this process imported verl before the environment said so
     mix = config.get("mix") or {}
     specs = [resolve_plugin(s) for s in (mix.get("plugins") or [])]
-    if not specs:
-        return []
-    load_plugins(specs)
+    if specs:
+        load_plugins(specs)
     external = [m for m in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
-    env = {PLUGINS_ENV: ",".join(specs), "VERL_USE_EXTERNAL_MODULES": ",".join(dict.fromkeys([*external, "mix_src.plugins"]))}
+    env = {"VERL_USE_EXTERNAL_MODULES": ",".join(dict.fromkeys([*external, "mix_src.plugins"]))}
+    if specs:
+        env[PLUGINS_ENV] = ",".join(specs)
+    rollout = OmegaConf.select(config, "actor_rollout_ref.rollout.name", default=None)
+    if rollout:
+        env[ROLLOUT_ENV] = str(rollout)
     os.environ.update(env)
     with open_dict(config):
-        config.mix.plugins = specs
-        runtime_env = config.ray_kwargs.ray_init.setdefault("runtime_env", {})
+        if specs:
+            config.mix.plugins = specs
+        ray_init = config.setdefault("ray_kwargs", {}).setdefault("ray_init", {})
+        runtime_env = ray_init.setdefault("runtime_env", {})
         runtime_env.setdefault("env_vars", {})
         runtime_env.env_vars.update(env)
     for spec in specs:

@@ -67,7 +67,7 @@ from verl.utils.skip.skip_manager import SkipManager
 
 from mix_src.dataset import TARGET_FIELD
 from mix_src.filter_groups import filter_groups, plan_train_batch
-from mix_src.loss import add_kept_token_counts, pop_entropy_state
+from mix_src.loss import add_kept_token_counts, install_loss, pop_entropy_state
 from mix_src.mix_config import MixConfig
 from mix_src.seeding import pass_seeds, request_seeds
 from mix_src.rollout_policy import ROLLOUT_POLICIES, RolloutContext
@@ -123,7 +123,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             with open_dict(agent_cfg):
                 agent_cfg.agent_loop_manager_class = MANAGER_FQN
         super().init_workers()
-        self.actor_rollout_wg.set_loss_fn(self._make_loss_fn())
+        install_loss(self.actor_rollout_wg, self._make_loss_fn())
 
     def _make_loss_fn(self):
         """The worker loss (mix_src.loss), pickled once to every actor worker by set_loss_fn."""
@@ -553,7 +553,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
                     self.train_dataloader.load_state_dict(state["dataloader"])
                 self._entropy_state = state.get("entropy_coef")
                 if self._entropy_state is not None:  # the workers' loss continues the learned coefficient
-                    self.actor_rollout_wg.set_loss_fn(self._make_loss_fn())
+                    install_loss(self.actor_rollout_wg, self._make_loss_fn())
         return result
 
     # ------------------------------------------------------------------------------------------------

@@ -109,10 +109,10 @@ class MixV1Mixin:
             trainer_base.create_rl_dataset = build
 
     def on_init_end(self):
-        from mix_src.loss import MixPolicyLoss
+        from mix_src.loss import MixPolicyLoss, install_loss
 
         actor_cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
-        self.actor_rollout_wg.set_loss_fn(MixPolicyLoss(actor_cfg, self.mix.loss))
+        install_loss(self.actor_rollout_wg, MixPolicyLoss(actor_cfg, self.mix.loss))
         super().on_init_end()
 
     # ---- generate: per-row prefix ratios ------------------------------------------------------------

