@@ -88,25 +88,34 @@ def compose_v1(tiny_assets, *overrides):
         (["trainer.v1.trainer_mode=fully_async"], r"trainer\.v1\.trainer_mode='fully_async': use one of sync, colocate_async"),
         (["algorithm.filter_groups.enable=true", "mix.filter_groups.carry_over=true"],
          r"mix\.filter_groups\.carry_over=true is not supported on trainer\.use_v1=true: verl's V1 replay buffer owns"),
-        (["algorithm.filter_groups.enable=true", "mix.filter_groups.on_policy_only=true"],
-         r"mix\.filter_groups\.on_policy_only=true .*_dapo_filtered_keys"),
         (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=10"],
-         r"max_num_gen_batches=10: verl's V1 replay buffer ignores it .*max_inflight_gen_batches"),
+         r"max_num_gen_batches=10 is not supported on trainer\.use_v1=true: verl.s V1 replay buffer ignores it .*max_inflight_gen_batches"),
         (["mix.n_prefix=1", "algorithm.rollout_correction.rollout_is=token"], r"rollout_correction\.rollout_is is set"),
         (["trainer.v1.trainer_mode=separate_async"], r"separate_async does not run on the CPU backend: .*checkpoint engine"),
-        (["mix.loss.use_adaptive_entropy=true"], r"mix\.loss\.use_adaptive_entropy=true is not supported on trainer\.use_v1"),
+        (["mix.loss.use_adaptive_entropy=true", "actor_rollout_ref.actor.entropy_coeff=0.01"],
+         r"mix\.loss\.use_adaptive_entropy=true is not supported on trainer\.use_v1"),
         (["mix.loss.all_max_clip=0.9"], r"mix\.loss\.all_max_clip=0\.9 is not supported on trainer\.use_v1"),
         (["mix.plugins=[recipes/guide_on_failure/guide_on_failure.py]", "mix.rollout_policy=guide_on_failure"],
-         r"mix\.rollout_policy='guide_on_failure' is not supported on trainer\.use_v1=true"),
-        (["algorithm.filter_groups.enable=true", "mix.filter_groups.rule=test_rule"],
-         r"mix\.filter_groups\.rule='test_rule' is not supported on trainer\.use_v1=true"),
+         r"mix\.rollout_policy='guide_on_failure' is not supported on the 'v1' trainer base .*own agent-loop session"),
     ],
 )  # fmt: skip
 def test_v1_refusals_before_ray(tiny_assets, overrides, pattern):
     from mix_src.main_mix_ppo import run_mix_ppo
 
-    with pytest.raises(MixConfigError, match=pattern):
+    with pytest.raises(ValueError, match=pattern):  # MixConfigError, or a registry entry's EntryConfigError
         run_mix_ppo(compose_v1(tiny_assets, *overrides))
+    assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize("overrides", [
+    ["mix.loss.all_max_clip=-1"],  # LUFFY's "off", translated by the mix: validation before the V1 checks
+    ["algorithm.filter_groups.enable=true", "mix.filter_groups.on_policy_only=true"],  # the replay buffer uses the registry
+    ["algorithm.filter_groups.enable=true", "mix.filter_groups.rule=nonzero_std"],
+])  # fmt: skip
+def test_v1_accepts_before_ray(tiny_assets, overrides):
+    from mix_src.main_mix_ppo import config_stage
+
+    config_stage(compose_v1(tiny_assets, *overrides))
     assert not ray.is_initialized()
 
 
@@ -184,10 +193,10 @@ def test_recipes_v1_variant(name, mode):
     v1 = ["trainer.use_v1=true", f"trainer.v1.trainer_mode={mode}"]
     if name in V1_EXTRAS:  # refused as is, naming the key
         with pytest.raises(MixConfigError, match=r"(max_num_gen_batches=10|carry_over=true).*(ignores|owns)"):
-            check_v1_config(compose_recipe(name, v1))
+            refused = compose_recipe(name, v1)
+            check_v1_config(refused, validate_mix_config(refused))
     cfg = compose_recipe(name, v1 + V1_EXTRAS.get(name, []))
-    check_v1_config(cfg)
-    validate_mix_config(cfg)
+    check_v1_config(cfg, validate_mix_config(cfg))
 
 
 def test_cpu_backend_shortens_the_replay_buffer_poll():
