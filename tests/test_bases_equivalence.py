@@ -1,0 +1,62 @@
+"""One algorithm on both of verl's trainers: the legacy base (MIXRayPPOTrainer) and V1 ``sync`` compute the same
+LUFFY step, and every metric name means the same thing on both.
+
+Same tiny assets, same seeds (data, rollout, mix), filter groups off, 4 prompts x 4 samples, 2 of them with a
+prefix whose ratio is drawn in [0.3, 0.7]; 2 steps. The V1 run checkpoints step 1, and a third run resumes from
+it: its step 2 draws the prefix ratios, and trains to the metrics, of the uninterrupted step 2.
+Three runs, each ``python -m mix_src.main_mix_ppo +backend=cpu`` in its own Ray cluster (tests/e2e.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from e2e import MIX_CPU, run_verl, tiny_overrides
+
+pytestmark = pytest.mark.ray
+
+MIX = "mix_src.main_mix_ppo"
+COMMON = ["mix.n_prefix=2", "mix.min_prefix_ratio=0.3", "mix.max_prefix_ratio=0.7", "mix.seed=7",
+          "algorithm.adv_estimator=grpo_split", "actor_rollout_ref.rollout.calculate_log_probs=true"]  # fmt: skip
+
+# LUFFY's metrics and losses: equal bit for bit on both bases (the prompts, ratios, samples, advantages, update)
+LUFFY_PREFIXES = ("batch/", "actor/pg_loss", "actor/off_", "actor/on_", "actor/grad_norm", "actor/entropy",
+                  "actor/pg_clipfrac", "actor/ppo_kl", "critic/score/", "critic/rewards/", "critic/advantages/",
+                  "critic/returns/", "response_length/mean", "response_length/max", "response_length/min",
+                  "reward/", "training/rollout_probs_diff_", "training/rollout_actor_probs_pearson_corr")  # fmt: skip
+
+
+def _run(tiny_assets, tmp_path, *extra, steps=2, name="run"):
+    overrides = MIX_CPU + tiny_overrides(tiny_assets, steps=steps, n=4, batch_size=4, response_length=24)
+    return run_verl(MIX, overrides + COMMON + list(extra), tmp_path, timeout=420, name=name)
+
+
+def _luffy(m: dict) -> dict:
+    return {k: v for k, v in m.items() if k.startswith(LUFFY_PREFIXES)}
+
+
+def test_legacy_and_v1_sync_train_the_same_luffy_steps_and_v1_resumes_them(tiny_assets, tmp_path):
+    legacy = _run(tiny_assets, tmp_path / "legacy", name="legacy")
+    ckpt = tmp_path / "ckpt"
+    v1_args = ["trainer.use_v1=true", "trainer.v1.trainer_mode=sync", f"trainer.default_local_dir={ckpt}"]
+    v1 = _run(tiny_assets, tmp_path / "v1", *v1_args, "trainer.save_freq=1", name="v1")
+    assert [m["step"] for m in legacy.metrics] == [m["step"] for m in v1.metrics] == [1, 2]
+
+    for a, b in zip(legacy.metrics, v1.metrics):
+        la, lb = _luffy(a), _luffy(b)
+        assert "batch/avg_prefix_ratio" in la and "actor/off_pg_loss" in la and "critic/advantages/mean" in la
+        only = sorted(set(la) ^ set(lb))
+        assert not only, f"step {a['step']}: LUFFY metrics logged on one base only: {only}"
+        diff = {k: (la[k], lb[k]) for k in la if la[k] != lb[k]}
+        assert not diff, f"step {a['step']}: legacy vs V1 differ (legacy, v1): {diff}"
+        # one meaning: rollout vs actor over on-policy tokens on both (prefix tokens have no rollout log-prob)
+        assert lb["training/rollout_probs_diff_max"] < 0.05
+        assert 0.3 * 2 / 4 <= lb["batch/avg_prefix_ratio"] <= 0.7 * 2 / 4
+
+    resumed = _run(tiny_assets, tmp_path / "resumed", *v1_args, "trainer.resume_mode=resume_path",
+                   f"trainer.resume_from_path={ckpt / 'global_step_1'}", "trainer.save_freq=-1", name="resumed")  # fmt: skip
+    assert [m["step"] for m in resumed.metrics] == [2]
+    r, full = resumed.metrics[0], v1.metrics[1]
+    assert r["batch/avg_prefix_ratio"] == full["batch/avg_prefix_ratio"]  # the same draw (seed, step 2, fetch 0)
+    assert r["batch/avg_prefix_ratio"] != v1.metrics[0]["batch/avg_prefix_ratio"]
+    assert r["batch/prefix_token_frac"] == full["batch/prefix_token_frac"]
