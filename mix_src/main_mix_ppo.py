@@ -251,14 +251,6 @@ V1_REFUSALS: list[tuple[str, Callable[[DictConfig, Any], Any], str]] = [
                    and int(c.algorithm.filter_groups.get("max_num_gen_batches", 0) or 0) > 0 else None),
      "verl's V1 replay buffer ignores it (verl/trainer/ppo/v1/trainer_base.py _resolve_filter_groups_metric); set it "
      "to 0 and bound generation with algorithm.filter_groups.max_inflight_gen_batches, or set trainer.use_v1=false"),
-    ("mix.loss.use_adaptive_entropy",
-     lambda c, m: "true" if m.loss.use_adaptive_entropy else None,
-     "the learned coefficient's state comes back in the update metrics and only MIXRayPPOTrainer saves it in its "
-     "checkpoint (a resumed V1 run would restart it); use a fixed actor.entropy_coeff, or trainer.use_v1=false"),
-    ("mix.loss.all_max_clip",
-     lambda c, m: m.loss.all_max_clip,
-     "its token-mean normaliser (kept tokens per mini-batch) is computed by MIXRayPPOTrainer before the update; set "
-     "it to null (or -1), or trainer.use_v1=false"),
 ]
 
 

@@ -40,6 +40,7 @@ its weights into the on-policy term only (:func:`mix_src.core_alg.compute_token_
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -61,7 +62,9 @@ from verl.workers.utils.padding import response_to_nested
 
 from mix_src import adv_estimators  # noqa: F401  (registers grpo_split with verl)
 from mix_src.dataset import TARGET_FIELD
+from mix_src.loss import pop_entropy_state
 from mix_src.mix_config import MixConfig, validate_mix_config
+from mix_src.mix_trainer import MIX_STATE_FILE
 from mix_src.seeding import request_seeds
 from mix_src.stages import (draw_prefix_ratios, luffy_advantages, on_policy_rollout_correction, on_policy_rollout_metrics,
                             prefix_mask_tensor, prefix_step_metrics, solve_metrics, solved_rows)  # fmt: skip
@@ -92,6 +95,7 @@ class MixV1Mixin:
         self.prefix_seed = 0 if seed is None else int(seed)
         self.n = int(config.actor_rollout_ref.rollout.n)
         self._fetch_step, self._fetch_index = None, 0  # prompt fetches within one global step (ratio seeds)
+        self._entropy_state: Optional[dict] = None  # the learned entropy coefficient's state (use_adaptive_entropy)
         super().__init__(config, **kwargs)
 
     # ---- set-up ------------------------------------------------------------------------------------
@@ -117,11 +121,68 @@ class MixV1Mixin:
             trainer_base.create_rl_dataset = build
 
     def on_init_end(self):
+        """Install the MIX worker loss (after verl's ``_setup``, which restored a checkpoint: a learned entropy
+        coefficient continues from its saved state)."""
         from mix_src.loss import MixPolicyLoss, install_loss
 
         actor_cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
-        install_loss(self.actor_rollout_wg, MixPolicyLoss(actor_cfg, self.mix.loss))
+        install_loss(self.actor_rollout_wg, MixPolicyLoss(actor_cfg, self.mix.loss, entropy_state=self._entropy_state))
         super().on_init_end()
+
+    # ---- the learned entropy coefficient (mix.loss.use_adaptive_entropy): checkpointed with V1's checkpoints ---
+    def _update_actor(self, batch, metrics: dict):
+        """verl's stage; the coefficient's state, which the workers' loss returns in the update metrics
+        (``mix_entropy_state/*``, :func:`mix_src.loss.pop_entropy_state`), is taken out before verl averages the
+        metrics (``trainer_base`` ``reduce_metrics``, swapped for this call) and kept for the checkpoint."""
+        verl_reduce = trainer_base.reduce_metrics
+
+        def reduce(output):
+            state = pop_entropy_state(output)
+            if state is not None:
+                self._entropy_state = state
+            return verl_reduce(output)
+
+        self._add_kept_token_counts(batch)
+        trainer_base.reduce_metrics = reduce
+        try:
+            return super()._update_actor(batch, metrics)
+        finally:
+            trainer_base.reduce_metrics = verl_reduce
+
+    def _add_kept_token_counts(self, batch) -> None:
+        """``mix.loss.all_max_clip`` with token-mean: each row's kept-token count of its global mini-batch
+        (:func:`mix_src.loss.add_kept_token_counts`, as the legacy base computes it before the update), written
+        to TransferQueue as the ``mix_kept_tokens`` field that the worker loss reads. The rows' order is the order
+        verl's ``update_actor`` splits into mini-batches (``batch.keys``; ``actor.shuffle`` is refused with it)."""
+        from mix_src.loss import KEPT_TOKENS, add_kept_token_counts
+
+        if self.mix.loss.all_max_clip is None:
+            return
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["old_log_probs", "response_mask"])
+        proto = DataProto(batch=data.to_padded_tensor())
+        add_kept_token_counts(proto, self.config, self.mix.loss, lambda: _actor_dp_size(self.actor_rollout_wg))
+        if KEPT_TOKENS in proto.batch.keys():
+            out = TensorDict({KEPT_TOKENS: proto.batch[KEPT_TOKENS]}, batch_size=len(batch))
+            tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=out)
+
+    def _save_checkpoint(self):
+        super()._save_checkpoint()
+        if self._entropy_state is not None:
+            folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
+            torch.save({"entropy_coef": self._entropy_state}, os.path.join(folder, MIX_STATE_FILE))
+
+    def _load_checkpoint(self):
+        super()._load_checkpoint()
+        if self.global_steps <= 0:
+            return
+        trainer = self.config.trainer
+        if trainer.resume_mode == "resume_path":
+            folder = trainer.resume_from_path
+        else:
+            folder = os.path.join(trainer.default_local_dir, f"global_step_{self.global_steps}")
+        path = os.path.join(folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder), MIX_STATE_FILE)
+        if os.path.exists(path):
+            self._entropy_state = torch.load(path, weights_only=False).get("entropy_coef")
 
     def _build_replay_buffer(self):
         """verl's replay buffer; with filter groups on, its DAPO classification (``ReplayBuffer._dapo_filtered_keys``,
@@ -298,6 +359,13 @@ def make_dapo_filtered_keys(rule: str, on_policy_only: bool) -> Callable:
         return set(evicted), Counter(evicted.values())
 
     return _dapo_filtered_keys
+
+
+def _actor_dp_size(worker_group) -> int:
+    """The actor's data-parallel size, as verl's ``RayPPOTrainer._get_dp_size`` reads it (ray_trainer.py 1162)."""
+    if "actor" not in worker_group._dispatch_info:
+        worker_group._dispatch_info["actor"] = worker_group._query_dispatch_info("actor")
+    return max(worker_group._dispatch_info["actor"]) + 1
 
 
 def _extra_fields(stack) -> list[dict]:

@@ -2,8 +2,9 @@
 LUFFY step, and every metric name means the same thing on both.
 
 Same tiny assets, same seeds (data, rollout, mix), filter groups off, 4 prompts x 4 samples, 2 of them with a
-prefix whose ratio is drawn in [0.3, 0.7]; 2 steps. The V1 run checkpoints step 1, and a third run resumes from
-it: its step 2 draws the prefix ratios, and trains to the metrics, of the uninterrupted step 2.
+prefix whose ratio is drawn in [0.3, 0.7]; the adaptive entropy coefficient and all_max_clip on; 2 steps. The V1
+run checkpoints step 1, and a third run resumes from it: its step 2 draws the prefix ratios of the uninterrupted
+step 2 and continues the learned entropy coefficient saved with the V1 checkpoint.
 Three runs, each ``python -m mix_src.main_mix_ppo +backend=cpu`` in its own Ray cluster (tests/e2e.py).
 """
 
@@ -17,7 +18,11 @@ pytestmark = pytest.mark.ray
 
 MIX = "mix_src.main_mix_ppo"
 COMMON = ["mix.n_prefix=2", "mix.min_prefix_ratio=0.3", "mix.max_prefix_ratio=0.7", "mix.seed=7",
-          "algorithm.adv_estimator=grpo_split", "actor_rollout_ref.rollout.calculate_log_probs=true"]  # fmt: skip
+          "algorithm.adv_estimator=grpo_split", "actor_rollout_ref.rollout.calculate_log_probs=true",
+          # formerly refused on V1, on in every run here: the learned entropy coefficient (checkpointed), and
+          # all_max_clip with token-mean (its kept-token counts per mini-batch)
+          "mix.loss.use_adaptive_entropy=true", "actor_rollout_ref.actor.entropy_coeff=0.01", "mix.loss.alpha_lr=0.5",
+          "mix.loss.all_max_clip=0.999"]  # fmt: skip
 
 # LUFFY's metrics and losses: equal bit for bit on both bases (the prompts, ratios, samples, advantages, update)
 LUFFY_PREFIXES = ("batch/", "actor/pg_loss", "actor/off_", "actor/on_", "actor/grad_norm", "actor/entropy",
@@ -60,3 +65,7 @@ def test_legacy_and_v1_sync_train_the_same_luffy_steps_and_v1_resumes_them(tiny_
     assert r["batch/avg_prefix_ratio"] == full["batch/avg_prefix_ratio"]  # the same draw (seed, step 2, fetch 0)
     assert r["batch/avg_prefix_ratio"] != v1.metrics[0]["batch/avg_prefix_ratio"]
     assert r["batch/prefix_token_frac"] == full["batch/prefix_token_frac"]
+    coefs = [m["actor/entropy_coeff"] for m in v1.metrics]  # the coefficient each step's loss used
+    assert coefs[0] == pytest.approx(0.01) and coefs[1] != pytest.approx(0.01)
+    assert r["actor/entropy_coeff"] == pytest.approx(coefs[1], rel=1e-9)  # restored from the V1 checkpoint
+    assert not any("mix_entropy_state" in k for m in v1.metrics + resumed.metrics for k in m)

@@ -101,9 +101,6 @@ def compose_v1(tiny_assets, *overrides):
          r"max_num_gen_batches=10 is not supported on trainer\.use_v1=true: verl.s V1 replay buffer ignores it .*max_inflight_gen_batches"),
         (["mix.n_prefix=1", "algorithm.rollout_correction.rollout_is=token"], r"rollout_correction\.rollout_is is set"),
         (["trainer.v1.trainer_mode=separate_async"], r"separate_async does not run on the CPU backend: .*checkpoint engine"),
-        (["mix.loss.use_adaptive_entropy=true", "actor_rollout_ref.actor.entropy_coeff=0.01"],
-         r"mix\.loss\.use_adaptive_entropy=true is not supported on trainer\.use_v1"),
-        (["mix.loss.all_max_clip=0.9"], r"mix\.loss\.all_max_clip=0\.9 is not supported on trainer\.use_v1"),
         (["mix.plugins=[recipes/guide_on_failure/guide_on_failure.py]", "mix.rollout_policy=guide_on_failure"],
          r"mix\.rollout_policy='guide_on_failure' is not supported on the 'v1' trainer base .*own agent-loop session"),
     ],
@@ -118,6 +115,8 @@ def test_v1_refusals_before_ray(tiny_assets, overrides, pattern):
 
 @pytest.mark.parametrize("overrides", [
     ["mix.loss.all_max_clip=-1"],  # LUFFY's "off", translated by the mix: validation before the V1 checks
+    ["mix.loss.all_max_clip=0.9"],  # kept-token counts written to TransferQueue before the update
+    ["mix.loss.use_adaptive_entropy=true", "actor_rollout_ref.actor.entropy_coeff=0.01"],  # state in V1 checkpoints
     ["algorithm.filter_groups.enable=true", "mix.filter_groups.on_policy_only=true"],  # the replay buffer uses the registry
     ["algorithm.filter_groups.enable=true", "mix.filter_groups.rule=nonzero_std"],
 ])  # fmt: skip
