@@ -218,3 +218,54 @@ def test_cpu_backend_shortens_the_replay_buffer_poll():
     assert ReplayBuffer(trainer_mode="sync", **kw).poll_interval == CPU_POLL_INTERVAL_S == 0.05
     assert ReplayBufferAsync(trainer_mode="colocate_async", **kw).poll_interval == CPU_POLL_INTERVAL_S
     assert ReplayBuffer(trainer_mode="sync", poll_interval=1.5, **kw).poll_interval == 1.5  # explicit value wins
+
+
+# ---------------------------------------------------------------------------------------------------
+# the group-filter registry in verl's V1 replay buffer: its ``_dapo_filtered_keys`` contract, with the rows'
+# fields served by a stand-in for TransferQueue's kv_batch_get
+
+
+class _Buffer:
+    """The attributes of verl's ReplayBuffer that ``_dapo_filtered_keys`` reads (replay_buffer.py 261-315)."""
+
+    def __init__(self, rows: dict, metric: str = "acc"):
+        self.filter_groups_metric = metric
+        self.partitions = {"train": list(rows)}
+        self.finished_keys = {"train": {k.split("_")[0] for k in rows}}
+        self._dapo_classification_cache = {"train": {}}
+
+
+def _classify(monkeypatch, rows, rule="nonzero_std", on_policy_only=False):
+    import types
+
+    import mix_src.mix_trainer_v1 as v1
+
+    def kv_batch_get(keys, partition_id, select_fields):
+        return {"extra_fields": [rows[k] for k in keys]}
+
+    monkeypatch.setattr(v1.tq, "kv_batch_get", kv_batch_get)
+    buffer = _Buffer(rows)
+    return types.MethodType(v1.make_dapo_filtered_keys(rule, on_policy_only), buffer)("train")
+
+
+def _row(acc, prefix=False):
+    return {"reward_extra_info": {"acc": acc}, "prefix_token_mask": [1, 1, 0] if prefix else [0, 0, 0]}
+
+
+ROWS = {  # group a: expert row solved, on-policy rows failed; group b: all failed; group c: mixed on-policy
+    "a_0_0": _row(1.0, prefix=True), "a_1_0": _row(0.0), "a_2_0": _row(0.0),
+    "b_0_0": _row(0.0), "b_1_0": _row(0.0), "b_2_0": _row(0.0),
+    "c_0_0": _row(1.0), "c_1_0": _row(0.0), "c_2_0": _row(0.0),
+}  # fmt: skip
+
+
+def test_v1_replay_buffer_evicts_what_the_group_filter_registry_says(monkeypatch):
+    evicted, counts = _classify(monkeypatch, ROWS)  # nonzero_std over every row: as verl's own rule
+    assert evicted == {"b"} and counts == {0.0: 1}
+    evicted, _ = _classify(monkeypatch, ROWS, on_policy_only=True)  # a's on-policy rows all failed: evicted too
+    assert evicted == {"a", "b"}
+    from mix_src.filter_groups import GROUP_FILTERS
+
+    monkeypatch.setitem(GROUP_FILTERS._entries, "keep_all_test", lambda stats: np.ones(len(stats.count), dtype=bool))
+    evicted, counts = _classify(monkeypatch, ROWS, rule="keep_all_test")
+    assert evicted == set() and not counts
