@@ -451,7 +451,7 @@ def activate() -> None:
     after_import("verl.workers.rollout.replica", _register_replica, written_for=VERL_0_9_1)
     vllm_cpu.alias_vllm_distribution()
     after_import("verl.utils.config", vllm_cpu.patch_validate_config, written_for=VERL_0_9_1)
-    if _module_file_exists("vllm"):  # vLLM's CPU build installed; only runs with rollout.name=vllm import it
+    if vllm_cpu.cpu_build_on_path():  # vLLM's CPU build installed; only runs with rollout.name=vllm import it
         after_import("vllm.model_executor.layers.utils", vllm_cpu.keep_linear_weights, written_for=vllm_cpu.WRITTEN_FOR, required_in=())
     after_import("verl.trainer.ppo.v1.replay_buffer", v1_patches.patch_replay_buffer_poll, written_for=v1_patches.WRITTEN_FOR, required_in=())
     _ACTIVE = True

