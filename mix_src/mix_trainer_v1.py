@@ -259,17 +259,7 @@ class MixV1Mixin:
         verl_advantage = trainer_base.compute_advantage_for_multi_trajectories
         verl_correction = trainer_base.compute_rollout_correction_and_add_to_batch
 
-        def advantages(data, **kwargs):
-            def verl_estimator():
-                out = verl_advantage(data, **kwargs)
-                return out.batch["advantages"], out.batch["returns"]
-
-            adv, ret = luffy_advantages(
-                data.batch["token_level_rewards"], data.batch["response_mask"], data.non_tensor_batch["uid"],
-                prefix_mask, algo, mix, verl_estimator=verl_estimator,
-            )  # fmt: skip
-            data.batch["advantages"], data.batch["returns"] = adv, ret
-            return data
+        advantages = luffy_advantage_stage(verl_advantage, prefix_mask, algo, mix)
 
         def correction(data, rc):
             return on_policy_rollout_correction(data, prefix_mask, rc, verl_correction)
@@ -307,6 +297,26 @@ class MixV1Mixin:
         # rows the reward could not grade (scored wrong), as the legacy trainer counts them
         out["reward/ungradable"] = int(sum(bool(e.get("reward_extra_info", {}).get("ungradable")) for e in extra))
         return out
+
+
+def luffy_advantage_stage(verl_advantage: Callable, prefix_mask: torch.Tensor, algorithm: Any, mix: MixConfig) -> Callable:
+    """A stand-in for verl's ``compute_advantage_for_multi_trajectories(data, **kwargs) -> data`` that writes LUFFY's
+    advantages and returns (:func:`mix_src.stages.luffy_advantages`) into ``data.batch``: a prefix-aware estimator
+    (``grpo_split``) is called once, with ``prefix_mask`` (bsz, L); verl's function only for other estimators."""
+
+    def advantages(data, **kwargs):
+        def verl_estimator():
+            out = verl_advantage(data, **kwargs)
+            return out.batch["advantages"], out.batch["returns"]
+
+        adv, ret = luffy_advantages(
+            data.batch["token_level_rewards"], data.batch["response_mask"], data.non_tensor_batch["uid"],
+            prefix_mask, algorithm, mix, verl_estimator=verl_estimator,
+        )  # fmt: skip
+        data.batch["advantages"], data.batch["returns"] = adv, ret
+        return data
+
+    return advantages
 
 
 def make_dapo_filtered_keys(rule: str, on_policy_only: bool) -> Callable:

@@ -269,3 +269,49 @@ def test_v1_replay_buffer_evicts_what_the_group_filter_registry_says(monkeypatch
     monkeypatch.setitem(GROUP_FILTERS._entries, "keep_all_test", lambda stats: np.ones(len(stats.count), dtype=bool))
     evicted, counts = _classify(monkeypatch, ROWS, rule="keep_all_test")
     assert evicted == set() and not counts
+
+
+def test_v1_advantage_stage_runs_grpo_split_once_with_the_prefix_mask():
+    """In V1's ``_compute_advantage`` LUFFY's advantages replace verl's estimator call: ``grpo_split`` runs once,
+    with the rows' prefix mask (before, verl's stage ran it too, with an all-zero mask); other estimators: verl's."""
+    import torch
+    from omegaconf import OmegaConf
+    from verl import DataProto
+
+    from mix_src import adv_estimators
+    from mix_src.mix_config import mix_config_from_dict
+    from mix_src.mix_trainer_v1 import luffy_advantage_stage
+
+    rewards = torch.zeros(4, 3)
+    rewards[:, -1] = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    prefix = torch.zeros(4, 3, dtype=torch.bool)
+    prefix[0] = True  # row 0: the expert row of group a
+    uids = np.array(["a", "a", "b", "b"], dtype=object)
+
+    def data():
+        return DataProto.from_dict(tensors={"token_level_rewards": rewards.clone(), "response_mask": torch.ones(4, 3)},
+                                   non_tensors={"uid": uids})  # fmt: skip
+
+    verl_calls, split_calls = [], []
+    original = adv_estimators.ADV_ESTIMATORS._entries["grpo_split"]
+
+    def counting_split(*args, **kwargs):
+        split_calls.append(args[3])
+        return original(*args, **kwargs)
+
+    def verl(d, **kwargs):
+        verl_calls.append(kwargs)
+        d.batch["advantages"], d.batch["returns"] = torch.ones(4, 3), torch.ones(4, 3)
+        return d
+
+    mix = mix_config_from_dict({})
+    adv_estimators.ADV_ESTIMATORS._entries["grpo_split"] = counting_split
+    try:
+        out = luffy_advantage_stage(verl, prefix, OmegaConf.create({"adv_estimator": "grpo_split"}), mix)(data(), gamma=1.0)
+    finally:
+        adv_estimators.ADV_ESTIMATORS._entries["grpo_split"] = original
+    assert verl_calls == [] and len(split_calls) == 1 and torch.equal(split_calls[0], prefix)
+    expected, _ = original(rewards, torch.ones(4, 3), torch.tensor([0, 0, 1, 1]), prefix, {})
+    assert torch.equal(out.batch["advantages"], expected)
+    out = luffy_advantage_stage(verl, prefix, OmegaConf.create({"adv_estimator": "grpo"}), mix)(data(), gamma=1.0)
+    assert verl_calls == [{"gamma": 1.0}] and torch.equal(out.batch["advantages"], torch.ones(4, 3))
