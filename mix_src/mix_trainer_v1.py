@@ -142,28 +142,30 @@ class MixV1Mixin:
                 self._entropy_state = state
             return verl_reduce(output)
 
-        self._add_kept_token_counts(batch)
+        batch = self._add_kept_token_counts(batch)
         trainer_base.reduce_metrics = reduce
         try:
             return super()._update_actor(batch, metrics)
         finally:
             trainer_base.reduce_metrics = verl_reduce
 
-    def _add_kept_token_counts(self, batch) -> None:
+    def _add_kept_token_counts(self, batch):
         """``mix.loss.all_max_clip`` with token-mean: each row's kept-token count of its global mini-batch
         (:func:`mix_src.loss.add_kept_token_counts`, as the legacy base computes it before the update), written
         to TransferQueue as the ``mix_kept_tokens`` field that the worker loss reads. The rows' order is the order
-        verl's ``update_actor`` splits into mini-batches (``batch.keys``; ``actor.shuffle`` is refused with it)."""
+        verl's ``update_actor`` splits into mini-batches (``batch.keys``; ``actor.shuffle`` is refused with it).
+        Returns the batch's meta with the new field (the worker loads only the fields its meta names)."""
         from mix_src.loss import KEPT_TOKENS, add_kept_token_counts
 
         if self.mix.loss.all_max_clip is None:
-            return
+            return batch
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["old_log_probs", "response_mask"])
         proto = DataProto(batch=data.to_padded_tensor())
         add_kept_token_counts(proto, self.config, self.mix.loss, lambda: _actor_dp_size(self.actor_rollout_wg))
         if KEPT_TOKENS in proto.batch.keys():
             out = TensorDict({KEPT_TOKENS: proto.batch[KEPT_TOKENS]}, batch_size=len(batch))
-            tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=out)
+            batch = tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=out)  # the meta names it
+        return batch
 
     def _save_checkpoint(self):
         super()._save_checkpoint()
