@@ -36,6 +36,16 @@ def _run(tiny_assets, tmp_path, *extra, steps=2, name="run"):
     return run_verl(MIX, overrides + COMMON + list(extra), tmp_path, timeout=420, name=name)
 
 
+# The only tolerance, and why (measured on tiny assets, commit 5ee55e5, step 1: every other LUFFY metric bit-identical):
+# * training/rollout_probs_diff_*, training/rollout_actor_probs_pearson_corr: each base's actor recomputes the
+#   old log-probs in its own batch layout (legacy: the padded DataProto; V1: TransferQueue's nested rows through
+#   verl's compute_log_prob), so they differ in float32 rounding (diff_mean 1.5591e-9 vs 1.5621e-9, std 2.39e-9 vs
+#   2.43e-9, pearson 0.99999994 vs 0.99999982);
+# * actor/off_ratio_mean: the same per-token f(p) (actor/off_pg_loss is equal) reduced to a metric in a different
+#   order (legacy: one update's metrics; V1: verl's reduce_metrics over its micro-batch list), 1e-7 relative.
+ROUNDING = ("training/rollout_probs_diff_", "training/rollout_actor_probs_pearson_corr", "actor/off_ratio_mean")
+
+
 def _luffy(m: dict) -> dict:
     return {k: v for k, v in m.items() if k.startswith(LUFFY_PREFIXES)}
 
@@ -52,8 +62,10 @@ def test_legacy_and_v1_sync_train_the_same_luffy_steps_and_v1_resumes_them(tiny_
         assert "batch/avg_prefix_ratio" in la and "actor/off_pg_loss" in la and "critic/advantages/mean" in la
         only = sorted(set(la) ^ set(lb))
         assert not only, f"step {a['step']}: LUFFY metrics logged on one base only: {only}"
-        diff = {k: (la[k], lb[k]) for k in la if la[k] != lb[k]}
+        diff = {k: (la[k], lb[k]) for k in la if la[k] != lb[k] and not k.startswith(ROUNDING)}
         assert not diff, f"step {a['step']}: legacy vs V1 differ (legacy, v1): {diff}"
+        for k in (k for k in la if k.startswith(ROUNDING)):
+            assert lb[k] == pytest.approx(la[k], rel=1e-6, abs=1e-10), k
         # one meaning: rollout vs actor over on-policy tokens on both (prefix tokens have no rollout log-prob)
         assert lb["training/rollout_probs_diff_max"] < 0.05
         assert 0.3 * 2 / 4 <= lb["batch/avg_prefix_ratio"] <= 0.7 * 2 / 4
