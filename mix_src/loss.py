@@ -138,6 +138,8 @@ def add_sft_token_counts(batch, config, mix: MixLossConfig, dp_size: Callable[[]
                                                batch.batch[SFT_ROW].bool())  # fmt: skip
     mini_batch_rows = int(config.actor_rollout_ref.actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n)
     batch.batch[SFT_TOKENS] = kept_tokens_per_mini_batch(sft_mask, dp_size(), mini_batch_rows).to(torch.float32)
+
+
 def add_combine_inputs(batch, config, mix: MixLossConfig, dp_size: Callable[[], int], global_step: int) -> None:
     """Driver side, before update_actor: with ``mix.loss.combine`` set, put COMBINE_FIELDS into the DataProto
     ``batch`` (rows with a prefix token are expert rows; counts per global mini-batch under verl's layout,
@@ -168,6 +170,16 @@ def _row_values(data: TensorDict, keys, feature: str, helper: str) -> dict[str, 
                              f"than {helper} assumed (actor.shuffle must be false)")
         values[key] = float(value.reshape(-1)[0]) if value.numel() else 0.0
     return values
+
+
+def install_loss(worker_group: Any, loss: "MixPolicyLoss") -> None:
+    """``worker_group.set_loss_fn(loss)``, the point both trainer bases pass once their workers are up:
+    each actor worker checks its CPU-backend patches when the loss arrives (``MixPolicyLoss.__setstate__``),
+    and this process checks its own (:func:`mix_src.cpu.check_hooks_fired`; no-ops off the CPU backend)."""
+    from mix_src.cpu import check_hooks_fired
+
+    worker_group.set_loss_fn(loss)
+    check_hooks_fired("trainer")
 
 
 class MixPolicyLoss:
@@ -216,6 +228,16 @@ class MixPolicyLoss:
         self._entropy_coef: AdaptiveEntropyCoef | None = None  # built on the worker, at the first call
         self._entropy_state = dict(entropy_state) if entropy_state else None
         self._pending_entropy = [0.0, 0.0]  # [sum of token entropies, tokens] of the current mini-batch
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled on each actor worker by ``set_loss_fn``: check that worker's CPU-backend patches applied."""
+        self.__dict__.update(state)
+        import torch.distributed
+
+        if torch.distributed.is_available() and torch.distributed.is_initialized():  # a worker, not a test
+            from mix_src.cpu import check_hooks_fired
+
+            check_hooks_fired("worker")
 
     # ---- the loss --------------------------------------------------------------------------------
 

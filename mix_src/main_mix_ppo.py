@@ -18,6 +18,7 @@ import os
 import socket
 import sys
 from pprint import pprint
+from typing import Any, Callable
 
 import hydra
 import ray
@@ -27,12 +28,13 @@ from verl.trainer.main_ppo_v0 import BaseTaskRunner
 
 from mix_src.luffy_keys import translate_overrides
 from mix_src.mix_config import MixConfigError, validate_mix_config
+from mix_src.cpu import ROLLOUT_ENV
 from mix_src.model_context import check_attention, resolve_max_model_len
-from mix_src.registry import PLUGINS_ENV, check_selected_entries, load_plugins, resolve_plugin
+from mix_src.registry import PLUGINS_ENV, check_selected_entries, load_plugins, load_verl_plugins, resolve_plugin
 from mix_src.verl_parity import check_verl_keys
 
 
-def prepare_config(config: DictConfig) -> None:
+def prepare_config(config: DictConfig) -> Any:
     """Check the composed config on the driver, before Ray starts. Raises on bad input, naming the key."""
     export_plugins(config)
     mix = validate_mix_config(config)
@@ -42,6 +44,7 @@ def prepare_config(config: DictConfig) -> None:
     _check_paths(config)
     resolve_max_model_len(config)  # the agent loop's clamp needs the model context (mix_src/model_context.py)
     check_attention(config)  # sdpa/eager need use_remove_padding=false; flash_attention_2 needs flash_attn
+    return mix
 
 
 def _check_backend(config: DictConfig) -> None:
@@ -59,24 +62,36 @@ def _check_backend(config: DictConfig) -> None:
         from mix_src.cpu.config_check import check_worker_keys
 
         check_worker_keys(config)
+    if mix_src.cpu.is_active():
+        mix_src.cpu.log_active()  # again, now that the rollout is known (export_plugins set MIX_CPU_ROLLOUT)
 
 
 def export_plugins(config: DictConfig) -> list[str]:
-    """Import ``mix.plugins`` here (the driver) and make every Ray process import them: their specs
-    (paths made absolute) go into ``MIX_PLUGINS``, and ``mix_src.plugins`` into verl's
-    ``VERL_USE_EXTERNAL_MODULES`` (imported by verl/__init__.py in each process), both in this process's
-    environment (inherited by a local Ray cluster) and in ``ray_kwargs.ray_init.runtime_env.env_vars``."""
+    """Make every Ray process load what this one did, and fail as loudly: ``mix_src.plugins`` goes into verl's
+    ``VERL_USE_EXTERNAL_MODULES`` (imported by verl/__init__.py in each process, where it imports verl's
+    ``verl.plugins`` entry points raising on a failure, :func:`mix_src.registry.load_verl_plugins`, and the
+    ``mix.plugins``); ``mix.plugins`` are imported here and their specs (paths made absolute) go into
+    ``MIX_PLUGINS``; the rollout name goes into ``MIX_CPU_ROLLOUT`` (the CPU backend's "active" line). All
+    of it in this process's environment (inherited by a local Ray cluster) and in
+    ``ray_kwargs.ray_init.runtime_env.env_vars``. Returns the plugin specs."""
+    load_verl_plugins()  # this process imported verl before the environment said so
     mix = config.get("mix") or {}
     specs = [resolve_plugin(s) for s in (mix.get("plugins") or [])]
-    if not specs:
-        return []
-    load_plugins(specs)
+    if specs:
+        load_plugins(specs)
     external = [m for m in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
-    env = {PLUGINS_ENV: ",".join(specs), "VERL_USE_EXTERNAL_MODULES": ",".join(dict.fromkeys([*external, "mix_src.plugins"]))}
+    env = {"VERL_USE_EXTERNAL_MODULES": ",".join(dict.fromkeys([*external, "mix_src.plugins"]))}
+    if specs:
+        env[PLUGINS_ENV] = ",".join(specs)
+    rollout = OmegaConf.select(config, "actor_rollout_ref.rollout.name", default=None)
+    if rollout:
+        env[ROLLOUT_ENV] = str(rollout)
     os.environ.update(env)
     with open_dict(config):
-        config.mix.plugins = specs
-        runtime_env = config.ray_kwargs.ray_init.setdefault("runtime_env", {})
+        if specs:
+            config.mix.plugins = specs
+        ray_init = config.setdefault("ray_kwargs", {}).setdefault("ray_init", {})
+        runtime_env = ray_init.setdefault("runtime_env", {})
         runtime_env.setdefault("env_vars", {})
         runtime_env.env_vars.update(env)
     for spec in specs:
@@ -177,10 +192,9 @@ def config_stage(config: DictConfig) -> None:
     from verl.utils.config import validate_config
     from verl.utils.device import auto_set_device
 
-    use_v1 = bool(config.trainer.get("use_v1", False))
-    if use_v1:
-        check_v1_config(config)
-    prepare_config(config)
+    mix = prepare_config(config)  # the mix: section validated (LUFFY's "off" values such as -1 translated)
+    if bool(config.trainer.get("use_v1", False)):
+        check_v1_config(config, mix)
     auto_set_device(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
 
@@ -201,8 +215,11 @@ def run_mix_ppo(config: DictConfig) -> None:
 V1_MODES = ("sync", "colocate_async", "separate_async")
 
 
-def check_v1_config(config: DictConfig) -> None:
-    """Refuse, before Ray starts, what LUFFY on verl's V1 trainer (mix_src/mix_trainer_v1.py) cannot honour."""
+def check_v1_config(config: DictConfig, mix: Any) -> None:
+    """Refuse, before Ray starts, what LUFFY on verl's V1 trainer (mix_src/mix_trainer_v1.py) cannot honour.
+    ``mix``: the validated :class:`~mix_src.mix_config.MixConfig` (values as the trainers read them). Registry
+    entries (rollout policies, group filters, ...) declare their own bases (:func:`check_selected_entries`);
+    the settings are in :data:`V1_REFUSALS`."""
     mode = config.trainer.v1.trainer_mode
     if mode not in V1_MODES:
         raise MixConfigError(f"trainer.v1.trainer_mode={mode!r}: use one of {', '.join(V1_MODES)}")
@@ -227,56 +244,29 @@ def check_v1_config(config: DictConfig) -> None:
             "trainer.use_v1=true: verl's V1 trainer moves data through TransferQueue, which is not installed; "
             "`pip install transferqueue==0.1.11`, or set trainer.use_v1=false"
         ) from e
-    mix_fg = (config.get("mix") or {}).get("filter_groups") or {}
-    why = {
-        "carry_over": "verl's V1 replay buffer owns the surplus groups (sync mode discards them, the async modes keep "
-        "unsampled groups queued for the next step); set it to false, or trainer.use_v1=false",
-        "on_policy_only": "verl's V1 replay buffer takes the metric's std over every row of a group "
-        "(verl/trainer/ppo/v1/replay_buffer.py ReplayBuffer._dapo_filtered_keys) and has no per-row mask; set it to "
-        "false (with it off the expert row always counts), or trainer.use_v1=false",
-    }
-    for key, reason in why.items():
-        if mix_fg.get(key, False):
-            raise MixConfigError(f"mix.filter_groups.{key}=true is not supported on trainer.use_v1=true: {reason}")
-    fg = config.algorithm.get("filter_groups") or {}
-    if fg.get("enable", False) and int(fg.get("max_num_gen_batches", 0) or 0) > 0:
-        raise MixConfigError(
-            f"algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches}: verl's V1 replay buffer ignores it "
-            "(verl/trainer/ppo/v1/trainer_base.py _resolve_filter_groups_metric); set it to 0 and bound generation "
-            "with algorithm.filter_groups.max_inflight_gen_batches, or set trainer.use_v1=false"
-        )
-    policy = (config.get("mix") or {}).get("rollout_policy", "prefix_guided")
-    if policy != "prefix_guided":
-        raise MixConfigError(
-            f"mix.rollout_policy={policy!r} is not supported on trainer.use_v1=true: verl's V1 trainer generates each "
-            "prompt's samples in its own agent-loop sessions, so a policy that looks at a first pass and generates a "
-            "second (mix_src/rollout_policy.py) has no place there; use trainer.use_v1=false"
-        )
-    rule = mix_fg.get("rule", "nonzero_std")
-    if fg.get("enable", False) and rule != "nonzero_std":
-        raise MixConfigError(
-            f"mix.filter_groups.rule={rule!r} is not supported on trainer.use_v1=true: verl's V1 replay buffer applies "
-            "its own std > 0 rule (verl/trainer/ppo/v1/replay_buffer.py); use trainer.use_v1=false"
-        )
-    loss = (config.get("mix") or {}).get("loss") or {}
-    if loss.get("use_adaptive_entropy", False):
-        raise MixConfigError(
-            "mix.loss.use_adaptive_entropy=true is not supported on trainer.use_v1=true: the learned coefficient's "
-            "state comes back in the update metrics and only MIXRayPPOTrainer saves it in its checkpoint (a resumed "
-            "V1 run would restart it); use a fixed actor.entropy_coeff, or trainer.use_v1=false"
-        )
-    if loss.get("combine") is not None:
-        raise MixConfigError(
-            f"mix.loss.combine={loss.combine!r} is not supported on trainer.use_v1=true: its per-population token "
-            "counts and the global step reach the worker loss from MIXRayPPOTrainer, before the update "
-            "(mix_src.loss.add_combine_inputs); use trainer.use_v1=false"
-        )
-    if loss.get("all_max_clip") is not None:
-        raise MixConfigError(
-            f"mix.loss.all_max_clip={loss.all_max_clip} is not supported on trainer.use_v1=true: its token-mean "
-            "normaliser (kept tokens per mini-batch) is computed by MIXRayPPOTrainer before the update; set it to "
-            "null, or trainer.use_v1=false"
-        )
+    for key, refused, reason in V1_REFUSALS:
+        value = refused(config, mix)
+        if value is not None:
+            raise MixConfigError(f"{key}={value} is not supported on trainer.use_v1=true: {reason}")
+
+
+def _fg_enabled(config: DictConfig) -> bool:
+    return bool((config.algorithm.get("filter_groups") or {}).get("enable", False))
+
+
+# The settings (not registry entries: those declare their own bases) that LUFFY on verl's V1 trainer refuses:
+# (key, refused(config, mix) -> the refused value or None, why). check_v1_config reads only this table.
+V1_REFUSALS: list[tuple[str, Callable[[DictConfig, Any], Any], str]] = [
+    ("mix.filter_groups.carry_over",
+     lambda c, m: "true" if m.filter_groups.carry_over else None,
+     "verl's V1 replay buffer owns the surplus groups (sync mode discards them, the async modes keep unsampled "
+     "groups queued for the next step); set it to false, or trainer.use_v1=false"),
+    ("algorithm.filter_groups.max_num_gen_batches",
+     lambda c, m: (c.algorithm.filter_groups.max_num_gen_batches if _fg_enabled(c)
+                   and int(c.algorithm.filter_groups.get("max_num_gen_batches", 0) or 0) > 0 else None),
+     "verl's V1 replay buffer ignores it (verl/trainer/ppo/v1/trainer_base.py _resolve_filter_groups_metric); set it "
+     "to 0 and bound generation with algorithm.filter_groups.max_inflight_gen_batches, or set trainer.use_v1=false"),
+]
 
 
 @hydra.main(config_path="config", config_name="mix_ppo", version_base=None)

@@ -69,12 +69,13 @@ from mix_src.dataset import TARGET_FIELD
 from mix_src.filter_groups import filter_groups, plan_train_batch
 from mix_src.flops import COUNTS as FLOPS_COUNTS
 from mix_src.flops import ModelShape, lengths_from_masks, rl_step_flops, rollout_flops
-from mix_src.loss import add_combine_inputs, add_kept_token_counts, pop_entropy_state
+from mix_src.loss import add_combine_inputs, add_kept_token_counts, install_loss, pop_entropy_state
 from mix_src.mix_config import MixConfig
 from mix_src.seeding import pass_seeds, request_seeds
 from mix_src.rollout_policy import ROLLOUT_POLICIES, RolloutContext
 from mix_src.rollout_policy import solved as rows_solved
-from mix_src.stages import draw_prefix_ratios, luffy_advantages, prefix_mask_tensor, prefix_step_metrics, solve_metrics
+from mix_src.stages import (draw_prefix_ratios, luffy_advantages, on_policy_rollout_correction, on_policy_rollout_metrics,
+                            prefix_mask_tensor, prefix_step_metrics, solve_metrics)  # fmt: skip
 
 MIX_STATE_FILE = "mix_state.pt"
 
@@ -131,7 +132,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             with open_dict(agent_cfg):
                 agent_cfg.agent_loop_manager_class = MANAGER_FQN
         super().init_workers()
-        self.actor_rollout_wg.set_loss_fn(self._make_loss_fn())
+        install_loss(self.actor_rollout_wg, self._make_loss_fn())
 
     def _make_loss_fn(self):
         """The worker loss (mix_src.loss), pickled once to every actor worker by set_loss_fn."""
@@ -343,7 +344,6 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             metrics["train/num_carried_prompts"] = n_groups
             self._carry = None
         stats = {"groups": 0, "kept": 0, "std_sum": 0.0}
-        generated: list[DataProto] = []
         gen_timings: list[tuple[dict, int]] = []
         num_gen = 0
         while (not filtering and num_gen == 0) or (filtering and n_groups < target_groups):
@@ -369,7 +369,6 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             gen_timings.append((gen_timing, len(gen)))
             num_gen += 1
             gen = self._extract_reward(gen)  # stage 2
-            generated.append(gen)
             if filtering:  # stage 3
                 result = self._filter_groups(gen)
                 stats["groups"] += result.num_groups
@@ -382,7 +381,6 @@ class MIXRayPPOTrainer(RayPPOTrainer):
 
         for key, value in merge_rollout_timing(gen_timings).items():
             timing[key] = timing.get(key, 0.0) + value
-        self._add_rollout_metrics(DataProto.concat(generated), metrics)
         batch = DataProto.concat(pool)
         if filtering:
             plan = plan_train_batch(batch.non_tensor_batch["uid"], target_groups, self.mix.filter_groups.carry_over)
@@ -395,6 +393,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             metrics["train/group_metric_std_mean"] = stats["std_sum"] / max(stats["groups"], 1)
             metrics["train/num_surplus_carried"] = plan.num_groups - target_groups - plan.num_dropped_groups
             metrics["train/num_surplus_dropped"] = plan.num_dropped_groups
+        self._add_rollout_metrics(batch, metrics)
         return batch
 
     def _generate(self, batch_dict: dict, gen_index: int, timing: dict) -> DataProto:
@@ -528,16 +527,8 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             return batch
         from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
 
-        full_mask = batch.batch["response_mask"]
-        prefix = batch.batch["prefix_mask"].bool() & full_mask.bool()
-        if not (full_mask.bool() & ~prefix).any():  # every token is a target token: nothing to correct
-            return batch
-        batch.batch["response_mask"] = full_mask * (~prefix).to(full_mask.dtype)
-        batch, rc_metrics = compute_rollout_correction_and_add_to_batch(batch, rc)
-        batch.batch["response_mask"] = torch.where(prefix, full_mask, batch.batch["response_mask"])
-        if "rollout_is_weights" in batch.batch.keys():
-            weights = batch.batch["rollout_is_weights"]
-            batch.batch["rollout_is_weights"] = torch.where(prefix, torch.ones_like(weights), weights)
+        batch, rc_metrics = on_policy_rollout_correction(batch, batch.batch["prefix_mask"], rc,
+                                                         compute_rollout_correction_and_add_to_batch)  # fmt: skip
         metrics.update(rc_metrics)
         return batch
 
@@ -633,13 +624,13 @@ class MIXRayPPOTrainer(RayPPOTrainer):
                 self._entropy_state = state.get("entropy_coef")
                 self._flops = {**{c: 0.0 for c in FLOPS_COUNTS}, **(state.get("flops") or {})}  # the budget counts the run so far
                 if self._entropy_state is not None:  # the workers' loss continues the learned coefficient
-                    self.actor_rollout_wg.set_loss_fn(self._make_loss_fn())
+                    install_loss(self.actor_rollout_wg, self._make_loss_fn())
         return result
 
     # ------------------------------------------------------------------------------------------------
     # stage 7: metrics
     def _add_rollout_metrics(self, batch: DataProto, metrics: dict) -> None:
-        """LUFFY's solve metrics over every generated row of the step (before filtering)."""
+        """LUFFY's solve metrics over the rows the step trains on (after filtering), as on V1 (stages.solve_metrics)."""
         off = batch.batch["prefix_mask"].any(-1).numpy()
         solved = rows_solved(batch)
         metrics.update(solve_metrics(solved, off, batch.non_tensor_batch["uid"]))
@@ -730,18 +721,5 @@ def _num_groups(batch: DataProto) -> int:
 
 
 def _rollout_vs_actor_metrics(batch: DataProto) -> dict[str, float]:
-    """verl's rollout-vs-actor log-prob metrics, over on-policy tokens only (prefix tokens have no rollout log-prob)."""
-    from verl.utils.debug.metrics import calculate_debug_metrics
-
-    on_policy_tokens = batch.batch["response_mask"] * (~batch.batch["prefix_mask"]).to(batch.batch["response_mask"].dtype)
-    if on_policy_tokens.sum() == 0:
-        return {}
-    view = DataProto.from_dict(
-        tensors={
-            "rollout_log_probs": batch.batch["rollout_log_probs"],
-            "old_log_probs": batch.batch["old_log_probs"],
-            "response_mask": on_policy_tokens,
-            "responses": batch.batch["responses"],
-        }
-    )
-    return calculate_debug_metrics(view)
+    """verl's rollout-vs-actor metrics over the on-policy tokens (:func:`mix_src.stages.on_policy_rollout_metrics`)."""
+    return on_policy_rollout_metrics(batch, batch.batch["prefix_mask"])

@@ -15,10 +15,15 @@ weight sync and the checkpoints; the mixin only fills LUFFY into verl's overrida
   (:func:`mix_src.seeding.request_seeds`, same key) as ``rollout_seeds``. V1 runs the agent loop once per sample
   with ``session_id`` 0..n-1; :class:`mix_src.agent_loop.PrefixGuidedAgentLoop` takes entry ``session_id``.
 * ``on_init_end`` — install the MIX worker loss (:class:`mix_src.loss.MixPolicyLoss`) with ``set_loss_fn``.
-* ``_compute_advantage`` — verl's stage runs first (KL-in-reward, rollout correction, its estimator); then the
-  rows' ``prefix_token_mask`` becomes the ``prefix_mask`` field (nested like ``response_mask``) and LUFFY's
-  advantages (:func:`mix_src.stages.luffy_advantages`: ``grpo_split`` and the alpha/beta prefix weights) are
-  written back to TransferQueue, from where the actor's ``update_actor`` reads every field of its rows.
+* ``_compute_old_log_prob`` — verl's stage; its rollout-vs-actor metrics are recomputed over on-policy tokens.
+* ``_compute_advantage`` — verl's stage (KL-in-reward, rollout correction over on-policy tokens) with LUFFY's
+  advantages (:func:`mix_src.stages.luffy_advantages`: ``grpo_split`` once, with the prefix mask, and the
+  alpha/beta prefix weights) in place of verl's estimator call; the rows' ``prefix_token_mask`` becomes the
+  ``prefix_mask`` field (nested like ``response_mask``) in TransferQueue, from where the actor's
+  ``update_actor`` reads every field of its rows.
+* ``_build_replay_buffer`` — with ``algorithm.filter_groups.enable``, the group-filter registry
+  (``mix.filter_groups.rule``, ``on_policy_only``; :mod:`mix_src.filter_groups`) decides which finished groups
+  verl's replay buffer evicts, in place of its built-in std > 0 rule.
 * ``_compute_metrics`` — verl's metrics plus LUFFY's over the trained rows.
 
 Which policy the log-probs come from (``verl/trainer/ppo/v1/trainer_base.py`` ``_compute_old_log_prob``):
@@ -35,13 +40,16 @@ its weights into the on-policy term only (:func:`mix_src.core_alg.compute_token_
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import os
+from typing import Any, Callable, Optional
 
 import numpy as np
+import torch
 import transfer_queue as tq
 from omegaconf import OmegaConf, open_dict
 from tensordict import TensorDict
 
+from verl import DataProto
 from verl.trainer.main_ppo import TaskRunnerV1
 from verl.trainer.ppo.v1 import trainer_base
 from verl.trainer.ppo.v1.trainer_base import register_trainer
@@ -54,9 +62,12 @@ from verl.workers.utils.padding import response_to_nested
 
 from mix_src import adv_estimators  # noqa: F401  (registers grpo_split with verl)
 from mix_src.dataset import TARGET_FIELD
+from mix_src.loss import pop_entropy_state
 from mix_src.mix_config import MixConfig, validate_mix_config
+from mix_src.mix_trainer import MIX_STATE_FILE
 from mix_src.seeding import request_seeds
-from mix_src.stages import draw_prefix_ratios, luffy_advantages, prefix_mask_tensor, prefix_step_metrics, solve_metrics, solved_rows
+from mix_src.stages import (draw_prefix_ratios, luffy_advantages, on_policy_rollout_correction, on_policy_rollout_metrics,
+                            prefix_mask_tensor, prefix_step_metrics, solve_metrics, solved_rows)  # fmt: skip
 
 __all__ = [
     "MixTaskRunnerV1",
@@ -84,6 +95,7 @@ class MixV1Mixin:
         self.prefix_seed = 0 if seed is None else int(seed)
         self.n = int(config.actor_rollout_ref.rollout.n)
         self._fetch_step, self._fetch_index = None, 0  # prompt fetches within one global step (ratio seeds)
+        self._entropy_state: Optional[dict] = None  # the learned entropy coefficient's state (use_adaptive_entropy)
         super().__init__(config, **kwargs)
 
     # ---- set-up ------------------------------------------------------------------------------------
@@ -109,11 +121,85 @@ class MixV1Mixin:
             trainer_base.create_rl_dataset = build
 
     def on_init_end(self):
-        from mix_src.loss import MixPolicyLoss
+        """Install the MIX worker loss (after verl's ``_setup``, which restored a checkpoint: a learned entropy
+        coefficient continues from its saved state)."""
+        from mix_src.loss import MixPolicyLoss, install_loss
 
         actor_cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
-        self.actor_rollout_wg.set_loss_fn(MixPolicyLoss(actor_cfg, self.mix.loss))
+        install_loss(self.actor_rollout_wg, MixPolicyLoss(actor_cfg, self.mix.loss, entropy_state=self._entropy_state))
         super().on_init_end()
+
+    # ---- the learned entropy coefficient (mix.loss.use_adaptive_entropy): checkpointed with V1's checkpoints ---
+    def _update_actor(self, batch, metrics: dict):
+        """verl's stage; the coefficient's state, which the workers' loss returns in the update metrics
+        (``mix_entropy_state/*``, :func:`mix_src.loss.pop_entropy_state`), is taken out before verl averages the
+        metrics (``trainer_base`` ``reduce_metrics``, swapped for this call) and kept for the checkpoint."""
+        verl_reduce = trainer_base.reduce_metrics
+
+        def reduce(output):
+            state = pop_entropy_state(output)
+            if state is not None:
+                self._entropy_state = state
+            return verl_reduce(output)
+
+        batch = self._add_kept_token_counts(batch)
+        trainer_base.reduce_metrics = reduce
+        try:
+            return super()._update_actor(batch, metrics)
+        finally:
+            trainer_base.reduce_metrics = verl_reduce
+
+    def _add_kept_token_counts(self, batch):
+        """``mix.loss.all_max_clip`` with token-mean: each row's kept-token count of its global mini-batch
+        (:func:`mix_src.loss.add_kept_token_counts`, as the legacy base computes it before the update), written
+        to TransferQueue as the ``mix_kept_tokens`` field that the worker loss reads. The rows' order is the order
+        verl's ``update_actor`` splits into mini-batches (``batch.keys``; ``actor.shuffle`` is refused with it).
+        Returns the batch's meta with the new field (the worker loads only the fields its meta names)."""
+        from mix_src.loss import KEPT_TOKENS, add_kept_token_counts
+
+        if self.mix.loss.all_max_clip is None:
+            return batch
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["old_log_probs", "response_mask"])
+        proto = DataProto(batch=data.to_padded_tensor())
+        add_kept_token_counts(proto, self.config, self.mix.loss, lambda: _actor_dp_size(self.actor_rollout_wg))
+        if KEPT_TOKENS in proto.batch.keys():
+            out = TensorDict({KEPT_TOKENS: proto.batch[KEPT_TOKENS]}, batch_size=len(batch))
+            batch = tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=out)  # the meta names it
+        return batch
+
+    def _save_checkpoint(self):
+        super()._save_checkpoint()
+        if self._entropy_state is not None:
+            folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
+            torch.save({"entropy_coef": self._entropy_state}, os.path.join(folder, MIX_STATE_FILE))
+
+    def _load_checkpoint(self):
+        super()._load_checkpoint()
+        if self.global_steps <= 0:
+            return
+        trainer = self.config.trainer
+        if trainer.resume_mode == "resume_path":
+            folder = trainer.resume_from_path
+        else:
+            folder = os.path.join(trainer.default_local_dir, f"global_step_{self.global_steps}")
+        path = os.path.join(folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder), MIX_STATE_FILE)
+        if os.path.exists(path):
+            self._entropy_state = torch.load(path, weights_only=False).get("entropy_coef")
+
+    def _build_replay_buffer(self):
+        """verl's replay buffer; with filter groups on, its DAPO classification (``ReplayBuffer._dapo_filtered_keys``,
+        ``verl/trainer/ppo/v1/replay_buffer.py`` 261-315: evict a finished group whose metric has std 0) is replaced on
+        this instance by :func:`mix_src.filter_groups.filter_groups` with ``mix.filter_groups.rule`` and, with
+        ``on_policy_only``, only the group's on-policy rows deciding. A custom sampler
+        (``trainer.v1.sampler.custom_sampler``) owns its filtering and is left alone."""
+        buffer = super()._build_replay_buffer()
+        if getattr(buffer, "filter_groups_metric", None) is not None and hasattr(buffer, "_dapo_filtered_keys"):
+            import types
+
+            buffer._dapo_filtered_keys = types.MethodType(
+                make_dapo_filtered_keys(self.mix.filter_groups.rule, self.mix.filter_groups.on_policy_only), buffer
+            )
+        return buffer
 
     # ---- generate: per-row prefix ratios ------------------------------------------------------------
     def _next_train_batch(self, num_prompts: Optional[int] = None):
@@ -144,30 +230,61 @@ class MixV1Mixin:
         return super()._compute_values(batch, metrics)
 
     # ---- advantages: prefix_mask, grpo_split, alpha/beta --------------------------------------------
-    def _compute_advantage(self, batch, metrics: dict):
-        batch = super()._compute_advantage(batch, metrics)
-        algo = self.config.algorithm
-        reward_key = "token_level_rewards" if algo.use_kl_in_reward else "rm_scores"
-        fields = ["uid", "response_mask", reward_key, "advantages", "returns", "extra_fields"]
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
-        nested_response_mask = data["response_mask"]
+    def _prefix_mask(self, batch) -> tuple[torch.Tensor, Any]:
+        """(bsz, L) bool prefix mask of ``batch``'s rows (from each row's ``prefix_token_mask``), and the rows'
+        nested response mask."""
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["response_mask", "extra_fields"])
         extra = _extra_fields(data.pop("extra_fields"))
-        uids = np.array(data.pop("uid").tolist(), dtype=object)
-        padded = data.to_padded_tensor()
-        response_mask = padded["response_mask"]
-        prefix_mask = prefix_mask_tensor([e.get("prefix_token_mask") for e in extra], response_mask)
-        advantages, returns = luffy_advantages(
-            padded[reward_key], response_mask, uids, prefix_mask, algo, self.mix,
-            verl_estimator=lambda: (padded["advantages"], padded["returns"]),
-        )  # fmt: skip
-        out = {
-            "advantages": response_to_nested(advantages, nested_response_mask),
-            "returns": response_to_nested(returns, nested_response_mask),
-            "prefix_mask": response_to_nested(prefix_mask.to(response_mask.dtype), nested_response_mask),
-        }
-        return tq.kv_batch_put(
-            keys=batch.keys, partition_id=batch.partition_id, fields=TensorDict(out, batch_size=len(batch))
-        )
+        nested = data["response_mask"]
+        return prefix_mask_tensor([e.get("prefix_token_mask") for e in extra], data.to_padded_tensor()["response_mask"]), nested
+
+    # ---- old log-probs: the rollout-vs-actor metrics over on-policy tokens ---------------------------
+    def _compute_old_log_prob(self, batch, metrics: dict):
+        """verl's stage; its ``training/rollout_*`` metrics (over the whole response mask, where prefix tokens
+        carry rollout log-prob 0) are replaced by the same metrics over the on-policy tokens, as on the legacy base
+        (:func:`mix_src.stages.on_policy_rollout_metrics`)."""
+        before = set(metrics)
+        batch = super()._compute_old_log_prob(batch, metrics)
+        if not self.config.actor_rollout_ref.rollout.calculate_log_probs:
+            return batch
+        for key in [k for k in metrics if k not in before and k.startswith("training/rollout_")]:
+            del metrics[key]
+        fields = ["old_log_probs", "rollout_log_probs", "response_mask", "responses"]
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+        prefix_mask, _ = self._prefix_mask(batch)
+        metrics.update(on_policy_rollout_metrics(DataProto(batch=data.to_padded_tensor()), prefix_mask))
+        return batch
+
+    # ---- advantages: LUFFY's, in verl's stage ----------------------------------------------------------
+    def _compute_advantage(self, batch, metrics: dict):
+        """verl's stage (KL-in-reward, rollout correction, advantages, the TransferQueue write) with two of its
+        calls replaced for this call (``trainer_base`` module names, verl 0.9.1 ``_compute_advantage`` 1743-1802):
+
+        * ``compute_advantage_for_multi_trajectories`` -> :func:`mix_src.stages.luffy_advantages`: a prefix-aware
+          estimator (``grpo_split``) runs once, with the rows' prefix mask; verl's estimator only for other names;
+        * ``compute_rollout_correction_and_add_to_batch`` -> the same over on-policy tokens
+          (:func:`mix_src.stages.on_policy_rollout_correction`), as on the legacy base.
+
+        Then the rows' ``prefix_mask`` is written to TransferQueue (nested like ``response_mask``) for the loss."""
+        prefix_mask, nested_response_mask = self._prefix_mask(batch)
+        algo, mix = self.config.algorithm, self.mix
+        verl_advantage = trainer_base.compute_advantage_for_multi_trajectories
+        verl_correction = trainer_base.compute_rollout_correction_and_add_to_batch
+
+        advantages = luffy_advantage_stage(verl_advantage, prefix_mask, algo, mix)
+
+        def correction(data, rc):
+            return on_policy_rollout_correction(data, prefix_mask, rc, verl_correction)
+
+        trainer_base.compute_advantage_for_multi_trajectories = advantages
+        trainer_base.compute_rollout_correction_and_add_to_batch = correction
+        try:
+            batch = super()._compute_advantage(batch, metrics)
+        finally:
+            trainer_base.compute_advantage_for_multi_trajectories = verl_advantage
+            trainer_base.compute_rollout_correction_and_add_to_batch = verl_correction
+        out = {"prefix_mask": response_to_nested(prefix_mask.to(nested_response_mask.dtype), nested_response_mask)}
+        return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=TensorDict(out, batch_size=len(batch)))
 
     # ---- metrics -------------------------------------------------------------------------------------
     def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
@@ -192,6 +309,85 @@ class MixV1Mixin:
         # rows the reward could not grade (scored wrong), as the legacy trainer counts them
         out["reward/ungradable"] = int(sum(bool(e.get("reward_extra_info", {}).get("ungradable")) for e in extra))
         return out
+
+
+def luffy_advantage_stage(verl_advantage: Callable, prefix_mask: torch.Tensor, algorithm: Any, mix: MixConfig) -> Callable:
+    """A stand-in for verl's ``compute_advantage_for_multi_trajectories(data, **kwargs) -> data`` that writes LUFFY's
+    advantages and returns (:func:`mix_src.stages.luffy_advantages`) into ``data.batch``: a prefix-aware estimator
+    (``grpo_split``) is called once, with ``prefix_mask`` (bsz, L); verl's function only for other estimators."""
+
+    def advantages(data, **kwargs):
+        def verl_estimator():
+            out = verl_advantage(data, **kwargs)
+            return out.batch["advantages"], out.batch["returns"]
+
+        adv, ret = luffy_advantages(
+            data.batch["token_level_rewards"], data.batch["response_mask"], data.non_tensor_batch["uid"],
+            prefix_mask, algorithm, mix, verl_estimator=verl_estimator,
+        )  # fmt: skip
+        data.batch["advantages"], data.batch["returns"] = adv, ret
+        return data
+
+    return advantages
+
+
+def make_dapo_filtered_keys(rule: str, on_policy_only: bool) -> Callable:
+    """A ``ReplayBuffer._dapo_filtered_keys(partition_id) -> (evicted uids, Counter)`` (verl 0.9.1 contract: the
+    finished groups to evict and a ``{shared metric value: group count}`` breakdown of them) whose decision is
+    :func:`mix_src.filter_groups.filter_groups` (``rule``; ``on_policy_only``: rows without a prefix token decide).
+    Each finished group is classified once (verl's cache), from its rows' ``rm_scores`` (metric ``reward``) or
+    ``reward_extra_info[metric]``, and ``prefix_token_mask``."""
+    from collections import Counter
+
+    from verl.trainer.ppo.v1.replay_buffer import FILTER_GROUPS_REWARD_METRIC
+
+    from mix_src.filter_groups import filter_groups
+
+    def _dapo_filtered_keys(self, partition_id: str):
+        if partition_id == "val" or self.filter_groups_metric is None:
+            return set(), Counter()
+        finished = self.finished_keys[partition_id]
+        cache = self._dapo_classification_cache[partition_id]
+        for uid in cache.keys() - finished:
+            del cache[uid]
+        new = finished - cache.keys()
+        keys = [k for k in self.partitions[partition_id] if k.split("_")[0] in new]
+        if not keys:
+            return {u for u, v in cache.items() if v is not None}, Counter(v for v in cache.values() if v is not None)
+        canonical = self.filter_groups_metric == FILTER_GROUPS_REWARD_METRIC
+        fields = ["extra_fields", "rm_scores"] if canonical else ["extra_fields"]
+        data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=fields)
+        extra = _extra_fields(data["extra_fields"])
+        if canonical:
+            values = [float(v.sum().item()) for v in data["rm_scores"]]
+        else:
+            infos = [e.get("reward_extra_info", {}) for e in extra]
+            missing = sorted({k.split("_")[0] for k, i in zip(keys, infos) if self.filter_groups_metric not in i})
+            if missing:
+                raise RuntimeError(f"Finished groups are missing DAPO metric {self.filter_groups_metric!r}: {missing[:5]}")
+            values = [float(i[self.filter_groups_metric]) for i in infos]
+        uids = [k.split("_")[0] for k in keys]
+        row_mask = None
+        if on_policy_only:
+            row_mask = [not bool(np.any(e.get("prefix_token_mask", []))) for e in extra]
+        result = filter_groups(np.array(uids, dtype=object), np.array(values), row_mask=row_mask, rule=rule)
+        kept = set(result.kept_groups.tolist())
+        first_value = {}
+        for uid, value in zip(uids, values):
+            first_value.setdefault(uid, value)
+        for uid in new:
+            cache[uid] = None if uid in kept or uid not in first_value else first_value[uid]
+        evicted = {u: v for u, v in cache.items() if v is not None}
+        return set(evicted), Counter(evicted.values())
+
+    return _dapo_filtered_keys
+
+
+def _actor_dp_size(worker_group) -> int:
+    """The actor's data-parallel size, as verl's ``RayPPOTrainer._get_dp_size`` reads it (ray_trainer.py 1162)."""
+    if "actor" not in worker_group._dispatch_info:
+        worker_group._dispatch_info["actor"] = worker_group._query_dispatch_info("actor")
+    return max(worker_group._dispatch_info["actor"]) + 1
 
 
 def _extra_fields(stack) -> list[dict]:

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Iterator, Mapping, Optional, TypeVar
 
 __all__ = [
-    "BASES", "PLUGINS_ENV", "Entry", "EntryConfigError", "Registry", "check_selected_entries", "load_plugins",
-    "load_plugins_from_env", "trainer_base",
+    "BASES", "PLUGINS_ENV", "Entry", "EntryConfigError", "PluginImportError", "Registry", "check_selected_entries",
+    "load_plugins", "load_plugins_from_env", "load_verl_plugins", "trainer_base",
 ]  # fmt: skip
 
 BASES = ("legacy", "v1")  # the trainer bases: MIXRayPPOTrainer, and verl's V1 trainer (trainer.use_v1=true)
@@ -266,6 +266,40 @@ def load_plugins(specs) -> list[str]:
         _LOADED[spec] = name
         names.append(name)
     return names
+
+
+class PluginImportError(ImportError):
+    """A ``verl.plugins`` entry point failed to import; the message names it."""
+
+
+def load_verl_plugins() -> list[str]:
+    """Import every ``verl.plugins`` entry point that verl's own loader imports (``verl/__init__.py``, same
+    ``VERL_USE_EXTERNAL_PLUGINS`` policy), raising :class:`PluginImportError` naming the first that fails.
+    verl's loader logs such a failure only at DEBUG and runs on without the plugin (e.g. the CPU backend),
+    so this runs in every process: from :mod:`mix_src.plugins` (``VERL_USE_EXTERNAL_MODULES``, set for
+    every Ray process by the entry point) and on the driver before the config is checked. A plugin already
+    imported is not imported again. Returns the entry-point names loaded."""
+    from importlib.metadata import entry_points
+
+    policy = os.getenv("VERL_USE_EXTERNAL_PLUGINS", "auto").strip().lower()
+    if policy == "none":
+        return []
+    allowed = None if policy == "auto" else {n.strip() for n in policy.split(",") if n.strip()}
+    loaded = []
+    for ep in entry_points(group="verl.plugins"):
+        if allowed is not None and ep.name not in allowed:
+            continue
+        try:
+            ep.load()
+        except Exception as e:
+            dist = getattr(getattr(ep, "dist", None), "name", "?")
+            raise PluginImportError(
+                f"verl plugin {ep.name!r} (entry point {ep.value!r} of {dist}) failed to import in process "
+                f"{os.getpid()}: {type(e).__name__}: {e}. verl's own loader would log this at DEBUG only and run "
+                "without the plugin; fix it, or leave it out with VERL_USE_EXTERNAL_PLUGINS=<the others>"
+            ) from e
+        loaded.append(ep.name)
+    return loaded
 
 
 def load_plugins_from_env() -> list[str]:

@@ -54,10 +54,23 @@ class RolloutContext:
 
 RolloutPolicy = Callable[[RolloutContext], Any]
 ROLLOUT_POLICIES: Registry[RolloutPolicy] = Registry("rollout policy", "mix.rollout_policy")
-register_rollout_policy = ROLLOUT_POLICIES.register
+V1_WHY_NOT = (
+    "verl's V1 trainer generates each sample in its own agent-loop session (verl/trainer/ppo/v1/trainer_base.py "
+    "_submit_batch_to_rollout) and mix_src's V1 trainer draws one prefix ratio per session (prefix_guided); a policy "
+    "that generates a second pass from a first has no V1 implementation yet: use trainer.use_v1=false"
+)
 
 
-@register_rollout_policy("prefix_guided")
+def register_rollout_policy(name: str, *, bases=("legacy",), why_not=None, **entry):
+    """``@register_rollout_policy("name")``: the policy runs on the legacy base (MIXRayPPOTrainer's generate
+    stage calls it); ``bases=("legacy", "v1")`` only for a policy the V1 trainer implements (``prefix_guided``).
+    Other keywords: the entry's self-description (:meth:`mix_src.registry.Registry.register`)."""
+    if why_not is None and "v1" not in bases:
+        why_not = {"v1": V1_WHY_NOT}
+    return ROLLOUT_POLICIES.register(name, bases=bases, why_not=why_not, **entry)
+
+
+@register_rollout_policy("prefix_guided", bases=("legacy", "v1"))
 def prefix_guided(ctx: RolloutContext):
     """LUFFY: one pass, each row with its ratio from mix.prefix_strategy (ratio 0 = on-policy row)."""
     return ctx.generate(ctx.prefix_ratios())
@@ -93,7 +106,7 @@ def replace_rows(first, rows: np.ndarray, second):
 def solved(batch) -> np.ndarray:
     """(rows,) bool: the reward's ``acc`` when it has one, else a positive sequence score
     (:func:`mix_src.stages.solved_rows`, the rule both trainers' metrics use)."""
-    from mix_src.stages import solved_rows  # here: stages imports mix_config, which imports this module
+    from mix_src.stages import solved_rows  # lazily: stages imports torch and verl's estimators
 
     return solved_rows(batch.non_tensor_batch.get("acc"), lambda: batch.batch["token_level_scores"].sum(-1).numpy())
 

@@ -9,7 +9,7 @@ advantages (``grpo_split`` + the alpha/beta prefix weights) and LUFFY's metrics.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -17,13 +17,17 @@ import torch
 from mix_src.adv_estimators import ADV_ESTIMATORS
 from mix_src import core_alg
 from mix_src.core_alg import apply_prefix_advantage_weights
-from mix_src.mix_config import MixConfig
 from mix_src.prefix import compute_prefix_ratios
+
+if TYPE_CHECKING:  # annotations only: mix_config imports rollout_policy, which imports this module
+    from mix_src.mix_config import MixConfig
 
 __all__ = [
     "draw_prefix_ratios",
     "group_ids",
     "luffy_advantages",
+    "on_policy_rollout_metrics",
+    "on_policy_rollout_correction",
     "prefix_mask_tensor",
     "prefix_step_metrics",
     "solve_metrics",
@@ -125,7 +129,10 @@ def solved_rows(acc: Optional[Sequence], scores: Callable[[], np.ndarray]) -> np
 
 def solve_metrics(solved: np.ndarray, off_policy_rows: np.ndarray, uids: Sequence) -> dict[str, float]:
     """LUFFY's solve metrics: ``batch/solve_none``, ``solve_all`` (fractions of prompt groups), ``solved``,
-    ``on_solved``, ``off_solved`` (fractions of rows). ``solved``, ``off_policy_rows``: (bsz,) bool."""
+    ``on_solved``, ``off_solved`` (fractions of rows). ``solved``, ``off_policy_rows``: (bsz,) bool.
+
+    One population on both bases: the rows the step trains on (after group filtering; V1: verl's padding rows
+    excluded), never the generated rows a filter dropped."""
     solved = np.asarray(solved, dtype=bool)
     off = np.asarray(off_policy_rows, dtype=bool)
     gid = group_ids(uids)
@@ -150,3 +157,44 @@ def prefix_step_metrics(ratios: Sequence[float], prefix_mask: torch.Tensor, resp
         "batch/off_policy_rows": int(prefix_mask.any(-1).sum()),
         "batch/prefix_token_frac": float((prefix_mask.sum() / response_mask.sum().clamp(min=1)).item()),
     }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# rollout vs actor: on-policy tokens only, on both bases. A prefix (target) token was never sampled by the
+# rollout: it has no rollout log-prob (the agent loop writes 0), so verl's metrics over the whole response mask
+# would compare the actor with a probability of 1 there (``training/rollout_probs_diff_*`` ~1, ``rollout_corr/kl``
+# large) and report a rollout/actor mismatch that does not exist.
+def on_policy_rollout_metrics(data: Any, prefix_mask: torch.Tensor) -> dict[str, float]:
+    """verl's ``calculate_debug_metrics`` (``training/rollout_probs_diff_*``, ``rollout_actor_probs_pearson_corr``)
+    over the on-policy tokens. ``data``: a DataProto with (bsz, L) ``rollout_log_probs``, ``old_log_probs``,
+    ``response_mask``, ``responses``; ``prefix_mask``: (bsz, L) bool. {} when no token is on-policy."""
+    from verl import DataProto
+    from verl.utils.debug.metrics import calculate_debug_metrics
+
+    mask = data.batch["response_mask"]
+    on_policy = mask * (~prefix_mask.bool()).to(mask.dtype)
+    if on_policy.sum() == 0:
+        return {}
+    view = DataProto.from_dict(tensors={
+        "rollout_log_probs": data.batch["rollout_log_probs"], "old_log_probs": data.batch["old_log_probs"],
+        "response_mask": on_policy, "responses": data.batch["responses"],
+    })  # fmt: skip
+    return calculate_debug_metrics(view)
+
+
+def on_policy_rollout_correction(data: Any, prefix_mask: torch.Tensor, rc: Any, correct: Callable) -> tuple[Any, dict]:
+    """``correct(data, rc) -> (data, metrics)`` (verl's ``compute_rollout_correction_and_add_to_batch``, decoupled
+    mode: IS weights, rejection sampling and the ``rollout_corr/*`` metrics from old vs rollout log-probs) over the
+    on-policy tokens: prefix tokens keep IS weight 1 and are never rejected. Returns (data, metrics); ({} metrics
+    and ``data`` unchanged when every token is a prefix token)."""
+    full_mask = data.batch["response_mask"]
+    prefix = prefix_mask.bool() & full_mask.bool()
+    if not (full_mask.bool() & ~prefix).any():
+        return data, {}
+    data.batch["response_mask"] = full_mask * (~prefix).to(full_mask.dtype)
+    data, metrics = correct(data, rc)
+    data.batch["response_mask"] = torch.where(prefix, full_mask, data.batch["response_mask"])
+    if "rollout_is_weights" in data.batch.keys():
+        weights = data.batch["rollout_is_weights"]
+        data.batch["rollout_is_weights"] = torch.where(prefix, torch.ones_like(weights), weights)
+    return data, metrics

@@ -4,7 +4,9 @@
 (``verl/trainer/ppo/ray_trainer.py``, verl 0.9.1) with its own loop, so every key that changes verl's fit
 must be honoured by that loop or refused here, by name. ``tests/test_verl_key_parity.py`` reads verl's
 ``fit`` source and fails on any config key it reads, or any trainer method it calls, that is not listed
-below: after a verl upgrade that test names what is new.
+below: after a verl upgrade that test names what is new. It reads the sources with :func:`config_reads` (an AST
+scan: attribute, ``.get`` and ``[...]`` reads, also through local variables), and an honoured key must be read by
+its full path in the named MIX method.
 
 :func:`check_verl_keys` runs on the driver before Ray starts (``mix_src.main_mix_ppo.prepare_config``).
 This module imports no verl.
@@ -12,6 +14,8 @@ This module imports no verl.
 
 from __future__ import annotations
 
+import ast
+import textwrap
 from typing import Any, Callable, Optional
 
 from mix_src.mix_config import MixConfigError
@@ -32,7 +36,8 @@ HONOURED: dict[str, tuple[str, ...]] = {
     "trainer.rollout_data_dir": ("_step",),
     "actor_rollout_ref.rollout.n": ("__init__",),
     "actor_rollout_ref.rollout.temperature": ("_generate",),
-    "actor_rollout_ref.actor": ("_compute_log_probs",),  # loss_agg_mode / loss_scale_factor of the entropy metric
+    "actor_rollout_ref.actor.loss_agg_mode": ("_compute_log_probs",),  # the entropy metric's aggregation
+    "actor_rollout_ref.actor.loss_scale_factor": ("_compute_log_probs",),
     "algorithm": ("_compute_advantages",),  # the whole section goes to verl's compute_advantage as `config`
     "algorithm.adv_estimator": ("_compute_advantages",),
     "algorithm.gamma": ("_compute_advantages",),
@@ -49,6 +54,7 @@ REFUSED_KEYS: dict[str, str] = {
     "global_profiler.steps": "_refuse_profiler",
     "global_profiler.profile_continuous_steps": "_refuse_profiler",  # only read when steps are set
     "actor_rollout_ref.actor.policy_loss": "_refuse_bypass_mode",  # only read in rollout-correction bypass mode
+    "algorithm.rollout_correction.bypass_mode": "_refuse_bypass_mode",
 }
 
 # Calls verl's fit makes on the trainer: the MIX loop makes them too, or they belong to a refused key.
@@ -64,6 +70,80 @@ SGLANG_UNRESOLVABLE = (
     "transformers==5.6.0, a version verl 0.9.1 itself excludes (transformers!=5.6.0), so SGLang and this verl "
     "cannot be installed in one environment. Use actor_rollout_ref.rollout.name=vllm (`make install-gpu`)."
 )
+
+
+# --------------------------------------------------------------------------- the scanner (used by the guard test)
+_NOT_KEYS = frozenset({"get", "items", "keys", "values", "copy", "pop", "setdefault", "update"})
+
+
+def config_reads(source: str) -> set[str]:
+    """The config keys (full dotted paths) a function's source reads from ``self.config``.
+
+    Sees ``self.config.a.b``, ``self.config.a.get("b")``, ``self.config.a["b"]``, and the same through a local
+    variable (``x = self.config.a`` then ``x.b`` / ``x.get("b")`` / ``x["b"]``). Each read yields its longest
+    path: ``self.config.a.b.c`` is ``a.b.c``; ``f(self.config.a)`` is ``a`` (the whole section is passed on).
+    A local assigned a config section is not itself a read; its uses are."""
+    tree = ast.parse(textwrap.dedent(source))
+    aliases: dict[str, tuple[str, ...]] = {}
+
+    def path(node: ast.AST) -> Optional[tuple[str, ...]]:
+        if isinstance(node, ast.Attribute):
+            if node.attr == "config" and isinstance(node.value, ast.Name) and node.value.id == "self":
+                return ()
+            base = path(node.value)
+            return None if base is None or node.attr in _NOT_KEYS else (*base, node.attr)
+        if isinstance(node, ast.Name):
+            return aliases.get(node.id)
+        if isinstance(node, ast.Subscript):
+            base = path(node.value)
+            key = node.slice
+            if base is not None and isinstance(key, ast.Constant) and isinstance(key.value, str):
+                return (*base, key.value)
+            return None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            base = path(node.func.value)
+            if base is not None and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                return (*base, node.args[0].value)
+        return None
+
+    def bindings(tree: ast.AST):
+        """(local name, value node) of ``x = ...`` and ``x, y = ..., ...``."""
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Assign) or len(node.targets) != 1:
+                continue
+            target, value = node.targets[0], node.value
+            if isinstance(target, ast.Name):
+                yield target.id, value
+            elif isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) and len(target.elts) == len(value.elts):
+                yield from ((t.id, v) for t, v in zip(target.elts, value.elts) if isinstance(t, ast.Name))
+
+    # aliases first (a local re-bound to a config section keeps the last section)
+    for name, value in bindings(tree):
+        p = path(value)
+        if p:
+            aliases[name] = p
+    parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
+
+    def extended(node: ast.AST) -> bool:
+        """Whether ``node``'s read continues in its parent (``.b``, ``["b"]``, ``.get("b")``)."""
+        parent = parents.get(node)
+        if isinstance(parent, (ast.Attribute, ast.Subscript)) and parent.value is node:
+            if path(parent) is not None:
+                return True
+            grand = parents.get(parent)
+            return isinstance(grand, ast.Call) and grand.func is parent and path(grand) is not None
+        return False
+
+    used_as_section = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id in aliases and extended(n)}
+    alias_values = {id(value) for name, value in bindings(tree) if name in used_as_section}
+    keys = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            continue
+        p = path(node)
+        if p and id(node) not in alias_values and not extended(node):
+            keys.add(".".join(p))
+    return keys
 
 
 def _get(config: Any, dotted: str, default: Any = None) -> Any:

@@ -41,26 +41,35 @@ def assert_luffy_step(m: dict) -> None:
     assert m["actor/grad_norm"] > 0
 
 
+KEEP_ALL = """
+import numpy as np
+from mix_src.filter_groups import register_group_filter
+
+@register_group_filter("keep_all")
+def keep_all(stats):
+    return np.ones(len(stats.count), dtype=bool)
+"""
+
+
 @pytest.mark.ray
-def test_v1_sync_luffy_with_filter_groups_and_resume(tiny_assets, tmp_path):
-    """Sync mode, 2 steps, filter groups through verl's replay buffer, then a run resumed from the step-2 checkpoint.
+def test_v1_sync_group_filter_registry_decides_the_evictions(tiny_assets, tmp_path):
+    """Sync mode, 2 steps, filter groups on, and the group-filter registry deciding what verl's replay buffer evicts.
 
     Half the rows keep their target (mix.data.sample_target_ratio=0.5): a group without one has only failing
-    on-policy rows (acc std 0) and verl's replay buffer drops it; a group with one has its solved expert row and is
-    kept. So every trained group has exactly one expert row, and verl reports the evicted groups.
+    on-policy rows (acc std 0), which verl's own rule (and ``nonzero_std``) evicts. With ``mix.filter_groups.rule``
+    set to a plugin rule that keeps every group, nothing is evicted and those groups train.
+    (The resume of a V1 run is checked in tests/test_bases_equivalence.py.)
     """
+    plugin = tmp_path / "keep_all.py"
+    plugin.write_text(KEEP_ALL)
     common = [*LUFFY, "mix.data.sample_target_ratio=0.5", "algorithm.filter_groups.enable=true",
-              "algorithm.filter_groups.metric=acc", f"trainer.default_local_dir={tmp_path / 'ckpt'}"]  # fmt: skip
-    first = v1_run(tiny_assets, tmp_path / "first", "sync", *common, "trainer.save_freq=2", steps=2)
+              "algorithm.filter_groups.metric=acc", f"mix.plugins=[{plugin}]", "mix.filter_groups.rule=keep_all"]  # fmt: skip
+    first = v1_run(tiny_assets, tmp_path / "first", "sync", *common, steps=2)
     assert [m["step"] for m in first.metrics] == [1, 2]
+    assert sum(m.get("training/filter_groups/evicted_samples", 0) for m in first.metrics) == 0
+    assert sum(m["batch/off_policy_rows"] for m in first.metrics) < 8  # groups without a target were trained
     for m in first.metrics:
-        assert_luffy_step(m)
-    assert sum(m.get("training/filter_groups/evicted_samples", 0) for m in first.metrics) > 0
-    assert (tmp_path / "ckpt" / "global_step_2" / "actor").is_dir()
-
-    resumed = v1_run(tiny_assets, tmp_path / "resumed", "sync", *common, "trainer.resume_mode=auto", steps=3)
-    assert [m["step"] for m in resumed.metrics] == [3]  # resumed after step 2
-    assert_luffy_step(resumed.metrics[0])
+        assert m["actor/off_pg_loss"] != 0.0 and m["actor/grad_norm"] > 0
 
 
 @pytest.mark.ray
@@ -88,25 +97,33 @@ def compose_v1(tiny_assets, *overrides):
         (["trainer.v1.trainer_mode=fully_async"], r"trainer\.v1\.trainer_mode='fully_async': use one of sync, colocate_async"),
         (["algorithm.filter_groups.enable=true", "mix.filter_groups.carry_over=true"],
          r"mix\.filter_groups\.carry_over=true is not supported on trainer\.use_v1=true: verl's V1 replay buffer owns"),
-        (["algorithm.filter_groups.enable=true", "mix.filter_groups.on_policy_only=true"],
-         r"mix\.filter_groups\.on_policy_only=true .*_dapo_filtered_keys"),
         (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=10"],
-         r"max_num_gen_batches=10: verl's V1 replay buffer ignores it .*max_inflight_gen_batches"),
+         r"max_num_gen_batches=10 is not supported on trainer\.use_v1=true: verl.s V1 replay buffer ignores it .*max_inflight_gen_batches"),
         (["mix.n_prefix=1", "algorithm.rollout_correction.rollout_is=token"], r"rollout_correction\.rollout_is is set"),
         (["trainer.v1.trainer_mode=separate_async"], r"separate_async does not run on the CPU backend: .*checkpoint engine"),
-        (["mix.loss.use_adaptive_entropy=true"], r"mix\.loss\.use_adaptive_entropy=true is not supported on trainer\.use_v1"),
-        (["mix.loss.all_max_clip=0.9"], r"mix\.loss\.all_max_clip=0\.9 is not supported on trainer\.use_v1"),
         (["mix.plugins=[recipes/guide_on_failure/guide_on_failure.py]", "mix.rollout_policy=guide_on_failure"],
-         r"mix\.rollout_policy='guide_on_failure' is not supported on trainer\.use_v1=true"),
-        (["algorithm.filter_groups.enable=true", "mix.filter_groups.rule=test_rule"],
-         r"mix\.filter_groups\.rule='test_rule' is not supported on trainer\.use_v1=true"),
+         r"mix\.rollout_policy='guide_on_failure' is not supported on the 'v1' trainer base .*own agent-loop session"),
     ],
 )  # fmt: skip
 def test_v1_refusals_before_ray(tiny_assets, overrides, pattern):
     from mix_src.main_mix_ppo import run_mix_ppo
 
-    with pytest.raises(MixConfigError, match=pattern):
+    with pytest.raises(ValueError, match=pattern):  # MixConfigError, or a registry entry's EntryConfigError
         run_mix_ppo(compose_v1(tiny_assets, *overrides))
+    assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize("overrides", [
+    ["mix.loss.all_max_clip=-1"],  # LUFFY's "off", translated by the mix: validation before the V1 checks
+    ["mix.loss.all_max_clip=0.9"],  # kept-token counts written to TransferQueue before the update
+    ["mix.loss.use_adaptive_entropy=true", "actor_rollout_ref.actor.entropy_coeff=0.01"],  # state in V1 checkpoints
+    ["algorithm.filter_groups.enable=true", "mix.filter_groups.on_policy_only=true"],  # the replay buffer uses the registry
+    ["algorithm.filter_groups.enable=true", "mix.filter_groups.rule=nonzero_std"],
+])  # fmt: skip
+def test_v1_accepts_before_ray(tiny_assets, overrides):
+    from mix_src.main_mix_ppo import config_stage
+
+    config_stage(compose_v1(tiny_assets, *overrides))
     assert not ray.is_initialized()
 
 
@@ -184,10 +201,10 @@ def test_recipes_v1_variant(name, mode):
     v1 = ["trainer.use_v1=true", f"trainer.v1.trainer_mode={mode}"]
     if name in V1_EXTRAS:  # refused as is, naming the key
         with pytest.raises(MixConfigError, match=r"(max_num_gen_batches=10|carry_over=true).*(ignores|owns)"):
-            check_v1_config(compose_recipe(name, v1))
+            refused = compose_recipe(name, v1)
+            check_v1_config(refused, validate_mix_config(refused))
     cfg = compose_recipe(name, v1 + V1_EXTRAS.get(name, []))
-    check_v1_config(cfg)
-    validate_mix_config(cfg)
+    check_v1_config(cfg, validate_mix_config(cfg))
 
 
 def test_cpu_backend_shortens_the_replay_buffer_poll():
@@ -219,3 +236,100 @@ def test_values_call_does_not_inherit_the_references_adapter_switch():
     batch = SimpleNamespace(extra_info={"no_lora_adapter": True, "temperature": 1.0})
     trainer._compute_values(batch, {})
     assert trainer.critic_saw == {"temperature": 1.0}
+
+
+# ---------------------------------------------------------------------------------------------------
+# the group-filter registry in verl's V1 replay buffer: its ``_dapo_filtered_keys`` contract, with the rows'
+# fields served by a stand-in for TransferQueue's kv_batch_get
+
+
+class _Buffer:
+    """The attributes of verl's ReplayBuffer that ``_dapo_filtered_keys`` reads (replay_buffer.py 261-315)."""
+
+    def __init__(self, rows: dict, metric: str = "acc"):
+        self.filter_groups_metric = metric
+        self.partitions = {"train": list(rows)}
+        self.finished_keys = {"train": {k.split("_")[0] for k in rows}}
+        self._dapo_classification_cache = {"train": {}}
+
+
+def _classify(monkeypatch, rows, rule="nonzero_std", on_policy_only=False):
+    import types
+
+    import mix_src.mix_trainer_v1 as v1
+
+    def kv_batch_get(keys, partition_id, select_fields):
+        return {"extra_fields": [rows[k] for k in keys]}
+
+    monkeypatch.setattr(v1.tq, "kv_batch_get", kv_batch_get)
+    buffer = _Buffer(rows)
+    return types.MethodType(v1.make_dapo_filtered_keys(rule, on_policy_only), buffer)("train")
+
+
+def _row(acc, prefix=False):
+    return {"reward_extra_info": {"acc": acc}, "prefix_token_mask": [1, 1, 0] if prefix else [0, 0, 0]}
+
+
+ROWS = {  # group a: expert row solved, on-policy rows failed; group b: all failed; group c: mixed on-policy
+    "a_0_0": _row(1.0, prefix=True), "a_1_0": _row(0.0), "a_2_0": _row(0.0),
+    "b_0_0": _row(0.0), "b_1_0": _row(0.0), "b_2_0": _row(0.0),
+    "c_0_0": _row(1.0), "c_1_0": _row(0.0), "c_2_0": _row(0.0),
+}  # fmt: skip
+
+
+def test_v1_replay_buffer_evicts_what_the_group_filter_registry_says(monkeypatch):
+    evicted, counts = _classify(monkeypatch, ROWS)  # nonzero_std over every row: as verl's own rule
+    assert evicted == {"b"} and counts == {0.0: 1}
+    evicted, _ = _classify(monkeypatch, ROWS, on_policy_only=True)  # a's on-policy rows all failed: evicted too
+    assert evicted == {"a", "b"}
+    from mix_src.filter_groups import GROUP_FILTERS
+
+    monkeypatch.setitem(GROUP_FILTERS._entries, "keep_all_test", lambda stats: np.ones(len(stats.count), dtype=bool))
+    evicted, counts = _classify(monkeypatch, ROWS, rule="keep_all_test")
+    assert evicted == set() and not counts
+
+
+def test_v1_advantage_stage_runs_grpo_split_once_with_the_prefix_mask():
+    """In V1's ``_compute_advantage`` LUFFY's advantages replace verl's estimator call: ``grpo_split`` runs once,
+    with the rows' prefix mask (before, verl's stage ran it too, with an all-zero mask); other estimators: verl's."""
+    import torch
+    from omegaconf import OmegaConf
+    from verl import DataProto
+
+    from mix_src import adv_estimators
+    from mix_src.mix_config import mix_config_from_dict
+    from mix_src.mix_trainer_v1 import luffy_advantage_stage
+
+    rewards = torch.zeros(4, 3)
+    rewards[:, -1] = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    prefix = torch.zeros(4, 3, dtype=torch.bool)
+    prefix[0] = True  # row 0: the expert row of group a
+    uids = np.array(["a", "a", "b", "b"], dtype=object)
+
+    def data():
+        return DataProto.from_dict(tensors={"token_level_rewards": rewards.clone(), "response_mask": torch.ones(4, 3)},
+                                   non_tensors={"uid": uids})  # fmt: skip
+
+    verl_calls, split_calls = [], []
+    original = adv_estimators.ADV_ESTIMATORS._entries["grpo_split"]
+
+    def counting_split(*args, **kwargs):
+        split_calls.append(args[3])
+        return original(*args, **kwargs)
+
+    def verl(d, **kwargs):
+        verl_calls.append(kwargs)
+        d.batch["advantages"], d.batch["returns"] = torch.ones(4, 3), torch.ones(4, 3)
+        return d
+
+    mix = mix_config_from_dict({})
+    adv_estimators.ADV_ESTIMATORS._entries["grpo_split"] = counting_split
+    try:
+        out = luffy_advantage_stage(verl, prefix, OmegaConf.create({"adv_estimator": "grpo_split"}), mix)(data(), gamma=1.0)
+    finally:
+        adv_estimators.ADV_ESTIMATORS._entries["grpo_split"] = original
+    assert verl_calls == [] and len(split_calls) == 1 and torch.equal(split_calls[0], prefix)
+    expected, _ = original(rewards, torch.ones(4, 3), torch.tensor([0, 0, 1, 1]), prefix, {})
+    assert torch.equal(out.batch["advantages"], expected)
+    out = luffy_advantage_stage(verl, prefix, OmegaConf.create({"adv_estimator": "grpo"}), mix)(data(), gamma=1.0)
+    assert verl_calls == [{"gamma": 1.0}] and torch.equal(out.batch["advantages"], torch.ones(4, 3))

@@ -63,3 +63,50 @@ def test_solved_rows_prefers_acc_and_falls_back_to_scores():
     assert solved_rows(np.array([1.0, float("nan"), 0.2, 0.0]), scores).tolist() == [True, False, True, False]
     assert solved_rows([1.0, None, 0.0, 1.0], scores).tolist() == [True, False, True, False]  # a row without acc
     assert solved_rows(None, scores).tolist() == [True, False, True, False]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# one meaning per metric name: rollout vs actor over on-policy tokens (both bases call these)
+def _rollout_batch():
+    from verl import DataProto
+
+    torch.manual_seed(0)
+    old = torch.log(torch.rand(4, 6) * 0.9 + 0.05)
+    prefix = torch.zeros(4, 6, dtype=torch.bool)
+    prefix[0, :4] = True  # row 0: 4 prefix tokens, which the agent loop gives rollout log-prob 0
+    rollout = torch.where(prefix, torch.zeros_like(old), old + 1e-4)
+    data = DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": rollout,
+                                        "response_mask": torch.ones(4, 6), "responses": torch.zeros(4, 6, dtype=torch.long)})  # fmt: skip
+    return data, prefix
+
+
+def test_rollout_vs_actor_metrics_leave_prefix_tokens_out():
+    from verl.utils.debug.metrics import calculate_debug_metrics
+
+    from mix_src.stages import on_policy_rollout_metrics
+
+    data, prefix = _rollout_batch()
+    whole = calculate_debug_metrics(data)  # what verl's V1 stage logs on its own
+    ours = on_policy_rollout_metrics(data, prefix)
+    assert whole["training/rollout_probs_diff_max"] > 0.5  # a prefix token: p_actor vs exp(0) = 1
+    assert ours["training/rollout_probs_diff_max"] < 1e-3
+    assert set(ours) == set(whole)  # the same names, one meaning
+    assert on_policy_rollout_metrics(data, torch.ones(4, 6, dtype=torch.bool)) == {}
+
+
+def test_rollout_correction_sees_on_policy_tokens_and_keeps_prefix_weights_at_one():
+    from mix_src.stages import on_policy_rollout_correction
+
+    data, prefix = _rollout_batch()
+    seen = {}
+
+    def correct(d, rc):
+        seen["mask"] = d.batch["response_mask"].clone()
+        d.batch["rollout_is_weights"] = torch.full_like(d.batch["old_log_probs"], 2.0)
+        return d, {"rollout_corr/kl": 0.0}
+
+    out, metrics = on_policy_rollout_correction(data, prefix, {"rollout_is": "token"}, correct)
+    assert torch.equal(seen["mask"], (~prefix).float())  # verl's correction saw on-policy tokens only
+    assert torch.equal(out.batch["response_mask"], torch.ones(4, 6))  # the prefix tokens are back in the mask
+    assert torch.all(out.batch["rollout_is_weights"][prefix] == 1.0) and torch.all(out.batch["rollout_is_weights"][~prefix] == 2.0)
+    assert metrics == {"rollout_corr/kl": 0.0}

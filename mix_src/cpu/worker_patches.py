@@ -36,7 +36,7 @@ logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
 # Library versions each patch was written against (their quoted lines were read in these versions).
 UNPIN_REFERENCE_OFFLOAD_WRITTEN_FOR = {"verl": "0.9.1", "torch": "2.13"}
-CPU_ATTENTION_CRITIC_WRITTEN_FOR = {"verl": "0.9.1", "transformers": "5"}
+CPU_ATTENTION_CRITIC_WRITTEN_FOR = {"verl": "0.9.1", "transformers": ">=5,<6"}
 
 # Attention implementations that run on a CPU-only torch (flash-attention variants do not).
 CPU_ATTENTION = ("eager", "sdpa", "flex_attention")
