@@ -23,7 +23,7 @@ The trainer only orchestrates; the maths lives in :mod:`mix_src.core_alg`, :mod:
 
 The loop honours or refuses every setting verl's own ``fit`` reads (:mod:`mix_src.verl_parity`); when the
 data runs out first it checkpoints and validates its last step, and a resumed run continues the data where
-it stopped (``mix_state.pt``).
+it stopped (``mix_state.pt``, which also keeps the rollout policy's own state, e.g. a replay buffer).
 
 How it departs from LUFFY's trainer (arXiv 2504.14945, github.com/ElliottYan/LUFFY): ratios are drawn on the driver, not with
 Python's global ``random`` on each TP rank; ratio-1.0 rows never reach the inference server; filter
@@ -93,6 +93,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         self.filter_cfg = self.config.algorithm.filter_groups
         self._carry: Optional[DataProto] = None  # kept groups left over from the last step (carry_over)
         self._epoch = 0
+        self._rollout_state: dict = {}  # the rollout policy's own state (RolloutContext.state), in mix_state.pt
         self._rollout_awake = False  # whether the rollout replicas hold their weights (see _wake_rollout)
         self.max_steps_duration = 0.0  # longest step so far (seconds), for verl's ESI expiry checkpoint
 
@@ -336,21 +337,41 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         batch = batch.repeat(repeat_times=self.n, interleave=True)
         passes: list[tuple[dict, int]] = []  # (timing, rows) of each pass the rollout policy makes
 
-        def generate(ratios: np.ndarray, rows: Optional[np.ndarray] = None) -> DataProto:
-            idx = np.arange(len(batch)) if rows is None else np.asarray(rows, dtype=np.int64)
+        def records(rows: np.ndarray) -> DataProto:
+            idx = np.asarray(rows, dtype=np.int64)
+            return batch[idx].union(gen_batch[idx])  # both copies (DataProto slicing copies)
+
+        def generate(ratios: np.ndarray, rows: Optional[np.ndarray] = None, targets=None, prompts=None) -> DataProto:
+            if prompts is not None:  # prompt rows kept from an earlier batch (records)
+                if rows is not None:
+                    raise ValueError("rollout policy: generate(prompts=...) takes no rows")
+                src = prompts[np.arange(len(prompts))]
+                sub = self._get_gen_batch(src)  # pops the generation keys off the copy `src`
+                sub.meta_info = dict(gen_batch.meta_info)
+                idx = np.arange(len(src))
+            else:
+                idx = np.arange(len(batch)) if rows is None else np.asarray(rows, dtype=np.int64)
+                sub = gen_batch if rows is None else gen_batch[idx]
+                src = None
             ratios = np.asarray(ratios, dtype=np.float64).reshape(-1)
             if ratios.shape != idx.shape:
                 raise ValueError(f"rollout policy: {ratios.size} ratios for {idx.size} rows")
-            sub = gen_batch if rows is None else gen_batch[idx]
             sub = DataProto(batch=sub.batch, non_tensor_batch=dict(sub.non_tensor_batch), meta_info=dict(sub.meta_info))
             sub.non_tensor_batch["prefix_ratio"] = ratios
-            # a later pass over the same rows draws new samples (seeded per pass, so runs still reproduce)
-            sub.non_tensor_batch["rollout_seed"] = pass_seeds(sub.non_tensor_batch["rollout_seed"], len(passes))
+            if targets is not None:
+                targets = np.asarray(list(targets), dtype=object)
+                if targets.shape != idx.shape:
+                    raise ValueError(f"rollout policy: {targets.size} targets for {idx.size} rows")
+                sub.non_tensor_batch[TARGET_FIELD] = targets
+            # a later pass over the same rows draws new samples (seeded per pass, so runs still reproduce);
+            # kept prompt rows take seeds of this step and pass
+            pass_index = len(passes) if src is None else (int(self.global_steps) << 16) + len(passes) + 1
+            sub.non_tensor_batch["rollout_seed"] = pass_seeds(sub.non_tensor_batch["rollout_seed"], pass_index)
             if not self._rollout_awake:  # a colocated reward model put it to sleep after the last batch
                 self._wake_rollout()
             out = self.async_rollout_manager.generate_sequences(sub)
             passes.append((out.meta_info.pop("timing", {}), len(sub)))
-            part = batch[idx].union(out)
+            part = (batch[idx] if src is None else src).union(out)
             if "response_mask" not in part.batch.keys():
                 part.batch["response_mask"] = compute_response_mask(part)
             part.batch["prefix_mask"] = prefix_mask_tensor(
@@ -362,6 +383,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         ctx = RolloutContext(
             batch=batch, n=self.n, global_step=self.global_steps, mix=self.mix, generate=generate,
             prefix_ratios=lambda: self._prefix_ratios(gen_batch, gen_index), rng=np.random.default_rng([*seed, 1]),
+            records=records, state=self._rollout_state, tokenizer=self.tokenizer,
         )  # fmt: skip
         out = ROLLOUT_POLICIES.get(self.mix.rollout_policy)(ctx)
         timing.update(merge_rollout_timing(passes))  # min/max/mean keep their meaning over several passes
@@ -528,7 +550,8 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         super()._save_checkpoint()
         folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
         state = {"epoch": self._epoch, "carry": self._carry, "dataloader": self.train_dataloader.state_dict(),
-                 "entropy_coef": getattr(self, "_entropy_state", None)}  # the learned entropy coefficient
+                 "entropy_coef": getattr(self, "_entropy_state", None),  # the learned entropy coefficient
+                 "rollout_policy": self._rollout_state}  # the rollout policy's own state (RolloutContext.state)
         torch.save(state, os.path.join(folder, MIX_STATE_FILE))
 
     def _load_checkpoint(self):
@@ -552,6 +575,8 @@ class MIXRayPPOTrainer(RayPPOTrainer):
                 if state.get("dataloader") is not None:
                     self.train_dataloader.load_state_dict(state["dataloader"])
                 self._entropy_state = state.get("entropy_coef")
+                self._rollout_state.clear()
+                self._rollout_state.update(state.get("rollout_policy") or {})
                 if self._entropy_state is not None:  # the workers' loss continues the learned coefficient
                     self.actor_rollout_wg.set_loss_fn(self._make_loss_fn())
         return result

@@ -10,6 +10,7 @@ that uses it:
     group filters         mix_src.filter_groups.register_group_filter      (mix.filter_groups.rule)
     rollout policies      mix_src.rollout_policy.register_rollout_policy   (mix.rollout_policy)
     row losses            mix_src.row_loss.register_row_loss               (mix.loss.row_loss)
+    off-policy behaviours mix_src.off_policy_behaviour.register_off_policy_behaviour (mix.loss.off_policy_behaviour)
 
 Every entry describes itself (:class:`Entry`): the trainer bases it supports (``"legacy"`` =
 :class:`~mix_src.mix_trainer.MIXRayPPOTrainer`, ``"v1"`` = ``trainer.use_v1=true``) and, for each base it does
