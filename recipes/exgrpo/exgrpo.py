@@ -132,9 +132,10 @@ def _buffer(ctx: RolloutContext) -> dict:
     return ctx.state.setdefault(NAME, {"mixed": False, "pool": {}, "bucket": {}, "retired": set()})
 
 
-def _prompt_key(batch, row: int) -> str:
-    ids = batch.batch["input_ids"][row]
-    mask = batch.batch["attention_mask"][row].bool()
+def _prompt_key(rows, row: int) -> str:
+    """A prompt's identity across steps: a hash of its token ids (the generated row's ``prompts`` tensor)."""
+    ids = rows.batch["prompts"][row]
+    mask = rows.batch["attention_mask"][row, : ids.shape[-1]].bool()
     return hashlib.sha1(ids[mask].numpy().astype(np.int64).tobytes()).hexdigest()
 
 
@@ -250,7 +251,6 @@ def _check(config) -> None:
 def exgrpo(ctx: RolloutContext):
     n, opts, buf = ctx.n, options(ctx.mix), _buffer(ctx)
     num_prompts = len(ctx.batch) // n
-    keys = [_prompt_key(ctx.batch, g * n) for g in range(num_prompts)]
     if not buf["mixed"] and float(opts["start_solved_ratio"]) < 0:
         buf["mixed"] = True  # a negative ratio: mixed (recording) from the first step
     mixed = buf["mixed"]
@@ -286,7 +286,7 @@ def exgrpo(ctx: RolloutContext):
     out = _concat(parts) if len(parts) > 1 else parts[0]
     out.batch[BEHAVIOUR_LOG_PROB] = _behaviour(out, chosen)
     if mixed:
-        all_keys = keys[:n_keep] + list(replay_keys)
+        all_keys = [_prompt_key(out, g * n) for g in range(n_keep)] + list(replay_keys)
         records_of = lambda g: (ctx.records([g * n]) if g < n_keep else buf["pool"][all_keys[g]]["record"])  # noqa: E731
         _record(ctx, buf, out, all_keys, records_of, opts)
     elif float(solved(out).mean()) > float(opts["start_solved_ratio"]):
