@@ -339,7 +339,9 @@ class MIXRayPPOTrainer(RayPPOTrainer):
 
         def records(rows: np.ndarray) -> DataProto:
             idx = np.asarray(rows, dtype=np.int64)
-            return batch[idx].union(gen_batch[idx])  # both copies (DataProto slicing copies)
+            b, g = batch[idx], gen_batch[idx]  # copies (DataProto slicing copies); g has no tensors
+            return DataProto(batch=b.batch, non_tensor_batch={**g.non_tensor_batch, **b.non_tensor_batch},
+                             meta_info={**g.meta_info, **b.meta_info})
 
         def generate(ratios: np.ndarray, rows: Optional[np.ndarray] = None, targets=None, prompts=None) -> DataProto:
             if prompts is not None:  # prompt rows kept from an earlier batch (records)
