@@ -301,3 +301,107 @@ def test_exgrpo_plugin_trains_two_steps_and_saves_its_buffer(tiny_assets, tmp_pa
         assert 1 <= buf["bucket"][key] <= N - 1 and entry["trajs"]
         for t in entry["trajs"]:
             assert t["ids"].shape == t["log_prob"].shape and (t["log_prob"] <= 0).all()
+
+
+# ---- the rollout policy on a fake generator (no Ray) -------------------------------------------------------
+class _Tok:
+    eos_token_id = 1
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(str(i) for i in ids)
+
+
+def _fake_ctx(step, state, prompt_ids, solved_fn, mix, n=N, L=6, P=3):
+    """A RolloutContext whose generate makes rows like the trainer's: prompts (P, 3) prompt ids, responses of
+    random ids ending in EOS (on-policy) or the target's ids + EOS (ratio 1.0), rollout_log_probs, acc."""
+    from verl import DataProto
+
+    from mix_src.rollout_policy import RolloutContext
+
+    g = torch.Generator().manual_seed(step)
+    batch = DataProto.from_single_dict({"dummy_tensor": torch.zeros(len(prompt_ids) * n, 1),
+                                        "pid": np.repeat(np.arange(len(prompt_ids)), n).astype(object)})
+
+    def make(pids, ratios, targets):
+        rows = len(pids)
+        resp = torch.randint(2, 9, (rows, L), generator=g)
+        rmask = torch.zeros(rows, L, dtype=torch.long)
+        pmask = torch.zeros(rows, L, dtype=torch.bool)
+        for r in range(rows):
+            if ratios[r] == 1.0:
+                ids = [int(x) for x in targets[r].split()] + [1]
+                resp[r, : len(ids)] = torch.tensor(ids)
+                rmask[r, : len(ids)] = 1
+                pmask[r, : len(ids)] = True
+            else:
+                k = int(torch.randint(2, L + 1, (1,), generator=g))
+                resp[r, k - 1] = 1
+                rmask[r, :k] = 1
+        prompts = torch.tensor([[0, 10 + int(p), 20 + int(p)] for p in pids])
+        acc = np.array([float(solved_fn(int(p), resp[r][rmask[r].bool()].tolist())) for r, p in enumerate(pids)])
+        return DataProto.from_single_dict({
+            "prompts": prompts, "responses": resp, "response_mask": rmask, "prefix_mask": pmask,
+            "attention_mask": torch.cat([torch.ones(rows, 3, dtype=torch.long), rmask], -1),
+            "rollout_log_probs": -torch.rand(rows, L, generator=g) * rmask,
+            "pid": np.asarray(pids, dtype=object), "acc": acc, "prefix_ratio": np.asarray(ratios, dtype=float),
+        })  # fmt: skip
+
+    calls = []
+
+    def generate(ratios, rows=None, targets=None, prompts=None):
+        if prompts is not None:
+            pids = list(prompts.non_tensor_batch["pid"])
+        else:
+            idx = np.arange(len(batch)) if rows is None else np.asarray(rows)
+            pids = list(batch.non_tensor_batch["pid"][idx])
+        calls.append((pids, np.asarray(ratios), targets))
+        return make(pids, list(ratios), targets)
+
+    def records(rows):
+        return batch[np.asarray(rows)]
+
+    ctx = RolloutContext(batch=batch, n=n, global_step=step, mix=mix, generate=generate, prefix_ratios=None,
+                         rng=np.random.default_rng(step), records=records, state=state, tokenizer=_Tok())
+    return ctx, calls
+
+
+def test_rollout_policy_records_replays_and_survives_a_pickle():
+    """Step 1 (mixed from the start) records the solved samples of groups with 0 < k < n; the state survives a
+    pickle round trip (as in mix_state.pt); step 2 replaces int(3 * 0.5) = 1 group by a buffered prompt whose
+    row 0 is the stored trajectory (target = its ids), with behaviour_log_prob = the recorded log-probs on
+    exactly its tokens; a prompt solved n/n is retired."""
+    import pickle
+
+    mix = mix_config_from_dict({"rollout_policy": "exgrpo", "loss": {"off_policy_behaviour": "stored_log_prob"},
+                                "plugin_options": {"exgrpo": {"start_solved_ratio": -1}}})
+    # prompt 0: samples of even length pass (mixed groups); prompt 1: never; prompt 2: always (retired)
+    solved_fn = lambda p, ids: (len(ids) % 2 == 0) if p == 0 else (p == 2)  # noqa: E731
+    state: dict = {}
+    ctx, calls = _fake_ctx(1, state, [0, 1, 2], solved_fn, mix)
+    out1 = ROLLOUT(ctx)
+    assert len(out1) == 3 * N and not out1.batch["prefix_mask"].any()
+    buf = state["exgrpo"]
+    ok0 = out1.non_tensor_batch["acc"][:N]
+    if not 0 < ok0.sum() < N:
+        pytest.skip("the fake draw gave no mixed group for prompt 0")
+    assert len(buf["pool"]) == 1 and list(buf["bucket"].values()) == [int(ok0.sum())]
+    (entry,) = buf["pool"].values()
+    assert len(entry["trajs"]) == len({tuple(out1.batch["responses"][j][out1.batch["response_mask"][j].bool()].tolist())
+                                        for j in range(N) if ok0[j]})
+    assert len(buf["retired"]) == 1  # prompt 2
+    state = pickle.loads(pickle.dumps(state))
+    ctx, calls = _fake_ctx(2, state, [1, 2, 1], solved_fn, mix)
+    out2 = ROLLOUT(ctx)
+    assert len(out2) == 3 * N and [len(c[0]) for c in calls] == [2 * N, N]
+    assert list(out2.non_tensor_batch["pid"][2 * N:]) == [0] * N  # the replayed prompt took the last group
+    assert calls[1][1].tolist() == [1.0] + [0.0] * (N - 1)
+    traj = min(entry["trajs"], key=lambda t: t["metric"])  # argmin of the mean NLL
+    row = 2 * N
+    pm = out2.batch["prefix_mask"][row]
+    assert out2.batch["responses"][row][pm].tolist() == traj["ids"].tolist()
+    beh = out2.batch[BEHAVIOUR_LOG_PROB]
+    torch.testing.assert_close(beh[row][pm], traj["log_prob"])
+    assert (beh[~out2.batch["prefix_mask"]] == 0).all()
+
+
+ROLLOUT = __import__("mix_src.rollout_policy", fromlist=["ROLLOUT_POLICIES"]).ROLLOUT_POLICIES.get("exgrpo")
