@@ -277,7 +277,8 @@ def test_exgrpo_plugin_trains_two_steps_and_saves_its_buffer(tiny_assets, tmp_pa
     """compare.yaml's settings on tiny assets, recording from step 1 (start_solved_ratio=-1) with a stand-in
     reward (tests/exgrpo_stand_in_reward.py: about half the samples pass). Step 1 records; step 2 replays
     buffered prompts as off-policy rows (one per replayed group) and the loss weighs them; the checkpoint's
-    mix_state.pt holds the buffer: trajectories with their recorded log-probs, one per token."""
+    mix_state.pt holds the buffer: trajectories with their recorded log-probs, one per token; a run resumed
+    from it replays at its first step (step 3)."""
     compare = yaml.safe_load((ROOT / "recipes" / "exgrpo" / "compare.yaml").read_text())
     reward = [f"reward.custom_reward_function.path={Path(__file__).parent / 'exgrpo_stand_in_reward.py'}",
               "reward.custom_reward_function.name=compute_score"]
@@ -301,6 +302,13 @@ def test_exgrpo_plugin_trains_two_steps_and_saves_its_buffer(tiny_assets, tmp_pa
         assert 1 <= buf["bucket"][key] <= N - 1 and entry["trajs"]
         for t in entry["trajs"]:
             assert t["ids"].shape == t["log_prob"].shape and (t["log_prob"] <= 0).all()
+    # resume from the step-2 checkpoint for one more step: the restored buffer replays at once (an empty one
+    # could not: nothing is buffered before a step's rollouts are recorded)
+    resumed = [o for o in overrides if not o.startswith("trainer.total_training_steps=")]
+    result = run_verl("mix_src.main_mix_ppo", [*resumed, "trainer.total_training_steps=3", "trainer.resume_mode=auto"],
+                      tmp_path, timeout=420, name="resume")
+    assert [m["step"] for m in result.metrics] == [3], result.log_tail()
+    assert result.metrics[0]["batch/off_policy_rows"] >= 1
 
 
 # ---- the rollout policy on a fake generator (no Ray) -------------------------------------------------------
