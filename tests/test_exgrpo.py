@@ -286,7 +286,7 @@ def test_exgrpo_plugin_trains_two_steps_and_saves_its_buffer(tiny_assets, tmp_pa
     overrides = MIX_CPU + tiny_overrides(tiny_assets, steps=2, n=N, batch_size=4, response_length=16,
                                          reward=reward) + [
         f"mix.plugins=[{','.join(str(ROOT / p) for p in compare['plugins'])}]", *compare["overrides"],
-        "+mix.plugin_options.exgrpo.start_solved_ratio=-1", "trainer.save_freq=2",
+        "++mix.plugin_options.exgrpo.start_solved_ratio=-1", "trainer.save_freq=2",
         f"trainer.default_local_dir={ckpt}",
     ]  # fmt: skip
     result = run_verl("mix_src.main_mix_ppo", overrides, tmp_path, timeout=420)
