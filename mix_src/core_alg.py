@@ -519,6 +519,7 @@ def compute_token_on_off_policy_loss(
     batch_num_tokens: int | torch.Tensor | None = None,
     global_batch_size: int | torch.Tensor | None = None,
     loss_scale_factor: float | None = None,
+    behaviour_log_prob: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """LUFFY's mixed token loss (the original's mix_core_alg.py): PPO on on-policy tokens, -A * f(p) on prefix tokens.
 
@@ -553,6 +554,10 @@ def compute_token_on_off_policy_loss(
             alias name sets it instead).
         dp_size, batch_num_tokens, global_batch_size, loss_scale_factor: verl's global batch info,
             passed to `agg_loss` unchanged (micro-batch invariant normalisation).
+        behaviour_log_prob: (B, L) optional log-probs l_b of the policy that produced the prefix tokens
+            (mix_src/off_policy_behaviour.py): the off-policy shaping then takes the importance weight
+            w = exp(l - l_b) where it takes p = exp(l) without it (f = w/(w+gamma) for p_div_p, as ExGRPO's
+            mix_core_alg.py with recorded old log-probs). None = LUFFY (the expert's probability taken as 1).
 
     Returns:
         dict of scalar tensors: pg_loss (with grad), and detached metrics off_pg_loss, on_pg_loss,
@@ -565,7 +570,10 @@ def compute_token_on_off_policy_loss(
     _check_same_shape(
         old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask,
         prefix_mask=prefix_mask, target_probs=target_probs, rollout_is_weights=rollout_is_weights,
+        behaviour_log_prob=behaviour_log_prob,
     )  # fmt: skip
+    if target_probs is not None and behaviour_log_prob is not None:
+        raise ValueError("target_probs and behaviour_log_prob both give the off-policy behaviour; pass one")
     off_mode, off_gamma = _resolve_reshape("off_policy_reshape", off_policy_reshape, off_policy_reshape_gamma)
     on_gamma_arg = off_policy_reshape_gamma if on_policy_reshape_gamma is None else on_policy_reshape_gamma
     on_mode, on_gamma = _resolve_reshape("on_policy_reshape", on_policy_reshape, on_gamma_arg)
@@ -650,6 +658,9 @@ def compute_token_on_off_policy_loss(
             lp_o, adv_o = lp.reshape(-1)[idx], advantages.reshape(-1)[idx]
             p_o = torch.exp(lp_o)
             off_prob = p_o.sum() / n_off
+            if behaviour_log_prob is not None:  # x = l - l_b: dx/dl = 1, so f and df/dl keep their formulas
+                lp_o = lp_o - behaviour_log_prob.reshape(-1)[idx].to(lp_o.dtype)
+                p_o = torch.exp(lp_o)
             kl_sum = kl_sum + log_ratio.reshape(-1)[idx].sum()
             if target_probs is not None:
                 f = p_o / (target_probs.reshape(-1)[idx] + 1e-6)

@@ -20,6 +20,8 @@ Policy loss (from `mix.loss`):
                             the NLL is aggregated exactly like the policy loss (same mode, same global
                             normalisation), so the two terms share one scale (the original divides them
                             differently) and the sum stays micro-batch invariant.
+    off_policy_behaviour    the prefix tokens' shaping takes w = exp(l - l_b) with recorded behaviour log-probs
+                            l_b (mix_src/off_policy_behaviour.py, e.g. ExGRPO's replayed samples) instead of p.
     row_loss                a per-row choice (mix_src/row_loss.py): the rows a rollout policy marked with
                             `sft_row` take sft_loss_coef * the token-mean NLL over the SFT tokens of the global
                             mini-batch (count `mix_sft_tokens`, added by add_kept_token_counts); the other
@@ -75,6 +77,7 @@ from mix_src.core_alg import (
 from mix_src.loss_combine import LOSS_COMBINES, CombineInputs
 from mix_src.mix_config import LossConfig as MixLossConfig  # the `mix.loss` section, checked when built
 from mix_src.prefix_select import PrefixTokenView, select_prefix_tokens
+from mix_src.off_policy_behaviour import BEHAVIOUR_LOG_PROB, OFF_POLICY_BEHAVIOURS
 from mix_src.row_loss import ROW_LOSSES, SFT_ROW, SFT_TOKENS, sft_token_mean
 
 __all__ = ["COMBINE_FIELDS", "ENTROPY_STATE", "KEPT_TOKENS", "MixLossConfig", "MixPolicyLoss", "add_combine_inputs",
@@ -260,7 +263,7 @@ class MixPolicyLoss:
                 "on-policy rows) before update_actor"
             )
         fields = ["response_mask", "old_log_probs", "advantages", "prefix_mask"]
-        fields += [k for k in ("rollout_is_weights", "ref_log_prob") if k in data.keys()]
+        fields += [k for k in ("rollout_is_weights", "ref_log_prob", BEHAVIOUR_LOG_PROB) if k in data.keys()]
         batch = data.select(*fields).to_padded_tensor()
         response_mask = batch["response_mask"].to(bool)
         if batch["prefix_mask"].shape != response_mask.shape:
@@ -314,6 +317,9 @@ class MixPolicyLoss:
             metrics["actor/sft_nll"] = Metric(value=masked_mean(-log_prob.detach(), prefix_mask),
                                               aggregation=AggregationType.MEAN)  # fmt: skip
         else:
+            behaviour = None  # the prefix tokens' recorded behaviour log-probs (mix_src/off_policy_behaviour.py)
+            if mix.off_policy_behaviour is not None:
+                behaviour = OFF_POLICY_BEHAVIOURS.get(mix.off_policy_behaviour)(prefix_mask & rl_mask, batch)
             out = compute_token_on_off_policy_loss(
                 batch["old_log_probs"], log_prob, advantages, rl_mask, prefix_mask & rl_mask,
                 off_policy_reshape=mix.off_policy_reshape, off_policy_reshape_gamma=mix.off_policy_reshape_gamma,
@@ -321,7 +327,7 @@ class MixPolicyLoss:
                 off_policy_reshape_pow_exp=mix.off_policy_reshape_pow_exp, on_policy_reshape=mix.on_policy_reshape,
                 on_policy_reshape_weight=mix.on_policy_reshape_weight, on_policy_reshape_gamma=mix.on_policy_reshape_gamma,
                 on_policy_reshape_pow_exp=mix.on_policy_reshape_pow_exp, off_max_clip=mix.off_max_clip,
-                off_min_clip=mix.off_min_clip, all_max_clip=mix.all_max_clip, **common,
+                off_min_clip=mix.off_min_clip, all_max_clip=mix.all_max_clip, behaviour_log_prob=behaviour, **common,
             )  # fmt: skip
             pg_loss = out["pg_loss"]
             if sft_mask is not None:

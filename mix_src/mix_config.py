@@ -30,6 +30,7 @@ from mix_src.prefix import PREFIX_STRATEGIES
 from mix_src.prefix_select import PREFIX_TOKEN_SELECTS
 from mix_src.registry import _REGISTRIES, load_plugins
 from mix_src.rollout_policy import ROLLOUT_POLICIES
+from mix_src.off_policy_behaviour import OFF_POLICY_BEHAVIOURS
 from mix_src.row_loss import ROW_LOSSES
 
 
@@ -81,6 +82,7 @@ class LossConfig:
     combine_args: dict = field(default_factory=dict)  # its settings, checked by the entry
     sft_loss_coef: float = 1.0
     row_loss: Optional[str] = None  # a per-row SFT / policy-loss choice (mix_src/row_loss.py); None = off
+    off_policy_behaviour: Optional[str] = None  # recorded behaviour log-probs of prefix tokens (mix_src/off_policy_behaviour.py); None = LUFFY
     use_adaptive_entropy: bool = False  # learn the entropy coefficient (starts at actor.entropy_coeff)
     adaptive_entropy_fixed: bool = False  # c = entropy_coeff * target_entropy / H (no learning)
     target_entropy: float = 1.0  # H*, token-mean entropy target of both adaptive variants
@@ -121,6 +123,12 @@ class LossConfig:
         _in_range(f"{p}.target_entropy", self.target_entropy, 0.0, None)
         if self.use_adaptive_entropy and self.adaptive_entropy_fixed:
             raise MixConfigError(f"{p}.use_adaptive_entropy and {p}.adaptive_entropy_fixed exclude each other; pick one")
+        if self.off_policy_behaviour is not None:
+            if self.off_policy_behaviour not in OFF_POLICY_BEHAVIOURS:
+                raise MixConfigError(OFF_POLICY_BEHAVIOURS.unknown(self.off_policy_behaviour))
+            if self.use_sft_multitask_loss:
+                raise MixConfigError(f"{p}.off_policy_behaviour={self.off_policy_behaviour!r} weighs the off-policy "
+                                     f"loss, which {p}.use_sft_multitask_loss replaces by SFT; pick one")
         if self.row_loss is not None:
             if self.row_loss not in ROW_LOSSES:
                 raise MixConfigError(ROW_LOSSES.unknown(self.row_loss))

@@ -23,7 +23,7 @@ The trainer only orchestrates; the maths lives in :mod:`mix_src.core_alg`, :mod:
 
 The loop honours or refuses every setting verl's own ``fit`` reads (:mod:`mix_src.verl_parity`); when the
 data runs out first it checkpoints and validates its last step, and a resumed run continues the data where
-it stopped (``mix_state.pt``).
+it stopped (``mix_state.pt``, which also keeps the rollout policy's own state, e.g. a replay buffer).
 
 How it departs from LUFFY's trainer (arXiv 2504.14945, github.com/ElliottYan/LUFFY): ratios are drawn on the driver, not with
 Python's global ``random`` on each TP rank; ratio-1.0 rows never reach the inference server; filter
@@ -101,6 +101,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         self.filter_cfg = self.config.algorithm.filter_groups
         self._carry: Optional[DataProto] = None  # kept groups left over from the last step (carry_over)
         self._epoch = 0
+        self._rollout_state: dict = {}  # the rollout policy's own state (RolloutContext.state), in mix_state.pt
         self._rollout_awake = False  # whether the rollout replicas hold their weights (see _wake_rollout)
         self.max_steps_duration = 0.0  # longest step so far (seconds), for verl's ESI expiry checkpoint
         self._flops = {c: 0.0 for c in FLOPS_COUNTS}  # training FLOPs so far, both counts (mix_src/flops.py)
@@ -410,21 +411,43 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         batch = batch.repeat(repeat_times=self.n, interleave=True)
         passes: list[tuple[dict, int]] = []  # (timing, rows) of each pass the rollout policy makes
 
-        def generate(ratios: np.ndarray, rows: Optional[np.ndarray] = None) -> DataProto:
-            idx = np.arange(len(batch)) if rows is None else np.asarray(rows, dtype=np.int64)
+        def records(rows: np.ndarray) -> DataProto:
+            idx = np.asarray(rows, dtype=np.int64)
+            b, g = batch[idx], gen_batch[idx]  # copies (DataProto slicing copies); g has no tensors
+            return DataProto(batch=b.batch, non_tensor_batch={**g.non_tensor_batch, **b.non_tensor_batch},
+                             meta_info={**g.meta_info, **b.meta_info})
+
+        def generate(ratios: np.ndarray, rows: Optional[np.ndarray] = None, targets=None, prompts=None) -> DataProto:
+            if prompts is not None:  # prompt rows kept from an earlier batch (records)
+                if rows is not None:
+                    raise ValueError("rollout policy: generate(prompts=...) takes no rows")
+                src = prompts[np.arange(len(prompts))]
+                sub = self._get_gen_batch(src)  # pops the generation keys off the copy `src`
+                sub.meta_info = dict(gen_batch.meta_info)
+                idx = np.arange(len(src))
+            else:
+                idx = np.arange(len(batch)) if rows is None else np.asarray(rows, dtype=np.int64)
+                sub = gen_batch if rows is None else gen_batch[idx]
+                src = None
             ratios = np.asarray(ratios, dtype=np.float64).reshape(-1)
             if ratios.shape != idx.shape:
                 raise ValueError(f"rollout policy: {ratios.size} ratios for {idx.size} rows")
-            sub = gen_batch if rows is None else gen_batch[idx]
             sub = DataProto(batch=sub.batch, non_tensor_batch=dict(sub.non_tensor_batch), meta_info=dict(sub.meta_info))
             sub.non_tensor_batch["prefix_ratio"] = ratios
-            # a later pass over the same rows draws new samples (seeded per pass, so runs still reproduce)
-            sub.non_tensor_batch["rollout_seed"] = pass_seeds(sub.non_tensor_batch["rollout_seed"], len(passes))
+            if targets is not None:
+                targets = np.asarray(list(targets), dtype=object)
+                if targets.shape != idx.shape:
+                    raise ValueError(f"rollout policy: {targets.size} targets for {idx.size} rows")
+                sub.non_tensor_batch[TARGET_FIELD] = targets
+            # a later pass over the same rows draws new samples (seeded per pass, so runs still reproduce);
+            # kept prompt rows take seeds of this step and pass
+            pass_index = len(passes) if src is None else (int(self.global_steps) << 16) + len(passes) + 1
+            sub.non_tensor_batch["rollout_seed"] = pass_seeds(sub.non_tensor_batch["rollout_seed"], pass_index)
             if not self._rollout_awake:  # a colocated reward model put it to sleep after the last batch
                 self._wake_rollout()
             out = self.async_rollout_manager.generate_sequences(sub)
             passes.append((out.meta_info.pop("timing", {}), len(sub)))
-            part = batch[idx].union(out)
+            part = (batch[idx] if src is None else src).union(out)
             if "response_mask" not in part.batch.keys():
                 part.batch["response_mask"] = compute_response_mask(part)
             part.batch["prefix_mask"] = prefix_mask_tensor(
@@ -437,6 +460,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         ctx = RolloutContext(
             batch=batch, n=self.n, global_step=self.global_steps, mix=self.mix, generate=generate,
             prefix_ratios=lambda: self._prefix_ratios(gen_batch, gen_index), rng=np.random.default_rng([*seed, 1]),
+            records=records, state=self._rollout_state, tokenizer=self.tokenizer,
         )  # fmt: skip
         out = ROLLOUT_POLICIES.get(self.mix.rollout_policy)(ctx)
         timing.update(merge_rollout_timing(passes))  # min/max/mean keep their meaning over several passes
@@ -598,7 +622,8 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
         state = {"epoch": self._epoch, "carry": self._carry, "dataloader": self.train_dataloader.state_dict(),
                  "entropy_coef": getattr(self, "_entropy_state", None),  # the learned entropy coefficient
-                 "flops": dict(self._flops or {})}  # the FLOPs so far: a resumed run's budget counts them
+                 "flops": dict(self._flops or {}),  # the FLOPs so far: a resumed run's budget counts them
+                 "rollout_policy": getattr(self, "_rollout_state", {})}  # the rollout policy's own state (RolloutContext.state)
         torch.save(state, os.path.join(folder, MIX_STATE_FILE))
 
     def _load_checkpoint(self):
@@ -623,6 +648,9 @@ class MIXRayPPOTrainer(RayPPOTrainer):
                     self.train_dataloader.load_state_dict(state["dataloader"])
                 self._entropy_state = state.get("entropy_coef")
                 self._flops = {**{c: 0.0 for c in FLOPS_COUNTS}, **(state.get("flops") or {})}  # the budget counts the run so far
+                self._rollout_state = getattr(self, "_rollout_state", {})  # the policy's RolloutContext.state: same dict
+                self._rollout_state.clear()
+                self._rollout_state.update(state.get("rollout_policy") or {})
                 if self._entropy_state is not None:  # the workers' loss continues the learned coefficient
                     install_loss(self.actor_rollout_wg, self._make_loss_fn())
         return result

@@ -11,6 +11,7 @@ that uses it:
     rollout policies      mix_src.rollout_policy.register_rollout_policy   (mix.rollout_policy)
     row losses            mix_src.row_loss.register_row_loss               (mix.loss.row_loss)
     loss combinations     mix_src.loss_combine.register_loss_combine       (mix.loss.combine)
+    off-policy behaviours mix_src.off_policy_behaviour.register_off_policy_behaviour (mix.loss.off_policy_behaviour)
 
 Every entry describes itself (:class:`Entry`): the trainer bases it supports (``"legacy"`` =
 :class:`~mix_src.mix_trainer.MIXRayPPOTrainer`, ``"v1"`` = ``trainer.use_v1=true``) and, for each base it does

@@ -16,7 +16,7 @@ The returned rows must be scored rows as ``ctx.generate`` returns them (one per 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -34,10 +34,18 @@ class RolloutContext:
         prompt i; ``non_tensor_batch["uid"]`` is the prompt's group id). Read it; do not modify it.
     n: samples per prompt (rollout.n). global_step: the trainer's step (from 1). mix: the MixConfig
         (plugins may read their own settings from the strategy keys, e.g. n_prefix).
-    generate(ratios, rows=None) -> DataProto: generate the rows ``rows`` (int array; None = all B) with
-        one prefix ratio each (ratios: float array of len(rows), 0 = on-policy) and score them; the result
-        has the rows' tensors, ``prefix_mask`` (rows, response_len), ``response_mask``,
-        ``token_level_scores`` and the reward's extra keys (e.g. ``acc``).
+    generate(ratios, rows=None, targets=None, prompts=None) -> DataProto: generate the rows ``rows`` (int
+        array; None = all B) with one prefix ratio each (ratios: float array of len(rows), 0 = on-policy) and
+        score them; the result has the rows' tensors, ``prefix_mask`` (rows, response_len), ``response_mask``,
+        ``token_level_scores`` and the reward's extra keys (e.g. ``acc``). ``targets`` (strings, one per
+        row) replace the rows' off-policy targets for this pass (e.g. a replayed sample of the model's
+        own). ``prompts`` (a DataProto from ``records``, possibly of an earlier step; then ``rows`` must be
+        None) generates for those prompt rows instead of this batch's (new rollout seeds).
+    records(rows) -> DataProto: self-contained copies of the rows ``rows`` (prompt, reward keys, target),
+        to keep (e.g. in ``state``) and pass to ``generate(prompts=...)`` later.
+    state: the rollout policy's own dict, kept by the trainer across steps, saved with its checkpoint
+        (``mix_state.pt``, key ``rollout_policy``) and restored on resume; keep its contents picklable.
+    tokenizer: the trainer's tokenizer (e.g. to turn recorded token ids back into a target string).
     prefix_ratios() -> (B,) float array: the configured strategy's ratios for this batch (seeded from
         (seed, global_step, gen batch), as the default policy uses them; 0 for rows without a target).
     rng: a generator seeded like the ratios, for the policy's own draws.
@@ -50,6 +58,9 @@ class RolloutContext:
     generate: Callable[..., Any]
     prefix_ratios: Callable[[], np.ndarray]
     rng: np.random.Generator
+    records: Optional[Callable[..., Any]] = None
+    state: dict = field(default_factory=dict)
+    tokenizer: Any = None
 
 
 RolloutPolicy = Callable[[RolloutContext], Any]

@@ -27,7 +27,7 @@ PLOT_SCRIPT = REPO_ROOT / "scripts" / "plot_metrics.py"
 
 GPU_RECIPES = [
     "luffy_zero", "on_policy_grpo", "rl_with_sft_loss", "sft_then_rl",
-    "dapo_filter", "luffy_filter", "prefix_curriculum", "guide_on_failure", "hpt", "chord", "prefix_rft",
+    "dapo_filter", "luffy_filter", "prefix_curriculum", "guide_on_failure", "hpt", "chord", "prefix_rft", "exgrpo",
 ]  # fmt: skip
 RECIPES = [*GPU_RECIPES, "cpu_tiny"]
 
@@ -85,6 +85,17 @@ EXPECTED = {
         "mix.loss.loss_agg_mode": None, "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-sum-norm",
         "actor_rollout_ref.actor.calculate_entropy": True, "actor_rollout_ref.rollout.n": 8,
     },
+    "exgrpo": {
+        "mix.rollout_policy": "exgrpo", "mix.loss.off_policy_behaviour": "stored_log_prob",
+        "actor_rollout_ref.rollout.calculate_log_probs": True, "actor_rollout_ref.rollout.n": 8,
+        "mix.plugin_options": {"exgrpo": {"experience_ratio": 0.5, "start_solved_ratio": 0.35,
+                                          "bucket_weighting": "normal", "lbound": 0, "rbound": 7,
+                                          "select_mode": "argmin"}},
+        "actor_rollout_ref.actor.optim.lr": 1e-6, "algorithm.norm_adv_by_std_in_grpo": False,
+        "mix.loss.loss_remove_clip": True, "mix.loss.off_policy_reshape": "p_div_p",
+        "mix.loss.off_policy_reshape_gamma": 0.1, "mix.loss.loss_agg_mode": "luffy-token-sum-norm",
+        "data.train_batch_size": 128, "trainer.total_training_steps": 701,
+    },
     "cpu_tiny": {
         "mix.n_prefix": 1, "mix.min_prefix_ratio": 1.0, "actor_rollout_ref.rollout.name": "hf",
         "trainer.device": "cpu", "actor_rollout_ref.actor.strategy": "fsdp2",
@@ -106,6 +117,7 @@ RUN_SH_OVERRIDES = {
     "hpt": [f"mix.plugins=[{RECIPES_DIR / 'hpt' / 'hpt.py'}]"],
     "chord": [f"mix.plugins=[{RECIPES_DIR / 'chord' / 'chord.py'}]"],
     "prefix_rft": [f"mix.plugins=[{RECIPES_DIR / 'prefix_rft' / 'prefix_rft.py'}]"],
+    "exgrpo": [f"mix.plugins=[{RECIPES_DIR / 'exgrpo' / 'exgrpo.py'}]"],
 }  # fmt: skip
 
 

@@ -1,0 +1,294 @@
+"""ExGRPO (Experiential GRPO), as a mix_src plugin: replay the model's own past successful trajectories.
+
+Paper: Zhan et al., "ExGRPO: Learning to Reason from Experience" (arXiv 2510.02245).
+Official code: github.com/ElliottYan/LUFFY, ``ExGRPO/exgrpo/verl/verl/mix_src/`` at commit 01f4ae0:
+``mix_trainer_experience.py`` (fit), ``experience/experience_trainer_ops.py`` (collection, recorded
+old log-probs), ``experience/experience_collate_fn.py`` + ``experience_helpers.py`` (mixing, trajectory
+choice), ``experience/weighted_bucket_sampler.py`` (bucket weights), ``mix_core_alg.py`` (loss);
+defaults from ``ExGRPO/exp_scripts/run_exgrpo.sh``.
+
+Per generation batch (P prompts x n samples), rollout policy ``exgrpo``:
+
+1. while not "mixed" (before the batch solve rate first exceeds ``start_solved_ratio``, official 0.35): all
+   rows on-policy (GRPO), nothing recorded;
+2. when mixed and the buffer holds prompts: ``n_exp = min(int(P * experience_ratio), #prompts in buffer)``
+   prompts are drawn from the buffer's buckets (bucket k = the prompt's latest solved count; weight
+   N(k; n/2, 1), "normal"), without replacement inside a bucket; for each, the stored trajectory of lowest
+   metric (argmin) is chosen, and the prompt's group = that trajectory (row 0, an off-policy row whose
+   tokens are all ``prefix_mask``) + n-1 fresh samples. These groups replace the batch's last n_exp groups
+   (the official collate function keeps the first P - n_exp prompts of the batch, too);
+3. when mixed, every group with 0 < k <= rbound (official 0 < k <= 7 of 8) records its solved on-policy
+   samples (token ids, the rollout's log-probs = the behaviour policy's, mean token NLL), deduplicated,
+   and moves its prompt to bucket k; a group solved n/n is retired (removed, never recorded again).
+
+The replayed rows carry their recorded log-probs in ``behaviour_log_prob``; with
+``mix.loss.off_policy_behaviour=stored_log_prob`` the core loss shapes them as f(w) = w / (w + 0.1),
+w = exp(l - l_recorded) (official ``exp_is_correct=True`` + ``off_policy_reshape=p_div_p_0.1``).
+
+The buffer is this policy's ``ctx.state`` (kept by the trainer, saved in ``mix_state.pt`` with each
+checkpoint and restored on resume). Settings: ``mix.plugin_options.exgrpo`` (:data:`DEFAULTS`).
+Load with ``mix.plugins=[recipes/exgrpo/exgrpo.py] mix.rollout_policy=exgrpo
+mix.loss.off_policy_behaviour=stored_log_prob``. Every difference from the official code: README.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from mix_src.off_policy_behaviour import BEHAVIOUR_LOG_PROB
+from mix_src.registry import EntryConfigError
+from mix_src.rollout_policy import RolloutContext, register_rollout_policy, solved
+
+NAME = "exgrpo"
+WEIGHTINGS = ("linear", "normal", "sqrt", "linear_clip")
+DEFAULTS = {
+    "experience_ratio": 0.5,  # official trainer.experience_ratio=0.5
+    "start_solved_ratio": 0.35,  # official trainer.experience_start_sratio=0.35 (< 0: mixed from step 1)
+    "bucket_weighting": "normal",  # official trainer.exp_bucket_manager=normal
+    "lbound": 0,  # official trainer.experience_lbound=0: record groups with lbound < k
+    "rbound": None,  # official trainer.experience_rbound=7 (n=8): ... and k <= rbound; None = n - 1
+    "select_mode": "argmin",  # official trainer.exp_select_mode=argmin
+}
+
+
+def options(mix) -> dict:
+    """The plugin's settings from ``mix.plugin_options.exgrpo`` over :data:`DEFAULTS`."""
+    return {**DEFAULTS, **dict(mix.plugin_options.get(NAME) or {})}
+
+
+# ---- the method's maths (tested against the official code in tests/test_exgrpo.py) --------------------------
+def bucket_weight(k: int, n_rollout: int, method: str) -> float:
+    """Sampling weight of bucket k (k solved of n_rollout), official ``WeightedBucketSampler.__init__``."""
+    if method == "linear":
+        return k / n_rollout
+    if method == "normal":  # N(k; n/2, sigma=1)
+        return float(1 / np.sqrt(2 * np.pi) * np.exp(-((k - n_rollout / 2) ** 2) / 2))
+    if method == "sqrt":
+        return float(np.sqrt(k / n_rollout))
+    if method == "linear_clip":
+        return 0.5 if k > n_rollout / 2 else k / n_rollout
+    raise ValueError(f"bucket_weighting={method!r} is not one of {WEIGHTINGS}")
+
+
+def sample_from_buckets(buckets: dict, n: int, n_rollout: int, method: str,
+                        np_rng: np.random.RandomState, py_rng: random.Random) -> list:
+    """Draw n items from ``buckets`` ({k: [items]}), official ``WeightedBucketSampler.sample`` with its global
+    ``np.random`` / ``random`` replaced by the given generators (same calls, same order: with generators seeded
+    like the globals it returns the same items). Multinomial counts per bucket, overflow moved one by one to
+    buckets with room (by the renormalised probabilities), then without replacement inside each bucket."""
+    valid = {k: v for k, v in buckets.items() if len(v) > 0}
+    weights = {k: bucket_weight(k, n_rollout, method) for k in valid}
+    total = sum(weights.values())
+    if total == 0:
+        raise ValueError("All buckets are empty or have zero weight")
+    probs = {k: w / total for k, w in weights.items()}
+    names = list(valid)
+    counts = np_rng.multinomial(n, [probs[k] for k in names])
+    adjusted, excess = [], 0
+    for i, c in enumerate(counts):
+        size = len(valid[names[i]])
+        adjusted.append(min(int(c), size))
+        excess += max(int(c) - size, 0)
+    while excess > 0:
+        avail = [i for i, k in enumerate(names) if adjusted[i] < len(valid[k])]
+        if not avail:
+            break
+        p = [probs[names[i]] for i in avail]
+        p = [x / sum(p) for x in p]
+        adjusted[np_rng.choice(avail, p=p)] += 1
+        excess -= 1
+    out = []
+    for i, c in enumerate(adjusted):
+        if c > 0:
+            data = valid[names[i]]
+            out.extend(data.copy() if c >= len(data) else py_rng.sample(data, c))
+    return out
+
+
+def token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-trajectory mean of a per-token metric over its tokens: (T, L), (T, L) bool -> (T,)."""
+    m = mask.to(values.dtype)
+    return (values * m).sum(-1) / m.sum(-1).clamp(min=1)
+
+
+def choose_trajectory(metrics: Sequence[float], select_mode: str = "argmin") -> int:
+    """Index of the trajectory to replay, official ``select_best_experiences`` (argmin / argmax)."""
+    if select_mode == "argmin":
+        return int(np.argmin(metrics))
+    if select_mode == "argmax":
+        return int(np.argmax(metrics))
+    raise ValueError(f"Invalid exp_select_mode: {select_mode}")
+
+
+# ---- the buffer ---------------------------------------------------------------------------------------------
+def _buffer(ctx: RolloutContext) -> dict:
+    """The policy's state: mixed flag, pool {key: {"record": 1-row DataProto, "trajs": [...]}}, bucket
+    {key: k}, retired keys."""
+    return ctx.state.setdefault(NAME, {"mixed": False, "pool": {}, "bucket": {}, "retired": set()})
+
+
+def _prompt_key(rows, row: int) -> str:
+    """A prompt's identity across steps: a hash of its token ids (the generated row's ``prompts`` tensor)."""
+    ids = rows.batch["prompts"][row]
+    mask = rows.batch["attention_mask"][row, : ids.shape[-1]].bool()
+    return hashlib.sha1(ids[mask].numpy().astype(np.int64).tobytes()).hexdigest()
+
+
+def _record(ctx: RolloutContext, buf: dict, out, keys: list, records_of, opts: dict) -> None:
+    """Step 3 (official ``collect_experience_entries`` + ``cleanup_experience_buckets``)."""
+    n = ctx.n
+    ok = solved(out).reshape(-1, n)
+    off = out.batch["prefix_mask"].any(-1).numpy().reshape(-1, n)
+    rbound = n - 1 if opts["rbound"] is None else int(opts["rbound"])
+    if "rollout_log_probs" not in out.batch.keys():
+        raise KeyError("exgrpo records the rollout's log-probs: set actor_rollout_ref.rollout.calculate_log_probs=true")
+    for g, key in enumerate(keys):
+        k = int(ok[g].sum())
+        if k == n:  # solved by every sample: retired (official skip_uid_set)
+            buf["pool"].pop(key, None), buf["bucket"].pop(key, None)
+            buf["retired"].add(key)
+            continue
+        if key in buf["retired"] or k > rbound or k <= int(opts["lbound"]):
+            continue
+        entry = buf["pool"].get(key)
+        if entry is None:
+            entry = buf["pool"][key] = {"record": records_of(g), "trajs": []}
+        buf["bucket"][key] = k
+        for j in range(n):
+            r = g * n + j
+            if not ok[g, j] or off[g, j]:
+                continue
+            m = out.batch["response_mask"][r].bool()
+            ids = out.batch["responses"][r][m].clone()
+            if any(torch.equal(ids, t["ids"]) for t in entry["trajs"]):
+                continue
+            lp = out.batch["rollout_log_probs"][r][m].float().clone()
+            entry["trajs"].append({"ids": ids, "log_prob": lp, "metric": float(-lp.mean()) if len(lp) else 0.0})
+
+
+def _target_text(tokenizer, ids: torch.Tensor) -> str:
+    """The stored ids as the target string the agent loop re-tokenises (it appends EOS itself)."""
+    ids = ids.tolist()
+    if ids and ids[-1] == tokenizer.eos_token_id:
+        ids = ids[:-1]
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _behaviour(rows, chosen: list) -> torch.Tensor:
+    """(rows, L) recorded log-probs on each replayed row's prefix tokens (0 elsewhere, and on a row whose
+    re-tokenised target differs from the recorded ids: then the loss weighs it like LUFFY, p_b = 1)."""
+    pm = rows.batch["prefix_mask"].bool()
+    beh = torch.zeros(pm.shape, dtype=torch.float32)
+    for r, traj in chosen:
+        ids = rows.batch["responses"][r][pm[r]]
+        k = min(len(ids), len(traj["ids"]))
+        if k and torch.equal(ids[:k], traj["ids"][:k]):
+            pos = pm[r].nonzero().squeeze(-1)[:k]
+            beh[r, pos] = traj["log_prob"][:k]
+    return beh
+
+
+def _concat(parts: list):
+    from verl import DataProto
+
+    keys = set().union(*(p.non_tensor_batch.keys() for p in parts))
+    fixed = []
+    for p in parts:
+        nt = dict(p.non_tensor_batch)
+        for k in keys - nt.keys():
+            nt[k] = np.full(len(p), None, dtype=object)
+        fixed.append(DataProto(batch=p.batch, non_tensor_batch=nt, meta_info=p.meta_info))
+    return DataProto.concat(fixed)
+
+
+def _check(config) -> None:
+    mix, n = config.mix, int(config.actor_rollout_ref.rollout.n)
+    opts = dict((mix.get("plugin_options") or {}).get(NAME) or {})
+    unknown = sorted(set(opts) - set(DEFAULTS))
+    if unknown:
+        raise EntryConfigError(f"mix.plugin_options.{NAME}: unknown key(s) {unknown}; valid: {sorted(DEFAULTS)}")
+    o = {**DEFAULTS, **opts}
+    p = f"mix.plugin_options.{NAME}"
+    if not 0.0 <= float(o["experience_ratio"]) <= 1.0:
+        raise EntryConfigError(f"{p}.experience_ratio={o['experience_ratio']!r} must be in [0, 1]")
+    if not float(o["start_solved_ratio"]) < 1.0:
+        raise EntryConfigError(f"{p}.start_solved_ratio={o['start_solved_ratio']!r} must be < 1 (the switch needs a "
+                               "batch solve rate above it; < 0 = mixed from the first step)")
+    if o["bucket_weighting"] not in WEIGHTINGS:
+        raise EntryConfigError(f"{p}.bucket_weighting={o['bucket_weighting']!r} is not one of {list(WEIGHTINGS)}")
+    if o["select_mode"] not in ("argmin", "argmax"):
+        raise EntryConfigError(f"{p}.select_mode={o['select_mode']!r} is not one of ['argmin', 'argmax']")
+    rb = n - 1 if o["rbound"] is None else o["rbound"]
+    if not (isinstance(o["lbound"], int) and isinstance(rb, int) and 0 <= o["lbound"] < rb <= n - 1):
+        raise EntryConfigError(f"{p}: need integers 0 <= lbound < rbound <= rollout.n - 1 = {n - 1} (got lbound="
+                               f"{o['lbound']!r}, rbound={o['rbound']!r})")
+    if mix.loss.get("off_policy_behaviour") != "stored_log_prob":
+        raise EntryConfigError(f"mix.rollout_policy={NAME!r} replays rows with recorded log-probs for "
+                               f"mix.loss.off_policy_behaviour=stored_log_prob (got "
+                               f"{mix.loss.get('off_policy_behaviour')!r}); set it")
+    if not config.actor_rollout_ref.rollout.get("calculate_log_probs", False):
+        raise EntryConfigError(f"mix.rollout_policy={NAME!r} records the rollout's log-probs of each sample: set "
+                               "actor_rollout_ref.rollout.calculate_log_probs=true")
+    if n < 2:
+        raise EntryConfigError(f"mix.rollout_policy={NAME!r} mixes a replayed row into a group of fresh samples: "
+                               f"actor_rollout_ref.rollout.n={n} must be >= 2")
+
+
+@register_rollout_policy(
+    NAME, bases=("legacy",),
+    why_not={"v1": "rollout policies (and the replay buffer kept in the trainer's mix_state.pt) run on the legacy "
+                   "trainer base only (MIXRayPPOTrainer)"},
+    check=_check,
+    reads=tuple(f"mix.plugin_options.{NAME}.{k}" for k in DEFAULTS) + (
+        "mix.loss.off_policy_behaviour", "actor_rollout_ref.rollout.n",
+        "actor_rollout_ref.rollout.calculate_log_probs"),
+)  # fmt: skip
+def exgrpo(ctx: RolloutContext):
+    n, opts, buf = ctx.n, options(ctx.mix), _buffer(ctx)
+    num_prompts = len(ctx.batch) // n
+    if not buf["mixed"] and float(opts["start_solved_ratio"]) < 0:
+        buf["mixed"] = True  # a negative ratio: mixed (recording) from the first step
+    mixed = buf["mixed"]
+    replay_keys: list = []
+    if mixed and buf["pool"]:
+        n_exp = min(len(buf["pool"]), int(num_prompts * float(opts["experience_ratio"])))
+        if n_exp > 0:
+            buckets: dict = {}
+            for key in buf["pool"]:  # insertion order: as the official pool/bucket lists
+                buckets.setdefault(buf["bucket"][key], []).append(key)
+            seeds = ctx.rng.integers(0, 2**31 - 1, size=2)
+            replay_keys = sample_from_buckets(buckets, n_exp, n, opts["bucket_weighting"],
+                                              np.random.RandomState(int(seeds[0])), random.Random(int(seeds[1])))
+    n_keep = num_prompts - len(replay_keys)
+    parts, chosen = [], []
+    if n_keep:
+        parts.append(ctx.generate(np.zeros(n_keep * n), rows=np.arange(n_keep * n)))
+    if replay_keys:
+        prompts, targets, ratios = [], [], []
+        for j, key in enumerate(replay_keys):
+            entry = buf["pool"][key]
+            traj = entry["trajs"][choose_trajectory([t["metric"] for t in entry["trajs"]], opts["select_mode"])]
+            rec = entry["record"].repeat(repeat_times=n, interleave=True)
+            rec.non_tensor_batch["uid"] = np.array([f"exgrpo-{ctx.global_step}-{j}"] * n, dtype=object)
+            prompts.append(rec)
+            text = _target_text(ctx.tokenizer, traj["ids"])
+            targets += [text] * n
+            ratios += [1.0] + [0.0] * (n - 1)  # official n_prefix=1, prefix ratio 1.0: row 0 is the replay
+            chosen.append((n_keep * n + j * n, traj))
+        from verl import DataProto
+
+        parts.append(ctx.generate(np.asarray(ratios), targets=targets, prompts=DataProto.concat(prompts)))
+    out = _concat(parts) if len(parts) > 1 else parts[0]
+    out.batch[BEHAVIOUR_LOG_PROB] = _behaviour(out, chosen)
+    if mixed:
+        all_keys = [_prompt_key(out, g * n) for g in range(n_keep)] + list(replay_keys)
+        records_of = lambda g: (ctx.records([g * n]) if g < n_keep else buf["pool"][all_keys[g]]["record"])  # noqa: E731
+        _record(ctx, buf, out, all_keys, records_of, opts)
+    elif float(solved(out).mean()) > float(opts["start_solved_ratio"]):
+        buf["mixed"] = True  # official: switch after the step whose batch/solved exceeds the ratio
+    return out
