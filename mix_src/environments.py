@@ -88,25 +88,29 @@ class ToolEnv:
         scores = [self.score(it, r) for it, r in zip(items, responses)]
         return {k: sum(s[k] for s in scores) / max(len(scores), 1) for k in (scores[0] if scores else {})}
 
-    def episode_length(self, episode: list[dict], tokenizer) -> int:
-        """Response tokens the episode takes in the agent loop: assistant turns + EOS and the rendered tool
-        turns (the chat template's tool block and the next generation prompt), as verl's Continuous-Token
-        builder merges them."""
+    def episode_length(self, episode: list[dict], tokenizer, hf_model_type: Optional[str] = "qwen2") -> int:
+        """Response tokens the episode takes in the agent loop, laid out by verl's Continuous-Token builder for
+        ``hf_model_type`` exactly as :mod:`mix_src.agent_loop_tools` replays it: assistant turns + EOS, and
+        each tool result rendered by the chat template with the next generation prompt."""
         from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
 
-        builder = create_continuous_token_builder(tokenizer, hf_model_type=None)
-        n, msgs, prev = 0, [{"role": "user", "content": "q"}], None
+        builder = self._builders.get(id(tokenizer)) if hasattr(self, "_builders") else None
+        if builder is None:
+            builder = create_continuous_token_builder(tokenizer, hf_model_type=hf_model_type)
+            self._builders = {id(tokenizer): builder}
+        msgs = [{"role": "user", "content": "q"}]
+        runtime = builder.build_initial_tokens(msgs)
+        start = len(runtime)
         for m in episode:
             if m["role"] == "assistant":
-                n += len(tokenizer.encode(m["content"], add_special_tokens=False)) + 1
-                msgs.append({"role": "assistant", "content": m["content"]})
+                ids = tokenizer.encode(m["content"], add_special_tokens=False) + [tokenizer.eos_token_id]
+                runtime = builder.merge_assistant_tokens(runtime, ids).token_ids
+                msgs = msgs + [{"role": "assistant", "content": m["content"]}]
             else:
                 new = msgs + [{"role": "tool", "content": m["content"]}]
-                n += len(builder.tokenize_context_incremental_messages(msgs, new))
-                n += 1 if prev == "assistant" and _ends_turn_without_newline(tokenizer) else 0
+                runtime = builder.merge_context_tokens(msgs, new, runtime).token_ids
                 msgs = new
-            prev = m["role"]
-        return n
+        return len(runtime) - start
 
     def rows(self, split: str, n: int, seed: int, tokenizer=None, max_response_length: Optional[int] = None):
         """verl parquet rows for ``split`` and a stats dict: ``{"rows", "dropped_too_long", "no_expert"}``.
@@ -132,11 +136,6 @@ class ToolEnv:
             })
         stats["rows"] = len(rows)
         return rows, stats
-
-
-def _ends_turn_without_newline(tokenizer) -> bool:
-    """Qwen's builder inserts ``\\n`` after a turn that ends in ``<|im_end|>`` (verl continuous_token.py)."""
-    return tokenizer.eos_token == "<|im_end|>"
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
@@ -201,3 +202,43 @@ def test_compute_score_dispatches_on_data_source():
     s = compute_score("toy_calculator", "<tool_call>x</tool_call>\ntool\n42\nassistant\n42", "42")
     assert s["score"] == 1.0 and s["tool_calls"] == 1.0
     assert compute_score("toy_calculator", "41", "42")["score"] == 0.0
+
+
+# --------------------------------------------------------------------------------------------- e2e (Ray)
+@pytest.mark.ray
+def test_guided_tool_episodes_train_two_steps_with_filter_groups(tiny_assets, tmp_path):
+    """python -m mix_src.main_mix_ppo on the toy calculator through the real agent loop (hermes parser,
+    calculator function tool, env reward), filter groups on: each group has one whole expert episode
+    (ratio 1.0: 2 assistant turns + 1 recorded tool result, always correct) and one on-policy episode of
+    the random model (always wrong), so every group is kept."""
+    import sys
+
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from e2e import MIX_CPU, run_verl, tiny_overrides
+
+    sys.path.insert(0, os.path.join(REPO, "recipes", "toy_calculator"))
+    from prepare import prepare
+
+    data = prepare(tiny_assets["tokenizer"], str(tmp_path / "data"), n_train=8, n_eval=4, max_response_length=128)
+    assets = {**tiny_assets, "train": data["train"]["path"], "val": data["heldout"]["path"]}
+    overrides = MIX_CPU + tiny_overrides(
+        assets, steps=2, n=2, batch_size=2, prompt_length=32, response_length=128,
+        reward=["reward.custom_reward_function.path=pkg://mix_src.environments",
+                "reward.custom_reward_function.name=compute_score"],
+    ) + [
+        "mix.plugins=[mix_src.toy_calculator]",
+        "actor_rollout_ref.rollout.agent.default_agent_loop=prefix_guided_tool",
+        "actor_rollout_ref.rollout.multi_turn.format=hermes",
+        f"actor_rollout_ref.rollout.multi_turn.function_tool_path={REPO}/recipes/toy_calculator/tools.py",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+        "mix.n_prefix=1", "mix.min_prefix_ratio=1.0", "mix.max_prefix_ratio=1.0",
+        "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
+        "algorithm.filter_groups.max_num_gen_batches=2",
+    ]  # fmt: skip
+    result = run_verl("mix_src.main_mix_ppo", overrides, tmp_path, timeout=420)
+    assert [m["step"] for m in result.metrics] == [1, 2]
+    for m in result.metrics:
+        assert m["batch/off_solved"] == 1.0  # the replayed expert episodes score 1 under the env's reward
+        assert m["train/num_kept_prompts"] == 2
+        assert m["num_turns/max"] == 4  # prompt + 2 expert assistant turns + 1 replayed tool turn
+        assert np.isfinite(m["actor/pg_loss"])
