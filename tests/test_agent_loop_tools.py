@@ -208,7 +208,7 @@ def test_compute_score_dispatches_on_data_source():
 @pytest.mark.ray
 def test_guided_tool_episodes_train_two_steps_with_filter_groups(tiny_assets, tmp_path):
     """python -m mix_src.main_mix_ppo on the toy calculator through the real agent loop (hermes parser,
-    calculator function tool, env reward), filter groups on: each group has one whole expert episode
+    calculator function tool, env reward), grpo_split and filter groups on: each group has one whole expert episode
     (ratio 1.0: 2 assistant turns + 1 recorded tool result, always correct) and one on-policy episode of
     the random model (always wrong), so every group is kept."""
     import sys
@@ -233,7 +233,7 @@ def test_guided_tool_episodes_train_two_steps_with_filter_groups(tiny_assets, tm
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
         "mix.n_prefix=1", "mix.min_prefix_ratio=1.0", "mix.max_prefix_ratio=1.0",
         "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
-        "algorithm.filter_groups.max_num_gen_batches=2",
+        "algorithm.filter_groups.max_num_gen_batches=2", "algorithm.adv_estimator=grpo_split",
     ]  # fmt: skip
     result = run_verl("mix_src.main_mix_ppo", overrides, tmp_path, timeout=420)
     assert [m["step"] for m in result.metrics] == [1, 2]
@@ -241,4 +241,6 @@ def test_guided_tool_episodes_train_two_steps_with_filter_groups(tiny_assets, tm
         assert m["batch/off_solved"] == 1.0  # the replayed expert episodes score 1 under the env's reward
         assert m["train/num_kept_prompts"] == 2
         assert m["num_turns/max"] == 4  # prompt + 2 expert assistant turns + 1 replayed tool turn
-        assert np.isfinite(m["actor/pg_loss"])
+        assert np.isfinite(m["actor/pg_loss"]) and np.isfinite(m["actor/off_pg_loss"])
+        # expert tokens are about half the trained tokens: tool-result tokens are not counted as trained
+        assert 0 < m["batch/prefix_token_frac"] < 1
