@@ -49,6 +49,7 @@ class ScriptedServer:
         from verl.workers.rollout.replica import TokenOutput
 
         self.prompts.append(list(prompt_ids))
+        self.params = getattr(self, "params", []) + [dict(sampling_params)]
         ids = self.tok.encode(self.replies.pop(0), add_special_tokens=False) + [self.tok.eos_token_id]
         return TokenOutput(token_ids=ids, log_probs=[-0.5] * len(ids))
 
@@ -172,6 +173,20 @@ def test_no_prefix_is_verls_tool_loop(tokenizer, calc_tools):
     out = _run(_loop(tokenizer, server, calc_tools), 0.0, episode)
     assert len(server.prompts) == 2 and out.extra_fields["prefix_token_mask"].sum() == 0
     assert "tool\n56876" in tokenizer.decode(out.response_ids)  # the real tool answered
+
+
+def test_v1_kwargs_and_row_seed(tokenizer, calc_tools):
+    """verl's V1 trainer sends per-prompt lists and a session id; the row's seed reaches the server."""
+    _, _, episode = _episode()
+    t1, t2 = _turn_ids(tokenizer, episode[0]["content"]), _turn_ids(tokenizer, episode[2]["content"])
+    server = ScriptedServer(tokenizer, ["56876"])
+    loop = _loop(tokenizer, server, calc_tools)
+    coro = loop.run({"temperature": 1.0}, raw_prompt=[{"role": "user", "content": "964*59"}],
+                    target=json.dumps(episode), prefix_ratios=[0.0, len(t1) / (len(t1) + len(t2))],
+                    rollout_seeds=[11, 12], session_id=1, index=0)  # fmt: skip
+    out = loop.loop.run_until_complete(coro)
+    assert len(server.prompts) == 1 and server.params[0]["seed"] == 12
+    assert out.extra_fields["prefix_token_mask"].sum() == len(t1)
 
 
 # --------------------------------------------------------------------------------------- environments
