@@ -73,7 +73,13 @@ def parse_episode(target: Any) -> list[dict[str, str]]:
     Raises :class:`ExpertEpisodeError` naming what is wrong (roles, order, content type)."""
     if target is None or (isinstance(target, str) and not target.strip()):
         return []
-    episode = json.loads(target) if isinstance(target, str) else list(target)
+    try:
+        episode = json.loads(target) if isinstance(target, str) else list(target)
+    except json.JSONDecodeError as e:
+        raise ExpertEpisodeError(
+            f"the row's target is not a JSON expert episode ({e}): {target[:80]!r}...; build rows with "
+            "mix_src.environments.ToolEnv.rows"
+        ) from e
     if not isinstance(episode, list):
         raise ExpertEpisodeError(f"expert episode must be a JSON list of messages, got {type(episode).__name__}")
     prev = None
@@ -253,3 +259,29 @@ class PrefixGuidedToolAgentLoop(ToolAgentLoop):
         state = await super()._handle_processing_tools_state(agent_data)
         self._track(len(agent_data.response_mask), len(agent_data.response_mask) - n_before, expert=False)
         return state
+
+
+AGENT_NAME = "prefix_guided_tool"
+
+
+def check_config(config) -> None:
+    """Before Ray: refuse what this loop cannot honour, naming the key (called by mix_src.main_mix_ppo)."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.select(config, "actor_rollout_ref.rollout.agent.default_agent_loop") != AGENT_NAME:
+        return
+    if OmegaConf.select(config, "mix.data.truncate_targets", default=False):
+        raise ValueError(
+            "mix.data.truncate_targets=true with the prefix_guided_tool agent loop: a tool episode's target is "
+            "JSON and cutting it by tokens breaks it; drop too-long episodes at data prep instead "
+            "(mix_src.environments.ToolEnv.rows(max_response_length=...)) and set mix.data.truncate_targets=false"
+        )
+    if OmegaConf.select(config, "trainer.use_v1", default=False) and OmegaConf.select(
+        config, "actor_rollout_ref.rollout.full_determinism", default=False
+    ):
+        raise ValueError(
+            "actor_rollout_ref.rollout.full_determinism=true with prefix_guided_tool on trainer.use_v1=true: verl's "
+            "ToolAgentLoop names requests det-{priority} (tool_agent_loop.py _make_request_id), and V1 runs a "
+            "prompt's samples concurrently with priority 0, so the ids collide; set full_determinism=false or "
+            "trainer.use_v1=false"
+        )

@@ -172,6 +172,12 @@ def config_stage(config: DictConfig) -> None:
     use_v1 = bool(config.trainer.get("use_v1", False))
     if use_v1:
         check_v1_config(config)
+    from mix_src.agent_loop_tools import check_config as check_tool_loop_config
+
+    try:
+        check_tool_loop_config(config)
+    except ValueError as e:
+        raise MixConfigError(str(e)) from e
     prepare_config(config)
     auto_set_device(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))

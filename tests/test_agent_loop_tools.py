@@ -34,6 +34,8 @@ def test_parse_episode_refuses_malformed_episodes():
     assert parse_episode(json.dumps(ep)) == ep
     with pytest.raises(ExpertEpisodeError, match="start with an assistant"):
         parse_episode(json.dumps([{"role": "tool", "content": "1"}]))
+    with pytest.raises(ExpertEpisodeError, match="not a JSON expert episode"):
+        parse_episode('[{"role": "assistant", "content": "<tool_call>{\\"na')  # a target cut by tokens
     with pytest.raises(ExpertEpisodeError, match="role assistant\\|tool"):
         parse_episode(json.dumps([{"role": "user", "content": "1"}]))
 
@@ -259,3 +261,19 @@ def test_guided_tool_episodes_train_two_steps_with_filter_groups(tiny_assets, tm
         assert np.isfinite(m["actor/pg_loss"]) and np.isfinite(m["actor/off_pg_loss"])
         # expert tokens are about half the trained tokens: tool-result tokens are not counted as trained
         assert 0 < m["batch/prefix_token_frac"] < 1
+
+
+def test_config_refusals_before_ray():
+    from mix_src.agent_loop_tools import check_config
+
+    base = {"actor_rollout_ref": {"rollout": {"agent": {"default_agent_loop": "prefix_guided_tool"},
+                                              "full_determinism": False}},
+            "mix": {"data": {"truncate_targets": False}}, "trainer": {"use_v1": False}}  # fmt: skip
+    check_config(OmegaConf.create(base))
+    bad = OmegaConf.merge(base, {"mix": {"data": {"truncate_targets": True}}})
+    with pytest.raises(ValueError, match="mix.data.truncate_targets=true"):
+        check_config(bad)
+    bad = OmegaConf.merge(base, {"trainer": {"use_v1": True}, "actor_rollout_ref": {"rollout": {"full_determinism": True}}})
+    with pytest.raises(ValueError, match="full_determinism=true"):
+        check_config(bad)
+    check_config(OmegaConf.merge(bad, {"actor_rollout_ref": {"rollout": {"agent": {"default_agent_loop": "prefix_guided"}}}}))
