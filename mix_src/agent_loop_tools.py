@@ -148,6 +148,11 @@ class PrefixGuidedToolAgentLoop(ToolAgentLoop):
         out = await super().run(sampling_params, priority=priority, **kwargs)
 
         n = len(out.response_ids)
+        if self.rollout_config.calculate_log_probs:
+            # verl stacks rollout log-probs only if every row has them: rows that made no server call (or
+            # ended on replayed tokens) get 0.0 there too, as the single-turn loop does
+            lp = list(out.response_logprobs or [])
+            out.response_logprobs = (lp + [0.0] * (n - len(lp)))[:n]
         flags = np.zeros(n, dtype=np.uint8)
         k = min(n, len(self._prefix_flags))
         flags[:k] = self._prefix_flags[:k]

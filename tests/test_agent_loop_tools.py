@@ -121,7 +121,7 @@ def test_whole_episode_replayed_without_generation(tokenizer, calc_tools):
     assert "tool\n56876" in tokenizer.decode(tool_block) and tokenizer.decode(tool_block).endswith("assistant\n")
     assert mask == [1] * len(t1) + [0] * len(tool_block) + [1] * len(t2)
     assert prefix == mask  # every trained token is the expert's
-    assert out.response_logprobs is None or len(out.response_logprobs) == len(resp)
+    assert out.response_logprobs == [0.0] * len(resp)  # every row has rollout log-probs (verl stacks all or none)
     assert out.extra_fields["prefix_truncated"] is False and out.extra_fields["prefix_ratio"] == 1.0
     assert env.score(item, tokenizer.decode(resp, skip_special_tokens=True))["score"] == 1.0
 
