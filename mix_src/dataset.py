@@ -32,6 +32,7 @@ from verl.utils.dataset.rl_dataset import RLHFDataset
 # verl's AgentLoopWorker loads this class (data.custom_cls) before it runs any agent loop: importing the
 # agent loop here registers "prefix_guided" in that process, on every node, wherever mix_src is installed.
 from mix_src import agent_loop  # noqa: F401
+from mix_src import agent_loop_tools  # noqa: F401  (registers prefix_guided_tool, the multi-turn tool loop)
 from mix_src.mix_config import DataConfig
 
 logger = logging.getLogger(__name__)

@@ -195,6 +195,12 @@ def config_stage(config: DictConfig) -> None:
     mix = prepare_config(config)  # the mix: section validated (LUFFY's "off" values such as -1 translated)
     if bool(config.trainer.get("use_v1", False)):
         check_v1_config(config, mix)
+    from mix_src.agent_loop_tools import check_config as check_tool_loop_config  # the tool loop's own refusals
+
+    try:
+        check_tool_loop_config(config)
+    except ValueError as e:
+        raise MixConfigError(str(e)) from e
     auto_set_device(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
 
