@@ -308,6 +308,11 @@ def test_base_property_by_hand(tiny_toy, ta):
     prop = ta.base_property(s, steps=40, settings=RUN, bound=0.1)
     assert prop["grpo_samples"] == 10240 and prop["expected_rewarded"] == 2560.0 and not prop["meets_bound"]
     assert ta.expected_rewarded(0.25, 40, 32, 8) == 2560.0
+    # stop_at: the measurement ends after the chunk (here 4 samples) in which the successes reach the count
+    late = OracleLM(tok, ta, dict(zip(probs, ["miss", "solve", "miss", "miss"])))
+    s = ta.sampled_success(late, tok, probs, k=4, seed=0, rows=4, stop_at=1)
+    assert (s["n_samples"], s["n_success"], s["p"], s["stopped_early"]) == (8, 4, 0.5, True)
+    assert not ta.sampled_success(late, tok, probs, k=4, seed=0, rows=4, stop_at=5)["stopped_early"]
     # never solved: p = 0, nothing expected, the bound holds; the rule of three bounds p by 3/16
     never = ta.sampled_success(OracleLM(tok, ta, dict.fromkeys(probs, "miss")), tok, probs, k=4, seed=0)
     prop = ta.base_property(never, steps=40, settings=RUN, bound=0.1)

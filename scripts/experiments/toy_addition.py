@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import string
@@ -268,12 +269,15 @@ def rollout_settings(recipe: str = "on_policy_grpo") -> dict:
 
 
 def sampled_success(model, tokenizer, problems, k: int, temperature: float = 1.0, top_k: int = -1,
-                    top_p: float = 1.0, max_tokens: int = MAX_NEW_TOKENS, seed: int = 0, rows: int = 1024) -> dict:
+                    top_p: float = 1.0, max_tokens: int = MAX_NEW_TOKENS, seed: int = 0, rows: int = 1024,
+                    stop_at: int | None = None) -> dict:
     """Sample ``k`` responses to every problem [(a, b)] with the rollout's own sampler (mix_src.cpu.sampling,
     what the hf rollout server runs; one seeded generator per sample) and grade them with the task's reward.
 
     Returns ``n_samples`` (= len(problems) x k), ``n_success`` (reward 1), ``problems_with_success`` and
-    ``p`` = n_success / n_samples, the sampled success rate.
+    ``p`` = n_success / n_samples, the sampled success rate. ``stop_at``: stop after the chunk of ``rows``
+    samples in which the successes reach this count (``n_samples`` then counts the samples drawn so far,
+    ``stopped_early`` is True): enough to know a bound is missed.
     """
     import torch
 
@@ -299,9 +303,13 @@ def sampled_success(model, tokenizer, problems, k: int, temperature: float = 1.0
             a, b = problems[i]
             text = tokenizer.decode(ids, skip_special_tokens=True)
             wins[i] += int(task.compute_score(task.DATA_SOURCE, text, str(a + b))["score"] == 1.0)
+        if stop_at is not None and sum(wins) >= stop_at and start + rows < len(jobs):
+            n = start + len(chunk)
+            return {"n_problems": len(problems), "k": k, "n_samples": n, "n_success": sum(wins),
+                    "problems_with_success": sum(w > 0 for w in wins), "p": sum(wins) / n, "stopped_early": True}
     n = len(jobs)
     return {"n_problems": len(problems), "k": k, "n_samples": n, "n_success": sum(wins),
-            "problems_with_success": sum(w > 0 for w in wins), "p": sum(wins) / n}
+            "problems_with_success": sum(w > 0 for w in wins), "p": sum(wins) / n, "stopped_early": False}
 
 
 def expected_rewarded(p: float, steps: int, train_batch_size: int, n: int) -> float:
@@ -327,8 +335,11 @@ def base_property(success: dict, steps: int, settings: dict, bound: float) -> di
 
 def describe_property(prop: dict) -> str:
     """One line for a log: p, the expected rewarded samples, the bound."""
+    drawn = (f"{prop['n_samples']} of {prop['n_problems']} training problems x {prop['k']} samples, stopped "
+             "once the bound was missed" if prop.get("stopped_early")
+             else f"{prop['n_problems']} training problems x {prop['k']} samples")
     return (f"sampled success rate p = {prop['n_success']}/{prop['n_samples']} = {prop['p']:.2e} "
-            f"({prop['n_problems']} training problems x {prop['k']} samples at temperature {prop['temperature']:g}; "
+            f"({drawn} at temperature {prop['temperature']:g}; "
             f"{prop['problems_with_success']} problems solved at least once); expected rewarded samples over "
             f"GRPO's {prop['grpo_steps']} steps x {prop['grpo_samples'] // prop['grpo_steps']} samples = "
             f"{prop['expected_rewarded']:.2f} (95% upper bound {prop['upper95']:.2f}); bound: < {prop['bound']:g} "
@@ -413,15 +424,21 @@ def check_base(model_dir: str, tokenizer, train_parquet: str, seed: int, variant
     if measure is None:
         problems = read_problems(train_parquet)
 
+        run = c["grpo_steps"] * settings["train_batch_size"] * settings["n"]
+        # successes among all len(problems) x k samples that put the expected count at the bound: once
+        # reached, the rest of the measurement cannot change the verdict (a base that misses costs one chunk)
+        stop_at = max(1, math.ceil(c["bound"] * len(problems) * c["k"] / run))
+
         def measure(path):
             return sampled_success(path, tokenizer, problems, c["k"], settings["temperature"], settings["top_k"],
-                                   settings["top_p"], settings["max_tokens"], seed=seed)
+                                   settings["top_p"], settings["max_tokens"], seed=seed, stop_at=stop_at)
 
     steps, rounds, history = v["pretrain_steps"], [], []
     while True:
         t0 = time.time()
         prop = base_property(measure(model_dir), c["grpo_steps"], settings, c["bound"])
-        history.append({"pretrain_steps": steps, "n_success": prop["n_success"], "p": prop["p"],
+        history.append({"pretrain_steps": steps, "n_samples": prop["n_samples"], "n_success": prop["n_success"],
+                        "stopped_early": prop.get("stopped_early", False), "p": prop["p"],
                         "expected_rewarded": prop["expected_rewarded"], "seconds": round(time.time() - t0, 1)})
         log(f"base after {steps} pre-training steps: " + describe_property(prop))
         if prop["meets_bound"] or len(rounds) == c["max_rounds"]:
