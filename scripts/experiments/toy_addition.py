@@ -335,8 +335,8 @@ def base_property(success: dict, steps: int, settings: dict, bound: float) -> di
 
 def describe_property(prop: dict) -> str:
     """One line for a log: p, the expected rewarded samples, the bound."""
-    drawn = (f"{prop['n_samples']} of {prop['n_problems']} training problems x {prop['k']} samples, stopped "
-             "once the bound was missed" if prop.get("stopped_early")
+    drawn = (f"the first {prop['n_samples']} of {prop['n_problems']} training problems x {prop['k']} samples, "
+             "stopped once the bound was missed" if prop.get("stopped_early")
              else f"{prop['n_problems']} training problems x {prop['k']} samples")
     return (f"sampled success rate p = {prop['n_success']}/{prop['n_samples']} = {prop['p']:.2e} "
             f"({drawn} at temperature {prop['temperature']:g}; "
