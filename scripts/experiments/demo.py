@@ -59,7 +59,8 @@ def main(argv=None) -> int:
 
     hf_logging.disable_progress_bar()  # the evaluator loads checkpoints: no "Loading weights" bars here
     assets = os.path.join(a.out, "assets")
-    print(f"[demo] building the task and the base model in {assets} (1-3 min on 2 cores, with the base-property check; cached)", flush=True)
+    print(f"[demo] building the task and the base model in {assets} (1-3 min on 2 cores with the base-property "
+          "check; cached)", flush=True)
     prep = ta.prepare(assets, seed=0, variant="demo", log=lambda *_: None)
     base = prep["base_eval"]["heldout_carry"]["acc"]
     print(f"[demo] base model: {100 * base:.1f}% of the 200 held-out problems ({time.time() - t0:.0f} s)", flush=True)
