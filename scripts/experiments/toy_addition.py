@@ -443,8 +443,9 @@ def check_base(model_dir: str, tokenizer, train_parquet: str, seed: int, variant
         log(f"base after {steps} pre-training steps: " + describe_property(prop))
         if prop["meets_bound"] or len(rounds) == c["max_rounds"]:
             return {**prop, "pretrain_steps": steps, "history": history}, rounds
-        rounds.append(pretrain_base(model_dir, tokenizer, seed, log=log, n_digits=v["n_digits"], init_from=model_dir,
-                                    stream=len(rounds) + 1, **{**_pretrain_hparams(variant), "steps": c["extra_steps"]}))
+        hparams = {**_pretrain_hparams(variant), "steps": c["extra_steps"]}
+        rounds.append(pretrain_base(model_dir, tokenizer, seed, log=log, n_digits=v["n_digits"],
+                                    init_from=model_dir, stream=len(rounds) + 1, **hparams))
         steps += c["extra_steps"]
 
 
