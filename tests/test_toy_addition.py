@@ -328,6 +328,48 @@ def test_base_property_by_hand(tiny_toy, ta):
     assert ta.base_property(c1, 10, RUN, 0.1)["expected_rewarded"] == pytest.approx(c1["p"] * 10 * 256)
 
 
+class OneFavouredTokenLM:
+    """A stand-in causal LM whose next-token logits are the same at every position: 0 everywhere, ln 2 on one
+    token, so that token has probability 2/(V+1) and every other 1/(V+1) (V = vocabulary size)."""
+
+    def __init__(self, vocab: int, favoured: int):
+        self.vocab, self.favoured = vocab, favoured
+
+    def eval(self):
+        return self
+
+    def __call__(self, input_ids, attention_mask=None, **kw):
+        import types
+
+        import torch
+
+        logits = torch.zeros(*input_ids.shape, self.vocab)
+        logits[..., self.favoured] = math.log(2.0)
+        return types.SimpleNamespace(logits=logits)
+
+
+def test_teacher_forced_carry_by_hand(tiny_toy, ta):
+    """The carry token's and the whole expert trace's teacher-forced probabilities, by hand: the favoured token
+    is "1"; each expert trace below has exactly one "1", the units carry (2nd response token)."""
+    tok = tiny_toy["tok"]
+    v = len(tok)
+    lm = OneFavouredTokenLM(v, tok.convert_tokens_to_ids("1"))
+    # 27+48 -> "51 70>075" (9 chars + EOS), 123+459 -> "21 80 50>0582" (13 + EOS): prompts of two lengths
+    # (left padding), 36+47 -> "31 80>083"
+    probs = [(27, 48), (123, 459), (36, 47)]
+    assert [task.expert_trace(a, b).count("1") for a, b in probs] == [1, 1, 1]
+    tf = ta.teacher_forced_carry(lm, tok, probs, batch_size=2)
+    assert tf["carry"] == pytest.approx([2 / (v + 1)] * 3, rel=1e-5)  # not 1/(V+1): the carry's position
+    assert tf["trace"] == pytest.approx([2 / (v + 1) ** 10, 2 / (v + 1) ** 14, 2 / (v + 1) ** 10], rel=1e-4)
+    assert tf["carry_mean"] == pytest.approx(2 / (v + 1), rel=1e-5) and tf["n_problems"] == 3
+    # the favoured token is "7" instead: "51 70>075" has two, "21 80 50>0582" none; the carry is 1/(V+1)
+    lm7 = OneFavouredTokenLM(v, tok.convert_tokens_to_ids("7"))
+    tf = ta.teacher_forced_carry(lm7, tok, probs[:2])
+    assert tf["carry"] == pytest.approx([1 / (v + 1)] * 2, rel=1e-5)
+    assert tf["trace"] == pytest.approx([4 / (v + 1) ** 10, 1 / (v + 1) ** 14], rel=1e-4)
+    assert tf["carry_q10"] == tf["carry_median"] == pytest.approx(1 / (v + 1), rel=1e-5)
+
+
 def test_base_property_on_a_built_base(tiny_toy, ta):
     """The property on a real (3-step) base with the demo recipe's own rollout settings."""
     settings = ta.rollout_settings()

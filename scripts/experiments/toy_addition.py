@@ -312,6 +312,42 @@ def sampled_success(model, tokenizer, problems, k: int, temperature: float = 1.0
             "problems_with_success": sum(w > 0 for w in wins), "p": sum(wins) / n, "stopped_early": False}
 
 
+def teacher_forced_carry(model, tokenizer, problems, batch_size: int = 256) -> dict:
+    """Teacher-forced odds the base gives the expert trace of each problem [(a, b)] (prompt + trace + EOS,
+    one forward pass, temperature 1): ``carry`` = the probability of the expert's units-carry token (the
+    2nd response token, ``1`` in ``51 70>075``), the token LUFFY's shaped term f(p) = p/(p+0.1) must raise,
+    with gradient ~ p/0.1 while p is small; ``trace`` = the probability of the whole expert trace + EOS (a
+    lower bound on the sampled success rate of that problem). Returns per-problem lists and their summaries
+    (``carry_mean``, ``carry_q10`` = 10% quantile, ``carry_median``, ``trace_mean``)."""
+    import torch
+
+    torch.set_num_threads(1)
+    if isinstance(model, str):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    model.eval()
+    carry, trace = [], []
+    for i in range(0, len(problems), batch_size):
+        chunk = problems[i : i + batch_size]
+        seqs, plens = zip(*(_encode_example(tokenizer, a, b, task.expert_trace(a, b)) for a, b in chunk))
+        width = max(map(len, seqs))
+        ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(s)) + list(s) for s in seqs])
+        mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(s) for s in seqs])[:, None]).long()
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
+        tok_lp = logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]  # [B, T-1]: log p(token t+1 | ..t)
+        for r, (s, pl) in enumerate(zip(seqs, plens)):
+            start = width - len(s) + pl - 1  # position predicting the 1st response token
+            resp = tok_lp[r, start:]
+            carry.append(float(resp[1].exp()))
+            trace.append(float(resp.sum().exp()))
+    srt = sorted(carry)
+    q = lambda f: srt[min(len(srt) - 1, int(f * len(srt)))]  # noqa: E731
+    return {"n_problems": len(problems), "carry": carry, "trace": trace, "carry_mean": sum(carry) / len(carry),
+            "carry_q10": q(0.1), "carry_median": q(0.5), "trace_mean": sum(trace) / len(trace)}
+
+
 def expected_rewarded(p: float, steps: int, train_batch_size: int, n: int) -> float:
     """Rewarded samples on-policy GRPO expects over a run from a policy of sampled success rate ``p``:
     p x steps x train_batch_size x n (the run's samples)."""
