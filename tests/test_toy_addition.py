@@ -385,7 +385,7 @@ def test_check_base_continues_until_the_bound_holds(tiny_toy, ta, tmp_path, monk
     import shutil
 
     monkeypatch.setitem(ta.VARIANTS["demo"], "base_check", dict(grpo_steps=40, k=4, bound=0.1, extra_steps=2,
-                                                                max_rounds=2))  # fmt: skip
+                                                                max_rounds=2, carry_floor=1e-5))  # fmt: skip
     model = tmp_path / "base"
     shutil.copytree(tiny_toy["model"], model)
     counts = iter([3, 1, 0])  # successes of 100 samples, one measurement per round
@@ -394,16 +394,35 @@ def test_check_base_continues_until_the_bound_holds(tiny_toy, ta, tmp_path, monk
         x = next(counts)
         return {"n_problems": 25, "k": 4, "n_samples": 100, "n_success": x, "problems_with_success": x, "p": x / 100}
 
+    carries = iter([])
+
+    def measure_carry(path):
+        c = next(carries, 1e-3)
+        return {"carry_mean": c, "carry_q10": c / 2}
+
     weights = (model / "model.safetensors").read_bytes()
-    prop, rounds = ta.check_base(str(model), tiny_toy["tok"], None, 0, "demo", log=lambda *_: None, measure=measure)
+    prop, rounds = ta.check_base(str(model), tiny_toy["tok"], None, 0, "demo", log=lambda *_: None, measure=measure,
+                                 measure_carry=measure_carry)
     steps = ta.VARIANTS["demo"]["pretrain_steps"]
     assert [h["pretrain_steps"] for h in prop["history"]] == [steps, steps + 2, steps + 4] and len(rounds) == 2
     assert [h["expected_rewarded"] for h in prop["history"]] == [0.03 * 10240, 0.01 * 10240, 0.0]
     assert prop["meets_bound"] and prop["pretrain_steps"] == steps + 4
     assert (model / "model.safetensors").read_bytes() != weights  # the base itself was trained further
+    assert prop["luffy_ok"] and prop["window"] and [h["carry_mean"] for h in prop["history"]] == [1e-3] * 3
+    assert "floor: >= 1e-05 -- met" in ta.describe_property(prop)
     counts = iter([3, 2, 1])  # never below the bound: kept after max_rounds, flagged
-    prop, rounds = ta.check_base(str(model), tiny_toy["tok"], None, 0, "demo", log=lambda *_: None, measure=measure)
+    prop, rounds = ta.check_base(str(model), tiny_toy["tok"], None, 0, "demo", log=lambda *_: None, measure=measure,
+                                 measure_carry=measure_carry)
     assert len(rounds) == 2 and not prop["meets_bound"] and prop["expected_rewarded"] == pytest.approx(102.4)
+    assert not prop["window"]
+    # the carry probability falls below its floor before GRPO's bound holds: no window, stop (more carry-free
+    # training only lowers it), flagged
+    counts, carries = iter([3, 2, 0]), iter([5e-5, 4e-6])
+    prop, rounds = ta.check_base(str(model), tiny_toy["tok"], None, 0, "demo", log=lambda *_: None, measure=measure,
+                                 measure_carry=measure_carry)
+    assert len(rounds) == 1 and prop["pretrain_steps"] == steps + 2 and not prop["meets_bound"]
+    assert not prop["luffy_ok"] and not prop["window"] and prop["carry_mean"] == 4e-6 and prop["carry_q10"] == 2e-6
+    assert "-- NOT met" in ta.describe_property(prop).split("LUFFY's side")[1]
 
 
 # --------------------------------------------------------------------------------------------- configs

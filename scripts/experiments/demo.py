@@ -6,10 +6,13 @@ The task is the toy-addition demo variant (``scripts/experiments/toy_addition.py
 LUFFY puts one expert trace in each group of 8. Before training the demo prints the property its story
 rests on, measured on this machine's base: the base's sampled success rate p on the 892 training problems
 (32 samples each at the rollout temperature, with the rollout's own sampler) and the rewarded samples
-on-policy GRPO can expect from it over the run, p x steps x 32 x 8. The bound is < 0.1 (no success among
-the 28,544 measured samples): then GRPO is not expected to see a reward and cannot start. Pre-training
-continues (200 steps at a time, at most 4 times) until the bound holds; a base that still misses it is used
+on-policy GRPO can expect from it over the run, p x steps x 32 x 8, with its bound (< 1: less than one expected
+reward in the whole run); and the teacher-forced probability the base gives the expert's carry token (mean over
+the training problems), which LUFFY's shaped term must raise, with its floor (>= 5e-6). Pre-training continues
+25 carry-free steps at a time (at most 8 times) and stops at the first base meeting GRPO's bound; a base for
+which no such window exists (the carry probability falls below its floor first, or the rounds run out) is used
 anyway and the demo says so before and after training. Both methods run
+Both methods run
 ``bash recipes/toy_addition/run.sh METHOD 0`` (``python -m mix_src.main_mix_ppo``, CPU backend, Ray) at
 the same time, with the same budget; this driver prints one line per training step of each, then the
 held-out greedy accuracy of both (200 problems; the trainer's own validation) and writes a PNG.
@@ -59,8 +62,8 @@ def main(argv=None) -> int:
 
     hf_logging.disable_progress_bar()  # the evaluator loads checkpoints: no "Loading weights" bars here
     assets = os.path.join(a.out, "assets")
-    print(f"[demo] building the task and the base model in {assets} (1-3 min on 2 cores with the base-property "
-          "check; cached)", flush=True)
+    print(f"[demo] building the task and the base model in {assets} (3-6 min on 2 cores with the base-property "
+          "checks; cached)", flush=True)
     prep = ta.prepare(assets, seed=0, variant="demo", log=lambda *_: None)
     base = prep["base_eval"]["heldout_carry"]["acc"]
     print(f"[demo] base model: {100 * base:.1f}% of the 200 held-out problems ({time.time() - t0:.0f} s)", flush=True)
@@ -73,6 +76,10 @@ def main(argv=None) -> int:
         print(f"[demo] WARNING: the base misses the bound: on-policy GRPO can expect {prop['expected_rewarded']:.1f} "
               "rewarded samples and may learn from them, so 'GRPO never sees a reward' need not hold on this "
               "machine; running anyway", flush=True)
+    if not prop.get("luffy_ok", True):
+        print(f"[demo] WARNING: the base's probability of the expert's carry token ({prop['carry_mean']:.1e}) is "
+              f"below its floor ({prop['carry_floor']:g}): LUFFY's shaped term may barely move it in "
+              f"{a.steps} steps; running anyway", flush=True)
 
     procs, logs = {}, {}
     for method in METHODS:

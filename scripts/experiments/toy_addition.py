@@ -63,17 +63,23 @@ N_TRAIN, N_HELDOUT = 4096, 200
 VARIANTS = {
     "addition3": dict(n_digits=3, carry=True, ood=None, pretrain_steps=800),
     "demo": dict(n_digits=2, carry="units_carry", ood="units_carry_ood", pretrain_steps=400,
-                 base_check=dict(grpo_steps=40, k=32, bound=0.1, extra_steps=200, max_rounds=4)),
+                 base_check=dict(grpo_steps=40, k=32, bound=1.0, extra_steps=25, max_rounds=8, carry_floor=5e-6)),
 }
-# The demo's story rests on a property of the base, measured after pre-training (base_property): its sampled
-# success rate p on the training problems at the rollout's temperature (every training problem x k samples,
-# the rollout's own sampler), and the rewarded samples on-policy GRPO can expect from it over the whole run,
-# p x grpo_steps x train_batch_size x n (40 x 32 x 8 = 10,240 samples). The float results of pre-training
-# depend on the CPU's kernels, so the base is not the same on every machine: prepare() measures the property
-# and, while the expected count is not below ``bound``, continues pre-training on carry-free traces for
-# ``extra_steps`` more steps (at most ``max_rounds`` times; more carry-free training makes a carry less
-# likely). A base that still misses the bound is kept and flagged (manifest ``base_property.meets_bound``);
-# the demo then says so before and after training.
+# The demo's story rests on two properties of the base, measured after pre-training (check_base). GRPO's side:
+# its sampled success rate p on the training problems at the rollout's temperature (every training problem x k
+# samples, the rollout's own sampler) and the rewarded samples on-policy GRPO can expect from it over the whole
+# run, p x grpo_steps x train_batch_size x n (40 x 32 x 8 = 10,240 samples); the bound is < 1, less than one
+# expected reward in the whole run (892 x 32 = 28,544 measured samples resolve it: at most 2 successes; a
+# bound of 0.1 would need 0 successes, and 0 of 28,544 only bounds the count by 1.08 at 95%). LUFFY's side:
+# the teacher-forced probability the base gives the expert's units-carry token (teacher_forced_carry), which
+# LUFFY's shaped term p/(p+0.1) raises with a gradient ~ p/0.1: its mean over the training problems must be
+# >= carry_floor. Measured on this box: 400 steps 7.2e-5 (README's LUFFY run: 0 -> 92%), 600 steps (one
+# 200-step continuation) 1.3e-6 (LUFFY 0 -> 0% in 40 steps). The float results of pre-training depend on the
+# CPU's kernels, so prepare() measures both and, while GRPO's bound is missed, continues pre-training on
+# carry-free traces ``extra_steps`` at a time (at most ``max_rounds`` times), stopping at the FIRST base that
+# meets the bound (more carry-free training lowers both quantities). If the carry probability falls below the
+# floor first, there is no window: the base is kept and flagged (manifest ``base_property``), and the demo says
+# so before and after training.
 OOD_SOURCE = "toy_addition_ood"  # data_source of the OOD rows: verl logs val-core/toy_addition_ood/acc/mean@1
 MAX_NEW_TOKENS = 16  # a trace is 13 characters + EOS
 
@@ -379,7 +385,11 @@ def describe_property(prop: dict) -> str:
             f"{prop['problems_with_success']} problems solved at least once); expected rewarded samples over "
             f"GRPO's {prop['grpo_steps']} steps x {prop['grpo_samples'] // prop['grpo_steps']} samples = "
             f"{prop['expected_rewarded']:.2f} (95% upper bound {prop['upper95']:.2f}); bound: < {prop['bound']:g} "
-            + ("-- met" if prop["meets_bound"] else "-- NOT met"))
+            + ("-- met" if prop["meets_bound"] else "-- NOT met")
+            + ("" if "carry_mean" not in prop else
+               f"; LUFFY's side: teacher-forced probability of the expert's carry token, mean {prop['carry_mean']:.2e}"
+               f" (10% quantile {prop['carry_q10']:.2e}); floor: >= {prop['carry_floor']:g} "
+               + ("-- met" if prop["luffy_ok"] else "-- NOT met")))
 
 
 # ------------------------------------------------------------------------------------------ all together
@@ -449,12 +459,15 @@ def prepare(out_dir: str = DEFAULT_OUT, seed: int = 0, force: bool = False, log=
 
 
 def check_base(model_dir: str, tokenizer, train_parquet: str, seed: int, variant: str, log=print,
-               measure=None) -> tuple[dict, list[dict]]:
+               measure=None, measure_carry=None) -> tuple[dict, list[dict]]:
     """Measure the base's property (``VARIANTS[variant]["base_check"]``) and, while its expected rewarded GRPO
     samples are not below the bound, continue pre-training ``model_dir`` in place for ``extra_steps`` more
     carry-free steps (at most ``max_rounds`` times). Returns the last measurement (with ``pretrain_steps``
     and ``history``: every round's steps, p and expected count) and the continuation rounds' train infos.
-    ``measure(model_dir) -> sampled_success dict`` replaces the sampler (tests)."""
+    ``measure(model_dir) -> sampled_success dict`` replaces the sampler and ``measure_carry(model_dir) ->
+    teacher_forced_carry dict`` the carry measurement (tests). Stops at the first base meeting GRPO's bound, or
+    once the carry probability is below ``carry_floor`` (no window: more training only lowers it), or after
+    ``max_rounds``; ``luffy_ok`` / ``window`` say which held."""
     v, c = VARIANTS[variant], VARIANTS[variant]["base_check"]
     settings = rollout_settings()
     if measure is None:
@@ -469,15 +482,23 @@ def check_base(model_dir: str, tokenizer, train_parquet: str, seed: int, variant
             return sampled_success(path, tokenizer, problems, c["k"], settings["temperature"], settings["top_k"],
                                    settings["top_p"], settings["max_tokens"], seed=seed, stop_at=stop_at)
 
+        def measure_carry(path):
+            return teacher_forced_carry(path, tokenizer, problems)
+
     steps, rounds, history = v["pretrain_steps"], [], []
     while True:
         t0 = time.time()
-        prop = base_property(measure(model_dir), c["grpo_steps"], settings, c["bound"])
+        tf = measure_carry(model_dir)
+        prop = {**base_property(measure(model_dir), c["grpo_steps"], settings, c["bound"]),
+                "carry_mean": tf["carry_mean"], "carry_q10": tf["carry_q10"], "carry_floor": c["carry_floor"]}
+        prop["luffy_ok"] = prop["carry_mean"] >= c["carry_floor"]
+        prop["window"] = prop["meets_bound"] and prop["luffy_ok"]
         history.append({"pretrain_steps": steps, "n_samples": prop["n_samples"], "n_success": prop["n_success"],
                         "stopped_early": prop.get("stopped_early", False), "p": prop["p"],
-                        "expected_rewarded": prop["expected_rewarded"], "seconds": round(time.time() - t0, 1)})
+                        "expected_rewarded": prop["expected_rewarded"], "carry_mean": prop["carry_mean"],
+                        "carry_q10": prop["carry_q10"], "seconds": round(time.time() - t0, 1)})
         log(f"base after {steps} pre-training steps: " + describe_property(prop))
-        if prop["meets_bound"] or len(rounds) == c["max_rounds"]:
+        if prop["meets_bound"] or not prop["luffy_ok"] or len(rounds) == c["max_rounds"]:
             return {**prop, "pretrain_steps": steps, "history": history}, rounds
         hparams = {**_pretrain_hparams(variant), "steps": c["extra_steps"]}
         rounds.append(pretrain_base(model_dir, tokenizer, seed, log=log, n_digits=v["n_digits"],
