@@ -73,8 +73,9 @@ VARIANTS = {
 # bound of 0.1 would need 0 successes, and 0 of 28,544 only bounds the count by 1.08 at 95%). LUFFY's side:
 # the teacher-forced probability the base gives the expert's units-carry token (teacher_forced_carry), which
 # LUFFY's shaped term p/(p+0.1) raises with a gradient ~ p/0.1: its mean over the training problems must be
-# >= carry_floor. Measured on this box: 400 steps 7.2e-5 (README's LUFFY run: 0 -> 92%), 600 steps (one
-# 200-step continuation) 1.3e-6 (LUFFY 0 -> 0% in 40 steps). The float results of pre-training depend on the
+# >= carry_floor. Measured on this box (seed 0, 40 steps): 600 steps (one 200-step continuation) 1.3e-6,
+# LUFFY 0 -> 0%; 525 steps 4.8e-6, 0 -> 0%; 475 steps 1.5e-5, 0 -> 8.5%: the floor (5e-6) is necessary, not
+# sufficient for LUFFY >= 50% (recipes/toy_addition/README.md). The float results of pre-training depend on the
 # CPU's kernels, so prepare() measures both and, while GRPO's bound is missed, continues pre-training on
 # carry-free traces ``extra_steps`` at a time (at most ``max_rounds`` times), stopping at the FIRST base that
 # meets the bound (more carry-free training lowers both quantities). If the carry probability falls below the
