@@ -250,6 +250,181 @@ def test_sft_messages(tiny_toy, ta, tmp_path):
     assert [x["role"] for x in m] == ["user", "assistant"] and m[1]["content"] == task.expert_trace(a, b)
 
 
+# --------------------------------------------------------------------------------------------- base property
+class OracleLM:
+    """A stand-in causal LM with known sampling odds, for ``mix_src.cpu.sampling.generate_batch``: per problem
+    it writes the expert trace (``"solve"``), the carry-free trace (``"miss"``) or, at the units column's carry
+    digit, carry 1 or 0 with probability 1/2 each and then the trace that carry leads to (``"coin"``: the
+    expert trace, reward 1, half the time). Logits: 0 on the allowed tokens, -1e4 elsewhere."""
+
+    def __init__(self, tok, ta, plan: dict):
+        import torch
+
+        self.tok, self.plan, self._p = tok, plan, torch.nn.Parameter(torch.zeros(1))
+        self.prompts = {tuple(ta.prompt_ids(tok, a, b)): (a, b) for a, b in plan}
+
+    def parameters(self):
+        yield self._p
+
+    def eval(self):
+        return self
+
+    def __call__(self, input_ids, attention_mask, past_key_values=None, **kw):
+        import types
+
+        import torch
+
+        if past_key_values is None:  # the prompts: left-padded rows
+            rows = [(self.prompts[tuple(r[m.bool()].tolist())], []) for r, m in zip(input_ids, attention_mask)]
+        else:
+            rows = [(ab, gen + [int(t)]) for (ab, gen), t in zip(past_key_values, input_ids[:, 0])]
+        logits = torch.full((len(rows), 1, len(self.tok)), -1e4)
+        for i, ((a, b), gen) in enumerate(rows):
+            text = self.tok.decode(gen)
+            mode = self.plan[(a, b)]
+            if mode == "coin" and len(text) == 1:
+                allowed = ["0", "1"]
+            else:
+                solve = mode == "solve" or (mode == "coin" and text[1:2] == "1")
+                trace = task.expert_trace(a, b) if solve else task.carry_free_trace(a, b)
+                allowed = [trace[len(text)]] if len(text) < len(trace) else [self.tok.eos_token]
+            for ch in allowed:
+                logits[i, 0, self.tok.convert_tokens_to_ids(ch)] = 0.0
+        return types.SimpleNamespace(logits=logits, past_key_values=rows)
+
+
+RUN = {"train_batch_size": 32, "n": 8, "temperature": 1.0, "top_k": -1, "top_p": 1.0, "max_tokens": 16}
+
+
+def test_base_property_by_hand(tiny_toy, ta):
+    """p and the expected rewarded GRPO samples on models whose success odds are known exactly."""
+    tok = tiny_toy["tok"]
+    probs = [(27, 48), (35, 19), (46, 26), (18, 53)]  # demo-variant problems: the units column carries
+    # 1 of 4 problems always solved, k = 4: 4 of 16 samples, p = 1/4; a 40-step run of 32 x 8 = 10,240 samples
+    # expects 2,560 rewarded ones
+    oracle = OracleLM(tok, ta, dict(zip(probs, ["solve", "miss", "miss", "miss"])))
+    s = ta.sampled_success(oracle, tok, probs, k=4, seed=0)
+    assert (s["n_samples"], s["n_success"], s["problems_with_success"], s["p"]) == (16, 4, 1, 0.25)
+    prop = ta.base_property(s, steps=40, settings=RUN, bound=0.1)
+    assert prop["grpo_samples"] == 10240 and prop["expected_rewarded"] == 2560.0 and not prop["meets_bound"]
+    assert ta.expected_rewarded(0.25, 40, 32, 8) == 2560.0
+    # stop_at: the measurement ends after the chunk (here 4 samples) in which the successes reach the count
+    late = OracleLM(tok, ta, dict(zip(probs, ["miss", "solve", "miss", "miss"])))
+    s = ta.sampled_success(late, tok, probs, k=4, seed=0, rows=4, stop_at=1)
+    assert (s["n_samples"], s["n_success"], s["p"], s["stopped_early"]) == (8, 4, 0.5, True)
+    assert not ta.sampled_success(late, tok, probs, k=4, seed=0, rows=4, stop_at=5)["stopped_early"]
+    # never solved: p = 0, nothing expected, the bound holds; the rule of three bounds p by 3/16
+    never = ta.sampled_success(OracleLM(tok, ta, dict.fromkeys(probs, "miss")), tok, probs, k=4, seed=0)
+    prop = ta.base_property(never, steps=40, settings=RUN, bound=0.1)
+    assert (prop["n_success"], prop["p"], prop["expected_rewarded"], prop["meets_bound"]) == (0, 0.0, 0.0, True)
+    assert prop["upper95"] == pytest.approx(3 / 16 * 10240)
+    assert "0/16" in ta.describe_property(prop) and "-- met" in ta.describe_property(prop)
+    # a fair coin at the carry: p = 1/2 in expectation; 2 x 64 samples land within 5 sigma, and the same seed
+    # draws the same samples (one seeded generator per sample)
+    coin = OracleLM(tok, ta, dict.fromkeys(probs[:2], "coin"))
+    c1 = ta.sampled_success(coin, tok, probs[:2], k=64, seed=3)
+    assert c1 == ta.sampled_success(coin, tok, probs[:2], k=64, seed=3) and c1["n_samples"] == 128
+    assert abs(c1["n_success"] - 64) <= 5 * math.sqrt(128 / 4) and c1["problems_with_success"] == 2
+    assert ta.base_property(c1, 10, RUN, 0.1)["expected_rewarded"] == pytest.approx(c1["p"] * 10 * 256)
+
+
+class OneFavouredTokenLM:
+    """A stand-in causal LM whose next-token logits are the same at every position: 0 everywhere, ln 2 on one
+    token, so that token has probability 2/(V+1) and every other 1/(V+1) (V = vocabulary size)."""
+
+    def __init__(self, vocab: int, favoured: int):
+        self.vocab, self.favoured = vocab, favoured
+
+    def eval(self):
+        return self
+
+    def __call__(self, input_ids, attention_mask=None, **kw):
+        import types
+
+        import torch
+
+        logits = torch.zeros(*input_ids.shape, self.vocab)
+        logits[..., self.favoured] = math.log(2.0)
+        return types.SimpleNamespace(logits=logits)
+
+
+def test_teacher_forced_carry_by_hand(tiny_toy, ta):
+    """The carry token's and the whole expert trace's teacher-forced probabilities, by hand: the favoured token
+    is "1"; each expert trace below has exactly one "1", the units carry (2nd response token)."""
+    tok = tiny_toy["tok"]
+    v = len(tok)
+    lm = OneFavouredTokenLM(v, tok.convert_tokens_to_ids("1"))
+    # 27+48 -> "51 70>075" (9 chars + EOS), 123+459 -> "21 80 50>0582" (13 + EOS): prompts of two lengths
+    # (left padding), 36+47 -> "31 80>083"
+    probs = [(27, 48), (123, 459), (36, 47)]
+    assert [task.expert_trace(a, b).count("1") for a, b in probs] == [1, 1, 1]
+    tf = ta.teacher_forced_carry(lm, tok, probs, batch_size=2)
+    assert tf["carry"] == pytest.approx([2 / (v + 1)] * 3, rel=1e-5)  # not 1/(V+1): the carry's position
+    assert tf["trace"] == pytest.approx([2 / (v + 1) ** 10, 2 / (v + 1) ** 14, 2 / (v + 1) ** 10], rel=1e-4)
+    assert tf["carry_mean"] == pytest.approx(2 / (v + 1), rel=1e-5) and tf["n_problems"] == 3
+    # the favoured token is "7" instead: "51 70>075" has two, "21 80 50>0582" none; the carry is 1/(V+1)
+    lm7 = OneFavouredTokenLM(v, tok.convert_tokens_to_ids("7"))
+    tf = ta.teacher_forced_carry(lm7, tok, probs[:2])
+    assert tf["carry"] == pytest.approx([1 / (v + 1)] * 2, rel=1e-5)
+    assert tf["trace"] == pytest.approx([4 / (v + 1) ** 10, 1 / (v + 1) ** 14], rel=1e-4)
+    assert tf["carry_q10"] == tf["carry_median"] == pytest.approx(1 / (v + 1), rel=1e-5)
+
+
+def test_base_property_on_a_built_base(tiny_toy, ta):
+    """The property on a real (3-step) base with the demo recipe's own rollout settings."""
+    settings = ta.rollout_settings()
+    assert {k: settings[k] for k in RUN} == RUN  # what the demo's GRPO run samples with
+    probs = ta.variant_splits("demo")["train"][:6]
+    s = ta.sampled_success(tiny_toy["model"], tiny_toy["tok"], probs, k=3, seed=0)
+    assert s["n_samples"] == 18 and s == ta.sampled_success(tiny_toy["model"], tiny_toy["tok"], probs, k=3, seed=0)
+    assert s["p"] == s["n_success"] / 18 and s["problems_with_success"] <= min(6, s["n_success"])
+
+
+def test_check_base_continues_until_the_bound_holds(tiny_toy, ta, tmp_path, monkeypatch):
+    """Pre-training continues while the expected count is not below the bound, at most max_rounds times."""
+    import shutil
+
+    monkeypatch.setitem(ta.VARIANTS["demo"], "base_check", dict(grpo_steps=40, k=4, bound=0.1, extra_steps=2,
+                                                                max_rounds=2, carry_floor=1e-5))  # fmt: skip
+    model = tmp_path / "base"
+    shutil.copytree(tiny_toy["model"], model)
+    counts = iter([3, 1, 0])  # successes of 100 samples, one measurement per round
+
+    def measure(path):
+        x = next(counts)
+        return {"n_problems": 25, "k": 4, "n_samples": 100, "n_success": x, "problems_with_success": x, "p": x / 100}
+
+    carries = iter([])
+
+    def measure_carry(path):
+        c = next(carries, 1e-3)
+        return {"carry_mean": c, "carry_q10": c / 2}
+
+    weights = (model / "model.safetensors").read_bytes()
+    prop, rounds = ta.check_base(str(model), tiny_toy["tok"], None, 0, "demo", log=lambda *_: None, measure=measure,
+                                 measure_carry=measure_carry)
+    steps = ta.VARIANTS["demo"]["pretrain_steps"]
+    assert [h["pretrain_steps"] for h in prop["history"]] == [steps, steps + 2, steps + 4] and len(rounds) == 2
+    assert [h["expected_rewarded"] for h in prop["history"]] == [0.03 * 10240, 0.01 * 10240, 0.0]
+    assert prop["meets_bound"] and prop["pretrain_steps"] == steps + 4
+    assert (model / "model.safetensors").read_bytes() != weights  # the base itself was trained further
+    assert prop["luffy_ok"] and prop["window"] and [h["carry_mean"] for h in prop["history"]] == [1e-3] * 3
+    assert "floor: >= 1e-05 -- met" in ta.describe_property(prop)
+    counts = iter([3, 2, 1])  # never below the bound: kept after max_rounds, flagged
+    prop, rounds = ta.check_base(str(model), tiny_toy["tok"], None, 0, "demo", log=lambda *_: None, measure=measure,
+                                 measure_carry=measure_carry)
+    assert len(rounds) == 2 and not prop["meets_bound"] and prop["expected_rewarded"] == pytest.approx(102.4)
+    assert not prop["window"]
+    # the carry probability falls below its floor before GRPO's bound holds: no window, stop (more carry-free
+    # training only lowers it), flagged
+    counts, carries = iter([3, 2, 0]), iter([5e-5, 4e-6])
+    prop, rounds = ta.check_base(str(model), tiny_toy["tok"], None, 0, "demo", log=lambda *_: None, measure=measure,
+                                 measure_carry=measure_carry)
+    assert len(rounds) == 1 and prop["pretrain_steps"] == steps + 2 and not prop["meets_bound"]
+    assert not prop["luffy_ok"] and not prop["window"] and prop["carry_mean"] == 4e-6 and prop["carry_q10"] == 2e-6
+    assert "-- NOT met" in ta.describe_property(prop).split("LUFFY's side")[1]
+
+
 # --------------------------------------------------------------------------------------------- configs
 def compose_recipe(name: str, overrides=()):
     with initialize_config_dir(config_dir=str(RECIPE_DIR), version_base=None):

@@ -2,8 +2,17 @@
 
 The task is the toy-addition demo variant (``scripts/experiments/toy_addition.py``, ``VARIANTS["demo"]``):
 2-digit additions whose only carry is out of the units column, written as a units-first trace
-(``27+48`` -> ``51 70>075``). The base model, pre-trained here on carry-free traces, solves 0% of them, so
-on-policy GRPO never sees a reward; LUFFY puts one expert trace in each group of 8. Both methods run
+(``27+48`` -> ``51 70>075``). The base model, pre-trained here on carry-free traces, solves 0% of them;
+LUFFY puts one expert trace in each group of 8. Before training the demo prints the property its story
+rests on, measured on this machine's base: the base's sampled success rate p on the 892 training problems
+(32 samples each at the rollout temperature, with the rollout's own sampler) and the rewarded samples
+on-policy GRPO can expect from it over the run, p x steps x 32 x 8, with its bound (< 1: less than one expected
+reward in the whole run); and the teacher-forced probability the base gives the expert's carry token (mean over
+the training problems), which LUFFY's shaped term must raise, with its floor (>= 5e-6). Pre-training continues
+25 carry-free steps at a time (at most 8 times) and stops at the first base meeting GRPO's bound; a base for
+which no such window exists (the carry probability falls below its floor first, or the rounds run out) is used
+anyway and the demo says so before and after training. Both methods run
+Both methods run
 ``bash recipes/toy_addition/run.sh METHOD 0`` (``python -m mix_src.main_mix_ppo``, CPU backend, Ray) at
 the same time, with the same budget; this driver prints one line per training step of each, then the
 held-out greedy accuracy of both (200 problems; the trainer's own validation) and writes a PNG.
@@ -53,10 +62,24 @@ def main(argv=None) -> int:
 
     hf_logging.disable_progress_bar()  # the evaluator loads checkpoints: no "Loading weights" bars here
     assets = os.path.join(a.out, "assets")
-    print(f"[demo] building the task and the base model in {assets} (about a minute; cached)", flush=True)
+    print(f"[demo] building the task and the base model in {assets} (3-6 min on 2 cores with the base-property "
+          "checks; cached)", flush=True)
     prep = ta.prepare(assets, seed=0, variant="demo", log=lambda *_: None)
     base = prep["base_eval"]["heldout_carry"]["acc"]
     print(f"[demo] base model: {100 * base:.1f}% of the 200 held-out problems ({time.time() - t0:.0f} s)", flush=True)
+    settings = ta.rollout_settings()
+    prop = prep["base_property"]
+    if a.steps != prop["grpo_steps"]:
+        prop = {**ta.base_property(prop, a.steps, settings, prop["bound"]), "pretrain_steps": prop["pretrain_steps"]}
+    print(f"[demo] base after {prop['pretrain_steps']} pre-training steps: {ta.describe_property(prop)}", flush=True)
+    if not prop["meets_bound"]:
+        print(f"[demo] WARNING: the base misses the bound: on-policy GRPO can expect {prop['expected_rewarded']:.1f} "
+              "rewarded samples and may learn from them, so 'GRPO never sees a reward' need not hold on this "
+              "machine; running anyway", flush=True)
+    if not prop.get("luffy_ok", True):
+        print(f"[demo] WARNING: the base's probability of the expert's carry token ({prop['carry_mean']:.1e}) is "
+              f"below its floor ({prop['carry_floor']:g}): LUFFY's shaped term may barely move it in "
+              f"{a.steps} steps; running anyway", flush=True)
 
     procs, logs = {}, {}
     for method in METHODS:
@@ -102,13 +125,20 @@ def main(argv=None) -> int:
     plot({m: {a.seed: {"curve": curves[m]}} for m in METHODS}, METHODS, [a.seed], png,
          f"toy addition (demo variant), {a.steps} steps, seed {a.seed}, CPU")
     final = {m: curves[m][max(curves[m])] for m in METHODS}
+    per_step = settings["train_batch_size"] * settings["n"]  # GRPO: every row is an on-policy sample
+    rewarded = sum(round(d["critic/score/mean"] * per_step) for d in metrics["on_policy_grpo"].values()
+                   if "critic/score/mean" in d)
     summary = {"steps": a.steps, "seed": a.seed, "wall_s": round(time.time() - t0, 1), "base_acc": base,
-               "heldout": curves, "ood": ood, "final": final}
+               "base_property": prop, "grpo_rewarded_samples": rewarded, "heldout": curves, "ood": ood,
+               "final": final}
     with open(os.path.join(a.out, "demo.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(f"[demo] held-out greedy accuracy after {a.steps} steps: LUFFY {100 * curves['luffy'][0]:.1f}% -> "
           f"{100 * final['luffy']:.1f}%, on-policy GRPO {100 * curves['on_policy_grpo'][0]:.1f}% -> "
           f"{100 * final['on_policy_grpo']:.1f}%", flush=True)
+    print(f"[demo] on-policy GRPO's rewarded samples: {rewarded} of {a.steps * per_step} (expected from the base: "
+          f"{prop['expected_rewarded']:.2f}, bound < {prop['bound']:g} {'met' if prop['meets_bound'] else 'NOT met'})",
+          flush=True)
     print(f"[demo] wrote {png} and demo.json; {time.time() - t0:.0f} s in all", flush=True)
     return 0
 

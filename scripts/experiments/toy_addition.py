@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import string
@@ -61,8 +62,25 @@ N_TRAIN, N_HELDOUT = 4096, 200
 # pre-training steps, not 800.
 VARIANTS = {
     "addition3": dict(n_digits=3, carry=True, ood=None, pretrain_steps=800),
-    "demo": dict(n_digits=2, carry="units_carry", ood="units_carry_ood", pretrain_steps=400),
+    "demo": dict(n_digits=2, carry="units_carry", ood="units_carry_ood", pretrain_steps=400,
+                 base_check=dict(grpo_steps=40, k=32, bound=1.0, extra_steps=25, max_rounds=0, carry_floor=5e-6)),
 }
+# The demo's story rests on two properties of the base, measured after pre-training (check_base). GRPO's side:
+# its sampled success rate p on the training problems at the rollout's temperature (every training problem x k
+# samples, the rollout's own sampler) and the rewarded samples on-policy GRPO can expect from it over the whole
+# run, p x grpo_steps x train_batch_size x n (40 x 32 x 8 = 10,240 samples); the bound is < 1, less than one
+# expected reward in the whole run (892 x 32 = 28,544 measured samples resolve it: at most 2 successes; a
+# bound of 0.1 would need 0 successes, and 0 of 28,544 only bounds the count by 1.08 at 95%). LUFFY's side:
+# the teacher-forced probability the base gives the expert's units-carry token (teacher_forced_carry), which
+# LUFFY's shaped term p/(p+0.1) raises with a gradient ~ p/0.1: its mean over the training problems must be
+# >= carry_floor. Measured on this box (seed 0, 40 steps): 600 steps (one 200-step continuation) 1.3e-6,
+# LUFFY 0 -> 0%; 525 steps 4.8e-6, 0 -> 0%; 475 steps 1.5e-5, 0 -> 8.5%: the floor (5e-6) is necessary, not
+# sufficient for LUFFY >= 50% (recipes/toy_addition/README.md). The float results of pre-training depend on the
+# CPU's kernels, so prepare() measures both (manifest ``base_property``) and the demo prints them. check_base
+# can continue pre-training on carry-free traces ``extra_steps`` at a time (at most ``max_rounds`` times) while
+# GRPO's bound is missed, stopping at the FIRST base that meets it or once the carry probability is below its
+# floor; the demo sets max_rounds=0 (measure and report only): the continuation was measured to leave no base
+# that meets both sides, and a base LUFFY cannot move in 40 steps demonstrates nothing.
 OOD_SOURCE = "toy_addition_ood"  # data_source of the OOD rows: verl logs val-core/toy_addition_ood/acc/mean@1
 MAX_NEW_TOKENS = 16  # a trace is 13 characters + EOS
 
@@ -146,25 +164,33 @@ def _encode_example(tokenizer, a: int, b: int, trace: str) -> tuple[list[int], i
     return p + r, len(p)
 
 
-def pretrain_base(model_dir: str, tokenizer, seed: int, log=print, n_digits: int = task.N_DIGITS, **overrides) -> dict:
-    """Pre-train a tiny Qwen2 on carry-free traces (loss on response tokens only). Deterministic for ``seed``."""
+def pretrain_base(model_dir: str, tokenizer, seed: int, log=print, n_digits: int = task.N_DIGITS,
+                  init_from: str | None = None, stream: int = 0, **overrides) -> dict:
+    """Pre-train a tiny Qwen2 on carry-free traces (loss on response tokens only). Deterministic for ``seed``.
+
+    ``init_from``: continue from that checkpoint (fresh optimiser and schedule) instead of a new model;
+    ``stream``: which stream of random problems (0 = the first pre-training's; a continuation takes another).
+    """
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     hp = {**PRETRAIN, **overrides}
     torch.set_num_threads(1)
     torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.convert_tokens_to_ids(IM_START), torch_dtype="float32", **MODEL_KW,
-    )  # fmt: skip
-    model = Qwen2ForCausalLM(cfg).to(torch.float32)
+    if init_from is not None:
+        model = Qwen2ForCausalLM.from_pretrained(init_from, dtype=torch.float32)
+    else:
+        cfg = Qwen2Config(
+            vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=tokenizer.convert_tokens_to_ids(IM_START), torch_dtype="float32", **MODEL_KW,
+        )  # fmt: skip
+        model = Qwen2ForCausalLM(cfg).to(torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"])
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / hp["warmup"]) * max(0.0, 1 - s / hp["steps"]) ** 0.5
     )
-    rng = random.Random(seed + 1000)  # pre-training problems: any carry status, fresh every step
+    rng = random.Random(seed + 1000 + 7919 * stream)  # pre-training problems: any carry status, fresh every step
     t0 = time.time()
     for step in range(hp["steps"]):
         seqs, plens = zip(*(
@@ -234,6 +260,139 @@ def evaluate(model_dir_or_model, tokenizer, problems) -> dict:
     }
 
 
+# ------------------------------------------------------------------------------------------ base property
+def rollout_settings(recipe: str = "on_policy_grpo") -> dict:
+    """What an RL run of ``recipe`` (recipes/toy_addition) samples with: prompts per step, samples per
+    prompt, the rollout's temperature / top-k / top-p and response length (the composed recipe config)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=os.path.join(REPO_ROOT, "recipes", "toy_addition"), version_base=None):
+        cfg = compose(config_name=recipe)
+    OmegaConf.resolve(cfg)
+    r = cfg.actor_rollout_ref.rollout
+    return {"train_batch_size": int(cfg.data.train_batch_size), "n": int(r.n), "temperature": float(r.temperature),
+            "top_k": int(r.top_k), "top_p": float(r.top_p), "max_tokens": int(cfg.data.max_response_length)}
+
+
+def sampled_success(model, tokenizer, problems, k: int, temperature: float = 1.0, top_k: int = -1,
+                    top_p: float = 1.0, max_tokens: int = MAX_NEW_TOKENS, seed: int = 0, rows: int = 1024,
+                    stop_at: int | None = None) -> dict:
+    """Sample ``k`` responses to every problem [(a, b)] with the rollout's own sampler (mix_src.cpu.sampling,
+    what the hf rollout server runs; one seeded generator per sample) and grade them with the task's reward.
+
+    Returns ``n_samples`` (= len(problems) x k), ``n_success`` (reward 1), ``problems_with_success`` and
+    ``p`` = n_success / n_samples, the sampled success rate. ``stop_at``: stop after the chunk of ``rows``
+    samples in which the successes reach this count (``n_samples`` then counts the samples drawn so far,
+    ``stopped_early`` is True): enough to know a bound is missed.
+    """
+    import torch
+
+    from mix_src.cpu.sampling import SamplingSpec, generate_batch
+
+    torch.set_num_threads(1)
+    if isinstance(model, str):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    model.eval()
+    eos = {tokenizer.eos_token_id}
+    prompts = [prompt_ids(tokenizer, a, b) for a, b in problems]
+    width = max(map(len, prompts))
+    jobs = [(i, j) for i in range(len(problems)) for j in range(k)]
+    wins = [0] * len(problems)
+    for start in range(0, len(jobs), rows):
+        chunk = jobs[start : start + rows]
+        specs = [SamplingSpec(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                              seed=(seed * len(problems) + i) * k + j) for i, j in chunk]  # fmt: skip
+        outs = generate_batch(model, [prompts[i] for i, _ in chunk], specs, eos, tokenizer.pad_token_id, width=width)
+        for (i, _), (ids, _) in zip(chunk, outs):
+            a, b = problems[i]
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            wins[i] += int(task.compute_score(task.DATA_SOURCE, text, str(a + b))["score"] == 1.0)
+        if stop_at is not None and sum(wins) >= stop_at and start + rows < len(jobs):
+            n = start + len(chunk)
+            return {"n_problems": len(problems), "k": k, "n_samples": n, "n_success": sum(wins),
+                    "problems_with_success": sum(w > 0 for w in wins), "p": sum(wins) / n, "stopped_early": True}
+    n = len(jobs)
+    return {"n_problems": len(problems), "k": k, "n_samples": n, "n_success": sum(wins),
+            "problems_with_success": sum(w > 0 for w in wins), "p": sum(wins) / n, "stopped_early": False}
+
+
+def teacher_forced_carry(model, tokenizer, problems, batch_size: int = 256) -> dict:
+    """Teacher-forced odds the base gives the expert trace of each problem [(a, b)] (prompt + trace + EOS,
+    one forward pass, temperature 1): ``carry`` = the probability of the expert's units-carry token (the
+    2nd response token, ``1`` in ``51 70>075``), the token LUFFY's shaped term f(p) = p/(p+0.1) must raise,
+    with gradient ~ p/0.1 while p is small; ``trace`` = the probability of the whole expert trace + EOS (a
+    lower bound on the sampled success rate of that problem). Returns per-problem lists and their summaries
+    (``carry_mean``, ``carry_q10`` = 10% quantile, ``carry_median``, ``trace_mean``)."""
+    import torch
+
+    torch.set_num_threads(1)
+    if isinstance(model, str):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    model.eval()
+    carry, trace = [], []
+    for i in range(0, len(problems), batch_size):
+        chunk = problems[i : i + batch_size]
+        seqs, plens = zip(*(_encode_example(tokenizer, a, b, task.expert_trace(a, b)) for a, b in chunk))
+        width = max(map(len, seqs))
+        ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(s)) + list(s) for s in seqs])
+        mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(s) for s in seqs])[:, None]).long()
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
+        tok_lp = logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]  # [B, T-1]: log p(token t+1 | ..t)
+        for r, (s, pl) in enumerate(zip(seqs, plens)):
+            start = width - len(s) + pl - 1  # position predicting the 1st response token
+            resp = tok_lp[r, start:]
+            carry.append(float(resp[1].exp()))
+            trace.append(float(resp.sum().exp()))
+    srt = sorted(carry)
+    q = lambda f: srt[min(len(srt) - 1, int(f * len(srt)))]  # noqa: E731
+    return {"n_problems": len(problems), "carry": carry, "trace": trace, "carry_mean": sum(carry) / len(carry),
+            "carry_q10": q(0.1), "carry_median": q(0.5), "trace_mean": sum(trace) / len(trace)}
+
+
+def expected_rewarded(p: float, steps: int, train_batch_size: int, n: int) -> float:
+    """Rewarded samples on-policy GRPO expects over a run from a policy of sampled success rate ``p``:
+    p x steps x train_batch_size x n (the run's samples)."""
+    return p * steps * train_batch_size * n
+
+
+def base_property(success: dict, steps: int, settings: dict, bound: float) -> dict:
+    """The demo's property of a base: ``success`` (from :func:`sampled_success`), the expected rewarded samples of
+    a ``steps``-step GRPO run with ``settings`` (:func:`rollout_settings`) and whether it is below ``bound``.
+
+    ``upper95``: the expected count at the 95% upper confidence bound of p (3 / n_samples when no sample
+    succeeded, the "rule of three"; else the normal approximation): what the measurement can rule out.
+    """
+    n, x = success["n_samples"], success["n_success"]
+    run = steps * settings["train_batch_size"] * settings["n"]
+    p_hi = 3.0 / n if x == 0 else min(1.0, success["p"] + 1.96 * (success["p"] * (1 - success["p"]) / n) ** 0.5)
+    expected = expected_rewarded(success["p"], steps, settings["train_batch_size"], settings["n"])
+    return {**success, "temperature": settings["temperature"], "grpo_steps": steps, "grpo_samples": run,
+            "expected_rewarded": expected, "upper95": p_hi * run, "bound": bound, "meets_bound": expected < bound}
+
+
+def describe_property(prop: dict) -> str:
+    """One line for a log: p, the expected rewarded samples, the bound."""
+    drawn = (f"the first {prop['n_samples']} of {prop['n_problems']} training problems x {prop['k']} samples, "
+             "stopped once the bound was missed" if prop.get("stopped_early")
+             else f"{prop['n_problems']} training problems x {prop['k']} samples")
+    return (f"sampled success rate p = {prop['n_success']}/{prop['n_samples']} = {prop['p']:.2e} "
+            f"({drawn} at temperature {prop['temperature']:g}; "
+            f"{prop['problems_with_success']} problems solved at least once); expected rewarded samples over "
+            f"GRPO's {prop['grpo_steps']} steps x {prop['grpo_samples'] // prop['grpo_steps']} samples = "
+            f"{prop['expected_rewarded']:.2f} (95% upper bound {prop['upper95']:.2f}); bound: < {prop['bound']:g} "
+            + ("-- met" if prop["meets_bound"] else "-- NOT met")
+            + ("" if "carry_mean" not in prop else
+               f"; LUFFY's side: teacher-forced probability of the expert's carry token, mean {prop['carry_mean']:.2e}"
+               f" (10% quantile {prop['carry_q10']:.2e}); floor: >= {prop['carry_floor']:g} "
+               + ("-- met" if prop["luffy_ok"] else "-- NOT met")))
+
+
 # ------------------------------------------------------------------------------------------ all together
 def _pretrain_hparams(variant: str, steps: int | None = None) -> dict:
     return {**PRETRAIN, "steps": steps or VARIANTS[variant]["pretrain_steps"]}
@@ -273,7 +432,8 @@ def prepare(out_dir: str = DEFAULT_OUT, seed: int = 0, force: bool = False, log=
         with open(manifest) as f:
             info = json.load(f)
         if info.get("fingerprint") == fp:
-            return {**paths, "base_eval": info["eval"]}
+            return {**paths, "base_eval": info["eval"],
+                    **({"base_property": info["base_property"]} if "base_property" in info else {})}
 
     os.makedirs(out_dir, exist_ok=True)
     tokenizer = build_tokenizer(paths["tokenizer"])
@@ -282,15 +442,70 @@ def prepare(out_dir: str = DEFAULT_OUT, seed: int = 0, force: bool = False, log=
     write_parquets(out_dir, seed=0, variant=variant)
     train_info = pretrain_base(paths["model"], tokenizer, seed, log=log, n_digits=v["n_digits"],
                                **_pretrain_hparams(variant, pretrain_steps))
+    prop = None
+    if "base_check" in v:
+        prop, rounds = check_base(paths["model"], tokenizer, paths["train"], seed, variant, log=log)
+        train_info["continued"] = rounds
     heldout = read_problems(paths["heldout"])
     carry_free = task.sample_problems(N_HELDOUT, random.Random(12345), carry=False, n_digits=v["n_digits"])
     ev = {"heldout_carry": evaluate(paths["model"], tokenizer, heldout),
           "carry_free": evaluate(paths["model"], tokenizer, carry_free)}
     if "ood" in paths:
         ev["ood"] = evaluate(paths["model"], tokenizer, read_problems(paths["ood"]))
+    info = {"fingerprint": fp, "pretrain": train_info, "eval": ev}
+    if prop is not None:
+        info["base_property"] = prop
     with open(manifest, "w") as f:
-        json.dump({"fingerprint": fp, "pretrain": train_info, "eval": ev}, f, indent=1)
-    return {**paths, "base_eval": ev}
+        json.dump(info, f, indent=1)
+    return {**paths, "base_eval": ev, **({"base_property": prop} if prop is not None else {})}
+
+
+def check_base(model_dir: str, tokenizer, train_parquet: str, seed: int, variant: str, log=print,
+               measure=None, measure_carry=None) -> tuple[dict, list[dict]]:
+    """Measure the base's property (``VARIANTS[variant]["base_check"]``) and, while its expected rewarded GRPO
+    samples are not below the bound, continue pre-training ``model_dir`` in place for ``extra_steps`` more
+    carry-free steps (at most ``max_rounds`` times). Returns the last measurement (with ``pretrain_steps``
+    and ``history``: every round's steps, p and expected count) and the continuation rounds' train infos.
+    ``measure(model_dir) -> sampled_success dict`` replaces the sampler and ``measure_carry(model_dir) ->
+    teacher_forced_carry dict`` the carry measurement (tests). Stops at the first base meeting GRPO's bound, or
+    once the carry probability is below ``carry_floor`` (no window: more training only lowers it), or after
+    ``max_rounds``; ``luffy_ok`` / ``window`` say which held."""
+    v, c = VARIANTS[variant], VARIANTS[variant]["base_check"]
+    settings = rollout_settings()
+    if measure is None:
+        problems = read_problems(train_parquet)
+
+        run = c["grpo_steps"] * settings["train_batch_size"] * settings["n"]
+        # successes among all len(problems) x k samples that put the expected count at the bound: once
+        # reached, the rest of the measurement cannot change the verdict (a base that misses costs one chunk)
+        stop_at = max(1, math.ceil(c["bound"] * len(problems) * c["k"] / run))
+
+        def measure(path):
+            return sampled_success(path, tokenizer, problems, c["k"], settings["temperature"], settings["top_k"],
+                                   settings["top_p"], settings["max_tokens"], seed=seed, stop_at=stop_at)
+
+        def measure_carry(path):
+            return teacher_forced_carry(path, tokenizer, problems)
+
+    steps, rounds, history = v["pretrain_steps"], [], []
+    while True:
+        t0 = time.time()
+        tf = measure_carry(model_dir)
+        prop = {**base_property(measure(model_dir), c["grpo_steps"], settings, c["bound"]),
+                "carry_mean": tf["carry_mean"], "carry_q10": tf["carry_q10"], "carry_floor": c["carry_floor"]}
+        prop["luffy_ok"] = prop["carry_mean"] >= c["carry_floor"]
+        prop["window"] = prop["meets_bound"] and prop["luffy_ok"]
+        history.append({"pretrain_steps": steps, "n_samples": prop["n_samples"], "n_success": prop["n_success"],
+                        "stopped_early": prop.get("stopped_early", False), "p": prop["p"],
+                        "expected_rewarded": prop["expected_rewarded"], "carry_mean": prop["carry_mean"],
+                        "carry_q10": prop["carry_q10"], "seconds": round(time.time() - t0, 1)})
+        log(f"base after {steps} pre-training steps: " + describe_property(prop))
+        if prop["meets_bound"] or not prop["luffy_ok"] or len(rounds) == c["max_rounds"]:
+            return {**prop, "pretrain_steps": steps, "history": history}, rounds
+        hparams = {**_pretrain_hparams(variant), "steps": c["extra_steps"]}
+        rounds.append(pretrain_base(model_dir, tokenizer, seed, log=log, n_digits=v["n_digits"],
+                                    init_from=model_dir, stream=len(rounds) + 1, **hparams))
+        steps += c["extra_steps"]
 
 
 def main(argv=None) -> int:
