@@ -8,7 +8,7 @@
 SFT through the same script's ``sft`` path (verl's own ``verl.trainer.sft_trainer`` under torchrun). One run at a
 time (parallel runs were not measured to be faster on this 2-core machine). A finished run has ``done.json`` in
 its folder and is never re-run; an unfinished folder is deleted and the run starts again. ``--wrap CMD`` (or env
-``COMPARE_RUN_WRAPPER``) prefixes each run's command, e.g. ``--wrap /work/bin/ray-lock`` takes a lock per run.
+``COMPARE_RUN_WRAPPER``) prefixes each run's command, e.g. ``--wrap "flock /tmp/my.lock"`` takes a lock per run.
 
 **Methods plug in by name.** A method ``X`` is runnable when ``recipes/X/compare.yaml`` exists with
 ``plugins: [mix.plugins paths relative to the repository root]`` and ``overrides: [Hydra key=value strings
