@@ -380,14 +380,8 @@ class MixPolicyLoss:
     @staticmethod
     def _sft_tokens(data: TensorDict) -> float:
         """The SFT tokens of this micro-batch's global mini-batch (see add_sft_token_counts)."""
-        if SFT_TOKENS not in data.keys():
-            raise KeyError(f"mix.loss.row_loss needs '{SFT_TOKENS}' in the batch; the MIX trainer adds it before "
-                           "update_actor (mix_src.loss.add_sft_token_counts)")
-        counts = data[SFT_TOKENS]
-        if counts.numel() and counts.min() != counts.max():
-            raise ValueError(f"'{SFT_TOKENS}' differs within one micro-batch: its rows come from different "
-                             "mini-batches than add_sft_token_counts assumed (actor.shuffle must be false)")
-        return max(float(counts[0]), 1.0) if counts.numel() else 1.0
+        return max(_row_values(data, (SFT_TOKENS,), "mix.loss.row_loss", "add_sft_token_counts")[SFT_TOKENS], 1.0)
+
     def _combined_policy_loss(self, data, batch, log_prob, response_mask, prefix_mask, info, common, metrics):
         """``mix.loss.combine``: PPO-clip on the on-policy rows, then the registered combination (its module
         docstring: mix_src/loss_combine.py) makes the policy loss from it and the expert tokens."""
@@ -420,15 +414,10 @@ class MixPolicyLoss:
 
     @staticmethod
     def _kept_tokens(data: TensorDict) -> float:
-        """all_max_clip's kept-token count of this micro-batch's global mini-batch (see add_kept_token_counts)."""
-        if KEPT_TOKENS not in data.keys():
-            raise KeyError(f"mix.loss.all_max_clip with token-mean needs '{KEPT_TOKENS}' in the batch; the MIX "
-                           "trainer adds it before update_actor (mix_src.loss.add_kept_token_counts)")
-        kept = data[KEPT_TOKENS]
-        if kept.numel() and kept.min() != kept.max():
-            raise ValueError(f"'{KEPT_TOKENS}' differs within one micro-batch: its rows come from different "
-                             "mini-batches than add_kept_token_counts assumed (actor.shuffle must be false)")
-        return max(float(kept[0]), 1.0) if kept.numel() else 1.0  # 0 kept tokens: the numerator is 0 too
+        """all_max_clip's kept-token count of this micro-batch's global mini-batch (see add_kept_token_counts);
+        0 kept tokens: the numerator is 0 too."""
+        return max(_row_values(data, (KEPT_TOKENS,), "mix.loss.all_max_clip with token-mean",
+                               "add_kept_token_counts")[KEPT_TOKENS], 1.0)
 
     # ---- entropy coefficient -------------------------------------------------------------------------
 

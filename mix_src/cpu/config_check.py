@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from mix_src.mix_config import MixConfigError
+from mix_src.verl_parity import _get
 
 # Model sections the FSDP workers build (actor/rollout/ref share one model config; the critic has its own).
 MODEL_SECTIONS = ("actor_rollout_ref.model", "critic.model")
@@ -21,13 +22,6 @@ STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.stra
 CPU_ATTENTION = ("eager", "sdpa", "flex_attention")
 
 
-def _get(config: Any, dotted: str, default: Any = None) -> Any:
-    node = config
-    for part in dotted.split("."):
-        if node is None:
-            return default
-        node = node.get(part, None) if hasattr(node, "get") else getattr(node, part, None)
-    return default if node is None else node
 
 
 def _uses_critic(config: Any) -> bool:
