@@ -272,6 +272,21 @@ V1_REFUSALS: list[tuple[str, Callable[[DictConfig, Any], Any], str]] = [
                    and int(c.algorithm.filter_groups.get("max_num_gen_batches", 0) or 0) > 0 else None),
      "verl's V1 replay buffer ignores it (verl/trainer/ppo/v1/trainer_base.py _resolve_filter_groups_metric); set it "
      "to 0 and bound generation with algorithm.filter_groups.max_inflight_gen_batches, or set trainer.use_v1=false"),
+    # the per-row / per-population counts these loss extension points need reach the worker loss from
+    # MIXRayPPOTrainer's update stage only (mix_src.loss.add_combine_inputs / add_sft_token_counts, and the
+    # behaviour log-probs a rollout policy stores); any entry, built in or a plugin's, is refused on V1
+    ("mix.loss.combine",
+     lambda c, m: repr(m.loss.combine) if m.loss.combine is not None else None,
+     "its per-population token counts and the global step reach the worker loss from MIXRayPPOTrainer before the "
+     "update (mix_src.loss.add_combine_inputs); use trainer.use_v1=false"),
+    ("mix.loss.row_loss",
+     lambda c, m: repr(m.loss.row_loss) if m.loss.row_loss is not None else None,
+     "its SFT-token counts reach the worker loss from MIXRayPPOTrainer before the update "
+     "(mix_src.loss.add_sft_token_counts) and its rows are marked by a rollout policy; use trainer.use_v1=false"),
+    ("mix.loss.off_policy_behaviour",
+     lambda c, m: repr(m.loss.off_policy_behaviour) if m.loss.off_policy_behaviour is not None else None,
+     "the recorded behaviour log-probs come from a rollout policy's second pass, which runs on the legacy loop only; "
+     "use trainer.use_v1=false"),
 ]
 
 

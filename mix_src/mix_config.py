@@ -138,6 +138,18 @@ class LossConfig:
             if self.all_max_clip is not None:
                 raise MixConfigError(f"{p}.row_loss={self.row_loss!r} with {p}.all_max_clip={self.all_max_clip} is not "
                                      "supported (its kept-token mean would count the SFT rows); set it to null")
+        if self.prefix_token_select is not None and self.use_sft_multitask_loss:
+            raise MixConfigError(f"{p}.prefix_token_select={self.prefix_token_select!r} with {p}.use_sft_multitask_loss: "
+                                 "prefix rows take the SFT term there, so the selected advantages would be ignored; pick one")
+        if self.prefix_token_select is not None and PREFIX_TOKEN_SELECTS.options(self.prefix_token_select).get(
+                "prefix_tokens_on_policy", False):  # fmt: skip
+            ignored = sorted(f.name for f in dataclasses.fields(self) if (f.name.startswith("off_") and f.name not in
+                             ("off_policy_reshape_gamma", "off_policy_reshape_weight", "off_policy_reshape_pow_exp"))
+                             and getattr(self, f.name) != f.default)  # fmt: skip
+            if ignored:
+                raise MixConfigError(f"{p}.prefix_token_select={self.prefix_token_select!r} makes prefix tokens "
+                                     f"on-policy tokens of the loss, so {ignored} would be ignored; leave them at "
+                                     "their defaults")
         if self.combine is not None and self.prefix_token_select is not None:
             raise MixConfigError(f"{p}.combine={self.combine!r} makes the expert rows' loss itself, so "
                                  f"{p}.prefix_token_select={self.prefix_token_select!r} would be ignored; pick one")
@@ -376,6 +388,11 @@ def validate_mix_config(config: Any) -> MixConfig:
         raise MixConfigError(
             "mix.loss.all_max_clip with token-mean counts the kept tokens of each mini-batch before the update, "
             "which needs verl's unshuffled mini-batches: set actor_rollout_ref.actor.shuffle=false"
+        )
+    if mix.loss.row_loss is not None and actor.get("shuffle", False):
+        raise MixConfigError(
+            f"mix.loss.row_loss={mix.loss.row_loss!r} counts the SFT tokens of each mini-batch before the update, which "
+            "needs verl's unshuffled mini-batches: set actor_rollout_ref.actor.shuffle=false"
         )
     if mix.loss.combine is not None and actor.get("shuffle", False):
         raise MixConfigError(

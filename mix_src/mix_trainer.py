@@ -460,7 +460,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         ctx = RolloutContext(
             batch=batch, n=self.n, global_step=self.global_steps, mix=self.mix, generate=generate,
             prefix_ratios=lambda: self._prefix_ratios(gen_batch, gen_index), rng=np.random.default_rng([*seed, 1]),
-            records=records, state=self._rollout_state, tokenizer=self.tokenizer,
+            records=records, state=self._policy_state(), tokenizer=getattr(self, "tokenizer", None),
         )  # fmt: skip
         out = ROLLOUT_POLICIES.get(self.mix.rollout_policy)(ctx)
         timing.update(merge_rollout_timing(passes))  # min/max/mean keep their meaning over several passes
@@ -623,8 +623,15 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         state = {"epoch": self._epoch, "carry": self._carry, "dataloader": self.train_dataloader.state_dict(),
                  "entropy_coef": getattr(self, "_entropy_state", None),  # the learned entropy coefficient
                  "flops": dict(self._flops or {}),  # the FLOPs so far: a resumed run's budget counts them
-                 "rollout_policy": getattr(self, "_rollout_state", {})}  # the rollout policy's own state (RolloutContext.state)
+                 "rollout_policy": self._policy_state()}  # the rollout policy's own state (RolloutContext.state)
         torch.save(state, os.path.join(folder, MIX_STATE_FILE))
+
+    def _policy_state(self) -> dict:
+        """The rollout policy's own state (RolloutContext.state), one dict for the run, saved in mix_state.pt
+        (a trainer built without __init__, as in the stage tests, gets it on first use)."""
+        if getattr(self, "_rollout_state", None) is None:
+            self._rollout_state = {}
+        return self._rollout_state
 
     def _load_checkpoint(self):
         """verl's loader, then the data position from ``mix_state.pt``. verl's own restore assumes one batch
@@ -648,9 +655,8 @@ class MIXRayPPOTrainer(RayPPOTrainer):
                     self.train_dataloader.load_state_dict(state["dataloader"])
                 self._entropy_state = state.get("entropy_coef")
                 self._flops = {**{c: 0.0 for c in FLOPS_COUNTS}, **(state.get("flops") or {})}  # the budget counts the run so far
-                self._rollout_state = getattr(self, "_rollout_state", {})  # the policy's RolloutContext.state: same dict
-                self._rollout_state.clear()
-                self._rollout_state.update(state.get("rollout_policy") or {})
+                self._policy_state().clear()  # the policy's RolloutContext.state: the same dict object, refilled
+                self._policy_state().update(state.get("rollout_policy") or {})
                 if self._entropy_state is not None:  # the workers' loss continues the learned coefficient
                     install_loss(self.actor_rollout_wg, self._make_loss_fn())
         return result

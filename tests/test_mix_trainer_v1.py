@@ -333,3 +333,31 @@ def test_v1_advantage_stage_runs_grpo_split_once_with_the_prefix_mask():
     assert torch.equal(out.batch["advantages"], expected)
     out = luffy_advantage_stage(verl, prefix, OmegaConf.create({"adv_estimator": "grpo"}), mix)(data(), gamma=1.0)
     assert verl_calls == [{"gamma": 1.0}] and torch.equal(out.batch["advantages"], torch.ones(4, 3))
+
+
+def test_v1_refuses_any_legacy_only_loss_extension_even_one_declaring_both_bases(tiny_assets):
+    """A loss combination from a plugin that declares no base (so both) is still refused on V1, by the
+    V1_REFUSALS table: its counts reach the worker loss from the legacy trainer only. (Before, only CHORD's own
+    entry refused V1, and such a plugin failed with a KeyError in the first update, after Ray started.)"""
+    from mix_src.loss_combine import register_loss_combine
+    from mix_src.main_mix_ppo import run_mix_ppo
+
+    @register_loss_combine("test_both_bases_combine")
+    def _combine(inputs, args):
+        return inputs.rl_loss, {}
+
+    with pytest.raises(ValueError, match=r"mix\.loss\.combine='test_both_bases_combine' is not supported on "
+                                         r"trainer\.use_v1=true: .*add_combine_inputs"):
+        run_mix_ppo(compose_v1(tiny_assets, "mix.loss.combine=test_both_bases_combine", "mix.n_prefix=1"))
+    assert not ray.is_initialized()
+
+
+def test_row_loss_with_shuffled_mini_batches_is_refused(tiny_assets):
+    from mix_src.mix_config import MixConfigError, validate_mix_config
+    from mix_src.row_loss import ROW_LOSSES
+
+    with initialize_config_module(config_module="mix_src.config", version_base=None):
+        cfg = compose(config_name="mix_ppo", overrides=[*MIX_CPU, *tiny_overrides(tiny_assets),
+                      f"mix.loss.row_loss={next(iter(ROW_LOSSES))}", "actor_rollout_ref.actor.shuffle=true"])  # fmt: skip
+    with pytest.raises(MixConfigError, match=r"mix\.loss\.row_loss=.* needs verl's unshuffled mini-batches"):
+        validate_mix_config(cfg)

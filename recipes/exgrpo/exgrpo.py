@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import hashlib
 import random
+import uuid
 from typing import Any, Sequence
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from mix_src.off_policy_behaviour import BEHAVIOUR_LOG_PROB
 from mix_src.registry import EntryConfigError
@@ -214,6 +216,11 @@ def _check(config) -> None:
         raise EntryConfigError(f"mix.plugin_options.{NAME}: unknown key(s) {unknown}; valid: {sorted(DEFAULTS)}")
     o = {**DEFAULTS, **opts}
     p = f"mix.plugin_options.{NAME}"
+    loop = OmegaConf.select(config, "actor_rollout_ref.rollout.agent.default_agent_loop", default=None)
+    if loop == "prefix_guided_tool":
+        raise EntryConfigError("mix.rollout_policy=exgrpo with actor_rollout_ref.rollout.agent.default_agent_loop="
+                               "prefix_guided_tool: ExGRPO replays decoded single-turn samples as plain-text targets, "
+                               "and the tool loop's targets are JSON episodes; use the prefix_guided agent loop")
     if not 0.0 <= float(o["experience_ratio"]) <= 1.0:
         raise EntryConfigError(f"{p}.experience_ratio={o['experience_ratio']!r} must be in [0, 1]")
     if not float(o["start_solved_ratio"]) < 1.0:
@@ -274,7 +281,7 @@ def exgrpo(ctx: RolloutContext):
             entry = buf["pool"][key]
             traj = entry["trajs"][choose_trajectory([t["metric"] for t in entry["trajs"]], opts["select_mode"])]
             rec = entry["record"].repeat(repeat_times=n, interleave=True)
-            rec.non_tensor_batch["uid"] = np.array([f"exgrpo-{ctx.global_step}-{j}"] * n, dtype=object)
+            rec.non_tensor_batch["uid"] = np.array([f"exgrpo-{uuid.uuid4()}"] * n, dtype=object)  # unique across gen batches
             prompts.append(rec)
             text = _target_text(ctx.tokenizer, traj["ids"])
             targets += [text] * n
