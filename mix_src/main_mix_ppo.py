@@ -236,13 +236,6 @@ def check_v1_config(config: DictConfig, mix: Any) -> None:
             "67-69), and each of verl 0.9.1's (nccl needs cupy/CUDA, hccl Ascend, nixl/mooncake/kimi RDMA) needs an "
             "accelerator; use sync or colocate_async on CPU"
         )
-    if (config.get("mix") or {}).get("flops_budget") is not None:
-        raise MixConfigError(
-            "mix.flops_budget is not supported on trainer.use_v1=true: the budget stop lives in the legacy trainer's "
-            "loop (mix_src/mix_trainer.py MIXRayPPOTrainer.fit); the V1 loop is verl's own fit "
-            "(verl/trainer/ppo/v1/trainer_base.py), which mix_src does not override, so the budget would be ignored. "
-            "Unset mix.flops_budget or set trainer.use_v1=false"
-        )
     try:
         import transfer_queue  # noqa: F401
     except ImportError as e:
@@ -272,6 +265,11 @@ V1_REFUSALS: list[tuple[str, Callable[[DictConfig, Any], Any], str]] = [
                    and int(c.algorithm.filter_groups.get("max_num_gen_batches", 0) or 0) > 0 else None),
      "verl's V1 replay buffer ignores it (verl/trainer/ppo/v1/trainer_base.py _resolve_filter_groups_metric); set it "
      "to 0 and bound generation with algorithm.filter_groups.max_inflight_gen_batches, or set trainer.use_v1=false"),
+    ("mix.flops_budget",
+     lambda c, m: m.flops_budget,
+     "the budget stop lives in the legacy trainer's loop (mix_src/mix_trainer.py MIXRayPPOTrainer.fit); the V1 loop "
+     "is verl's own fit (verl/trainer/ppo/v1/trainer_base.py), which mix_src does not override, so the budget would "
+     "be ignored. Unset mix.flops_budget or set trainer.use_v1=false"),
     # the per-row / per-population counts these loss extension points need reach the worker loss from
     # MIXRayPPOTrainer's update stage only (mix_src.loss.add_combine_inputs / add_sft_token_counts, and the
     # behaviour log-probs a rollout policy stores); any entry, built in or a plugin's, is refused on V1

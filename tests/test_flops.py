@@ -77,8 +77,9 @@ def test_budget_refused_with_a_critic_and_bad_values():
 
 def test_budget_refused_on_v1_before_ray():
     from mix_src.main_mix_ppo import check_v1_config
-    from mix_src.mix_config import MixConfigError
+    from mix_src.mix_config import MixConfigError, mix_config_from_dict
 
-    cfg = OmegaConf.create({"trainer": {"v1": {"trainer_mode": "sync"}, "device": "cpu"}, "mix": {"flops_budget": 1e9}})
-    with pytest.raises(MixConfigError, match="mix.flops_budget is not supported on trainer.use_v1=true"):
-        check_v1_config(cfg)
+    cfg = OmegaConf.create({"trainer": {"v1": {"trainer_mode": "sync"}, "device": "cpu"}, "mix": {"flops_budget": 1e9},
+                            "algorithm": {}})  # fmt: skip
+    with pytest.raises(MixConfigError, match="mix.flops_budget=1000000000.0 is not supported on trainer.use_v1=true"):
+        check_v1_config(cfg, mix_config_from_dict({"flops_budget": 1e9}))
