@@ -78,12 +78,15 @@ def assets(tmp_path_factory):
 @pytest.fixture
 def venv(tmp_path):
     """A fresh venv with a copy of this interpreter's pip and nothing else (no torch)."""
-    import pip
+    import importlib.util
 
+    # pip's folder without importing pip here: importing it leaves the stdlib distutils in sys.modules, and a later
+    # `import setuptools` in this process (vLLM -> torch.utils.cpp_extension) then fails its distutils check
+    pip_dir = Path(importlib.util.find_spec("pip").submodule_search_locations[0])
     path = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
     site = next(path.glob("lib/python*/site-packages"))
-    shutil.copytree(Path(pip.__file__).parent, site / "pip")
+    shutil.copytree(pip_dir, site / "pip")
     return path
 
 

@@ -63,22 +63,34 @@ def test_vllm_distribution_alias_lets_verl_import_and_keeps_vllm_on_cpu(tmp_path
 def test_cpu_linear_layers_keep_reloadable_weights():
     """vLLM's CPU linear method replaces layer.weight by an empty tensor after loading (linear.py:220); verl
     then cannot load the next update into it (utils.py:405). Patched: the weight stays (with its
-    weight_loader), and re-processing after an in-place update computes with the new weights."""
-    import mix_src.cpu  # noqa: F401  (registers the hook)
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    weight_loader), and re-processing after an in-place update computes with the new weights. Runs in a fresh
+    interpreter: importing vLLM's linear layers imports setuptools, whose distutils check fails in a process where
+    an earlier test (tests/test_install_torch.py's pip venv) left the stdlib distutils loaded."""
+    import subprocess
+    import sys
+    import textwrap
 
-    layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(torch.randn(8, 16), requires_grad=False)
-    layer.weight.weight_loader = lambda param, w: param.data.copy_(w)
-    method = UnquantizedLinearMethod()
-    method.process_weights_after_loading(layer)
-    assert layer.weight.shape == (8, 16) and hasattr(layer.weight, "weight_loader")
+    code = textwrap.dedent("""
+        import torch
+        import mix_src.cpu  # noqa: F401  (registers the hook)
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
-    x = torch.randn(3, 16)
-    new = torch.randn(8, 16)
-    layer.weight.weight_loader(layer.weight, new)  # what vLLM's load_weights does per tensor
-    method.process_weights_after_loading(layer)  # what verl runs after every sync (utils.py:353)
-    torch.testing.assert_close(method.apply(layer, x), torch.nn.functional.linear(x, new), atol=1e-4, rtol=1e-4)
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(torch.randn(8, 16), requires_grad=False)
+        layer.weight.weight_loader = lambda param, w: param.data.copy_(w)
+        method = UnquantizedLinearMethod()
+        method.process_weights_after_loading(layer)
+        assert layer.weight.shape == (8, 16) and hasattr(layer.weight, "weight_loader")
+
+        x = torch.randn(3, 16)
+        new = torch.randn(8, 16)
+        layer.weight.weight_loader(layer.weight, new)  # what vLLM's load_weights does per tensor
+        method.process_weights_after_loading(layer)  # what verl runs after every sync (utils.py:353)
+        torch.testing.assert_close(method.apply(layer, x), torch.nn.functional.linear(x, new), atol=1e-4, rtol=1e-4)
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
 def test_rollout_vllm_without_vllm_fails_before_ray(tiny_assets, tmp_path):
