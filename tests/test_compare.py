@@ -92,6 +92,14 @@ def test_tiny_grid_end_to_end(tmp_path):
         # the SFT FLOPs were counted from the tokens verl's SFT trainer actually trains on
         assert sft["tokens_per_step"]["logged_by_verl"] == [sft["tokens_per_step"]["counted"]]
         assert all(0.0 <= e["heldout"] <= 1.0 and 0.0 <= e["ood"] <= 1.0 for e in rl["evals"] + sft["evals"])
+        # verl's SFT trainer ran (recipes/toy_addition/sft.yaml): its NLL on the demonstrations went down, and
+        # the RL runs trained (the smoke tests of both recipes ride on this grid)
+        sft_m = cmp.read_metrics(str(tmp_path / "runs" / "addition" / f"sft_seed{seed}" / "metrics.jsonl"))
+        losses = [m["train/loss"] for _, m in sorted(sft_m.items()) if "train/loss" in m]
+        assert len(losses) == sft["steps"] and all(map(math.isfinite, losses)) and losses[-1] < losses[0], losses
+        rl_m = cmp.read_metrics(str(tmp_path / "runs" / "addition" / f"grpo_seed{seed}" / "metrics.jsonl"))
+        for step in range(1, rl["steps"] + 1):
+            assert math.isfinite(rl_m[step]["actor/pg_loss"]) and rl_m[step].get("batch/off_policy_rows", 0) == 0
     table = open(tmp_path / "table.md").read()
     assert "| grpo |" in table and "| sft |" in table and "Paired by seed against **grpo**" in table
     assert (tmp_path / "curves.png").stat().st_size > 0

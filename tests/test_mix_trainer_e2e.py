@@ -46,17 +46,18 @@ def test_partial_prefixes_and_resume_draw_the_same_ratios(tiny_assets, tmp_path)
     and continues its learned entropy coefficient (checkpointed with the trainer's state)."""
     common = ["mix.n_prefix=2", "mix.min_prefix_ratio=0.3", "mix.max_prefix_ratio=0.7", "mix.seed=7",
               "mix.loss.use_adaptive_entropy=true", "actor_rollout_ref.actor.entropy_coeff=0.01", "mix.loss.alpha_lr=0.5"]
-    full = mix_run(tiny_assets, tmp_path / "full", *common, "trainer.save_freq=-1")
+    ckpt = tmp_path / "ckpt"
+    # the uninterrupted run saves every step; the resumed run starts from its step-1 checkpoint
+    full = mix_run(tiny_assets, tmp_path / "full", *common, f"trainer.default_local_dir={ckpt}", "trainer.save_freq=1")
     ratios = full.series("batch/avg_prefix_ratio")
     assert len(ratios) == 2 and ratios[0] != ratios[1]
     assert all(0.3 * 2 / 4 <= r <= 0.7 * 2 / 4 for r in ratios)  # 2 of 4 rows prefixed, U(0.3, 0.7) each
     for m in full.metrics:
         assert 0 < m["batch/prefix_token_frac"] < 1 and "actor/off_pg_loss" in m
 
-    ckpt = f"trainer.default_local_dir={tmp_path / 'ckpt'}"
-    first = mix_run(tiny_assets, tmp_path / "first", *common, ckpt, "trainer.save_freq=1", steps=1)
-    resumed = mix_run(tiny_assets, tmp_path / "resumed", *common, ckpt, "trainer.save_freq=-1", "trainer.resume_mode=auto")
-    assert first.series("batch/avg_prefix_ratio") == ratios[:1]
+    resumed = mix_run(tiny_assets, tmp_path / "resumed", *common, f"trainer.default_local_dir={tmp_path / 'ckpt2'}",
+                      "trainer.save_freq=-1", "trainer.resume_mode=resume_path",
+                      f"trainer.resume_from_path={ckpt / 'global_step_1'}")  # fmt: skip
     assert [m["step"] for m in resumed.metrics] == [2]  # resumed at step 2
     assert resumed.series("batch/avg_prefix_ratio") == ratios[1:]
     coefs = full.series("actor/entropy_coeff")  # the coefficient each step's loss used
