@@ -143,3 +143,51 @@ def test_the_in_process_reward_gets_its_own_copy_of_the_row():
                                non_tensors={"extra_info": np.array([shared], dtype=object)})  # fmt: skip
     asyncio.run(InProcessRewardWorker(Mutating()).compute_score.remote(data))
     assert shared == {"answer_type": "numeric"} and data.non_tensor_batch["extra_info"][0] is shared
+
+
+def test_the_row_copy_does_not_round_trip_through_torch_save(monkeypatch):
+    """copy_row copies every tensor and non-tensor field (a mutation in the reward call reaches no other row)
+    without DataProto.__getstate__, which torch.save-s the TensorDict: copy.deepcopy(DataProto) took ~2-6 ms a
+    row, most of the agent-loop worker's per-row time on the CPU toy step."""
+    import numpy as np
+    import torch
+
+    from verl import DataProto
+    from verl.protocol import DataProto as _DP
+
+    from mix_src.agent_loop_worker import copy_row
+
+    shared = {"answer_type": "numeric"}
+    data = DataProto.from_dict(tensors={"responses": torch.arange(6).view(1, 6)},
+                               non_tensors={"extra_info": np.array([shared], dtype=object),
+                                            "tool_extra_fields": np.array([{"mask": np.ones(3)}], dtype=object)},
+                               meta_info={"m": [1]})  # fmt: skip
+    monkeypatch.setattr(_DP, "__getstate__", lambda self: pytest.fail("torch.save round trip"), raising=False)
+    copied = copy_row(data)
+    copied.batch["responses"][0, 0] = 99
+    copied.non_tensor_batch["extra_info"][0]["seen"] = True
+    copied.non_tensor_batch["tool_extra_fields"][0]["mask"][0] = 0
+    copied.meta_info["m"].append(2)
+    assert data.batch["responses"].tolist() == [[0, 1, 2, 3, 4, 5]] and shared == {"answer_type": "numeric"}
+    assert data.non_tensor_batch["tool_extra_fields"][0]["mask"].tolist() == [1, 1, 1] and data.meta_info == {"m": [1]}
+    assert copy_row(3) == 3  # anything else: copy.deepcopy
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("n", [1, 5, 8, 11])
+@pytest.mark.parametrize("mask", [True, False])
+def test_padding_gives_verls_tensors(tiny_assets, side, n, mask):
+    """MixAgentLoopWorker._pad_token_ids (torch) == verl's (tokenizer.pad), shorter, equal and longer rows."""
+    import torch
+    from transformers import AutoTokenizer
+
+    w = object.__new__(MixAgentLoopWorker)
+    w.tokenizer = AutoTokenizer.from_pretrained(tiny_assets["tokenizer"])
+    tokens = list(range(3, 3 + n))
+    kw = dict(max_length=8, padding_side=side, return_attention_mask=mask)
+    ours = w._pad_token_ids(tokens, **kw)
+    verls = AgentLoopWorker._pad_token_ids(w, tokens, **kw)
+    assert set(ours) == set(verls) and w.tokenizer.padding_side == side
+    for key in ours:
+        assert ours[key].dtype == verls[key].dtype and torch.equal(ours[key], verls[key]), key
+    assert w._pad_token_ids([], **kw)["input_ids"].shape == (1, 8)
