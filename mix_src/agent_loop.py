@@ -78,13 +78,6 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.response_length = int(self.rollout_config.response_length)
-        # Settings run() reads, read once: a DictConfig attribute costs ~10-20 us on a 2-core host, and run()
-        # read five per row (cProfile of the agent-loop worker on the toy step).
-        rollout = self.rollout_config
-        self.full_determinism = bool(getattr(rollout, "full_determinism", False))
-        self.calculate_log_probs = bool(getattr(rollout, "calculate_log_probs", False))
-        self.sglang = getattr(rollout, "name", None) == "sglang"
-        self._max_model_len: Any = ...  # resolved on first use (max_model_len)
         self.eos_token_id = self.tokenizer.eos_token_id
         self._prompt_cache: dict[str, asyncio.Future] = {}
 
@@ -118,11 +111,6 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
         """``rollout.max_model_len`` (the driver resolves a null one, :mod:`mix_src.model_context`); still null
         (stock verl's entry point, a hub id the driver had not cached): the model's context by verl's server
         rule, read once here. None only where no model config is readable (no clamp, as before)."""
-        if self._max_model_len is ...:
-            self._max_model_len = self._resolve_max_model_len()
-        return self._max_model_len
-
-    def _resolve_max_model_len(self) -> Optional[int]:
         value = getattr(self.rollout_config, "max_model_len", None)
         if value:
             return int(value)
@@ -146,7 +134,7 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
         max_model_len = self.max_model_len()
         if not max_model_len:
             return None
-        return int(max_model_len) - context_len - (1 if self.sglang else 0)
+        return int(max_model_len) - context_len - (1 if getattr(self.rollout_config, "name", None) == "sglang" else 0)
 
     def request_seed(self, kwargs: dict[str, Any], priority: int) -> int:
         """The row's sampling seed: the trainer's ``rollout_seed`` field, else one from the row's position
@@ -195,9 +183,10 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
         room = self.generation_room(len(prompt_ids) + len(prefix_ids))
         max_tokens = remaining if room is None else min(remaining, room)
         if max_tokens > 0 and not ends_with_eos:  # a whole target (+EOS) needs no generation at all
+            full_determinism = getattr(self.rollout_config, "full_determinism", False)
             with simple_timer("generate_sequences", metrics):
                 out = await self.server_manager.generate(
-                    request_id=self.deterministic_request_id(kwargs, priority) if self.full_determinism else uuid4().hex,
+                    request_id=self.deterministic_request_id(kwargs, priority) if full_determinism else uuid4().hex,
                     prompt_ids=prompt_ids + prefix_ids,
                     sampling_params={**sampling_params, "max_tokens": max_tokens},
                     priority=priority,
@@ -213,7 +202,7 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
         response_ids = prefix_ids + gen_ids
         # verl stacks rollout log-probs only if every row has them: keep one rule for all rows.
         response_logprobs = None
-        if self.calculate_log_probs:
+        if self.rollout_config.calculate_log_probs:
             gen_logprobs = gen_logprobs if gen_logprobs is not None else [0.0] * len(gen_ids)
             response_logprobs = [0.0] * len(prefix_ids) + gen_logprobs
         prefix_mask = np.zeros(len(response_ids), dtype=np.uint8)
