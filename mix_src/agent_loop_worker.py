@@ -15,7 +15,8 @@ is kept). verl's worker code runs unchanged except for:
   pickled ``DataProto`` each way, ~1/3 of the agent-loop worker's time on the toy step). Here the same
   ``RewardLoopWorker`` class runs in this process and verl's ``_compute_score`` calls it through a
   handle-shaped wrapper: same inputs, same reward manager, no serialisation. On an accelerator host verl's
-  separate reward processes are kept (they spread a slow reward function over processes).
+  separate reward processes are kept (they spread a slow reward function over processes). Each call gets its
+  own copy of the row (:func:`copy_row`: tensors cloned, the rest deep-copied, no ``torch.save`` round trip).
 * **no load-balancer round trips with one rollout server** on the CPU backend: verl's server client makes
   an awaited Ray call to its ``GlobalRequestLoadBalancer`` actor before every request and a second one
   after it (``llm_server.py`` ``_acquire_server``/``_release_server``). With a single registered server
@@ -63,7 +64,21 @@ class InProcessRewardWorker:
 
     def __init__(self, worker):
         self.worker = worker
-        self.compute_score = _LocalMethod(lambda data: worker.compute_score(copy.deepcopy(data)))
+        self.compute_score = _LocalMethod(lambda data: worker.compute_score(copy_row(data)))
+
+
+def copy_row(data):
+    """A copy of a reward call's ``DataProto`` sharing nothing with it: tensors cloned, non-tensor fields and
+    meta info deep-copied. ``copy.deepcopy(data)`` gives the same but goes through ``DataProto.__getstate__``,
+    which ``torch.save``-s the TensorDict and loads it back: 1.2 ms a toy-step reward row vs 0.07 ms here, 256
+    rows a step (measured on the shared 2-core machine, 1 thread; 3.6-6.7 ms a row there under load)."""
+    from verl import DataProto
+
+    if type(data) is not DataProto:
+        return copy.deepcopy(data)
+    non_tensor_batch, meta_info = copy.deepcopy((data.non_tensor_batch, data.meta_info))  # one memo, as deepcopy
+    return DataProto(batch=None if data.batch is None else data.batch.clone(), non_tensor_batch=non_tensor_batch,
+                     meta_info=meta_info)  # fmt: skip
 
 
 def cpu_backend_active() -> bool:
