@@ -147,6 +147,28 @@ def test_v1_refusals_before_ray(tiny_assets, overrides, pattern):
     assert not ray.is_initialized()
 
 
+@pytest.mark.parametrize(
+    "overrides, pattern",
+    [
+        (["actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"],
+         r"checkpoint_engine\.backend=nccl: on the CPU backend separate_async .*set it to cpu_gloo"),
+        (["ray_kwargs.ray_init.num_gpus=1"], r"ray_kwargs\.ray_init\.num_gpus=1: .* 2 in all, .*set it to 2"),
+        (["trainer.v1.separate_async.parameter_sync_step=4"],
+         r"data\.train_batch_size=4 must equal trainer\.v1\.separate_async\.parameter_sync_step \(4\) x .*\(4\)"),
+        (["actor_rollout_ref.rollout.nnodes=0"], r"actor_rollout_ref\.rollout\.nnodes=0: separate_async runs a standalone"),
+    ],
+)  # fmt: skip
+def test_separate_async_on_cpu_refusals_before_ray(tiny_assets, overrides, pattern):
+    from mix_src.main_mix_ppo import config_stage
+
+    config = compose_v1(tiny_assets, "trainer.v1.trainer_mode=separate_async", *LUFFY, *SEPARATE_ASYNC_CPU)
+    config_stage(config)  # the test's own settings pass
+    with pytest.raises(ValueError, match=pattern):
+        config_stage(compose_v1(tiny_assets, "trainer.v1.trainer_mode=separate_async", *LUFFY, *SEPARATE_ASYNC_CPU,
+                                *overrides))  # fmt: skip
+    assert not ray.is_initialized()
+
+
 @pytest.mark.parametrize("overrides", [
     ["mix.loss.all_max_clip=-1"],  # LUFFY's "off", translated by the mix: validation before the V1 checks
     ["mix.loss.all_max_clip=0.9"],  # kept-token counts written to TransferQueue before the update
@@ -196,7 +218,7 @@ def test_v1_rows_draw_the_shared_seeded_ratios():
 
 
 def test_separate_async_composes_for_a_gpu_config():
-    """separate_async cannot run on CPU (refused above); with a GPU-style config the LUFFY trainer builds (no Ray)."""
+    """With a GPU-style config (nccl checkpoint engine) the LUFFY separate_async trainer builds (no Ray)."""
     from mix_src.mix_trainer_v1 import MixPPOTrainerSeparateAsync, MixV1Mixin
     from verl.trainer.ppo.v1 import PPOTrainerSeparateAsync, get_trainer_cls
 
