@@ -98,7 +98,7 @@ def test_v1_separate_async_luffy_weights_reach_the_standalone_pool(tiny_assets, 
     generated after step 1's weight sync. So step 2's rows carry weight version 1 (staleness 0: the server reports
     the version it received with the weights), and their rollout log-probs equal the updated actor's old log-probs
     to float noise; had the pool kept the initial weights they would differ by the step-1 update (6e-4 measured,
-    the stale rows of a run with one warm-up batch)."""
+    the stale rows of a run with one warm-up batch; 9e-4 in a control run whose server skipped loading them)."""
     result = v1_run(tiny_assets, tmp_path, "separate_async", *LUFFY, *SEPARATE_ASYNC_CPU,
                     "actor_rollout_ref.hybrid_engine=false", "trainer.v1.separate_async.num_warmup_batches=0",
                     steps=2)  # fmt: skip

@@ -11,7 +11,8 @@ Three pieces, mirroring verl's vLLM backend (``verl/workers/rollout/vllm_rollout
 * ``HFReplica`` (``RolloutReplicaRegistry["hf"]``) -- starts one server per replica; verl's
   ``LLMServerManager`` routes the agent loops' requests to it.
 * ``HFServerAdapter`` (``_ROLLOUT_REGISTRY[("hf", "async")]``) -- lives in the actor worker (hybrid
-  engine); ``update_weights`` receives the FSDP engine's full tensors and pushes them to the server
+  engine), or in verl's ``CheckpointEngineWorker`` next to a standalone server (separate_async, weights from the
+  ``cpu_gloo`` checkpoint engine); ``update_weights`` receives the full tensors and pushes them to the server
   (through the Ray object store: fine for tiny models), so the server samples from the current policy. With
   LoRA (verl's adapter sync, ``model.lora.merge=False``) the base weights come once and then the adapter
   tensors, which the server applies with peft's LoRA layers (``update_lora``); merged LoRA weights are full weights.
