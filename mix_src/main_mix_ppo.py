@@ -221,6 +221,47 @@ def run_mix_ppo(config: DictConfig) -> None:
 V1_MODES = ("sync", "colocate_async", "separate_async")
 
 
+CPU_CHECKPOINT_ENGINE = "cpu_gloo"  # mix_src/cpu/checkpoint_engine.py
+
+
+def check_separate_async(config: DictConfig) -> None:
+    """What verl's ``PPOTrainerSeparateAsync.__init__`` asserts once Ray is up (``verl/trainer/ppo/v1/
+    trainer_separate_async.py`` 55-70), checked before Ray starts; on the CPU backend also the checkpoint engine
+    (``cpu_gloo``: each of verl's own needs an accelerator) and the fake Ray GPUs the standalone pool needs."""
+    rollout = config.actor_rollout_ref.rollout
+    sync_steps = config.trainer.v1.separate_async.parameter_sync_step
+    mini = config.actor_rollout_ref.actor.ppo_mini_batch_size
+    if config.data.train_batch_size != sync_steps * mini:
+        raise MixConfigError(
+            f"data.train_batch_size={config.data.train_batch_size} must equal trainer.v1.separate_async."
+            f"parameter_sync_step ({sync_steps}) x actor_rollout_ref.actor.ppo_mini_batch_size ({mini}) in separate_async"
+        )
+    for key in ("nnodes", "n_gpus_per_node"):
+        if not int(rollout.get(key) or 0) > 0:
+            raise MixConfigError(
+                f"actor_rollout_ref.rollout.{key}={rollout.get(key)}: separate_async runs a standalone rollout pool "
+                f"of rollout.nnodes x rollout.n_gpus_per_node devices; set it > 0"
+            )
+    backend = rollout.checkpoint_engine.backend
+    if config.trainer.device == "cpu":
+        if backend != CPU_CHECKPOINT_ENGINE:
+            raise MixConfigError(
+                f"actor_rollout_ref.rollout.checkpoint_engine.backend={backend}: on the CPU backend separate_async "
+                f"pushes weights to its standalone rollout pool with mix_src.cpu's '{CPU_CHECKPOINT_ENGINE}' engine "
+                "(verl refuses 'naive' there; nccl needs cupy/CUDA, hccl Ascend, nixl/mooncake/kimi RDMA); set it to "
+                f"{CPU_CHECKPOINT_ENGINE}"
+            )
+        needed = (config.trainer.nnodes * config.trainer.n_gpus_per_node
+                  + int(rollout.nnodes) * int(rollout.n_gpus_per_node))  # fmt: skip
+        have = (config.get("ray_kwargs") or {}).get("ray_init", {}).get("num_gpus")
+        if have is not None and int(have) < needed:
+            raise MixConfigError(
+                f"ray_kwargs.ray_init.num_gpus={have}: the CPU backend's fake Ray GPUs must cover the trainer's "
+                f"(trainer.nnodes x n_gpus_per_node) and the standalone rollout pool's (actor_rollout_ref.rollout."
+                f"nnodes x n_gpus_per_node), {needed} in all, or Ray never places the pool; set it to {needed}"
+            )
+
+
 def check_v1_config(config: DictConfig, mix: Any) -> None:
     """Refuse, before Ray starts, what LUFFY on verl's V1 trainer (mix_src/mix_trainer_v1.py) cannot honour.
     ``mix``: the validated :class:`~mix_src.mix_config.MixConfig` (values as the trainers read them). Registry
@@ -229,13 +270,8 @@ def check_v1_config(config: DictConfig, mix: Any) -> None:
     mode = config.trainer.v1.trainer_mode
     if mode not in V1_MODES:
         raise MixConfigError(f"trainer.v1.trainer_mode={mode!r}: use one of {', '.join(V1_MODES)}")
-    if mode == "separate_async" and config.trainer.device == "cpu":
-        raise MixConfigError(
-            "trainer.v1.trainer_mode=separate_async does not run on the CPU backend: verl pushes weights to its "
-            "standalone rollout pool through a non-naive checkpoint engine (verl/trainer/ppo/v1/trainer_separate_async.py "
-            "67-69), and each of verl 0.9.1's (nccl needs cupy/CUDA, hccl Ascend, nixl/mooncake/kimi RDMA) needs an "
-            "accelerator; use sync or colocate_async on CPU"
-        )
+    if mode == "separate_async":
+        check_separate_async(config)
     try:
         import transfer_queue  # noqa: F401
     except ImportError as e:

@@ -40,6 +40,7 @@ its weights into the on-policy term only (:func:`mix_src.core_alg.compute_token_
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Callable, Optional
 
@@ -405,9 +406,31 @@ class MixPPOTrainerColocateAsync(MixV1Mixin, PPOTrainerColocateAsync):
     """LUFFY on verl's colocated asynchronous V1 trainer (partial rollout, warm-up batches)."""
 
 
+class _DropFlush(logging.LoggerAdapter):
+    """A logger that accepts (and drops) print's ``flush=`` keyword."""
+
+    def process(self, msg, kwargs):
+        kwargs.pop("flush", None)
+        return msg, kwargs
+
+
 @register_trainer(mix_trainer_name("separate_async"))
 class MixPPOTrainerSeparateAsync(MixV1Mixin, PPOTrainerSeparateAsync):
     """LUFFY on verl's separate asynchronous V1 trainer (standalone rollout pool)."""
+
+    def _setup(self):
+        """verl's. With ``actor_rollout_ref.hybrid_engine=false`` (rollout served by the standalone pool only) verl
+        0.9.1 logs ``logger.info(..., flush=True)`` (``verl/trainer/ppo/v1/trainer_separate_async.py`` 181-186), which
+        the stdlib logger refuses with a TypeError on any device; during this call the module's logger drops
+        ``flush``."""
+        from verl.trainer.ppo.v1 import trainer_separate_async
+
+        verl_logger = trainer_separate_async.logger
+        trainer_separate_async.logger = _DropFlush(verl_logger, {})
+        try:
+            super()._setup()
+        finally:
+            trainer_separate_async.logger = verl_logger
 
 
 class MixTaskRunnerV1(TaskRunnerV1.__ray_actor_class__):

@@ -81,6 +81,38 @@ def test_v1_colocate_async_luffy(tiny_assets, tmp_path):
         assert "training/off_policy/trajectory_staleness/mean" in m
 
 
+SEPARATE_ASYNC_CPU = [
+    "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_gloo",  # mix_src/cpu/checkpoint_engine.py
+    "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",  # the standalone pool
+    "ray_kwargs.ray_init.num_gpus=2",  # fake Ray GPUs: the trainer's one and the pool's one
+    "trainer.v1.separate_async.parameter_sync_step=1",  # = train_batch_size / ppo_mini_batch_size
+]
+
+
+@pytest.mark.ray
+def test_v1_separate_async_luffy_weights_reach_the_standalone_pool(tiny_assets, tmp_path):
+    """separate_async on CPU, 2 LUFFY steps: the standalone rollout pool (an hf server behind verl's
+    CheckpointEngineWorker) gets the actor's weights through the cpu_gloo checkpoint engine after each step.
+
+    ``hybrid_engine=false``: every rollout comes from that pool. ``num_warmup_batches=0``: step 2's prompts are
+    generated after step 1's weight sync. So step 2's rows carry weight version 1 (staleness 0: the server reports
+    the version it received with the weights), and their rollout log-probs equal the updated actor's old log-probs
+    to float noise; had the pool kept the initial weights they would differ by the step-1 update (6e-4 measured,
+    the stale rows of a run with one warm-up batch; 9e-4 in a control run whose server skipped loading them)."""
+    result = v1_run(tiny_assets, tmp_path, "separate_async", *LUFFY, *SEPARATE_ASYNC_CPU,
+                    "actor_rollout_ref.hybrid_engine=false", "trainer.v1.separate_async.num_warmup_batches=0",
+                    steps=2)  # fmt: skip
+    assert [m["step"] for m in result.metrics] == [1, 2]
+    for m in result.metrics:
+        assert_luffy_step(m)
+        # the sync at the end of each step: one rollout rank acknowledged every tensor the actor sent
+        assert m["checkpoint_engine/receivers"] == 1
+        assert m["checkpoint_engine/tensors"] > 0 and m["checkpoint_engine/payload_mbytes"] > 0
+        assert m["training/off_policy/trajectory_staleness/max"] == 0  # rows sampled from the latest weights
+        assert m["training/rollout_probs_diff_max"] < 1e-5  # ... which are the actor's, loaded in the pool
+    assert result.metrics[0]["actor/grad_norm"] > 0  # step 1 moved the weights that step 2 samples from
+
+
 # ---------------------------------------------------------------------------------------------------
 # on the driver, before Ray: what V1 cannot honour is refused, naming the key and why
 
@@ -100,7 +132,9 @@ def compose_v1(tiny_assets, *overrides):
         (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=10"],
          r"max_num_gen_batches=10 is not supported on trainer\.use_v1=true: verl.s V1 replay buffer ignores it .*max_inflight_gen_batches"),
         (["mix.n_prefix=1", "algorithm.rollout_correction.rollout_is=token"], r"rollout_correction\.rollout_is is set"),
-        (["trainer.v1.trainer_mode=separate_async"], r"separate_async does not run on the CPU backend: .*checkpoint engine"),
+        (["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=1",
+          "actor_rollout_ref.rollout.nnodes=1"],
+         r"checkpoint_engine\.backend=naive: on the CPU backend separate_async .*set it to cpu_gloo"),
         (["mix.plugins=[recipes/guide_on_failure/guide_on_failure.py]", "mix.rollout_policy=guide_on_failure"],
          r"mix\.rollout_policy='guide_on_failure' is not supported on the 'v1' trainer base .*own agent-loop session"),
     ],
@@ -110,6 +144,28 @@ def test_v1_refusals_before_ray(tiny_assets, overrides, pattern):
 
     with pytest.raises(ValueError, match=pattern):  # MixConfigError, or a registry entry's EntryConfigError
         run_mix_ppo(compose_v1(tiny_assets, *overrides))
+    assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize(
+    "overrides, pattern",
+    [
+        (["actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"],
+         r"checkpoint_engine\.backend=nccl: on the CPU backend separate_async .*set it to cpu_gloo"),
+        (["ray_kwargs.ray_init.num_gpus=1"], r"ray_kwargs\.ray_init\.num_gpus=1: .* 2 in all, .*set it to 2"),
+        (["trainer.v1.separate_async.parameter_sync_step=4"],
+         r"data\.train_batch_size=4 must equal trainer\.v1\.separate_async\.parameter_sync_step \(4\) x .*\(4\)"),
+        (["actor_rollout_ref.rollout.nnodes=0"], r"actor_rollout_ref\.rollout\.nnodes=0: separate_async runs a standalone"),
+    ],
+)  # fmt: skip
+def test_separate_async_on_cpu_refusals_before_ray(tiny_assets, overrides, pattern):
+    from mix_src.main_mix_ppo import config_stage
+
+    config = compose_v1(tiny_assets, "trainer.v1.trainer_mode=separate_async", *LUFFY, *SEPARATE_ASYNC_CPU)
+    config_stage(config)  # the test's own settings pass
+    with pytest.raises(ValueError, match=pattern):
+        config_stage(compose_v1(tiny_assets, "trainer.v1.trainer_mode=separate_async", *LUFFY, *SEPARATE_ASYNC_CPU,
+                                *overrides))  # fmt: skip
     assert not ray.is_initialized()
 
 
@@ -162,7 +218,7 @@ def test_v1_rows_draw_the_shared_seeded_ratios():
 
 
 def test_separate_async_composes_for_a_gpu_config():
-    """separate_async cannot run on CPU (refused above); with a GPU-style config the LUFFY trainer builds (no Ray)."""
+    """With a GPU-style config (nccl checkpoint engine) the LUFFY separate_async trainer builds (no Ray)."""
     from mix_src.mix_trainer_v1 import MixPPOTrainerSeparateAsync, MixV1Mixin
     from verl.trainer.ppo.v1 import PPOTrainerSeparateAsync, get_trainer_cls
 

@@ -30,7 +30,9 @@ question is first imported (no heavy import at plugin load):
 (7) shortens verl's V1 replay-buffer poll from 2 s to 0.05 s (``verl.trainer.ppo.v1.replay_buffer``, see
     ``v1_patches.py``);
 (8) lets the reference policy's FSDP2 engine offload without pinned memory (``transformer_impl``) and loads
-    verl's critic with a CPU attention implementation (``verl.utils.model``), see ``worker_patches.py``.
+    verl's critic with a CPU attention implementation (``verl.utils.model``), see ``worker_patches.py``;
+(9) registers the ``cpu_gloo`` checkpoint engine in verl's ``CheckpointEngineRegistry`` (``verl.checkpoint_engine``,
+    see ``checkpoint_engine.py``), which pushes weights to ``separate_async``'s standalone rollout pool.
 It logs one line ``mix_src.cpu: CPU backend active (...)`` per process, naming the rollout it runs
 (``actor_rollout_ref.rollout.name``, exported by the entry point in ``MIX_CPU_ROLLOUT``).
 
@@ -418,6 +420,14 @@ def _register_replica(mod) -> None:
 
 
 VERL_0_9_1 = {"verl": "0.9.1"}  # written_for of the patches on verl's own modules
+CHECKPOINT_ENGINE_WRITTEN_FOR = {"verl": "0.9.1", "torch": ">=2.12,<2.14"}  # checkpoint_engine.py: verl's interface, torch's gloo
+
+
+def _register_checkpoint_engine(mod) -> None:
+    """Register the ``cpu_gloo`` checkpoint engine (``checkpoint_engine.py``) in verl's registry."""
+    from .checkpoint_engine import register_checkpoint_engine
+
+    register_checkpoint_engine(mod)
 
 
 def rollout_name() -> str:
@@ -460,6 +470,8 @@ def activate() -> None:
                  written_for=worker_patches.UNPIN_REFERENCE_OFFLOAD_WRITTEN_FOR, required_in=both)
     after_import("verl.utils.model", worker_patches.cpu_attention_critic,
                  written_for=worker_patches.CPU_ATTENTION_CRITIC_WRITTEN_FOR, required_in=())
+    after_import("verl.checkpoint_engine", _register_checkpoint_engine, written_for=CHECKPOINT_ENGINE_WRITTEN_FOR,
+                 required_in=both)
     _ACTIVE = True
     log_active()
 

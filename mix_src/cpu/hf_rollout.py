@@ -11,7 +11,8 @@ Three pieces, mirroring verl's vLLM backend (``verl/workers/rollout/vllm_rollout
 * ``HFReplica`` (``RolloutReplicaRegistry["hf"]``) -- starts one server per replica; verl's
   ``LLMServerManager`` routes the agent loops' requests to it.
 * ``HFServerAdapter`` (``_ROLLOUT_REGISTRY[("hf", "async")]``) -- lives in the actor worker (hybrid
-  engine); ``update_weights`` receives the FSDP engine's full tensors and pushes them to the server
+  engine), or in verl's ``CheckpointEngineWorker`` next to a standalone server (separate_async, weights from the
+  ``cpu_gloo`` checkpoint engine); ``update_weights`` receives the full tensors and pushes them to the server
   (through the Ray object store: fine for tiny models), so the server samples from the current policy. With
   LoRA (verl's adapter sync, ``model.lora.merge=False``) the base weights come once and then the adapter
   tensors, which the server applies with peft's LoRA layers (``update_lora``); merged LoRA weights are full weights.
@@ -34,7 +35,8 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.torch_dtypes import PrecisionType
 from verl.workers.config import HFModelConfig, RolloutConfig
 from verl.workers.rollout.base import BaseRollout
-from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
+from verl.workers.rollout.replica import RolloutReplica, TokenOutput
+from verl.workers.rollout.utils import ensure_async_iterator
 
 from .sampling import SamplingSpec, generate_batch
 
@@ -151,12 +153,12 @@ class HFRolloutServer:
         self._pending.append((prompt_ids, spec, future))
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
-        token_ids, log_probs = await future
+        token_ids, log_probs, version = await future
         return TokenOutput(
             token_ids=token_ids,
             log_probs=log_probs if spec.logprobs else None,
             stop_reason="completed",
-            extra_fields={"global_steps": self.global_steps},
+            extra_fields={"global_steps": version},  # the weights it was decoded with (a sync may follow at once)
         )
 
     def _lock(self) -> asyncio.Lock:
@@ -193,6 +195,7 @@ class HFRolloutServer:
             try:
                 async with self._lock():
                     t0 = loop.time()
+                    version = self.global_steps  # the weights this batch is decoded with
                     results = await asyncio.to_thread(
                         generate_batch,
                         self.model,
@@ -213,15 +216,15 @@ class HFRolloutServer:
             self.stats["decode_s"] += loop.time() - t0
             for f, r in zip(futures, results, strict=True):
                 if not f.done():
-                    f.set_result(r)
+                    f.set_result((*r, version))
 
     # ------------------------------------------------------------------ weights
     async def update_weights(self, state_dict: dict[str, torch.Tensor], global_steps: Optional[int] = None) -> None:
         """Load the actor's full weights (HF names) between decoding batches."""
         async with self._lock():
             await asyncio.to_thread(self._load, state_dict)
-        if global_steps is not None:
-            self.global_steps = global_steps
+            if global_steps is not None:
+                self.global_steps = global_steps
         new = {k: self.stats[k] - self._logged[k] for k in self.stats}
         if new["requests"]:
             logger.info(
@@ -253,8 +256,8 @@ class HFRolloutServer:
         them (the same peft LoRA layers), as verl's vLLM rollout adds them with ``add_lora``."""
         async with self._lock():
             await asyncio.to_thread(self._load_lora, tensors, peft_config)
-        if global_steps is not None:
-            self.global_steps = global_steps
+            if global_steps is not None:
+                self.global_steps = global_steps
 
     def _load_lora(self, tensors: dict[str, torch.Tensor], peft_config: Any) -> None:
         from peft import PeftConfig, PeftModel, get_peft_model, set_peft_model_state_dict
@@ -342,8 +345,6 @@ class HFReplica(RolloutReplica):
         self.servers = [server]
         self._server_handle = server
         self._server_address = f"hf-{options['name']}"
-        if self.rollout_mode != RolloutMode.HYBRID:
-            logger.warning("hf rollout in %s mode: weights are only synced in hybrid mode", self.rollout_mode)
 
 
 class HFServerAdapter(BaseRollout):
@@ -388,8 +389,9 @@ class HFServerAdapter(BaseRollout):
         if wire_format != "named_tensors":
             raise NotImplementedError(f"hf rollout: wire_format={wire_format!r} (only named_tensors)")
         state_dict = {}
-        # Every rank must drain the generator: DTensor.full_tensor() inside it is a collective.
-        for name, tensor in weights:
+        # Every rank must drain the generator: DTensor.full_tensor() inside it is a collective. A checkpoint
+        # engine's receive_weights (standalone / colocated replicas, verl's CheckpointEngineWorker) is async.
+        async for name, tensor in ensure_async_iterator(weights):
             if self.rollout_rank == 0:
                 state_dict[name] = tensor.detach().to("cpu", copy=True)
         if self.rollout_rank != 0:
