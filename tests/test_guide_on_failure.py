@@ -1,6 +1,7 @@
 """The guidance-on-failure method, built only as a plugin (recipes/guide_on_failure/guide_on_failure.py):
-its rollout policy on scripted generation passes (no Ray), and 2 real training steps through the
-entry point with the plugin loaded from its file (Ray, CPU)."""
+its rollout policy on scripted generation passes (no Ray). Its 2 real training steps through the entry point,
+the plugin loaded from its file (Ray, CPU), share a run with tests/test_plugins.py's plugin
+(``test_plugins_train_two_steps_with_guide_on_failure``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import torch
 
 from verl import DataProto
 
-from e2e import MIX_CPU, run_verl, tiny_overrides
 from mix_src.mix_config import mix_config_from_dict
 from mix_src.rollout_policy import ROLLOUT_POLICIES, RolloutContext
 
@@ -66,19 +66,3 @@ def test_no_second_pass_when_every_group_has_a_success():
     ctx, calls = scripted_context([1, 0, 0, 0] + [0, 0, 0, 1], n_prefix=-1)
     out = ROLLOUT_POLICIES.get("guide_on_failure")(ctx)
     assert len(calls) == 1 and not out.batch["prefix_mask"].any()
-
-
-@pytest.mark.ray
-def test_guide_on_failure_plugin_trains_two_steps(tiny_assets, tmp_path):
-    """The random tiny model fails every prompt, so every group gets k=1 guided row (the whole target)."""
-    overrides = MIX_CPU + tiny_overrides(tiny_assets, steps=2, n=N, batch_size=4, response_length=24) + [
-        f"mix.plugins=[{PLUGIN}]", "mix.rollout_policy=guide_on_failure", "mix.n_prefix=1",
-        "mix.min_prefix_ratio=1.0", "mix.max_prefix_ratio=1.0", "mix.loss.loss_remove_clip=true",
-    ]  # fmt: skip
-    result = run_verl("mix_src.main_mix_ppo", overrides, tmp_path, timeout=420)
-    assert [m["step"] for m in result.metrics] == [1, 2]
-    for m in result.metrics:
-        if m["batch/on_solved"] == 0:  # all on-policy samples failed: one guided row per prompt
-            assert m["batch/off_policy_rows"] == 4 and m["batch/avg_prefix_ratio"] == pytest.approx(0.25)
-        assert m["batch/off_solved"] in (0.0, 1.0) and m["actor/grad_norm"] >= 0
-    assert any(m["batch/off_policy_rows"] > 0 and m["actor/grad_norm"] > 0 for m in result.metrics)

@@ -112,20 +112,29 @@ def test_missing_plugin_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.ray
-def test_plugin_trains_two_steps(tiny_assets, tmp_path):
+def test_plugins_train_two_steps_with_guide_on_failure(tiny_assets, tmp_path):
+    """Two plugin files in one run (one Ray start-up for two tests' worth): this file's plugin (a prefix strategy,
+    an off-policy reshape and an advantage estimator) and recipes/guide_on_failure's rollout policy. The random
+    tiny model fails every prompt, so every group gets k=1 guided row, its prefix from the plugin's strategy
+    (the whole target)."""
+    from test_guide_on_failure import PLUGIN as GUIDE_ON_FAILURE
+
     marks = tmp_path / "marks.txt"
     plugin_dir = tmp_path / "plugins"
     plugin_dir.mkdir()
     path = write_plugin(plugin_dir, marks)
     overrides = MIX_CPU + tiny_overrides(tiny_assets, steps=2, n=4, batch_size=4, response_length=24) + [
-        f"mix.plugins=[{path}]", "mix.n_prefix=1", "mix.prefix_strategy=plugin_full",
+        f"mix.plugins=[{path},{GUIDE_ON_FAILURE}]", "mix.n_prefix=1", "mix.prefix_strategy=plugin_full",
         "mix.loss.off_policy_reshape=plugin_sqrt", "algorithm.adv_estimator=plugin_split",
+        "mix.rollout_policy=guide_on_failure", "mix.loss.loss_remove_clip=true",
     ]  # fmt: skip
     result = run_verl("mix_src.main_mix_ppo", overrides, tmp_path, timeout=420)
     assert [m["step"] for m in result.metrics] == [1, 2]
     for m in result.metrics:
-        assert m["batch/avg_prefix_ratio"] == pytest.approx(1 / 4)  # 1 of 4 rows: the whole target
-        assert m["batch/off_solved"] == 1.0 and m["actor/grad_norm"] > 0
+        if m["batch/on_solved"] == 0:  # all on-policy samples failed: one guided row per prompt, the whole target
+            assert m["batch/off_policy_rows"] == 4 and m["batch/avg_prefix_ratio"] == pytest.approx(1 / 4)
+        assert m["batch/off_solved"] in (0.0, 1.0) and m["actor/grad_norm"] >= 0
+    assert any(m["batch/off_policy_rows"] > 0 and m["actor/grad_norm"] > 0 for m in result.metrics)
     lines = [line.split() for line in marks.read_text().splitlines()]
     pids = {kind: {pid for k, pid in lines if k == kind} for kind in ("strategy", "reshape", "estimator")}
     assert all(pids.values()), pids  # every extension was called ...
