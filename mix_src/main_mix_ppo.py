@@ -283,9 +283,22 @@ V1_REFUSALS: list[tuple[str, Callable[[DictConfig, Any], Any], str]] = [
      "(mix_src.loss.add_sft_token_counts) and its rows are marked by a rollout policy; use trainer.use_v1=false"),
     ("mix.loss.off_policy_behaviour",
      lambda c, m: repr(m.loss.off_policy_behaviour) if m.loss.off_policy_behaviour is not None else None,
-     "the recorded behaviour log-probs come from a rollout policy's second pass, which runs on the legacy loop only; "
-     "use trainer.use_v1=false"),
+     "the recorded behaviour log-probs are a per-row tensor a rollout policy adds to its rows, which reaches the worker "
+     "loss from MIXRayPPOTrainer only; use trainer.use_v1=false"),
+    ("mix.rollout_policy",
+     lambda c, m: (repr(m.rollout_policy) if c.trainer.v1.trainer_mode == "separate_async"
+                   and not _streams_on_v1(m.rollout_policy) else None),
+     "a rollout policy with several passes generates on the driver, pass by pass, while verl's separate_async "
+     "trainer hands its standalone rollout pool between rollout and training on its own schedule "
+     "(verl/trainer/ppo/v1/trainer_separate_async.py on_step_begin / on_sample_begin); that combination needs an "
+     "accelerator and has not been run; use trainer.v1.trainer_mode=sync or colocate_async"),
 ]
+
+
+def _streams_on_v1(policy: str) -> bool:
+    from mix_src.rollout_policy_v1 import streams_on_v1
+
+    return streams_on_v1(policy)
 
 
 @hydra.main(config_path="config", config_name="mix_ppo", version_base=None)

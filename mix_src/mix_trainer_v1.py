@@ -96,6 +96,9 @@ class MixV1Mixin:
         self.n = int(config.actor_rollout_ref.rollout.n)
         self._fetch_step, self._fetch_index = None, 0  # prompt fetches within one global step (ratio seeds)
         self._entropy_state: Optional[dict] = None  # the learned entropy coefficient's state (use_adaptive_entropy)
+        self._rollout_state: dict = {}  # the rollout policy's own state (RolloutContext.state), in mix_state.pt
+        self._policy_metrics: dict = {}  # a multi-pass rollout policy's pass counts since the last step's metrics
+        self._batch_fetch_index = 0  # the fetch index of the last prompt batch (its ratios' and seeds' key)
         super().__init__(config, **kwargs)
 
     # ---- set-up ------------------------------------------------------------------------------------
@@ -169,9 +172,16 @@ class MixV1Mixin:
 
     def _save_checkpoint(self):
         super()._save_checkpoint()
-        if self._entropy_state is not None:
+        if self._entropy_state is not None or self._policy_state():
             folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
-            torch.save({"entropy_coef": self._entropy_state}, os.path.join(folder, MIX_STATE_FILE))
+            torch.save({"entropy_coef": self._entropy_state, "rollout_policy": self._policy_state()},
+                       os.path.join(folder, MIX_STATE_FILE))  # fmt: skip
+
+    def _policy_state(self) -> dict:
+        """The rollout policy's own state (RolloutContext.state), one dict for the run, saved in mix_state.pt."""
+        if getattr(self, "_rollout_state", None) is None:
+            self._rollout_state = {}
+        return self._rollout_state
 
     def _load_checkpoint(self):
         super()._load_checkpoint()
@@ -184,7 +194,10 @@ class MixV1Mixin:
             folder = os.path.join(trainer.default_local_dir, f"global_step_{self.global_steps}")
         path = os.path.join(folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder), MIX_STATE_FILE)
         if os.path.exists(path):
-            self._entropy_state = torch.load(path, weights_only=False).get("entropy_coef")
+            state = torch.load(path, weights_only=False)
+            self._entropy_state = state.get("entropy_coef")
+            self._policy_state().clear()  # the policy's RolloutContext.state: the same dict object, refilled
+            self._policy_state().update(state.get("rollout_policy") or {})
 
     def _build_replay_buffer(self):
         """verl's replay buffer; with filter groups on, its DAPO classification (``ReplayBuffer._dapo_filtered_keys``,
@@ -214,10 +227,28 @@ class MixV1Mixin:
         )  # fmt: skip
         rollout_seed = int(self.config.actor_rollout_ref.rollout.get("seed") or 0)
         seeds = request_seeds(rollout_seed, self.global_steps, self._fetch_index, len(batch), self.n)
+        self._batch_fetch_index = self._fetch_index
         self._fetch_index += 1
         tu.assign_non_tensor_stack(batch, "prefix_ratios", ratios.reshape(len(batch), self.n).tolist())
         tu.assign_non_tensor_stack(batch, "rollout_seeds", seeds.reshape(len(batch), self.n).tolist())
         return batch
+
+    # ---- generate: a rollout policy with several passes (mix.rollout_policy other than a streamed one) -------
+    def _submit_batch_to_rollout(self, batch):
+        """verl's stage (the prompts registered in TransferQueue, ``trainer_base.py`` ``_submit_batch_to_rollout``);
+        a rollout policy that V1 does not stream (:func:`mix_src.rollout_policy_v1.streams_on_v1`) generates the
+        groups pass by pass through :class:`mix_src.rollout_policy_v1.V1PolicyRunner`, which stands in for the
+        agent-loop manager for this call and drives verl's own."""
+        from mix_src.rollout_policy_v1 import V1PolicyRunner, streams_on_v1
+
+        if streams_on_v1(self.mix.rollout_policy):
+            return super()._submit_batch_to_rollout(batch)
+        manager = self.agent_loop_manager
+        self.agent_loop_manager = V1PolicyRunner(self, manager, self._batch_fetch_index, self._policy_metrics)
+        try:
+            return super()._submit_batch_to_rollout(batch)
+        finally:
+            self.agent_loop_manager = manager
 
     # ---- values: the reference's adapter switch must not reach the critic ----------------------------
     def _compute_values(self, batch, metrics: dict):
@@ -290,6 +321,8 @@ class MixV1Mixin:
     def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
         super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
         metrics.update(self._luffy_metrics(batch))
+        metrics.update(self._policy_metrics)  # rollout_policy/passes, rollout_policy/rows_generated
+        self._policy_metrics.clear()
 
     def _luffy_metrics(self, batch) -> dict[str, Any]:
         """LUFFY's metrics over the step's trained rows (verl's padding rows excluded)."""

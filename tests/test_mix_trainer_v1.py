@@ -8,6 +8,7 @@ The refusals run on the driver before Ray starts.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from e2e import MIX_CPU, run_verl, tiny_overrides
 from mix_src.mix_config import MixConfigError
 
 MIX = "mix_src.main_mix_ppo"
+GUIDE_ON_FAILURE = Path(__file__).resolve().parents[1] / "recipes/guide_on_failure/guide_on_failure.py"
 LUFFY = ["mix.n_prefix=1", "mix.min_prefix_ratio=1.0", "mix.max_prefix_ratio=1.0", "algorithm.adv_estimator=grpo_split"]
 
 
@@ -52,24 +54,33 @@ def keep_all(stats):
 
 
 @pytest.mark.ray
-def test_v1_sync_group_filter_registry_decides_the_evictions(tiny_assets, tmp_path):
-    """Sync mode, 2 steps, filter groups on, and the group-filter registry deciding what verl's replay buffer evicts.
+def test_v1_sync_group_filter_registry_and_a_two_pass_rollout_policy(tiny_assets, tmp_path):
+    """Sync mode, 2 steps, filter groups on, the group-filter registry deciding what verl's replay buffer evicts,
+    and the two-pass rollout policy ``guide_on_failure`` (recipes/guide_on_failure) generating the groups.
 
     Half the rows keep their target (mix.data.sample_target_ratio=0.5): a group without one has only failing
     on-policy rows (acc std 0), which verl's own rule (and ``nonzero_std``) evicts. With ``mix.filter_groups.rule``
     set to a plugin rule that keeps every group, nothing is evicted and those groups train.
+    guide_on_failure (mix_src/rollout_policy_v1.py on V1): pass 1 generates all 16 rows on-policy; for each prompt
+    with a target whose 4 samples all failed, sample 0 is generated again from the whole target (n_prefix=1,
+    ratio 1.0) and replaces the failed one; so every row of pass 2 is a trained expert row.
     (The resume of a V1 run is checked in tests/test_bases_equivalence.py.)
     """
     plugin = tmp_path / "keep_all.py"
     plugin.write_text(KEEP_ALL)
     common = [*LUFFY, "mix.data.sample_target_ratio=0.5", "algorithm.filter_groups.enable=true",
-              "algorithm.filter_groups.metric=acc", f"mix.plugins=[{plugin}]", "mix.filter_groups.rule=keep_all"]  # fmt: skip
+              "algorithm.filter_groups.metric=acc", f"mix.plugins=[{plugin},{GUIDE_ON_FAILURE}]",
+              "mix.filter_groups.rule=keep_all", "mix.rollout_policy=guide_on_failure"]  # fmt: skip
     first = v1_run(tiny_assets, tmp_path / "first", "sync", *common, steps=2)
     assert [m["step"] for m in first.metrics] == [1, 2]
     assert sum(m.get("training/filter_groups/evicted_samples", 0) for m in first.metrics) == 0
     assert sum(m["batch/off_policy_rows"] for m in first.metrics) < 8  # groups without a target were trained
     for m in first.metrics:
         assert m["actor/off_pg_loss"] != 0.0 and m["actor/grad_norm"] > 0
+        # two passes; the second regenerated exactly the rows that train as expert rows (one per failed prompt)
+        assert m["rollout_policy/passes"] == 2
+        assert m["rollout_policy/rows_generated"] == 16 + m["batch/off_policy_rows"]
+        assert m["batch/off_solved"] == 1.0 and m["batch/avg_prefix_ratio"] == m["batch/off_policy_rows"] / 16
 
 
 @pytest.mark.ray
@@ -101,8 +112,6 @@ def compose_v1(tiny_assets, *overrides):
          r"max_num_gen_batches=10 is not supported on trainer\.use_v1=true: verl.s V1 replay buffer ignores it .*max_inflight_gen_batches"),
         (["mix.n_prefix=1", "algorithm.rollout_correction.rollout_is=token"], r"rollout_correction\.rollout_is is set"),
         (["trainer.v1.trainer_mode=separate_async"], r"separate_async does not run on the CPU backend: .*checkpoint engine"),
-        (["mix.plugins=[recipes/guide_on_failure/guide_on_failure.py]", "mix.rollout_policy=guide_on_failure"],
-         r"mix\.rollout_policy='guide_on_failure' is not supported on the 'v1' trainer base .*own agent-loop session"),
     ],
 )  # fmt: skip
 def test_v1_refusals_before_ray(tiny_assets, overrides, pattern):
