@@ -64,7 +64,7 @@ from mix_src import adv_estimators  # noqa: F401  (registers grpo_split with ver
 from mix_src.dataset import TARGET_FIELD
 from mix_src.loss import pop_entropy_state
 from mix_src.mix_config import MixConfig, validate_mix_config
-from mix_src.mix_trainer import MIX_STATE_FILE
+from mix_src.mix_trainer import MIX_STATE_FILE, FilterGroupsExhausted
 from mix_src.seeding import request_seeds
 from mix_src.stages import (draw_prefix_ratios, luffy_advantages, on_policy_rollout_correction, on_policy_rollout_metrics,
                             prefix_mask_tensor, prefix_step_metrics, solve_metrics, solved_rows)  # fmt: skip
@@ -99,6 +99,9 @@ class MixV1Mixin:
         self._rollout_state: dict = {}  # the rollout policy's own state (RolloutContext.state), in mix_state.pt
         self._policy_metrics: dict = {}  # a multi-pass rollout policy's pass counts since the last step's metrics
         self._batch_fetch_index = 0  # the fetch index of the last prompt batch (its ratios' and seeds' key)
+        self._fetch_prompts = 0  # prompts fetched in step _fetch_step (max_num_gen_batches)
+        self._gen_budget_spent = -1  # the global step whose generation budget ran out
+        self._carry_metrics: dict = {}  # carry_over counts of the step (train/num_*carried*)
         super().__init__(config, **kwargs)
 
     # ---- set-up ------------------------------------------------------------------------------------
@@ -172,10 +175,29 @@ class MixV1Mixin:
 
     def _save_checkpoint(self):
         super()._save_checkpoint()
+        if self._carries_in_tq():  # the carried groups live in TransferQueue: saved as verl saves it in async modes
+            folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
+            tq.save_checkpoint(os.path.join(folder, "transfer_queue"), metadata={"global_steps": self.global_steps})
         if self._entropy_state is not None or self._policy_state():
             folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
             torch.save({"entropy_coef": self._entropy_state, "rollout_policy": self._policy_state()},
                        os.path.join(folder, MIX_STATE_FILE))  # fmt: skip
+
+    def _carries_in_tq(self) -> bool:
+        """sync mode with mix.filter_groups.carry_over: carried groups are kept in TransferQueue between steps."""
+        return self.trainer_mode == "sync" and bool(self.mix.filter_groups.carry_over) and getattr(
+            self.replay_buffer, "filter_groups_metric", None) is not None  # fmt: skip
+
+    def _restore_carried_groups(self, path: str) -> None:
+        """Load the checkpoint's TransferQueue state and keep only whole carried groups (their prompt key and rows);
+        the rows of the batch the step trained on, whose prompt keys verl's sample had already removed, go."""
+        tq.load_checkpoint(path)
+        tags = (tq.kv_list("train") or {}).get("train", {})
+        prompts = {k for k, t in tags.items() if t.get("is_prompt", False)}
+        orphans = [k for k, t in tags.items() if not t.get("is_prompt", False) and k.split("_")[0] not in prompts]
+        if orphans:
+            tq.kv_clear(keys=orphans, partition_id="train")
+        print(f"[mix_src] restored {len(prompts)} carried prompt groups from {path}")
 
     def _policy_state(self) -> dict:
         """The rollout policy's own state (RolloutContext.state), one dict for the run, saved in mix_state.pt."""
@@ -192,7 +214,10 @@ class MixV1Mixin:
             folder = trainer.resume_from_path
         else:
             folder = os.path.join(trainer.default_local_dir, f"global_step_{self.global_steps}")
-        path = os.path.join(folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder), MIX_STATE_FILE)
+        folder = folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder)
+        if self._carries_in_tq() and os.path.exists(os.path.join(folder, "transfer_queue")):
+            self._restore_carried_groups(os.path.join(folder, "transfer_queue"))
+        path = os.path.join(folder, MIX_STATE_FILE)
         if os.path.exists(path):
             state = torch.load(path, weights_only=False)
             self._entropy_state = state.get("entropy_coef")
@@ -200,25 +225,109 @@ class MixV1Mixin:
             self._policy_state().update(state.get("rollout_policy") or {})
 
     def _build_replay_buffer(self):
-        """verl's replay buffer; with filter groups on, its DAPO classification (``ReplayBuffer._dapo_filtered_keys``,
-        ``verl/trainer/ppo/v1/replay_buffer.py`` 261-315: evict a finished group whose metric has std 0) is replaced on
-        this instance by :func:`mix_src.filter_groups.filter_groups` with ``mix.filter_groups.rule`` and, with
-        ``on_policy_only``, only the group's on-policy rows deciding. A custom sampler
-        (``trainer.v1.sampler.custom_sampler``) owns its filtering and is left alone."""
-        buffer = super()._build_replay_buffer()
-        if getattr(buffer, "filter_groups_metric", None) is not None and hasattr(buffer, "_dapo_filtered_keys"):
-            import types
+        """verl's replay buffer with mix_src's filter-group settings, on this instance only (a custom sampler,
+        ``trainer.v1.sampler.custom_sampler``, owns its filtering and is left alone):
 
-            buffer._dapo_filtered_keys = types.MethodType(
-                make_dapo_filtered_keys(self.mix.filter_groups.rule, self.mix.filter_groups.on_policy_only), buffer
-            )
+        * its DAPO classification (``ReplayBuffer._dapo_filtered_keys``, ``verl/trainer/ppo/v1/replay_buffer.py``
+          261-315: evict a finished group whose metric has std 0) is :func:`mix_src.filter_groups.filter_groups` with
+          ``mix.filter_groups.rule`` and, with ``on_policy_only``, only the group's on-policy rows deciding;
+        * sync mode, ``algorithm.filter_groups.max_num_gen_batches`` (:meth:`_add_prompts_to_generate`, the buffer's
+          ``refill_fn``): a step dispatches at most that many generation batches of ``data.gen_batch_size``
+          (default ``data.train_batch_size``) prompts; once they are spent and nothing is in flight, the buffer's
+          wait (``_wait_for_next_poll``, reached only while too few groups are sampleable) raises
+          :class:`~mix_src.mix_trainer.FilterGroupsExhausted`, as the legacy loop does;
+        * sync mode, ``mix.filter_groups.carry_over``: the surplus groups verl's ``sample`` discards once it has
+          selected the batch (``self._clear_groups(partition_id, surplus_uids)``, replay_buffer.py 502-507) stay
+          in TransferQueue as finished groups; the next step's ``sample`` takes them first (oldest prompt step
+          first, ``_select_prompt_uids``), as the legacy loop puts carried groups first. They are saved with the
+          checkpoint (verl's ``tq.save_checkpoint``, which verl itself calls in the async modes only)."""
+        import types
+
+        buffer = super()._build_replay_buffer()
+        if getattr(buffer, "filter_groups_metric", None) is None or not hasattr(buffer, "_dapo_filtered_keys"):
+            return buffer
+        buffer._dapo_filtered_keys = types.MethodType(
+            make_dapo_filtered_keys(self.mix.filter_groups.rule, self.mix.filter_groups.on_policy_only), buffer
+        )
+        if self.trainer_mode != "sync":
+            return buffer
+        trainer = self
+        verl_wait, verl_select, verl_clear = buffer._wait_for_next_poll, buffer._select_prompt_uids, buffer._clear_groups
+
+        def _wait_for_next_poll(buf, partition_id, last_debug_time):
+            if (partition_id == "train" and trainer._gen_budget_spent == trainer.global_steps
+                    and not buf.pending_keys[partition_id] and not buf.running_keys[partition_id]):  # fmt: skip
+                raise FilterGroupsExhausted(trainer._exhausted_message(len(buf.finished_keys[partition_id])))
+            return verl_wait(partition_id, last_debug_time)
+
+        def _select_prompt_uids(buf, partition_id, sampleable_keys, batch_size):
+            selected, partition_snapshot, steps = verl_select(partition_id, sampleable_keys, batch_size)
+            buf._mix_surplus = set(sampleable_keys) - set(selected) if partition_id == "train" else None
+            if partition_id == "train" and trainer.mix.filter_groups.carry_over:
+                trainer._carry_metrics["train/num_carried_prompts"] = sum(
+                    int(steps.get(u, trainer.global_steps) < trainer.global_steps) for u in selected)
+            return selected, partition_snapshot, steps
+
+        def _clear_groups(buf, partition_id, uids):
+            surplus = getattr(buf, "_mix_surplus", None)
+            if trainer.mix.filter_groups.carry_over and surplus and set(uids) == surplus:
+                buf._mix_surplus = None
+                trainer._carry_metrics["train/num_surplus_carried"] = len(surplus)
+                return None  # carried: they stay finished in TransferQueue for the next step
+            return verl_clear(partition_id, uids)
+
+        buffer._wait_for_next_poll = types.MethodType(_wait_for_next_poll, buffer)
+        buffer._select_prompt_uids = types.MethodType(_select_prompt_uids, buffer)
+        buffer._clear_groups = types.MethodType(_clear_groups, buffer)
         return buffer
+
+    # ---- filter groups, sync mode: the generation budget of a step (algorithm.filter_groups.max_num_gen_batches) ---
+    def _gen_batch_prompts(self) -> int:
+        data = self.config.data
+        return int(data.get("gen_batch_size", None) or data.train_batch_size)
+
+    def _gen_budget(self) -> Optional[int]:
+        """Prompts one step may dispatch (max_num_gen_batches x gen batch size), or None for no limit."""
+        fg = self.config.algorithm.get("filter_groups") or {}
+        max_gen = int(fg.get("max_num_gen_batches", 0) or 0)
+        if self.trainer_mode != "sync" or not fg.get("enable", False) or max_gen <= 0:
+            return None
+        return max_gen * self._gen_batch_prompts()
+
+    def _add_prompts_to_generate(self, num_prompts: int) -> int:
+        """verl's refill (the replay buffer's ``refill_fn``), within the step's generation budget: what exceeds it
+        is not dispatched, and the budget is marked spent (the buffer's wait then raises, see
+        :meth:`_build_replay_buffer`)."""
+        budget = self._gen_budget()
+        if budget is not None:
+            left = budget - self._step_prompts()
+            if num_prompts > left:
+                self._gen_budget_spent = self.global_steps
+                num_prompts = left
+            if num_prompts <= 0:
+                return 0
+        return super()._add_prompts_to_generate(num_prompts)
+
+    def _step_prompts(self) -> int:
+        """Prompts fetched for generation in the current global step."""
+        return self._fetch_prompts if self._fetch_step == self.global_steps else 0
+
+    def _exhausted_message(self, kept: int) -> str:
+        fg, prompts, gen_bs = self.config.algorithm.filter_groups, self._step_prompts(), self._gen_batch_prompts()
+        return (
+            f"filter groups: after {prompts // gen_bs} generation batches of {gen_bs} prompts (algorithm.filter_groups."
+            f"max_num_gen_batches={fg.max_num_gen_batches}) only {kept} of data.train_batch_size="
+            f"{self.config.data.train_batch_size} prompt groups had a non-zero std of '{fg.metric}' (mix.filter_groups."
+            f"rule={self.mix.filter_groups.rule!r}). Raise algorithm.filter_groups.max_num_gen_batches (0 = no limit), "
+            "lower data.train_batch_size, or use prompts of a difficulty where some but not all samples succeed."
+        )
 
     # ---- generate: per-row prefix ratios ------------------------------------------------------------
     def _next_train_batch(self, num_prompts: Optional[int] = None):
         batch = super()._next_train_batch(num_prompts)
         if self._fetch_step != self.global_steps:
-            self._fetch_step, self._fetch_index = self.global_steps, 0
+            self._fetch_step, self._fetch_index, self._fetch_prompts = self.global_steps, 0, 0
+        self._fetch_prompts += len(batch)
         targets = batch.get(TARGET_FIELD, None) if TARGET_FIELD in batch.keys() else None  # the dataset's normalised target
         targets = None if targets is None else [t for t in targets.tolist() for _ in range(self.n)]
         ratios = draw_prefix_ratios(
@@ -323,6 +432,10 @@ class MixV1Mixin:
         metrics.update(self._luffy_metrics(batch))
         metrics.update(self._policy_metrics)  # rollout_policy/passes, rollout_policy/rows_generated
         self._policy_metrics.clear()
+        if self._gen_budget() is not None or self.mix.filter_groups.carry_over:
+            metrics["train/num_gen_batches"] = self._step_prompts() / self._gen_batch_prompts()
+        metrics.update(self._carry_metrics)
+        self._carry_metrics.clear()
 
     def _luffy_metrics(self, batch) -> dict[str, Any]:
         """LUFFY's metrics over the step's trained rows (verl's padding rows excluded)."""

@@ -106,10 +106,10 @@ def compose_v1(tiny_assets, *overrides):
     "overrides, pattern",
     [
         (["trainer.v1.trainer_mode=fully_async"], r"trainer\.v1\.trainer_mode='fully_async': use one of sync, colocate_async"),
-        (["algorithm.filter_groups.enable=true", "mix.filter_groups.carry_over=true"],
-         r"mix\.filter_groups\.carry_over=true is not supported on trainer\.use_v1=true: verl's V1 replay buffer owns"),
-        (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=10"],
-         r"max_num_gen_batches=10 is not supported on trainer\.use_v1=true: verl.s V1 replay buffer ignores it .*max_inflight_gen_batches"),
+        (["trainer.v1.trainer_mode=colocate_async", "algorithm.filter_groups.enable=true",
+          "algorithm.filter_groups.max_num_gen_batches=10"],
+         r"max_num_gen_batches=10 is not supported on trainer\.use_v1=true: in the async modes no step has generation "
+         r"batches of its own .*wait_for_sampleable"),
         (["mix.n_prefix=1", "algorithm.rollout_correction.rollout_is=token"], r"rollout_correction\.rollout_is is set"),
         (["trainer.v1.trainer_mode=separate_async"], r"separate_async does not run on the CPU backend: .*checkpoint engine"),
     ],
@@ -128,6 +128,14 @@ def test_v1_refusals_before_ray(tiny_assets, overrides, pattern):
     ["mix.loss.use_adaptive_entropy=true", "actor_rollout_ref.actor.entropy_coeff=0.01"],  # state in V1 checkpoints
     ["algorithm.filter_groups.enable=true", "mix.filter_groups.on_policy_only=true"],  # the replay buffer uses the registry
     ["algorithm.filter_groups.enable=true", "mix.filter_groups.rule=nonzero_std"],
+    # sync: the step's generation budget and the carried groups are replay-buffer hooks (MixV1Mixin._build_replay_buffer)
+    ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=10", "mix.filter_groups.carry_over=true"],
+    # the async buffers keep the surplus for later steps themselves
+    ["trainer.v1.trainer_mode=colocate_async", "algorithm.filter_groups.enable=true", "mix.filter_groups.carry_over=true"],
+    # a rollout policy with several passes (mix_src/rollout_policy_v1.py)
+    ["mix.plugins=[recipes/guide_on_failure/guide_on_failure.py]", "mix.rollout_policy=guide_on_failure"],
+    ["trainer.v1.trainer_mode=colocate_async", "mix.plugins=[recipes/guide_on_failure/guide_on_failure.py]",
+     "mix.rollout_policy=guide_on_failure"],
 ])  # fmt: skip
 def test_v1_accepts_before_ray(tiny_assets, overrides):
     from mix_src.main_mix_ppo import config_stage
@@ -188,13 +196,30 @@ def test_separate_async_composes_for_a_gpu_config():
     assert type(trainer.replay_buffer).__name__ == "ReplayBufferAsync"
 
 
+def test_separate_async_refuses_a_rollout_policy_with_several_passes():
+    """guide_on_failure generates pass by pass on the driver; separate_async (GPU only) was not run with it."""
+    from mix_src.main_mix_ppo import check_v1_config
+    from mix_src.mix_config import validate_mix_config
+    from mix_src.registry import load_plugins
+
+    load_plugins([str(GUIDE_ON_FAILURE)])
+    with initialize_config_module(config_module="mix_src.config", version_base=None):
+        cfg = compose(config_name="mix_ppo", overrides=[
+            "trainer.use_v1=true", "trainer.v1.trainer_mode=separate_async", "mix.rollout_policy=guide_on_failure",
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+        ])  # fmt: skip
+    with pytest.raises(MixConfigError, match=r"mix\.rollout_policy='guide_on_failure' is not supported on trainer\.use_v1="
+                                             r"true: .*trainer_separate_async\.py"):
+        check_v1_config(cfg, validate_mix_config(cfg))
+
+
 # ---------------------------------------------------------------------------------------------------
 # the recipes' V1 variant (recipes/README.md): every GPU recipe composes with trainer.use_v1=true
 
 
-V1_EXTRAS = {
+V1_EXTRAS = {  # the async modes: no per-step generation budget (sync runs the recipes as they are)
     "dapo_filter": ["algorithm.filter_groups.max_num_gen_batches=0"],
-    "luffy_filter": ["algorithm.filter_groups.max_num_gen_batches=0", "mix.filter_groups.carry_over=false"],
+    "luffy_filter": ["algorithm.filter_groups.max_num_gen_batches=0"],
 }
 
 
@@ -208,11 +233,12 @@ def test_recipes_v1_variant(name, mode):
     from mix_src.mix_config import validate_mix_config
 
     v1 = ["trainer.use_v1=true", f"trainer.v1.trainer_mode={mode}"]
-    if name in V1_EXTRAS:  # refused as is, naming the key
-        with pytest.raises(MixConfigError, match=r"(max_num_gen_batches=10|carry_over=true).*(ignores|owns)"):
+    extras = V1_EXTRAS.get(name, []) if mode != "sync" else []
+    if extras:  # refused as is, naming the key
+        with pytest.raises(MixConfigError, match=r"max_num_gen_batches=10 .*no step has generation batches"):
             refused = compose_recipe(name, v1)
             check_v1_config(refused, validate_mix_config(refused))
-    cfg = compose_recipe(name, v1 + V1_EXTRAS.get(name, []))
+    cfg = compose_recipe(name, v1 + extras)
     check_v1_config(cfg, validate_mix_config(cfg))
 
 
