@@ -84,6 +84,27 @@ def test_v1_sync_group_filter_registry_and_a_two_pass_rollout_policy(tiny_assets
 
 
 @pytest.mark.ray
+def test_v1_sync_filter_groups_carry_over_and_generation_budget(tiny_assets, tmp_path):
+    """Sync mode, 2 steps, verl's own group filter with mix_src's carry_over and a per-step generation budget
+    (MixV1Mixin._build_replay_buffer). Half the prompts have no target: their groups (all failing) are evicted and
+    verl's buffer refills two prompts per eviction, one prompt per generation batch (data.gen_batch_size=1), so it
+    overshoots; the surplus kept groups verl's sync sample would discard are carried into step 2, which trains them
+    first. The carried groups are saved with the step-2 checkpoint (TransferQueue's own checkpoint)."""
+    common = [*LUFFY, "mix.data.sample_target_ratio=0.5", "algorithm.filter_groups.enable=true",
+              "algorithm.filter_groups.metric=acc", "data.gen_batch_size=1",
+              "algorithm.filter_groups.max_num_gen_batches=12", "mix.filter_groups.carry_over=true",
+              "trainer.save_freq=2", f"trainer.default_local_dir={tmp_path / 'ckpt'}"]  # fmt: skip
+    result = v1_run(tiny_assets, tmp_path / "run", "sync", *common, steps=2)
+    step1, step2 = result.metrics
+    for m in result.metrics:
+        assert 4 <= m["train/num_gen_batches"] <= 12  # within the budget of 12 one-prompt batches
+        assert m["training/filter_groups/evicted_samples"] > 0
+    assert step1["train/num_surplus_carried"] > 0
+    assert step2["train/num_carried_prompts"] == min(step1["train/num_surplus_carried"], 4)
+    assert (tmp_path / "ckpt" / "global_step_2" / "transfer_queue").exists()
+
+
+@pytest.mark.ray
 def test_v1_colocate_async_luffy(tiny_assets, tmp_path):
     result = v1_run(tiny_assets, tmp_path, "colocate_async", *LUFFY)
     assert [m["step"] for m in result.metrics] == [1, 2]
@@ -396,3 +417,69 @@ def test_row_loss_with_shuffled_mini_batches_is_refused(tiny_assets):
                       f"mix.loss.row_loss={next(iter(ROW_LOSSES))}", "actor_rollout_ref.actor.shuffle=true"])  # fmt: skip
     with pytest.raises(MixConfigError, match=r"mix\.loss\.row_loss=.* needs verl's unshuffled mini-batches"):
         validate_mix_config(cfg)
+
+
+# ---------------------------------------------------------------------------------------------------
+# sync mode: the step's generation budget (max_num_gen_batches) and carry_over, as hooks on verl's own ReplayBuffer
+
+
+def _sync_trainer(tiny_assets, *overrides):
+    """MixPPOTrainerSync built from a composed config (verl's constructor and replay buffer; no Ray, no workers)."""
+    from mix_src.mix_trainer_v1 import MixPPOTrainerSync
+
+    cfg = compose_v1(tiny_assets, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
+                     "data.gen_batch_size=2", *overrides)  # fmt: skip
+    trainer = MixPPOTrainerSync(cfg)
+    trainer.global_steps = 3
+    trainer.replay_buffer.poll_interval = 0.0
+    return trainer
+
+
+def test_v1_sync_generation_budget_dispatches_within_it_then_raises(tiny_assets, monkeypatch):
+    """max_num_gen_batches=3 with gen batches of 2 prompts: 6 prompts a step. A refill beyond that is cut to what is
+    left, the next is not dispatched, and the buffer's wait raises once nothing is in flight (verl's ReplayBuffer
+    would poll forever). Without the hook verl ignores the key (trainer_base.py _resolve_filter_groups_metric)."""
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    from mix_src.mix_trainer import FilterGroupsExhausted
+
+    trainer = _sync_trainer(tiny_assets, "algorithm.filter_groups.max_num_gen_batches=3")
+    dispatched = []
+    monkeypatch.setattr(PPOTrainer, "_add_prompts_to_generate", lambda self, k: dispatched.append(k) or k)
+    trainer._fetch_step, trainer._fetch_prompts = 3, 4  # the step's first batch and one refill went out
+    assert trainer._add_prompts_to_generate(4) == 2 and dispatched == [2]  # 2 left of the budget of 6
+    trainer._fetch_prompts = 6
+    assert trainer._add_prompts_to_generate(2) == 0 and dispatched == [2]
+    buffer = trainer.replay_buffer
+    buffer.running_keys["train"].add("uid-in-flight")
+    buffer._wait_for_next_poll("train", 0.0)  # groups still in flight may fill the batch: verl's wait
+    buffer.running_keys["train"].clear()
+    buffer.finished_keys["train"].update({"a"})
+    with pytest.raises(FilterGroupsExhausted, match=r"after 3 generation batches of 2 prompts \(algorithm\.filter_groups\."
+                                                    r"max_num_gen_batches=3\) only 1 of data\.train_batch_size=4"):
+        buffer._wait_for_next_poll("train", 0.0)
+    trainer.global_steps = 4  # a new step has its own budget
+    buffer._wait_for_next_poll("train", 0.0)
+    assert trainer._add_prompts_to_generate(2) == 2
+
+
+def test_v1_sync_carry_over_keeps_the_surplus_groups_verl_would_discard(tiny_assets, monkeypatch):
+    """verl's sync sample clears the groups it did not select (replay_buffer.py, "discarded_surplus_samples"); with
+    mix.filter_groups.carry_over they stay for the next step, whose sample takes the oldest groups first."""
+    import verl.trainer.ppo.v1.replay_buffer as rb
+
+    cleared = []
+    monkeypatch.setattr(rb.tq, "kv_clear", lambda partition_id, keys: cleared.append(sorted(keys)))
+    for carry in (False, True):
+        cleared.clear()
+        trainer = _sync_trainer(tiny_assets, f"mix.filter_groups.carry_over={str(carry).lower()}")
+        buffer = trainer.replay_buffer
+        buffer.prompt_global_steps["train"].update({"old": 2, "a": 3, "b": 3, "c": 3})
+        selected, _, _ = buffer._select_prompt_uids("train", {"old", "a", "b", "c"}, 2)
+        assert selected[0] == "old"  # a carried group (an earlier step's prompt) goes first
+        surplus = {"a", "b", "c"} - set(selected)
+        buffer._clear_groups("train", {"evicted"})  # an eviction is verl's, either way
+        buffer._clear_groups("train", surplus)  # what verl's sample does with the surplus
+        assert cleared == ([["evicted"]] if carry else [["evicted"], sorted(surplus)])
+        if carry:
+            assert trainer._carry_metrics == {"train/num_carried_prompts": 1, "train/num_surplus_carried": 2}
