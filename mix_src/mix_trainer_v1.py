@@ -295,9 +295,14 @@ class MixV1Mixin:
         return max_gen * self._gen_batch_prompts()
 
     def _add_prompts_to_generate(self, num_prompts: int) -> int:
-        """verl's refill (the replay buffer's ``refill_fn``), within the step's generation budget: what exceeds it
-        is not dispatched, and the budget is marked spent (the buffer's wait then raises, see
-        :meth:`_build_replay_buffer`)."""
+        """verl's refill (the replay buffer's ``refill_fn``) in whole generation batches of ``data.gen_batch_size``
+        prompts, within the step's generation budget: what exceeds it is not dispatched, and the budget is marked
+        spent (the buffer's wait then raises, see :meth:`_build_replay_buffer`)."""
+        if getattr(self.replay_buffer, "filter_groups_metric", None) is not None:
+            # verl's sync buffer refills in single prompts (its gen_batch_size is 1 with filter groups) while
+            # _next_train_batch fetches whole data.gen_batch_size batches only (ValueError otherwise): round up
+            gen_bs = self._gen_batch_prompts()
+            num_prompts = -(-num_prompts // gen_bs) * gen_bs
         budget = self._gen_budget()
         if budget is not None:
             left = budget - self._step_prompts()

@@ -446,6 +446,9 @@ def test_v1_sync_generation_budget_dispatches_within_it_then_raises(tiny_assets,
     trainer = _sync_trainer(tiny_assets, "algorithm.filter_groups.max_num_gen_batches=3")
     dispatched = []
     monkeypatch.setattr(PPOTrainer, "_add_prompts_to_generate", lambda self, k: dispatched.append(k) or k)
+    trainer._fetch_step, trainer._fetch_prompts = 3, 0
+    assert trainer._add_prompts_to_generate(1) == 2 and dispatched == [2]  # whole gen batches (verl raises otherwise)
+    dispatched.clear()
     trainer._fetch_step, trainer._fetch_prompts = 3, 4  # the step's first batch and one refill went out
     assert trainer._add_prompts_to_generate(4) == 2 and dispatched == [2]  # 2 left of the budget of 6
     trainer._fetch_prompts = 6
