@@ -23,7 +23,10 @@ weight sync and the checkpoints; the mixin only fills LUFFY into verl's overrida
   ``update_actor`` reads every field of its rows.
 * ``_build_replay_buffer`` — with ``algorithm.filter_groups.enable``, the group-filter registry
   (``mix.filter_groups.rule``, ``on_policy_only``; :mod:`mix_src.filter_groups`) decides which finished groups
-  verl's replay buffer evicts, in place of its built-in std > 0 rule.
+  verl's replay buffer evicts, in place of its built-in std > 0 rule; in sync mode ``max_num_gen_batches`` bounds
+  a step's refills (``_add_prompts_to_generate``) and ``mix.filter_groups.carry_over`` keeps the surplus groups.
+* ``_submit_batch_to_rollout`` — a rollout policy other than the streamed ``prefix_guided`` (e.g. two passes,
+  ``guide_on_failure``) generates the groups through :class:`mix_src.rollout_policy_v1.V1PolicyRunner`.
 * ``_compute_metrics`` — verl's metrics plus LUFFY's over the trained rows.
 
 Which policy the log-probs come from (``verl/trainer/ppo/v1/trainer_base.py`` ``_compute_old_log_prob``):

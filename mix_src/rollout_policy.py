@@ -31,7 +31,8 @@ class RolloutContext:
     """What a rollout policy gets for one generation batch.
 
     batch: the prompts repeated n times (a DataProto of B = num_prompts * n rows, row i*n + j = sample j of
-        prompt i; ``non_tensor_batch["uid"]`` is the prompt's group id). Read it; do not modify it.
+        prompt i; ``non_tensor_batch["uid"]`` is the prompt's group id). Read it; do not modify it. On the V1
+        trainer it holds the ``uid`` and ``target`` columns only (the prompts stay in TransferQueue).
     n: samples per prompt (rollout.n). global_step: the trainer's step (from 1). mix: the MixConfig
         (plugins may read their own settings from the strategy keys, e.g. n_prefix).
     generate(ratios, rows=None, targets=None, prompts=None) -> DataProto: generate the rows ``rows`` (int
