@@ -87,17 +87,19 @@ def test_v1_sync_group_filter_registry_and_a_two_pass_rollout_policy(tiny_assets
 def test_v1_sync_filter_groups_carry_over_and_generation_budget(tiny_assets, tmp_path):
     """Sync mode, 2 steps, verl's own group filter with mix_src's carry_over and a per-step generation budget
     (MixV1Mixin._build_replay_buffer). Half the prompts have no target: their groups (all failing) are evicted and
-    verl's buffer refills two prompts per eviction, one prompt per generation batch (data.gen_batch_size=1), so it
-    overshoots; the surplus kept groups verl's sync sample would discard are carried into step 2, which trains them
-    first. The carried groups are saved with the step-2 checkpoint (TransferQueue's own checkpoint)."""
+    verl's buffer refills two prompts per eviction, one prompt per generation batch (data.gen_batch_size=1), up to 8
+    in flight, so it overshoots; the surplus kept groups verl's sync sample would discard are carried into step 2,
+    which trains them first. The carried groups are saved with the step-2 checkpoint (TransferQueue's own
+    checkpoint). (A budget of 12 batches ran out in step 1 of one such run, raising FilterGroupsExhausted; the
+    unit test above checks that path.)"""
     common = [*LUFFY, "mix.data.sample_target_ratio=0.5", "algorithm.filter_groups.enable=true",
-              "algorithm.filter_groups.metric=acc", "data.gen_batch_size=1",
-              "algorithm.filter_groups.max_num_gen_batches=12", "mix.filter_groups.carry_over=true",
+              "algorithm.filter_groups.metric=acc", "data.gen_batch_size=1", "algorithm.filter_groups.max_inflight_gen_batches=2",
+              "algorithm.filter_groups.max_num_gen_batches=40", "mix.filter_groups.carry_over=true",
               "trainer.save_freq=2", f"trainer.default_local_dir={tmp_path / 'ckpt'}"]  # fmt: skip
     result = v1_run(tiny_assets, tmp_path / "run", "sync", *common, steps=2)
     step1, step2 = result.metrics
     for m in result.metrics:
-        assert 4 <= m["train/num_gen_batches"] <= 12  # within the budget of 12 one-prompt batches
+        assert 4 <= m["train/num_gen_batches"] <= 40  # within the budget of 40 one-prompt batches
     assert sum(m.get("training/filter_groups/evicted_samples", 0) for m in result.metrics) > 0
     assert step1.get("train/num_surplus_carried", 0) > 0
     assert step2["train/num_carried_prompts"] == min(step1["train/num_surplus_carried"], 4)
