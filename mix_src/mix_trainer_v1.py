@@ -442,6 +442,8 @@ class MixV1Mixin:
         self._policy_metrics.clear()
         if self._gen_budget() is not None or self.mix.filter_groups.carry_over:
             metrics["train/num_gen_batches"] = self._step_prompts() / self._gen_batch_prompts()
+        if self._carries_in_tq():  # verl counts the surplus it would have cleared as discarded; here it was carried
+            metrics.pop("training/filter_groups/discarded_surplus_samples", None)
         metrics.update(self._carry_metrics)
         self._carry_metrics.clear()
 

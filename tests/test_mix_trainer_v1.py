@@ -103,6 +103,7 @@ def test_v1_sync_filter_groups_carry_over_and_generation_budget(tiny_assets, tmp
     assert sum(m.get("training/filter_groups/evicted_samples", 0) for m in result.metrics) > 0
     assert step1.get("train/num_surplus_carried", 0) > 0
     assert step2["train/num_carried_prompts"] == min(step1["train/num_surplus_carried"], 4)
+    assert not any("training/filter_groups/discarded_surplus_samples" in m for m in result.metrics)  # carried instead
     assert (tmp_path / "ckpt" / "global_step_2" / "transfer_queue").exists()
 
 
