@@ -292,15 +292,14 @@ def _fg_enabled(config: DictConfig) -> bool:
 # The settings (not registry entries: those declare their own bases) that LUFFY on verl's V1 trainer refuses:
 # (key, refused(config, mix) -> the refused value or None, why). check_v1_config reads only this table.
 V1_REFUSALS: list[tuple[str, Callable[[DictConfig, Any], Any], str]] = [
-    ("mix.filter_groups.carry_over",
-     lambda c, m: "true" if m.filter_groups.carry_over else None,
-     "verl's V1 replay buffer owns the surplus groups (sync mode discards them, the async modes keep unsampled "
-     "groups queued for the next step); set it to false, or trainer.use_v1=false"),
     ("algorithm.filter_groups.max_num_gen_batches",
-     lambda c, m: (c.algorithm.filter_groups.max_num_gen_batches if _fg_enabled(c)
+     lambda c, m: (c.algorithm.filter_groups.max_num_gen_batches if _fg_enabled(c) and c.trainer.v1.trainer_mode != "sync"
                    and int(c.algorithm.filter_groups.get("max_num_gen_batches", 0) or 0) > 0 else None),
-     "verl's V1 replay buffer ignores it (verl/trainer/ppo/v1/trainer_base.py _resolve_filter_groups_metric); set it "
-     "to 0 and bound generation with algorithm.filter_groups.max_inflight_gen_batches, or set trainer.use_v1=false"),
+     "in the async modes no step has generation batches of its own to count: verl's ReplayBufferAsync "
+     "(verl/trainer/ppo/v1/replay_buffer.py wait_for_sampleable) refills each evicted group as it is evicted and the "
+     "trainer dispatches a batch every step plus trainer.v1.<mode>.num_warmup_batches ahead (trainer_base.py "
+     "prepare_step, _add_async_warmup_batches), so a step trains on groups dispatched in earlier steps; set it to 0 "
+     "and bound generation with the off-policy sampler settings, or use trainer.v1.trainer_mode=sync"),
     ("mix.flops_budget",
      lambda c, m: m.flops_budget,
      "the budget stop lives in the legacy trainer's loop (mix_src/mix_trainer.py MIXRayPPOTrainer.fit); the V1 loop "
@@ -319,9 +318,22 @@ V1_REFUSALS: list[tuple[str, Callable[[DictConfig, Any], Any], str]] = [
      "(mix_src.loss.add_sft_token_counts) and its rows are marked by a rollout policy; use trainer.use_v1=false"),
     ("mix.loss.off_policy_behaviour",
      lambda c, m: repr(m.loss.off_policy_behaviour) if m.loss.off_policy_behaviour is not None else None,
-     "the recorded behaviour log-probs come from a rollout policy's second pass, which runs on the legacy loop only; "
-     "use trainer.use_v1=false"),
+     "the recorded behaviour log-probs are a per-row tensor a rollout policy adds to its rows, which reaches the worker "
+     "loss from MIXRayPPOTrainer only; use trainer.use_v1=false"),
+    ("mix.rollout_policy",
+     lambda c, m: (repr(m.rollout_policy) if c.trainer.v1.trainer_mode == "separate_async"
+                   and not _streams_on_v1(m.rollout_policy) else None),
+     "a rollout policy with several passes generates on the driver, pass by pass, while verl's separate_async "
+     "trainer hands its standalone rollout pool between rollout and training on its own schedule "
+     "(verl/trainer/ppo/v1/trainer_separate_async.py on_step_begin / on_sample_begin); that combination is not "
+     "built; use trainer.v1.trainer_mode=sync or colocate_async"),
 ]
+
+
+def _streams_on_v1(policy: str) -> bool:
+    from mix_src.rollout_policy_v1 import streams_on_v1
+
+    return streams_on_v1(policy)
 
 
 @hydra.main(config_path="config", config_name="mix_ppo", version_base=None)

@@ -23,7 +23,10 @@ weight sync and the checkpoints; the mixin only fills LUFFY into verl's overrida
   ``update_actor`` reads every field of its rows.
 * ``_build_replay_buffer`` — with ``algorithm.filter_groups.enable``, the group-filter registry
   (``mix.filter_groups.rule``, ``on_policy_only``; :mod:`mix_src.filter_groups`) decides which finished groups
-  verl's replay buffer evicts, in place of its built-in std > 0 rule.
+  verl's replay buffer evicts, in place of its built-in std > 0 rule; in sync mode ``max_num_gen_batches`` bounds
+  a step's refills (``_add_prompts_to_generate``) and ``mix.filter_groups.carry_over`` keeps the surplus groups.
+* ``_submit_batch_to_rollout`` — a rollout policy other than the streamed ``prefix_guided`` (e.g. two passes,
+  ``guide_on_failure``) generates the groups through :class:`mix_src.rollout_policy_v1.V1PolicyRunner`.
 * ``_compute_metrics`` — verl's metrics plus LUFFY's over the trained rows.
 
 Which policy the log-probs come from (``verl/trainer/ppo/v1/trainer_base.py`` ``_compute_old_log_prob``):
@@ -65,7 +68,7 @@ from mix_src import adv_estimators  # noqa: F401  (registers grpo_split with ver
 from mix_src.dataset import TARGET_FIELD
 from mix_src.loss import pop_entropy_state
 from mix_src.mix_config import MixConfig, validate_mix_config
-from mix_src.mix_trainer import MIX_STATE_FILE
+from mix_src.mix_trainer import MIX_STATE_FILE, FilterGroupsExhausted
 from mix_src.seeding import request_seeds
 from mix_src.stages import (draw_prefix_ratios, luffy_advantages, on_policy_rollout_correction, on_policy_rollout_metrics,
                             prefix_mask_tensor, prefix_step_metrics, solve_metrics, solved_rows)  # fmt: skip
@@ -97,6 +100,12 @@ class MixV1Mixin:
         self.n = int(config.actor_rollout_ref.rollout.n)
         self._fetch_step, self._fetch_index = None, 0  # prompt fetches within one global step (ratio seeds)
         self._entropy_state: Optional[dict] = None  # the learned entropy coefficient's state (use_adaptive_entropy)
+        self._rollout_state: dict = {}  # the rollout policy's own state (RolloutContext.state), in mix_state.pt
+        self._policy_metrics: dict = {}  # a multi-pass rollout policy's pass counts since the last step's metrics
+        self._batch_fetch_index = 0  # the fetch index of the last prompt batch (its ratios' and seeds' key)
+        self._fetch_prompts = 0  # prompts fetched in step _fetch_step (max_num_gen_batches)
+        self._gen_budget_spent = -1  # the global step whose generation budget ran out
+        self._carry_metrics: dict = {}  # carry_over counts of the step (train/num_*carried*)
         super().__init__(config, **kwargs)
 
     # ---- set-up ------------------------------------------------------------------------------------
@@ -170,9 +179,35 @@ class MixV1Mixin:
 
     def _save_checkpoint(self):
         super()._save_checkpoint()
-        if self._entropy_state is not None:
+        if self._carries_in_tq():  # the carried groups live in TransferQueue: saved as verl saves it in async modes
             folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
-            torch.save({"entropy_coef": self._entropy_state}, os.path.join(folder, MIX_STATE_FILE))
+            tq.save_checkpoint(os.path.join(folder, "transfer_queue"), metadata={"global_steps": self.global_steps})
+        if self._entropy_state is not None or self._policy_state():
+            folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
+            torch.save({"entropy_coef": self._entropy_state, "rollout_policy": self._policy_state()},
+                       os.path.join(folder, MIX_STATE_FILE))  # fmt: skip
+
+    def _carries_in_tq(self) -> bool:
+        """sync mode with mix.filter_groups.carry_over: carried groups are kept in TransferQueue between steps."""
+        return self.trainer_mode == "sync" and bool(self.mix.filter_groups.carry_over) and getattr(
+            self.replay_buffer, "filter_groups_metric", None) is not None  # fmt: skip
+
+    def _restore_carried_groups(self, path: str) -> None:
+        """Load the checkpoint's TransferQueue state and keep only whole carried groups (their prompt key and rows);
+        the rows of the batch the step trained on, whose prompt keys verl's sample had already removed, go."""
+        tq.load_checkpoint(path)
+        tags = (tq.kv_list("train") or {}).get("train", {})
+        prompts = {k for k, t in tags.items() if t.get("is_prompt", False)}
+        orphans = [k for k, t in tags.items() if not t.get("is_prompt", False) and k.split("_")[0] not in prompts]
+        if orphans:
+            tq.kv_clear(keys=orphans, partition_id="train")
+        print(f"[mix_src] restored {len(prompts)} carried prompt groups from {path}")
+
+    def _policy_state(self) -> dict:
+        """The rollout policy's own state (RolloutContext.state), one dict for the run, saved in mix_state.pt."""
+        if getattr(self, "_rollout_state", None) is None:
+            self._rollout_state = {}
+        return self._rollout_state
 
     def _load_checkpoint(self):
         super()._load_checkpoint()
@@ -183,30 +218,125 @@ class MixV1Mixin:
             folder = trainer.resume_from_path
         else:
             folder = os.path.join(trainer.default_local_dir, f"global_step_{self.global_steps}")
-        path = os.path.join(folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder), MIX_STATE_FILE)
+        folder = folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder)
+        if self._carries_in_tq() and os.path.exists(os.path.join(folder, "transfer_queue")):
+            self._restore_carried_groups(os.path.join(folder, "transfer_queue"))
+        path = os.path.join(folder, MIX_STATE_FILE)
         if os.path.exists(path):
-            self._entropy_state = torch.load(path, weights_only=False).get("entropy_coef")
+            state = torch.load(path, weights_only=False)
+            self._entropy_state = state.get("entropy_coef")
+            self._policy_state().clear()  # the policy's RolloutContext.state: the same dict object, refilled
+            self._policy_state().update(state.get("rollout_policy") or {})
 
     def _build_replay_buffer(self):
-        """verl's replay buffer; with filter groups on, its DAPO classification (``ReplayBuffer._dapo_filtered_keys``,
-        ``verl/trainer/ppo/v1/replay_buffer.py`` 261-315: evict a finished group whose metric has std 0) is replaced on
-        this instance by :func:`mix_src.filter_groups.filter_groups` with ``mix.filter_groups.rule`` and, with
-        ``on_policy_only``, only the group's on-policy rows deciding. A custom sampler
-        (``trainer.v1.sampler.custom_sampler``) owns its filtering and is left alone."""
-        buffer = super()._build_replay_buffer()
-        if getattr(buffer, "filter_groups_metric", None) is not None and hasattr(buffer, "_dapo_filtered_keys"):
-            import types
+        """verl's replay buffer with mix_src's filter-group settings, on this instance only (a custom sampler,
+        ``trainer.v1.sampler.custom_sampler``, owns its filtering and is left alone):
 
-            buffer._dapo_filtered_keys = types.MethodType(
-                make_dapo_filtered_keys(self.mix.filter_groups.rule, self.mix.filter_groups.on_policy_only), buffer
-            )
+        * its DAPO classification (``ReplayBuffer._dapo_filtered_keys``, ``verl/trainer/ppo/v1/replay_buffer.py``
+          261-315: evict a finished group whose metric has std 0) is :func:`mix_src.filter_groups.filter_groups` with
+          ``mix.filter_groups.rule`` and, with ``on_policy_only``, only the group's on-policy rows deciding;
+        * sync mode, ``algorithm.filter_groups.max_num_gen_batches`` (:meth:`_add_prompts_to_generate`, the buffer's
+          ``refill_fn``): a step dispatches at most that many generation batches of ``data.gen_batch_size``
+          (default ``data.train_batch_size``) prompts; once they are spent and nothing is in flight, the buffer's
+          wait (``_wait_for_next_poll``, reached only while too few groups are sampleable) raises
+          :class:`~mix_src.mix_trainer.FilterGroupsExhausted`, as the legacy loop does;
+        * sync mode, ``mix.filter_groups.carry_over``: the surplus groups verl's ``sample`` discards once it has
+          selected the batch (``self._clear_groups(partition_id, surplus_uids)``, replay_buffer.py 502-507) stay
+          in TransferQueue as finished groups; the next step's ``sample`` takes them first (oldest prompt step
+          first, ``_select_prompt_uids``), as the legacy loop puts carried groups first. They are saved with the
+          checkpoint (verl's ``tq.save_checkpoint``, which verl itself calls in the async modes only)."""
+        import types
+
+        buffer = super()._build_replay_buffer()
+        if getattr(buffer, "filter_groups_metric", None) is None or not hasattr(buffer, "_dapo_filtered_keys"):
+            return buffer
+        buffer._dapo_filtered_keys = types.MethodType(
+            make_dapo_filtered_keys(self.mix.filter_groups.rule, self.mix.filter_groups.on_policy_only), buffer
+        )
+        if self.trainer_mode != "sync":
+            return buffer
+        trainer = self
+        verl_wait, verl_select, verl_clear = buffer._wait_for_next_poll, buffer._select_prompt_uids, buffer._clear_groups
+
+        def _wait_for_next_poll(buf, partition_id, last_debug_time):
+            if (partition_id == "train" and trainer._gen_budget_spent == trainer.global_steps
+                    and not buf.pending_keys[partition_id] and not buf.running_keys[partition_id]):  # fmt: skip
+                raise FilterGroupsExhausted(trainer._exhausted_message(len(buf.finished_keys[partition_id])))
+            return verl_wait(partition_id, last_debug_time)
+
+        def _select_prompt_uids(buf, partition_id, sampleable_keys, batch_size):
+            selected, partition_snapshot, steps = verl_select(partition_id, sampleable_keys, batch_size)
+            buf._mix_surplus = set(sampleable_keys) - set(selected) if partition_id == "train" else None
+            if partition_id == "train" and trainer.mix.filter_groups.carry_over:
+                trainer._carry_metrics["train/num_carried_prompts"] = sum(
+                    int(steps.get(u, trainer.global_steps) < trainer.global_steps) for u in selected)
+            return selected, partition_snapshot, steps
+
+        def _clear_groups(buf, partition_id, uids):
+            surplus = getattr(buf, "_mix_surplus", None)
+            if trainer.mix.filter_groups.carry_over and surplus and set(uids) == surplus:
+                buf._mix_surplus = None
+                trainer._carry_metrics["train/num_surplus_carried"] = len(surplus)
+                return None  # carried: they stay finished in TransferQueue for the next step
+            return verl_clear(partition_id, uids)
+
+        buffer._wait_for_next_poll = types.MethodType(_wait_for_next_poll, buffer)
+        buffer._select_prompt_uids = types.MethodType(_select_prompt_uids, buffer)
+        buffer._clear_groups = types.MethodType(_clear_groups, buffer)
         return buffer
+
+    # ---- filter groups, sync mode: the generation budget of a step (algorithm.filter_groups.max_num_gen_batches) ---
+    def _gen_batch_prompts(self) -> int:
+        data = self.config.data
+        return int(data.get("gen_batch_size", None) or data.train_batch_size)
+
+    def _gen_budget(self) -> Optional[int]:
+        """Prompts one step may dispatch (max_num_gen_batches x gen batch size), or None for no limit."""
+        fg = self.config.algorithm.get("filter_groups") or {}
+        max_gen = int(fg.get("max_num_gen_batches", 0) or 0)
+        if self.trainer_mode != "sync" or not fg.get("enable", False) or max_gen <= 0:
+            return None
+        return max_gen * self._gen_batch_prompts()
+
+    def _add_prompts_to_generate(self, num_prompts: int) -> int:
+        """verl's refill (the replay buffer's ``refill_fn``) in whole generation batches of ``data.gen_batch_size``
+        prompts, within the step's generation budget: what exceeds it is not dispatched, and the budget is marked
+        spent (the buffer's wait then raises, see :meth:`_build_replay_buffer`)."""
+        if getattr(self.replay_buffer, "filter_groups_metric", None) is not None:
+            # verl's sync buffer refills in single prompts (its gen_batch_size is 1 with filter groups) while
+            # _next_train_batch fetches whole data.gen_batch_size batches only (ValueError otherwise): round up
+            gen_bs = self._gen_batch_prompts()
+            num_prompts = -(-num_prompts // gen_bs) * gen_bs
+        budget = self._gen_budget()
+        if budget is not None:
+            left = budget - self._step_prompts()
+            if num_prompts > left:
+                self._gen_budget_spent = self.global_steps
+                num_prompts = left
+            if num_prompts <= 0:
+                return 0
+        return super()._add_prompts_to_generate(num_prompts)
+
+    def _step_prompts(self) -> int:
+        """Prompts fetched for generation in the current global step."""
+        return self._fetch_prompts if self._fetch_step == self.global_steps else 0
+
+    def _exhausted_message(self, kept: int) -> str:
+        fg, prompts, gen_bs = self.config.algorithm.filter_groups, self._step_prompts(), self._gen_batch_prompts()
+        return (
+            f"filter groups: after {prompts // gen_bs} generation batches of {gen_bs} prompts (algorithm.filter_groups."
+            f"max_num_gen_batches={fg.max_num_gen_batches}) only {kept} of data.train_batch_size="
+            f"{self.config.data.train_batch_size} prompt groups had a non-zero std of '{fg.metric}' (mix.filter_groups."
+            f"rule={self.mix.filter_groups.rule!r}). Raise algorithm.filter_groups.max_num_gen_batches (0 = no limit), "
+            "lower data.train_batch_size, or use prompts of a difficulty where some but not all samples succeed."
+        )
 
     # ---- generate: per-row prefix ratios ------------------------------------------------------------
     def _next_train_batch(self, num_prompts: Optional[int] = None):
         batch = super()._next_train_batch(num_prompts)
         if self._fetch_step != self.global_steps:
-            self._fetch_step, self._fetch_index = self.global_steps, 0
+            self._fetch_step, self._fetch_index, self._fetch_prompts = self.global_steps, 0, 0
+        self._fetch_prompts += len(batch)
         targets = batch.get(TARGET_FIELD, None) if TARGET_FIELD in batch.keys() else None  # the dataset's normalised target
         targets = None if targets is None else [t for t in targets.tolist() for _ in range(self.n)]
         ratios = draw_prefix_ratios(
@@ -215,10 +345,28 @@ class MixV1Mixin:
         )  # fmt: skip
         rollout_seed = int(self.config.actor_rollout_ref.rollout.get("seed") or 0)
         seeds = request_seeds(rollout_seed, self.global_steps, self._fetch_index, len(batch), self.n)
+        self._batch_fetch_index = self._fetch_index
         self._fetch_index += 1
         tu.assign_non_tensor_stack(batch, "prefix_ratios", ratios.reshape(len(batch), self.n).tolist())
         tu.assign_non_tensor_stack(batch, "rollout_seeds", seeds.reshape(len(batch), self.n).tolist())
         return batch
+
+    # ---- generate: a rollout policy with several passes (mix.rollout_policy other than a streamed one) -------
+    def _submit_batch_to_rollout(self, batch):
+        """verl's stage (the prompts registered in TransferQueue, ``trainer_base.py`` ``_submit_batch_to_rollout``);
+        a rollout policy that V1 does not stream (:func:`mix_src.rollout_policy_v1.streams_on_v1`) generates the
+        groups pass by pass through :class:`mix_src.rollout_policy_v1.V1PolicyRunner`, which stands in for the
+        agent-loop manager for this call and drives verl's own."""
+        from mix_src.rollout_policy_v1 import V1PolicyRunner, streams_on_v1
+
+        if streams_on_v1(self.mix.rollout_policy):
+            return super()._submit_batch_to_rollout(batch)
+        manager = self.agent_loop_manager
+        self.agent_loop_manager = V1PolicyRunner(self, manager, self._batch_fetch_index, self._policy_metrics)
+        try:
+            return super()._submit_batch_to_rollout(batch)
+        finally:
+            self.agent_loop_manager = manager
 
     # ---- values: the reference's adapter switch must not reach the critic ----------------------------
     def _compute_values(self, batch, metrics: dict):
@@ -291,6 +439,14 @@ class MixV1Mixin:
     def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
         super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
         metrics.update(self._luffy_metrics(batch))
+        metrics.update(self._policy_metrics)  # rollout_policy/passes, rollout_policy/rows_generated
+        self._policy_metrics.clear()
+        if self._gen_budget() is not None or self.mix.filter_groups.carry_over:
+            metrics["train/num_gen_batches"] = self._step_prompts() / self._gen_batch_prompts()
+        if self._carries_in_tq():  # verl counts the surplus it would have cleared as discarded; here it was carried
+            metrics.pop("training/filter_groups/discarded_surplus_samples", None)
+        metrics.update(self._carry_metrics)
+        self._carry_metrics.clear()
 
     def _luffy_metrics(self, batch) -> dict[str, Any]:
         """LUFFY's metrics over the step's trained rows (verl's padding rows excluded)."""

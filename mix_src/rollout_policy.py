@@ -31,7 +31,8 @@ class RolloutContext:
     """What a rollout policy gets for one generation batch.
 
     batch: the prompts repeated n times (a DataProto of B = num_prompts * n rows, row i*n + j = sample j of
-        prompt i; ``non_tensor_batch["uid"]`` is the prompt's group id). Read it; do not modify it.
+        prompt i; ``non_tensor_batch["uid"]`` is the prompt's group id). Read it; do not modify it. On the V1
+        trainer it holds the ``uid`` and ``target`` columns only (the prompts stay in TransferQueue).
     n: samples per prompt (rollout.n). global_step: the trainer's step (from 1). mix: the MixConfig
         (plugins may read their own settings from the strategy keys, e.g. n_prefix).
     generate(ratios, rows=None, targets=None, prompts=None) -> DataProto: generate the rows ``rows`` (int
@@ -65,23 +66,18 @@ class RolloutContext:
 
 RolloutPolicy = Callable[[RolloutContext], Any]
 ROLLOUT_POLICIES: Registry[RolloutPolicy] = Registry("rollout policy", "mix.rollout_policy")
-V1_WHY_NOT = (
-    "verl's V1 trainer generates each sample in its own agent-loop session (verl/trainer/ppo/v1/trainer_base.py "
-    "_submit_batch_to_rollout) and mix_src's V1 trainer draws one prefix ratio per session (prefix_guided); a policy "
-    "that generates a second pass from a first has no V1 implementation yet: use trainer.use_v1=false"
-)
 
 
-def register_rollout_policy(name: str, *, bases=("legacy",), why_not=None, **entry):
-    """``@register_rollout_policy("name")``: the policy runs on the legacy base (MIXRayPPOTrainer's generate
-    stage calls it); ``bases=("legacy", "v1")`` only for a policy the V1 trainer implements (``prefix_guided``).
-    Other keywords: the entry's self-description (:meth:`mix_src.registry.Registry.register`)."""
-    if why_not is None and "v1" not in bases:
-        why_not = {"v1": V1_WHY_NOT}
+def register_rollout_policy(name: str, *, bases=("legacy", "v1"), why_not=None, **entry):
+    """``@register_rollout_policy("name")``: the policy runs on both trainer bases (the legacy generate stage
+    calls it; on V1, :class:`mix_src.rollout_policy_v1.V1PolicyRunner` calls it pass by pass, unless the entry
+    says ``v1_stream=True``: a one-pass policy whose ratios are ``mix.prefix_strategy``'s, which the V1 trainer
+    streams through verl's agent loop). Other keywords: the entry's self-description
+    (:meth:`mix_src.registry.Registry.register`)."""
     return ROLLOUT_POLICIES.register(name, bases=bases, why_not=why_not, **entry)
 
 
-@register_rollout_policy("prefix_guided", bases=("legacy", "v1"))
+@register_rollout_policy("prefix_guided", v1_stream=True)
 def prefix_guided(ctx: RolloutContext):
     """LUFFY: one pass, each row with its ratio from mix.prefix_strategy (ratio 0 = on-policy row)."""
     return ctx.generate(ctx.prefix_ratios())

@@ -8,6 +8,7 @@ The refusals run on the driver before Ray starts.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from e2e import MIX_CPU, run_verl, tiny_overrides
 from mix_src.mix_config import MixConfigError
 
 MIX = "mix_src.main_mix_ppo"
+GUIDE_ON_FAILURE = Path(__file__).resolve().parents[1] / "recipes/guide_on_failure/guide_on_failure.py"
 LUFFY = ["mix.n_prefix=1", "mix.min_prefix_ratio=1.0", "mix.max_prefix_ratio=1.0", "algorithm.adv_estimator=grpo_split"]
 
 
@@ -52,24 +54,57 @@ def keep_all(stats):
 
 
 @pytest.mark.ray
-def test_v1_sync_group_filter_registry_decides_the_evictions(tiny_assets, tmp_path):
-    """Sync mode, 2 steps, filter groups on, and the group-filter registry deciding what verl's replay buffer evicts.
+def test_v1_sync_group_filter_registry_and_a_two_pass_rollout_policy(tiny_assets, tmp_path):
+    """Sync mode, 2 steps, filter groups on, the group-filter registry deciding what verl's replay buffer evicts,
+    and the two-pass rollout policy ``guide_on_failure`` (recipes/guide_on_failure) generating the groups.
 
     Half the rows keep their target (mix.data.sample_target_ratio=0.5): a group without one has only failing
     on-policy rows (acc std 0), which verl's own rule (and ``nonzero_std``) evicts. With ``mix.filter_groups.rule``
     set to a plugin rule that keeps every group, nothing is evicted and those groups train.
+    guide_on_failure (mix_src/rollout_policy_v1.py on V1): pass 1 generates all 16 rows on-policy; for each prompt
+    with a target whose 4 samples all failed, sample 0 is generated again from the whole target (n_prefix=1,
+    ratio 1.0) and replaces the failed one; so every row of pass 2 is a trained expert row.
     (The resume of a V1 run is checked in tests/test_bases_equivalence.py.)
     """
     plugin = tmp_path / "keep_all.py"
     plugin.write_text(KEEP_ALL)
     common = [*LUFFY, "mix.data.sample_target_ratio=0.5", "algorithm.filter_groups.enable=true",
-              "algorithm.filter_groups.metric=acc", f"mix.plugins=[{plugin}]", "mix.filter_groups.rule=keep_all"]  # fmt: skip
+              "algorithm.filter_groups.metric=acc", f"mix.plugins=[{plugin},{GUIDE_ON_FAILURE}]",
+              "mix.filter_groups.rule=keep_all", "mix.rollout_policy=guide_on_failure"]  # fmt: skip
     first = v1_run(tiny_assets, tmp_path / "first", "sync", *common, steps=2)
     assert [m["step"] for m in first.metrics] == [1, 2]
     assert sum(m.get("training/filter_groups/evicted_samples", 0) for m in first.metrics) == 0
     assert sum(m["batch/off_policy_rows"] for m in first.metrics) < 8  # groups without a target were trained
     for m in first.metrics:
         assert m["actor/off_pg_loss"] != 0.0 and m["actor/grad_norm"] > 0
+        # two passes; the second regenerated exactly the rows that train as expert rows (one per failed prompt)
+        assert m["rollout_policy/passes"] == 2
+        assert m["rollout_policy/rows_generated"] == 16 + m["batch/off_policy_rows"]
+        assert m["batch/off_solved"] == 1.0 and m["batch/avg_prefix_ratio"] == m["batch/off_policy_rows"] / 16
+
+
+@pytest.mark.ray
+def test_v1_sync_filter_groups_carry_over_and_generation_budget(tiny_assets, tmp_path):
+    """Sync mode, 2 steps, verl's own group filter with mix_src's carry_over and a per-step generation budget
+    (MixV1Mixin._build_replay_buffer). Half the prompts have no target: their groups (all failing) are evicted and
+    verl's buffer refills two prompts per eviction, one prompt per generation batch (data.gen_batch_size=1), up to 8
+    in flight, so it overshoots; the surplus kept groups verl's sync sample would discard are carried into step 2,
+    which trains them first. The carried groups are saved with the step-2 checkpoint (TransferQueue's own
+    checkpoint). (A budget of 12 batches ran out in step 1 of one such run, raising FilterGroupsExhausted; the
+    unit test above checks that path.)"""
+    common = [*LUFFY, "mix.data.sample_target_ratio=0.5", "algorithm.filter_groups.enable=true",
+              "algorithm.filter_groups.metric=acc", "data.gen_batch_size=1", "algorithm.filter_groups.max_inflight_gen_batches=2",
+              "algorithm.filter_groups.max_num_gen_batches=40", "mix.filter_groups.carry_over=true",
+              "trainer.save_freq=2", f"trainer.default_local_dir={tmp_path / 'ckpt'}"]  # fmt: skip
+    result = v1_run(tiny_assets, tmp_path / "run", "sync", *common, steps=2)
+    step1, step2 = result.metrics
+    for m in result.metrics:
+        assert 4 <= m["train/num_gen_batches"] <= 40  # within the budget of 40 one-prompt batches
+    assert sum(m.get("training/filter_groups/evicted_samples", 0) for m in result.metrics) > 0
+    assert step1.get("train/num_surplus_carried", 0) > 0
+    assert step2["train/num_carried_prompts"] == min(step1["train/num_surplus_carried"], 4)
+    assert not any("training/filter_groups/discarded_surplus_samples" in m for m in result.metrics)  # carried instead
+    assert (tmp_path / "ckpt" / "global_step_2" / "transfer_queue").exists()
 
 
 @pytest.mark.ray
@@ -127,16 +162,14 @@ def compose_v1(tiny_assets, *overrides):
     "overrides, pattern",
     [
         (["trainer.v1.trainer_mode=fully_async"], r"trainer\.v1\.trainer_mode='fully_async': use one of sync, colocate_async"),
-        (["algorithm.filter_groups.enable=true", "mix.filter_groups.carry_over=true"],
-         r"mix\.filter_groups\.carry_over=true is not supported on trainer\.use_v1=true: verl's V1 replay buffer owns"),
-        (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=10"],
-         r"max_num_gen_batches=10 is not supported on trainer\.use_v1=true: verl.s V1 replay buffer ignores it .*max_inflight_gen_batches"),
+        (["trainer.v1.trainer_mode=colocate_async", "algorithm.filter_groups.enable=true",
+          "algorithm.filter_groups.max_num_gen_batches=10"],
+         r"max_num_gen_batches=10 is not supported on trainer\.use_v1=true: in the async modes no step has generation "
+         r"batches of its own .*wait_for_sampleable"),
         (["mix.n_prefix=1", "algorithm.rollout_correction.rollout_is=token"], r"rollout_correction\.rollout_is is set"),
         (["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=1",
           "actor_rollout_ref.rollout.nnodes=1"],
          r"checkpoint_engine\.backend=naive: on the CPU backend separate_async .*set it to cpu_gloo"),
-        (["mix.plugins=[recipes/guide_on_failure/guide_on_failure.py]", "mix.rollout_policy=guide_on_failure"],
-         r"mix\.rollout_policy='guide_on_failure' is not supported on the 'v1' trainer base .*own agent-loop session"),
     ],
 )  # fmt: skip
 def test_v1_refusals_before_ray(tiny_assets, overrides, pattern):
@@ -175,6 +208,14 @@ def test_separate_async_on_cpu_refusals_before_ray(tiny_assets, overrides, patte
     ["mix.loss.use_adaptive_entropy=true", "actor_rollout_ref.actor.entropy_coeff=0.01"],  # state in V1 checkpoints
     ["algorithm.filter_groups.enable=true", "mix.filter_groups.on_policy_only=true"],  # the replay buffer uses the registry
     ["algorithm.filter_groups.enable=true", "mix.filter_groups.rule=nonzero_std"],
+    # sync: the step's generation budget and the carried groups are replay-buffer hooks (MixV1Mixin._build_replay_buffer)
+    ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=10", "mix.filter_groups.carry_over=true"],
+    # the async buffers keep the surplus for later steps themselves
+    ["trainer.v1.trainer_mode=colocate_async", "algorithm.filter_groups.enable=true", "mix.filter_groups.carry_over=true"],
+    # a rollout policy with several passes (mix_src/rollout_policy_v1.py)
+    ["mix.plugins=[recipes/guide_on_failure/guide_on_failure.py]", "mix.rollout_policy=guide_on_failure"],
+    ["trainer.v1.trainer_mode=colocate_async", "mix.plugins=[recipes/guide_on_failure/guide_on_failure.py]",
+     "mix.rollout_policy=guide_on_failure"],
 ])  # fmt: skip
 def test_v1_accepts_before_ray(tiny_assets, overrides):
     from mix_src.main_mix_ppo import config_stage
@@ -235,13 +276,32 @@ def test_separate_async_composes_for_a_gpu_config():
     assert type(trainer.replay_buffer).__name__ == "ReplayBufferAsync"
 
 
+def test_separate_async_refuses_a_rollout_policy_with_several_passes():
+    """guide_on_failure generates pass by pass on the driver; separate_async hands its pool on its own schedule."""
+    from mix_src.main_mix_ppo import check_v1_config
+    from mix_src.mix_config import validate_mix_config
+    from mix_src.registry import load_plugins
+
+    load_plugins([str(GUIDE_ON_FAILURE)])
+    with initialize_config_module(config_module="mix_src.config", version_base=None):
+        cfg = compose(config_name="mix_ppo", overrides=[
+            "trainer.use_v1=true", "trainer.v1.trainer_mode=separate_async", "mix.rollout_policy=guide_on_failure",
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl", "actor_rollout_ref.rollout.nnodes=1",
+            "trainer.v1.separate_async.parameter_sync_step=1",  # verl's own separate_async checks pass
+            "data.train_batch_size=256", "actor_rollout_ref.actor.ppo_mini_batch_size=256",
+        ])  # fmt: skip
+    with pytest.raises(MixConfigError, match=r"mix\.rollout_policy='guide_on_failure' is not supported on trainer\.use_v1="
+                                             r"true: .*trainer_separate_async\.py"):
+        check_v1_config(cfg, validate_mix_config(cfg))
+
+
 # ---------------------------------------------------------------------------------------------------
 # the recipes' V1 variant (recipes/README.md): every GPU recipe composes with trainer.use_v1=true
 
 
-V1_EXTRAS = {
+V1_EXTRAS = {  # the async modes: no per-step generation budget (sync runs the recipes as they are)
     "dapo_filter": ["algorithm.filter_groups.max_num_gen_batches=0"],
-    "luffy_filter": ["algorithm.filter_groups.max_num_gen_batches=0", "mix.filter_groups.carry_over=false"],
+    "luffy_filter": ["algorithm.filter_groups.max_num_gen_batches=0"],
 }
 
 
@@ -255,11 +315,12 @@ def test_recipes_v1_variant(name, mode):
     from mix_src.mix_config import validate_mix_config
 
     v1 = ["trainer.use_v1=true", f"trainer.v1.trainer_mode={mode}"]
-    if name in V1_EXTRAS:  # refused as is, naming the key
-        with pytest.raises(MixConfigError, match=r"(max_num_gen_batches=10|carry_over=true).*(ignores|owns)"):
+    extras = V1_EXTRAS.get(name, []) if mode != "sync" else []
+    if extras:  # refused as is, naming the key
+        with pytest.raises(MixConfigError, match=r"max_num_gen_batches=10 .*no step has generation batches"):
             refused = compose_recipe(name, v1)
             check_v1_config(refused, validate_mix_config(refused))
-    cfg = compose_recipe(name, v1 + V1_EXTRAS.get(name, []))
+    cfg = compose_recipe(name, v1 + extras)
     check_v1_config(cfg, validate_mix_config(cfg))
 
 
@@ -417,3 +478,72 @@ def test_row_loss_with_shuffled_mini_batches_is_refused(tiny_assets):
                       f"mix.loss.row_loss={next(iter(ROW_LOSSES))}", "actor_rollout_ref.actor.shuffle=true"])  # fmt: skip
     with pytest.raises(MixConfigError, match=r"mix\.loss\.row_loss=.* needs verl's unshuffled mini-batches"):
         validate_mix_config(cfg)
+
+
+# ---------------------------------------------------------------------------------------------------
+# sync mode: the step's generation budget (max_num_gen_batches) and carry_over, as hooks on verl's own ReplayBuffer
+
+
+def _sync_trainer(tiny_assets, *overrides):
+    """MixPPOTrainerSync built from a composed config (verl's constructor and replay buffer; no Ray, no workers)."""
+    from mix_src.mix_trainer_v1 import MixPPOTrainerSync
+
+    cfg = compose_v1(tiny_assets, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
+                     "data.gen_batch_size=2", *overrides)  # fmt: skip
+    trainer = MixPPOTrainerSync(cfg)
+    trainer.global_steps = 3
+    trainer.replay_buffer.poll_interval = 0.0
+    return trainer
+
+
+def test_v1_sync_generation_budget_dispatches_within_it_then_raises(tiny_assets, monkeypatch):
+    """max_num_gen_batches=3 with gen batches of 2 prompts: 6 prompts a step. A refill beyond that is cut to what is
+    left, the next is not dispatched, and the buffer's wait raises once nothing is in flight (verl's ReplayBuffer
+    would poll forever). Without the hook verl ignores the key (trainer_base.py _resolve_filter_groups_metric)."""
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    from mix_src.mix_trainer import FilterGroupsExhausted
+
+    trainer = _sync_trainer(tiny_assets, "algorithm.filter_groups.max_num_gen_batches=3")
+    dispatched = []
+    monkeypatch.setattr(PPOTrainer, "_add_prompts_to_generate", lambda self, k: dispatched.append(k) or k)
+    trainer._fetch_step, trainer._fetch_prompts = 3, 0
+    assert trainer._add_prompts_to_generate(1) == 2 and dispatched == [2]  # whole gen batches (verl raises otherwise)
+    dispatched.clear()
+    trainer._fetch_step, trainer._fetch_prompts = 3, 4  # the step's first batch and one refill went out
+    assert trainer._add_prompts_to_generate(4) == 2 and dispatched == [2]  # 2 left of the budget of 6
+    trainer._fetch_prompts = 6
+    assert trainer._add_prompts_to_generate(2) == 0 and dispatched == [2]
+    buffer = trainer.replay_buffer
+    buffer.running_keys["train"].add("uid-in-flight")
+    buffer._wait_for_next_poll("train", 0.0)  # groups still in flight may fill the batch: verl's wait
+    buffer.running_keys["train"].clear()
+    buffer.finished_keys["train"].update({"a"})
+    with pytest.raises(FilterGroupsExhausted, match=r"after 3 generation batches of 2 prompts \(algorithm\.filter_groups\."
+                                                    r"max_num_gen_batches=3\) only 1 of data\.train_batch_size=4"):
+        buffer._wait_for_next_poll("train", 0.0)
+    trainer.global_steps = 4  # a new step has its own budget
+    buffer._wait_for_next_poll("train", 0.0)
+    assert trainer._add_prompts_to_generate(2) == 2
+
+
+def test_v1_sync_carry_over_keeps_the_surplus_groups_verl_would_discard(tiny_assets, monkeypatch):
+    """verl's sync sample clears the groups it did not select (replay_buffer.py, "discarded_surplus_samples"); with
+    mix.filter_groups.carry_over they stay for the next step, whose sample takes the oldest groups first."""
+    import verl.trainer.ppo.v1.replay_buffer as rb
+
+    cleared = []
+    monkeypatch.setattr(rb.tq, "kv_clear", lambda partition_id, keys: cleared.append(sorted(keys)))
+    for carry in (False, True):
+        cleared.clear()
+        trainer = _sync_trainer(tiny_assets, f"mix.filter_groups.carry_over={str(carry).lower()}")
+        buffer = trainer.replay_buffer
+        buffer.prompt_global_steps["train"].update({"old": 2, "a": 3, "b": 3, "c": 3})
+        selected, _, _ = buffer._select_prompt_uids("train", {"old", "a", "b", "c"}, 2)
+        assert selected[0] == "old"  # a carried group (an earlier step's prompt) goes first
+        surplus = {"a", "b", "c"} - set(selected)
+        buffer._clear_groups("train", {"evicted"})  # an eviction is verl's, either way
+        buffer._clear_groups("train", surplus)  # what verl's sample does with the surplus
+        assert cleared == ([["evicted"]] if carry else [["evicted"], sorted(surplus)])
+        if carry:
+            assert trainer._carry_metrics == {"train/num_carried_prompts": 1, "train/num_surplus_carried": 2}
