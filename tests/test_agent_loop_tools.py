@@ -222,12 +222,18 @@ def test_compute_score_dispatches_on_data_source():
 
 
 # --------------------------------------------------------------------------------------------- e2e (Ray)
+# V1 (sync): verl's replay buffer filters groups itself and takes no max_num_gen_batches (recipes/README.md)
+BASES = {"legacy": ["algorithm.filter_groups.max_num_gen_batches=2"],
+         "v1": ["trainer.use_v1=true", "trainer.v1.trainer_mode=sync", "algorithm.filter_groups.max_num_gen_batches=0"]}
+
+
 @pytest.mark.ray
-def test_guided_tool_episodes_train_two_steps_with_filter_groups(tiny_assets, tmp_path):
+@pytest.mark.parametrize("base", sorted(BASES))
+def test_guided_tool_episodes_train_two_steps_with_filter_groups(tiny_assets, tmp_path, base):
     """python -m mix_src.main_mix_ppo on the toy calculator through the real agent loop (hermes parser,
-    calculator function tool, env reward), grpo_split and filter groups on: each group has one whole expert episode
-    (ratio 1.0: 2 assistant turns + 1 recorded tool result, always correct) and one on-policy episode of
-    the random model (always wrong), so every group is kept."""
+    calculator function tool, env reward), grpo_split and filter groups on, on both trainer bases: each group has
+    one whole expert episode (ratio 1.0: 2 assistant turns + 1 recorded tool result, always correct) and one
+    on-policy episode of the random model (always wrong), so every group is kept."""
     import sys
 
     sys.path.insert(0, os.path.join(REPO, "tests"))
@@ -250,13 +256,16 @@ def test_guided_tool_episodes_train_two_steps_with_filter_groups(tiny_assets, tm
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
         "mix.n_prefix=1", "mix.min_prefix_ratio=1.0", "mix.max_prefix_ratio=1.0",
         "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
-        "algorithm.filter_groups.max_num_gen_batches=2", "algorithm.adv_estimator=grpo_split",
+        "algorithm.adv_estimator=grpo_split", *BASES[base],
     ]  # fmt: skip
     result = run_verl("mix_src.main_mix_ppo", overrides, tmp_path, timeout=420)
     assert [m["step"] for m in result.metrics] == [1, 2]
     for m in result.metrics:
         assert m["batch/off_solved"] == 1.0  # the replayed expert episodes score 1 under the env's reward
-        assert m["train/num_kept_prompts"] == 2
+        if base == "legacy":
+            assert m["train/num_kept_prompts"] == 2
+        else:  # verl's replay buffer evicts zero-std groups and logs how many samples it dropped
+            assert m.get("training/filter_groups/evicted_samples", 0) == 0
         assert m["num_turns/max"] == 4  # prompt + 2 expert assistant turns + 1 replayed tool turn
         assert np.isfinite(m["actor/pg_loss"]) and np.isfinite(m["actor/off_pg_loss"])
         # expert tokens are about half the trained tokens: tool-result tokens are not counted as trained
