@@ -264,16 +264,20 @@ METHODS = {
 RUN_SH = os.path.join(REPO_ROOT, "recipes", "toy_calculator", "run.sh")
 
 
-def _launch(cmd: list[str], env: dict, log: str) -> float:
-    print(f"[toy_calculator] {' '.join(cmd)}  (log {log})", flush=True)
-    t0 = time.time()
+TIMED = 'SECONDS=0; "$@"; rc=$?; echo "[timed] $SECONDS s" >&2; exit $rc'  # the run's own wall time, inside the lock
+
+
+def _launch(cmd: list[str], env: dict, log: str, wrap: list[str]) -> float:
+    """Run ``wrap + cmd``; returns the command's own wall seconds (without a wrapper's wait for a lock)."""
+    full = wrap + ["bash", "-c", TIMED, "_", *cmd]
+    print(f"[toy_calculator] {' '.join(wrap + cmd)}  (log {log})", flush=True)
     with open(log, "w") as f:
-        rc = subprocess.call(cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHON": sys.executable, **env}, stdout=f,
+        rc = subprocess.call(full, cwd=REPO_ROOT, env={**os.environ, "PYTHON": sys.executable, **env}, stdout=f,
                              stderr=subprocess.STDOUT)
+    text = open(log, errors="replace").read()
     if rc != 0:
-        tail = open(log, errors="replace").read().splitlines()[-40:]
-        raise RuntimeError(f"run failed (rc={rc}); log {log}:\n" + "\n".join(tail))
-    return time.time() - t0
+        raise RuntimeError(f"run failed (rc={rc}); log {log}:\n" + "\n".join(text.splitlines()[-40:]))
+    return float(re.findall(r"\[timed\] (\d+) s", text)[-1])
 
 
 def run_one(method: str, seed: int, steps: int, assets: dict, rdir: str, wrap: list[str]) -> dict:
@@ -302,7 +306,7 @@ def run_one(method: str, seed: int, steps: int, assets: dict, rdir: str, wrap: l
                f"data.seed={seed}", f"mix.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}",
                f"trainer.experiment_name=toy_calculator_{method}_seed{seed}"]
         env = {"OUTPUT_DIR": rdir, "ASSETS_DIR": os.path.dirname(assets["train"]), "LOGGER": "[console,file]"}
-    wall = _launch(wrap + cmd, env, os.path.join(rdir, "run.log"))
+    wall = _launch(cmd, env, os.path.join(rdir, "run.log"), wrap)
     hf = os.path.join(ckpt, f"global_step_{steps}", "huggingface")
     if method != "sft":
         hf = os.path.join(ckpt, f"global_step_{steps}", "actor", "huggingface")
@@ -352,7 +356,11 @@ def compare(methods: list[str], seeds: list[int], steps: int, runs_dir: str, wra
             if os.path.exists(done) and json.load(open(done)).get("steps") == steps:
                 results.append(json.load(open(done)))
                 continue
-            rec = run_one(m, seed, steps, assets, rdir, wrap)
+            try:
+                rec = run_one(m, seed, steps, assets, rdir, wrap)
+            except RuntimeError as e:  # a failed run is reported, the grid goes on
+                print(f"[toy_calculator] {m} seed {seed} FAILED: {e}", flush=True)
+                continue
             print(f"[toy_calculator] {m} seed {seed}: {rec['wall_s']:.0f} s, held-out {rec['eval']['heldout']['acc']:.3f}, "
                   f"OOD {rec['eval']['ood']['acc']:.3f}", flush=True)
             results.append(rec)
