@@ -286,3 +286,43 @@ def test_config_refusals_before_ray():
     with pytest.raises(ValueError, match="full_determinism=true"):
         check_config(bad)
     check_config(OmegaConf.merge(bad, {"actor_rollout_ref": {"rollout": {"agent": {"default_agent_loop": "prefix_guided"}}}}))
+
+
+# ----------------------------------------------------------------------------- the toy's HF evaluator
+class _ScriptedHF:
+    """Stands in for an HF model in scripts/experiments/toy_calculator.run_episodes: turn k of every row is reply k."""
+
+    def __init__(self, tok, replies):
+        self.tok, self.replies, self.turn = tok, replies, 0
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, pad_token_id, eos_token_id, **kw):
+        import torch
+
+        rows = []
+        for x in input_ids.tolist():
+            q = self.tok.decode(x).split("user\n")[1].split("<|im_end|>")[0]
+            rows.append(self.tok.encode(self.replies[self.turn](q), add_special_tokens=False) + [eos_token_id])
+        self.turn += 1
+        width = max(map(len, rows))
+        return torch.cat([input_ids, torch.tensor([r + [pad_token_id] * (width - len(r)) for r in rows])], 1)
+
+
+def test_toy_evaluator_plays_the_agent_loops_episode(tmp_path):
+    """The evaluator of the toy table runs the real calculator on the model's call and lays the episode out
+    as the agent loop does (same length as ToolEnv.episode_length); a wrong call gets the tool's error."""
+    from mix_src.toy_calculator import calculator, tool_call_text
+    from scripts.experiments import toy_calculator as tc
+
+    tok = tc.build_tokenizer(str(tmp_path / "tok"))
+    env = tc._env()
+    items = [{"question": "964*59", "answer": "56876"}, {"question": "123*45", "answer": "5535"}]
+    good = _ScriptedHF(tok, [tool_call_text, calculator])
+    res = tc.run_episodes(good, tok, items)
+    assert [r["acc"] for r in res] == [1.0, 1.0] and [r["tool_calls"] for r in res] == [1.0, 1.0]
+    assert "tool\n56876" in res[0]["response"]
+    assert [r["response_tokens"] for r in res] == [env.episode_length(env.expert_episode(it), tok) for it in items]
+    head = _ScriptedHF(tok, [lambda q: "56000"])  # answers without the tool: one turn, wrong
+    assert [r["acc"] for r in tc.run_episodes(head, tok, items[:1])] == [0.0] and head.turn == 1
+    bad = _ScriptedHF(tok, [lambda q: "<tool_call>{oops</tool_call>", lambda q: "1"])
+    r = tc.run_episodes(bad, tok, items[:1])[0]
+    assert "error: bad tool call" in r["response"] and r["acc"] == 0.0

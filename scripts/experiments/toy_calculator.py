@@ -173,7 +173,8 @@ def run_episodes(model, tok, items: list[dict], *, samples: int = 1, do_sample: 
     res = []
     for e in eps:
         text = tok.decode(e["ids"][e["start"]:], skip_special_tokens=True)
-        res.append({"question": e["item"]["question"], "response": text, **env.score(e["item"], text)})
+        res.append({"question": e["item"]["question"], "response": text, "response_tokens": len(e["ids"]) - e["start"],
+                    **env.score(e["item"], text)})
     return res
 
 
