@@ -346,7 +346,9 @@ def table(results: list[dict], methods: list[str], base: dict) -> str:
     return "\n".join(lines)
 
 
-def compare(methods: list[str], seeds: list[int], steps: int, runs_dir: str, wrap: list[str], assets_dir: str) -> str:
+def compare(methods: list[str], seeds: list[int], steps: int, runs_dir: str, wrap: list[str], assets_dir: str,
+            table_only: bool = False) -> str:
+    """Run the missing (method, seed) runs of the grid (``table_only``: none), then write table.md / results.json."""
     assets = prepare(assets_dir)
     print("[toy_calculator] " + describe_base(assets["base_eval"]), flush=True)
     results = []
@@ -356,6 +358,9 @@ def compare(methods: list[str], seeds: list[int], steps: int, runs_dir: str, wra
             done = os.path.join(rdir, "done.json")
             if os.path.exists(done) and json.load(open(done)).get("steps") == steps:
                 results.append(json.load(open(done)))
+                continue
+            if table_only:
+                print(f"[toy_calculator] {m} seed {seed}: not run", flush=True)
                 continue
             try:
                 rec = run_one(m, seed, steps, assets, rdir, wrap)
@@ -393,6 +398,7 @@ def main(argv=None) -> int:
     pc.add_argument("--out", default=DEFAULT_OUT)
     pc.add_argument("--runs", default=None, help="default: OUT/runs")
     pc.add_argument("--wrap", default="", help="command prefix for each run, e.g. /work/bin/ray-lock")
+    pc.add_argument("--table-only", action="store_true", help="no new runs: the table of the finished ones")
     a = p.parse_args(argv)
     if a.cmd == "prepare":
         res = prepare(a.out, seed=a.seed, force=a.force)
@@ -403,7 +409,7 @@ def main(argv=None) -> int:
     else:
         runs = os.path.abspath(a.runs or os.path.join(a.out, "runs"))
         os.makedirs(runs, exist_ok=True)
-        compare(a.methods, a.seeds, a.steps, runs, shlex.split(a.wrap), os.path.abspath(a.out))
+        compare(a.methods, a.seeds, a.steps, runs, shlex.split(a.wrap), os.path.abspath(a.out), a.table_only)
     return 0
 
 
