@@ -173,7 +173,8 @@ def run_episodes(model, tok, items: list[dict], *, samples: int = 1, do_sample: 
     res = []
     for e in eps:
         text = tok.decode(e["ids"][e["start"]:], skip_special_tokens=True)
-        res.append({"question": e["item"]["question"], "response": text, "response_tokens": len(e["ids"]) - e["start"],
+        res.append({"question": e["item"]["question"], "answer": str(e["item"]["answer"]), "response": text,
+                    "response_tokens": len(e["ids"]) - e["start"],
                     **env.score(e["item"], text)})
     return res
 
@@ -200,7 +201,10 @@ def evaluate(model_dir: str, tokenizer_dir: str, data_dir: str, k: int = 0) -> d
     for split in ("heldout", "ood"):
         r = run_episodes(model, tok, _items(os.path.join(data_dir, f"{split}.parquet")))
         out[split] = {"n": len(r), "acc": sum(x["acc"] for x in r) / len(r),
-                      "tool_call_rate": sum(x["tool_calls"] > 0 for x in r) / len(r), "example": r[0]["response"]}
+                      "tool_call_rate": sum(x["tool_calls"] > 0 for x in r) / len(r),
+                      # the calculator returned the product: the call was well formed with the right expression
+                      "correct_call_rate": sum(f"tool\n{x['answer']}\n" in x["response"] for x in r) / len(r),
+                      "example": r[0]["response"]}
     if k:
         items = _items(os.path.join(data_dir, "train.parquet"))
         r = run_episodes(model, tok, items, samples=k, do_sample=True, seed=0)
@@ -331,7 +335,7 @@ def table(results: list[dict], methods: list[str], base: dict) -> str:
 
     pct = lambda x: "n/a" if x != x else f"{100 * x:.1f}"  # noqa: E731
     lines = [describe_base(base), "",
-             "| method | held-out acc [95% t CI] | OOD acc [95% t CI] | held-out tool-call rate | n seeds | per-seed held-out / OOD | wall s (mean) |",
+             "| method | held-out acc [95% t CI] | OOD acc [95% t CI] | held-out: any tool call / correct call | n seeds | per-seed held-out / OOD | wall s (mean) |",
              "|---|---:|---:|---:|---:|---|---:|"]
     for m in methods:
         runs = sorted((r for r in results if r["method"] == m), key=lambda r: r["seed"])
@@ -340,9 +344,10 @@ def table(results: list[dict], methods: list[str], base: dict) -> str:
         h = t_interval([r["eval"]["heldout"]["acc"] for r in runs])
         o = t_interval([r["eval"]["ood"]["acc"] for r in runs])
         tc = sum(r["eval"]["heldout"]["tool_call_rate"] for r in runs) / len(runs)
+        cc = sum(r["eval"]["heldout"].get("correct_call_rate", float("nan")) for r in runs) / len(runs)
         per = ", ".join(f"s{r['seed']}: {pct(r['eval']['heldout']['acc'])}/{pct(r['eval']['ood']['acc'])}" for r in runs)
         lines.append(f"| {m} | {pct(h['mean'])} [{pct(h['lo'])}, {pct(h['hi'])}] | {pct(o['mean'])} [{pct(o['lo'])}, "
-                     f"{pct(o['hi'])}] | {pct(tc)} | {h['n']} | {per} | {sum(r['wall_s'] for r in runs) / len(runs):.0f} |")
+                     f"{pct(o['hi'])}] | {pct(tc)} / {pct(cc)} | {h['n']} | {per} | {sum(r['wall_s'] for r in runs) / len(runs):.0f} |")
     return "\n".join(lines)
 
 
@@ -357,7 +362,12 @@ def compare(methods: list[str], seeds: list[int], steps: int, runs_dir: str, wra
             rdir = os.path.join(runs_dir, f"{m}_seed{seed}")
             done = os.path.join(rdir, "done.json")
             if os.path.exists(done) and json.load(open(done)).get("steps") == steps:
-                results.append(json.load(open(done)))
+                rec = json.load(open(done))
+                if table_only and "correct_call_rate" not in rec["eval"]["heldout"]:  # evaluated by an older driver
+                    sub = "global_step_{}" + ("/huggingface" if m == "sft" else "/actor/huggingface")
+                    rec["eval"] = evaluate(os.path.join(rdir, "checkpoints", sub.format(steps)), assets["tokenizer"], assets_dir)
+                    json.dump(rec, open(done, "w"), indent=1)
+                results.append(rec)
                 continue
             if table_only:
                 print(f"[toy_calculator] {m} seed {seed}: not run", flush=True)
