@@ -222,12 +222,18 @@ def test_compute_score_dispatches_on_data_source():
 
 
 # --------------------------------------------------------------------------------------------- e2e (Ray)
+# V1 (sync): verl's replay buffer filters groups itself and takes no max_num_gen_batches (recipes/README.md)
+BASES = {"legacy": ["algorithm.filter_groups.max_num_gen_batches=2"],
+         "v1": ["trainer.use_v1=true", "trainer.v1.trainer_mode=sync", "algorithm.filter_groups.max_num_gen_batches=0"]}
+
+
 @pytest.mark.ray
-def test_guided_tool_episodes_train_two_steps_with_filter_groups(tiny_assets, tmp_path):
+@pytest.mark.parametrize("base", sorted(BASES))
+def test_guided_tool_episodes_train_two_steps_with_filter_groups(tiny_assets, tmp_path, base):
     """python -m mix_src.main_mix_ppo on the toy calculator through the real agent loop (hermes parser,
-    calculator function tool, env reward), grpo_split and filter groups on: each group has one whole expert episode
-    (ratio 1.0: 2 assistant turns + 1 recorded tool result, always correct) and one on-policy episode of
-    the random model (always wrong), so every group is kept."""
+    calculator function tool, env reward), grpo_split and filter groups on, on both trainer bases: each group has
+    one whole expert episode (ratio 1.0: 2 assistant turns + 1 recorded tool result, always correct) and one
+    on-policy episode of the random model (always wrong), so every group is kept."""
     import sys
 
     sys.path.insert(0, os.path.join(REPO, "tests"))
@@ -250,13 +256,16 @@ def test_guided_tool_episodes_train_two_steps_with_filter_groups(tiny_assets, tm
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
         "mix.n_prefix=1", "mix.min_prefix_ratio=1.0", "mix.max_prefix_ratio=1.0",
         "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
-        "algorithm.filter_groups.max_num_gen_batches=2", "algorithm.adv_estimator=grpo_split",
+        "algorithm.adv_estimator=grpo_split", *BASES[base],
     ]  # fmt: skip
     result = run_verl("mix_src.main_mix_ppo", overrides, tmp_path, timeout=420)
     assert [m["step"] for m in result.metrics] == [1, 2]
     for m in result.metrics:
         assert m["batch/off_solved"] == 1.0  # the replayed expert episodes score 1 under the env's reward
-        assert m["train/num_kept_prompts"] == 2
+        if base == "legacy":
+            assert m["train/num_kept_prompts"] == 2
+        else:  # verl's replay buffer evicts zero-std groups and logs how many samples it dropped
+            assert m.get("training/filter_groups/evicted_samples", 0) == 0
         assert m["num_turns/max"] == 4  # prompt + 2 expert assistant turns + 1 replayed tool turn
         assert np.isfinite(m["actor/pg_loss"]) and np.isfinite(m["actor/off_pg_loss"])
         # expert tokens are about half the trained tokens: tool-result tokens are not counted as trained
@@ -277,3 +286,43 @@ def test_config_refusals_before_ray():
     with pytest.raises(ValueError, match="full_determinism=true"):
         check_config(bad)
     check_config(OmegaConf.merge(bad, {"actor_rollout_ref": {"rollout": {"agent": {"default_agent_loop": "prefix_guided"}}}}))
+
+
+# ----------------------------------------------------------------------------- the toy's HF evaluator
+class _ScriptedHF:
+    """Stands in for an HF model in scripts/experiments/toy_calculator.run_episodes: turn k of every row is reply k."""
+
+    def __init__(self, tok, replies):
+        self.tok, self.replies, self.turn = tok, replies, 0
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, pad_token_id, eos_token_id, **kw):
+        import torch
+
+        rows = []
+        for x in input_ids.tolist():
+            q = self.tok.decode(x).split("user\n")[1].split("<|im_end|>")[0]
+            rows.append(self.tok.encode(self.replies[self.turn](q), add_special_tokens=False) + [eos_token_id])
+        self.turn += 1
+        width = max(map(len, rows))
+        return torch.cat([input_ids, torch.tensor([r + [pad_token_id] * (width - len(r)) for r in rows])], 1)
+
+
+def test_toy_evaluator_plays_the_agent_loops_episode(tmp_path):
+    """The evaluator of the toy table runs the real calculator on the model's call and lays the episode out
+    as the agent loop does (same length as ToolEnv.episode_length); a wrong call gets the tool's error."""
+    from mix_src.toy_calculator import calculator, tool_call_text
+    from scripts.experiments import toy_calculator as tc
+
+    tok = tc.build_tokenizer(str(tmp_path / "tok"))
+    env = tc._env()
+    items = [{"question": "964*59", "answer": "56876"}, {"question": "123*45", "answer": "5535"}]
+    good = _ScriptedHF(tok, [tool_call_text, calculator])
+    res = tc.run_episodes(good, tok, items)
+    assert [r["acc"] for r in res] == [1.0, 1.0] and [r["tool_calls"] for r in res] == [1.0, 1.0]
+    assert "tool\n56876" in res[0]["response"]
+    assert [r["response_tokens"] for r in res] == [env.episode_length(env.expert_episode(it), tok) for it in items]
+    head = _ScriptedHF(tok, [lambda q: "56000"])  # answers without the tool: one turn, wrong
+    assert [r["acc"] for r in tc.run_episodes(head, tok, items[:1])] == [0.0] and head.turn == 1
+    bad = _ScriptedHF(tok, [lambda q: "<tool_call>{oops</tool_call>", lambda q: "1"])
+    r = tc.run_episodes(bad, tok, items[:1])[0]
+    assert "error: bad tool call" in r["response"] and r["acc"] == 0.0

@@ -29,7 +29,7 @@ GPU_RECIPES = [
     "luffy_zero", "on_policy_grpo", "rl_with_sft_loss", "sft_then_rl",
     "dapo_filter", "luffy_filter", "prefix_curriculum", "guide_on_failure", "hpt", "chord", "prefix_rft", "exgrpo",
 ]  # fmt: skip
-RECIPES = [*GPU_RECIPES, "cpu_tiny"]
+RECIPES = [*GPU_RECIPES, "cpu_tiny", "toy_calculator"]
 
 # What each recipe is for, checked on the composed config (key -> expected value).
 EXPECTED = {
@@ -96,6 +96,13 @@ EXPECTED = {
         "mix.loss.off_policy_reshape_gamma": 0.1, "mix.loss.loss_agg_mode": "luffy-token-sum-norm",
         "data.train_batch_size": 128, "trainer.total_training_steps": 701,
     },
+    "toy_calculator": {
+        "mix.n_prefix": 1, "mix.min_prefix_ratio": 1.0, "mix.plugins": ["mix_src.toy_calculator"],
+        "actor_rollout_ref.rollout.agent.default_agent_loop": "prefix_guided_tool",
+        "actor_rollout_ref.rollout.multi_turn.format": "hermes", "algorithm.filter_groups.enable": True,
+        "algorithm.filter_groups.metric": "acc", "reward.custom_reward_function.path": "pkg://mix_src.environments",
+        "mix.loss.off_policy_reshape": "p_div_p", "mix.loss.loss_remove_clip": True, "trainer.device": "cpu",
+    },
     "cpu_tiny": {
         "mix.n_prefix": 1, "mix.min_prefix_ratio": 1.0, "actor_rollout_ref.rollout.name": "hf",
         "trainer.device": "cpu", "actor_rollout_ref.actor.strategy": "fsdp2",
@@ -118,6 +125,7 @@ RUN_SH_OVERRIDES = {
     "chord": [f"mix.plugins=[{RECIPES_DIR / 'chord' / 'chord.py'}]"],
     "prefix_rft": [f"mix.plugins=[{RECIPES_DIR / 'prefix_rft' / 'prefix_rft.py'}]"],
     "exgrpo": [f"mix.plugins=[{RECIPES_DIR / 'exgrpo' / 'exgrpo.py'}]"],
+    "toy_calculator": [f"actor_rollout_ref.rollout.multi_turn.function_tool_path={RECIPES_DIR / 'toy_calculator' / 'tools.py'}"],
 }  # fmt: skip
 
 
@@ -277,6 +285,9 @@ def test_run_sh_builds_the_command(name, tmp_path):
     assert argv[-2:] == ["trainer.total_epochs=1", "+extra.key=a b"]  # "$@" last, words intact
     assert "actor_rollout_ref.model.path=m/x" in argv
     assert f"trainer.default_local_dir={tmp_path / 'out' / 'checkpoints'}" in argv
+    if name == "toy_calculator":  # assets first (tokenizer, data, base), the tool file from the recipe folder
+        assert calls[0][:3] == ["-m", "scripts.experiments.toy_calculator", "prepare"]
+        assert f"actor_rollout_ref.rollout.multi_turn.function_tool_path={RECIPES_DIR / name / 'tools.py'}" in argv
     if name == "cpu_tiny":  # assets first, the plot last
         assert calls[0][0].endswith("scripts/make_tiny_assets.py")
         assert calls[-1][0].endswith("scripts/plot_metrics.py") and "--out" in calls[-1]
