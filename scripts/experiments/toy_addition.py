@@ -172,24 +172,9 @@ def pretrain_base(model_dir: str, tokenizer, seed: int, log=print, n_digits: int
     ``stream``: which stream of random problems (0 = the first pre-training's; a continuation takes another).
     """
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     hp = {**PRETRAIN, **overrides}
-    torch.set_num_threads(1)
-    torch.manual_seed(seed)
-    if init_from is not None:
-        model = Qwen2ForCausalLM.from_pretrained(init_from, dtype=torch.float32)
-    else:
-        cfg = Qwen2Config(
-            vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-            bos_token_id=tokenizer.convert_tokens_to_ids(IM_START), torch_dtype="float32", **MODEL_KW,
-        )  # fmt: skip
-        model = Qwen2ForCausalLM(cfg).to(torch.float32)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"])
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / hp["warmup"]) * max(0.0, 1 - s / hp["steps"]) ** 0.5
-    )
+    model, opt, sched = new_base(tokenizer, seed, hp, init_from=init_from)
     rng = random.Random(seed + 1000 + 7919 * stream)  # pre-training problems: any carry status, fresh every step
     t0 = time.time()
     for step in range(hp["steps"]):
@@ -201,14 +186,54 @@ def pretrain_base(model_dir: str, tokenizer, seed: int, log=print, n_digits: int
         ids = torch.tensor(seqs)
         labels = ids.clone()
         labels[:, : plens[0]] = -100  # learn the response only, as SFT would
-        loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        loss = pretrain_step(model, opt, sched, ids, labels)
         if step % 100 == 0 or step == hp["steps"] - 1:
             log(f"pretrain step {step:5d} loss {loss.item():.4f} ({time.time() - t0:.0f}s)")
+    return save_base(model, model_dir, hp, t0, loss)
+
+
+def new_base(tokenizer, seed: int, hp: dict, model_kw: dict = MODEL_KW, init_from: str | None = None):
+    """A toy base to pre-train (every toy task's): a tiny float32 Qwen2 of ``model_kw`` over ``tokenizer`` (or
+    ``init_from``'s weights), seeded, with AdamW and a warm-up then square-root decay schedule over
+    ``hp["steps"]``. Returns ``(model, optimiser, schedule)``."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    if init_from is not None:
+        model = Qwen2ForCausalLM.from_pretrained(init_from, dtype=torch.float32)
+    else:
+        cfg = Qwen2Config(
+            vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=tokenizer.convert_tokens_to_ids(IM_START), torch_dtype="float32", **model_kw,
+        )  # fmt: skip
+        model = Qwen2ForCausalLM(cfg).to(torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"])
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / hp["warmup"]) * max(0.0, 1 - s / hp["steps"]) ** 0.5
+    )
+    return model, opt, sched
+
+
+def pretrain_step(model, opt, sched, ids, labels, attention_mask=None):
+    """One step of a toy base's pre-training (every toy task's loop): next-token cross-entropy on the labels
+    that are not -100, gradient norm clipped to 1.0, optimiser and schedule stepped. Returns the loss tensor."""
+    import torch
+
+    kw = {} if attention_mask is None else {"attention_mask": attention_mask}
+    loss = model(input_ids=ids, labels=labels, **kw).loss
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return loss
+
+
+def save_base(model, model_dir: str, hp: dict, t0: float, loss) -> dict:
+    """Save a pre-trained toy base (HF format) and return its pre-training record."""
     model.eval()
     # No sampling defaults in generation_config.json: rollouts must get exactly the caller's params.
     gc = model.generation_config

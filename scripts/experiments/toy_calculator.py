@@ -73,18 +73,9 @@ def _prompt_ids(tok, question: str) -> list[int]:
 def pretrain_base(model_dir: str, tok, seed: int, log=print, **overrides) -> dict:
     """Tiny Qwen2 trained on ``a*b`` -> ``str(a*b)`` + EOS (response tokens only): answers without the tool."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     hp = {**PRETRAIN, **overrides}
-    torch.set_num_threads(1)
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                      bos_token_id=tok.convert_tokens_to_ids(ta.IM_START), torch_dtype="float32", **MODEL_KW)  # fmt: skip
-    model = Qwen2ForCausalLM(cfg).to(torch.float32)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"])
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / hp["warmup"]) * max(0.0, 1 - s / hp["steps"]) ** 0.5)
+    model, opt, sched = ta.new_base(tok, seed, hp, model_kw=MODEL_KW)
     rng = random.Random(seed + 1000)
     t0 = time.time()
     for step in range(hp["steps"]):
@@ -101,19 +92,10 @@ def pretrain_base(model_dir: str, tok, seed: int, log=print, **overrides) -> dic
             labels[i, :pl] = -100
             labels[i, len(s):] = -100
         attn = (labels != -100) | (torch.arange(width)[None, :] < torch.tensor(plens)[:, None])
-        loss = model(input_ids=ids, attention_mask=attn.long(), labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        loss = ta.pretrain_step(model, opt, sched, ids, labels, attention_mask=attn.long())
         if step % 100 == 0 or step == hp["steps"] - 1:
             log(f"pretrain step {step:4d} loss {loss.item():.4f} ({time.time() - t0:.0f}s)")
-    model.eval()
-    gc = model.generation_config
-    gc.do_sample, gc.top_k, gc.top_p, gc.temperature = False, None, None, None
-    model.save_pretrained(model_dir, safe_serialization=True)
-    return {"hparams": hp, "seconds": round(time.time() - t0, 1), "final_loss": float(loss.item())}
+    return ta.save_base(model, model_dir, hp, t0, loss)
 
 
 # ---------------------------------------------------------------------------------------------- evaluator

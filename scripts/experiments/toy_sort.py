@@ -43,18 +43,9 @@ def _prompt_ids(tokenizer, content: str) -> list[int]:
 def pretrain_base(model_dir: str, tokenizer, seed: int, log=print, **overrides) -> dict:
     """A tiny Qwen2 (toy-addition's shape) trained on all-distinct strings' traces, response tokens only."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     hp = {**PRETRAIN, **overrides}
-    torch.set_num_threads(1)
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                      bos_token_id=tokenizer.convert_tokens_to_ids(ta.IM_START), torch_dtype="float32", **ta.MODEL_KW)
-    model = Qwen2ForCausalLM(cfg).to(torch.float32)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"])
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / hp["warmup"]) * max(0.0, 1 - s / hp["steps"]) ** 0.5)
+    model, opt, sched = ta.new_base(tokenizer, seed, hp, model_kw=ta.MODEL_KW)
     rng = random.Random(seed + 1000)
     t0 = time.time()
     for step in range(hp["steps"]):
@@ -67,19 +58,10 @@ def pretrain_base(model_dir: str, tokenizer, seed: int, log=print, **overrides) 
         ids = torch.tensor(seqs)
         labels = ids.clone()
         labels[:, : plens[0]] = -100
-        loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        loss = ta.pretrain_step(model, opt, sched, ids, labels)
         if step % 100 == 0 or step == hp["steps"] - 1:
             log(f"pretrain step {step:5d} loss {loss.item():.4f} ({time.time() - t0:.0f}s)")
-    model.eval()
-    gc = model.generation_config
-    gc.do_sample, gc.top_k, gc.top_p, gc.temperature = False, None, None, None
-    model.save_pretrained(model_dir, safe_serialization=True)
-    return {"hparams": hp, "seconds": round(time.time() - t0, 1), "final_loss": float(loss.item())}
+    return ta.save_base(model, model_dir, hp, t0, loss)
 
 
 def evaluate_rows(model, tokenizer, parquet: str, compute_score, max_new_tokens: int, samples: int = 0,
