@@ -179,11 +179,10 @@ class MixV1Mixin:
 
     def _save_checkpoint(self):
         super()._save_checkpoint()
+        folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
         if self._carries_in_tq():  # the carried groups live in TransferQueue: saved as verl saves it in async modes
-            folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
             tq.save_checkpoint(os.path.join(folder, "transfer_queue"), metadata={"global_steps": self.global_steps})
         if self._entropy_state is not None or self._policy_state():
-            folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
             torch.save({"entropy_coef": self._entropy_state, "rollout_policy": self._policy_state()},
                        os.path.join(folder, MIX_STATE_FILE))  # fmt: skip
 
@@ -354,10 +353,11 @@ class MixV1Mixin:
     # ---- generate: a rollout policy with several passes (mix.rollout_policy other than a streamed one) -------
     def _submit_batch_to_rollout(self, batch):
         """verl's stage (the prompts registered in TransferQueue, ``trainer_base.py`` ``_submit_batch_to_rollout``);
-        a rollout policy that V1 does not stream (:func:`mix_src.rollout_policy_v1.streams_on_v1`) generates the
+        a rollout policy that V1 does not stream (:func:`mix_src.rollout_policy.streams_on_v1`) generates the
         groups pass by pass through :class:`mix_src.rollout_policy_v1.V1PolicyRunner`, which stands in for the
         agent-loop manager for this call and drives verl's own."""
-        from mix_src.rollout_policy_v1 import V1PolicyRunner, streams_on_v1
+        from mix_src.rollout_policy import streams_on_v1
+        from mix_src.rollout_policy_v1 import V1PolicyRunner
 
         if streams_on_v1(self.mix.rollout_policy):
             return super()._submit_batch_to_rollout(batch)

@@ -77,6 +77,12 @@ def register_rollout_policy(name: str, *, bases=("legacy", "v1"), why_not=None, 
     return ROLLOUT_POLICIES.register(name, bases=bases, why_not=why_not, **entry)
 
 
+def streams_on_v1(policy: str) -> bool:
+    """Whether the V1 trainer streams ``policy`` through verl's agent loop (its entry says ``v1_stream=True``: one
+    pass, ratios drawn per session) rather than running it pass by pass (:mod:`mix_src.rollout_policy_v1`)."""
+    return bool(ROLLOUT_POLICIES.options(policy).get("v1_stream", False))
+
+
 @register_rollout_policy("prefix_guided", v1_stream=True)
 def prefix_guided(ctx: RolloutContext):
     """LUFFY: one pass, each row with its ratio from mix.prefix_strategy (ratio 0 = on-policy row)."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -37,16 +37,11 @@ from mix_src.dataset import TARGET_FIELD
 from mix_src.rollout_policy import ROLLOUT_POLICIES, RolloutContext
 from mix_src.seeding import pass_seeds
 
-__all__ = ["TQ_KEY", "V1PolicyRunner", "streams_on_v1"]
+__all__ = ["TQ_KEY", "V1PolicyRunner"]
 
 TQ_KEY = "__tq_key__"  # non-tensor column of a pass's rows: the row's TransferQueue key
 PROMPT_RECORD = "__v1_prompt__"  # non-tensor column of ctx.records(): the row's prompt (a one-row TensorDict)
 PARTITION = "train"
-
-
-def streams_on_v1(policy: str) -> bool:
-    """Whether the V1 trainer streams ``policy`` through verl's agent loop (one pass, ratios drawn per session)."""
-    return bool(ROLLOUT_POLICIES.options(policy).get("v1_stream", False))
 
 
 class V1PolicyRunner:
@@ -247,5 +242,3 @@ def _select(batch, rows: list[int]):
 
     return tu.index_select_tensor_dict(batch, rows)
 
-
-RunnerFactory = Callable[[Any, Any, int, dict], V1PolicyRunner]
