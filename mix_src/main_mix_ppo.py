@@ -28,7 +28,7 @@ from verl.trainer.main_ppo_v0 import BaseTaskRunner
 
 from mix_src.luffy_keys import translate_overrides
 from mix_src.mix_config import MixConfigError, validate_mix_config
-from mix_src.cpu import ROLLOUT_ENV
+from mix_src.cpu import CHECKPOINT_ENGINE as CPU_CHECKPOINT_ENGINE, ROLLOUT_ENV
 from mix_src.model_context import check_attention, resolve_max_model_len
 from mix_src.registry import PLUGINS_ENV, check_selected_entries, load_plugins, load_verl_plugins, resolve_plugin
 from mix_src.rollout_policy import streams_on_v1
@@ -220,9 +220,6 @@ def run_mix_ppo(config: DictConfig) -> None:
 
 
 V1_MODES = ("sync", "colocate_async", "separate_async")
-
-
-CPU_CHECKPOINT_ENGINE = "cpu_gloo"  # mix_src/cpu/checkpoint_engine.py
 
 
 def check_separate_async(config: DictConfig) -> None:

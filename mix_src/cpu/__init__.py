@@ -420,6 +420,7 @@ def _register_replica(mod) -> None:
 
 
 VERL_0_9_1 = {"verl": "0.9.1"}  # written_for of the patches on verl's own modules
+CHECKPOINT_ENGINE = "cpu_gloo"  # checkpoint_engine.py's name in verl's CheckpointEngineRegistry
 CHECKPOINT_ENGINE_WRITTEN_FOR = {"verl": "0.9.1", "torch": ">=2.12,<2.14"}  # checkpoint_engine.py: verl's interface, torch's gloo
 
 

@@ -54,9 +54,11 @@ from verl.checkpoint_engine.base import (
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
-BACKEND = "cpu_gloo"
-# verl's CheckpointEngine interface and torch's gloo/TCPStore API; declared in mix_src.cpu (imported lazily there)
+# the engine's name, and the versions it was written for (verl's CheckpointEngine interface, torch's gloo/TCPStore
+# API): declared in mix_src.cpu, which imports this module lazily and the entry point reads the name from
+from . import CHECKPOINT_ENGINE as BACKEND  # noqa: E402
 from . import CHECKPOINT_ENGINE_WRITTEN_FOR as WRITTEN_FOR  # noqa: E402,F401
+
 _ALIGN = 16  # byte alignment of every tensor in a bucket, so ``.view(dtype)`` of a received chunk is always legal
 
 
