@@ -162,7 +162,7 @@ def test_stock_verl_grpo_lora_with_vllm_rollout(tiny_assets, tmp_path):
     result = run_verl("verl.trainer.main_ppo", overrides, tmp_path, timeout=420)
     print(f"wall {result.wall_s:.1f}s, peak RSS {result.peak_rss_mb:.0f} MiB")
     log = result.log_path.read_text(errors="replace")
-    assert "vLLMHttpServer" in log and "--enable_lora" in log
+    assert "vLLMHttpServer" in log and SHM_FALLBACK in log and "--enable_lora" in log
     assert [m["step"] for m in result.metrics] == [1, 2], result.log_tail()
     for m in result.metrics:
         print({k: m[k] for k in ("training/rollout_probs_diff_mean", "training/rollout_probs_diff_max", "actor/kl_loss")})
