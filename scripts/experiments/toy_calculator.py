@@ -389,7 +389,7 @@ def main(argv=None) -> int:
     pc.add_argument("--steps", type=int, default=20)
     pc.add_argument("--out", default=DEFAULT_OUT)
     pc.add_argument("--runs", default=None, help="default: OUT/runs")
-    pc.add_argument("--wrap", default="", help="command prefix for each run, e.g. "flock /tmp/my.lock"")
+    pc.add_argument("--wrap", default="", help="command prefix for each run, e.g. 'flock /tmp/my.lock'")
     pc.add_argument("--table-only", action="store_true", help="no new runs: the table of the finished ones")
     a = p.parse_args(argv)
     if a.cmd == "prepare":
