@@ -67,6 +67,31 @@ def test_statistics():
     assert cmp.binomial_se(0.5, 100) == pytest.approx(0.05)
 
 
+def test_run_jobs_runs_every_job_n_at_a_time_and_raises_the_first_failure():
+    import threading
+    import time
+
+    lock, running, peak, ran = threading.Lock(), [0], [0], []
+
+    def fn(job):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+            ran.append(job)
+        if job in (2, 4):
+            raise RuntimeError(f"run {job} failed")
+
+    with pytest.raises(RuntimeError, match="run 2 failed"):
+        cmp.run_jobs(fn, list(range(6)), 2)
+    assert sorted(ran) == list(range(6)) and peak[0] == 2  # a failure does not stop the other runs
+    ran.clear(), peak.__setitem__(0, 0)
+    cmp.run_jobs(fn, [0, 1, 3], 1)
+    assert ran == [0, 1, 3] and peak[0] == 1
+
+
 @pytest.mark.ray
 def test_tiny_grid_end_to_end(tmp_path):
     """grpo and sft x seeds 0, 1 on the addition task with a barely trained base and 4-prompt RL batches."""

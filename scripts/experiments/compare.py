@@ -204,6 +204,23 @@ def launch(cmd: list[str], env: dict, rdir: str, wrap: list[str]) -> float:
     return float(open(own).read()) if os.path.exists(own) else total
 
 
+def run_jobs(fn: Callable, jobs: list, n: int) -> None:
+    """``fn(job)`` for every job, ``n`` at a time (threads: each job waits on its own subprocess). Every job
+    runs even when one fails (the runs are independent; finished ones are kept and a rerun reuses them); the
+    first failure is raised at the end."""
+    if n == 1:
+        for job in jobs:
+            fn(job)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        futures = [pool.submit(fn, job) for job in jobs]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        raise errors[0]
+
+
 def read_metrics(path: str) -> dict[int, dict]:
     by_step: dict[int, dict] = {}
     if os.path.exists(path):
@@ -464,9 +481,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(REPO_ROOT, "outputs", "compare"))
     p.add_argument("--assets", default=None, help="default: OUT/assets/<task>")
     p.add_argument("--wrap", default=None, help="command prefix for each run (default: env COMPARE_RUN_WRAPPER)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs at a time (each its own Ray cluster or torchrun); README: measured speed-up here")
     p.add_argument("--rl-overrides", nargs="*", default=[], help="Hydra overrides added to every RL run (tests: smaller batches)")
     p.add_argument("--pretrain-steps", type=int, default=None, help="base pre-training steps (tests: a barely trained base)")
     a = p.parse_args(argv)
+    if a.jobs < 1:
+        p.error("--jobs must be >= 1")
     if a.evals < 2:
         p.error("--evals must be >= 2 (SFT->RL starts from an SFT checkpoint before the last)")
     a.out = os.path.abspath(a.out)  # run.sh and the trainer's processes get absolute paths
@@ -500,17 +521,24 @@ def main(argv=None) -> int:
                                                                   count=a.count) / a.evals))
         plans[tname] = {"shape": shape.describe(), "sft_step_flops": step_fl, "sft_steps": sft_steps, "sft_save_freq": save_freq,
                         "sft_tokens_per_step": int(round(mean_len * SFT_BATCH)), "rl_test_freq": test_freq}
-        order = sorted(methods, key=lambda m: methods[m].kind == "sft_rl")  # SFT->RL reuses the SFT runs
-        for seed in a.seeds:  # seed-major: a partial grid already compares the methods
-            for mname in order:
+        # seed-major (a partial grid already compares the methods); SFT->RL after the SFT runs it starts from
+        for phase in (False, True):
+            todo = []
+            for seed in a.seeds:
+                for mname in [m for m in methods if (methods[m].kind == "sft_rl") == phase]:
+                    rdir = os.path.join(a.out, "runs", tname, f"{mname}_seed{seed}")
+                    done = os.path.join(rdir, "done.json")
+                    if os.path.exists(done):
+                        rec = json.load(open(done))
+                        if rec.get("budget") == a.budget and rec.get("count") == a.count and rec.get("evals_asked") == a.evals:
+                            results[tname].setdefault(mname, {})[seed] = rec
+                            continue
+                    todo.append((mname, seed, rdir, done))
+
+            def one(job, task=task, assets=assets, tname=tname, sft_steps=sft_steps, save_freq=save_freq,
+                    step_fl=step_fl, test_freq=test_freq):
+                mname, seed, rdir, done = job
                 m = methods[mname]
-                rdir = os.path.join(a.out, "runs", tname, f"{mname}_seed{seed}")
-                done = os.path.join(rdir, "done.json")
-                if os.path.exists(done):
-                    rec = json.load(open(done))
-                    if rec.get("budget") == a.budget and rec.get("count") == a.count and rec.get("evals_asked") == a.evals:
-                        results[tname].setdefault(mname, {})[seed] = rec
-                        continue
                 if m.kind == "rl":
                     rec = run_rl(task, assets, m, seed, a.budget, a.count, test_freq, rdir, wrap, extra=tuple(a.rl_overrides))
                 elif m.kind == "sft":
@@ -518,12 +546,15 @@ def main(argv=None) -> int:
                 else:
                     rec = run_sft_rl(task, assets, m, seed, a, sft_steps, save_freq, step_fl, rdir, wrap, test_freq,
                                      plans[tname]["sft_tokens_per_step"])
-                rec.update({"budget": a.budget, "count": a.count, "evals_asked": a.evals, "method": mname, "seed": seed, "task": tname})
+                rec.update({"budget": a.budget, "count": a.count, "evals_asked": a.evals, "method": mname, "seed": seed,
+                            "task": tname, "jobs": a.jobs})
                 with open(done, "w") as f:
                     json.dump(rec, f, indent=1)
                 results[tname].setdefault(mname, {})[seed] = rec
                 print(f"[compare] {tname} {mname} seed {seed}: {rec['wall_s']:.0f} s, {rec['flops']['full']:.4g} FLOPs, "
                       f"held-out {_pct(rec['evals'][-1]['heldout'])}%, OOD {_pct(rec['evals'][-1]['ood'])}%", flush=True)
+
+            run_jobs(one, todo, a.jobs)
     names = list(a.methods)
     md, stats = summarize(results, a.tasks, names, a.seeds, a.last_k, a.baseline, base)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
