@@ -45,17 +45,20 @@ demo: install
 	$(PY) -m scripts.experiments.demo
 
 # The comparison harness (scripts/experiments/compare.py): launch methods x seeds x both toy tasks at matched
-# training FLOPs. `make compare` is the smoke grid (2 seeds, a small budget); `make evidence` the full
-# grid (5 seeds) behind the README's Evidence section. COMPARE_WRAP prefixes every run (e.g. a lock).
+# training FLOPs. `make compare` is the smoke grid (seeds 0 1); `make evidence` the grid behind the README's
+# Evidence section: the same runs with seeds 0-4, in the same folder, so the smoke grid's runs are reused (a
+# finished run is never re-run). 4e11 FLOPs is about 10 LUFFY steps on the addition task: what 2 CPU cores can
+# run 50 times in about an hour. COMPARE_WRAP prefixes every run (e.g. a lock); COMPARE_JOBS runs at a time.
 COMPARE_METHODS ?= luffy grpo sft sft_rl guide_on_failure
 COMPARE_WRAP    ?=
+COMPARE_JOBS    ?= 1
+COMPARE_ARGS     = --methods $(COMPARE_METHODS) --tasks addition sort --budget 4e11 --evals 4 --last-k 2 \
+		--out outputs/compare --wrap "$(COMPARE_WRAP)" --jobs $(COMPARE_JOBS)
 compare: install
-	$(PY) -m scripts.experiments.compare --methods $(COMPARE_METHODS) --tasks addition sort --seeds 0 1 \
-		--budget 4e11 --evals 4 --last-k 2 --out outputs/compare_smoke --wrap "$(COMPARE_WRAP)"
+	$(PY) -m scripts.experiments.compare $(COMPARE_ARGS) --seeds 0 1
 
 evidence: install
-	$(PY) -m scripts.experiments.compare --methods $(COMPARE_METHODS) --tasks addition sort --seeds 0 1 2 3 4 \
-		--budget 2e12 --evals 8 --last-k 2 --out outputs/compare_evidence --wrap "$(COMPARE_WRAP)"
+	$(PY) -m scripts.experiments.compare $(COMPARE_ARGS) --seeds 0 1 2 3 4
 
 bench: install
 	$(PY) -m scripts.bench all
