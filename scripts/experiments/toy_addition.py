@@ -73,7 +73,7 @@ N_TRAIN, N_HELDOUT = 4096, 200
 # pre-training steps, not 800.
 VARIANTS = {
     "addition3": dict(n_digits=3, carry=True, ood=None, pretrain_steps=800),
-    "demo": dict(n_digits=2, carry="units_carry", ood="units_carry_ood", pretrain_steps=400,
+    "demo": dict(n_digits=2, carry="units_carry", ood="units_carry_ood", pretrain_steps=300,
                  pretrain_data="no_incoming_carry",
                  base_check=dict(grpo_steps=40, k=32, bound=1.0, extra_steps=25, max_rounds=0, carry_floor=5e-6)),
 }
