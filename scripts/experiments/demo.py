@@ -2,9 +2,8 @@
 
 The task is the toy-addition demo variant (``scripts/experiments/toy_addition.py``, ``VARIANTS["demo"]``):
 2-digit additions whose only carry is out of the units column, written as a units-first trace
-(``27+48`` -> ``51 70>075``). The base model, pre-trained here on the correct traces of the 2-digit additions in
-which no column receives a carry (``52+61`` -> ``30 11>113``: a carry out of the tens column only writes the
-sum's leading digit), solves 0% of them; LUFFY puts one expert trace in each group of 8. Before training the
+(``27+48`` -> ``51 70>075``). The base model, pre-trained here on carry-free traces, solves 0% of them;
+LUFFY puts one expert trace in each group of 8. Before training the
 demo prints the property its story rests on, measured on this machine's base: the base's sampled success rate
 p on the 892 training problems (32 samples each at the rollout temperature, with the rollout's own sampler) and
 the rewarded samples on-policy GRPO can expect from it over the run, p x steps x 32 x 8, with its bound (< 1:
