@@ -110,6 +110,12 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     return {"score": float(correct), "acc": float(correct), "format_ok": float(format_ok)}
 
 
+def no_incoming_carry(a: int, b: int) -> bool:
+    """No column receives a carry: every column's carry but the last one's (which only writes the sum's
+    leading digit) is 0. ``52+61`` (``30 11>113``) qualifies, ``27+48`` (units carry into the tens) does not."""
+    return not any(carries(a, b)[:-1])
+
+
 def _units_only_carry(a: int, b: int) -> bool:
     c = carries(a, b)
     return c[0] == 1 and not any(c[1:])
@@ -119,7 +125,10 @@ def _units_only_carry(a: int, b: int) -> bool:
 # out of the units column only, with units digits summing to 10..15; the out-of-distribution class carries
 # the same way but from the 6 digit pairs summing to 16..18 (7+9, 8+8, 9+7, 8+9, 9+8, 9+9), which no
 # training problem contains: the carry rule has to transfer to digit pairs it was never shown for.
+# ``no_incoming_carry`` is the demo base's pre-training class (scripts/experiments/toy_addition.py PRETRAIN_DATA):
+# its expert traces write carries only out of the last column, so they never show a carry being added.
 PROBLEM_CLASSES = {
+    "no_incoming_carry": no_incoming_carry,
     "units_carry": lambda a, b: _units_only_carry(a, b) and a % 10 + b % 10 <= 15,
     "units_carry_ood": lambda a, b: _units_only_carry(a, b) and a % 10 + b % 10 >= 16,
 }

@@ -157,6 +157,47 @@ def test_demo_problem_classes_by_hand():
         task.matches(1, 2, "nope")
 
 
+def test_no_incoming_carry_class_by_hand():
+    """no_incoming_carry: every carry but the last column's is 0 (that one only writes the leading digit)."""
+    assert task.matches(52, 61, "no_incoming_carry") and task.expert_trace(52, 61) == "30 11>113"
+    assert task.matches(21, 48, "no_incoming_carry") and task.matches(99, 90, "no_incoming_carry")
+    assert not task.matches(27, 48, "no_incoming_carry")  # the units column carries into the tens
+    assert not task.matches(150, 950, "no_incoming_carry")  # 3 digits: the tens carry into the hundreds
+    assert task.matches(500, 600, "no_incoming_carry")
+    assert len(task.all_problems("no_incoming_carry", 2)) == 81 * 55  # any tens digits 1..9 x units pairs summing <= 9
+
+
+@pytest.mark.parametrize("data", ["carry_free", "no_incoming_carry"])
+def test_pretraining_data_never_shows_a_column_receiving_a_carry(ta, data, monkeypatch):
+    """Every pre-training rule's stream, drawn as pretrain_base draws it (first stream of seed 0, the demo's
+    2-digit problems): every carry written but the last column's is 0, read from the trace itself -- no column
+    receives a carry, the skill the held-out, training and OOD problems all need. no_incoming_carry: every trace is
+    the problem's correct one, it writes carries out of the tens column, and no demo problem can be drawn."""
+    assert set(ta.PRETRAIN_DATA) == {"carry_free", "no_incoming_carry"}
+    rng, last_carries, n = random.Random(0 + 1000), set(), 0
+    for _ in range(100):
+        for a, b, trace in ta.pretrain_examples(data, ta.PRETRAIN["batch_size"], rng, 2):
+            pairs = trace.split(">")[0].split(" ")
+            assert len(pairs) == 2 and pairs[0][1] == "0", (a, b, trace)
+            assert task.compute_score("", trace, str(a + b))["format_ok"] == 1.0
+            if data == "carry_free":
+                assert trace == task.carry_free_trace(a, b) and pairs[1][1] == "0"
+            else:
+                assert a % 10 + b % 10 <= 9 and int(trace.split(">")[1]) == a + b, (a, b, trace)
+            last_carries.add(pairs[1][1])
+            n += 1
+    assert n == 6400 and last_carries == ({"0"} if data == "carry_free" else {"0", "1"})
+    if data == "no_incoming_carry":
+        sp = ta.variant_splits("demo")
+        assert not any(task.matches(a, b, data) for a, b in sp["train"] + sp["heldout"] + sp["ood"])
+        # a variant's rule is part of its cached assets' fingerprint: a base built by another rule is rebuilt
+        fp = ta._fingerprint(0, "demo")
+        monkeypatch.setitem(ta.VARIANTS["demo"], "pretrain_data", data)
+        assert ta._fingerprint(0, "demo") != fp
+    with pytest.raises(ValueError, match="unknown pre-training data 'nope'"):
+        ta.pretrain_examples("nope", 1, rng)
+
+
 def test_demo_variant_splits(ta):
     sp = ta.variant_splits("demo", seed=0)
     assert (len(sp["heldout"]), len(sp["train"]), len(sp["ood"])) == (200, 892, 168)

@@ -8,11 +8,9 @@ rests on, measured on this machine's base: the base's sampled success rate p on 
 (32 samples each at the rollout temperature, with the rollout's own sampler) and the rewarded samples
 on-policy GRPO can expect from it over the run, p x steps x 32 x 8, with its bound (< 1: less than one expected
 reward in the whole run); and the teacher-forced probability the base gives the expert's carry token (mean over
-the training problems), which LUFFY's shaped term must raise, with its floor (>= 5e-6). Pre-training continues
-25 carry-free steps at a time (at most 8 times) and stops at the first base meeting GRPO's bound; a base for
-which no such window exists (the carry probability falls below its floor first, or the rounds run out) is used
-anyway and the demo says so before and after training. Both methods run
-Both methods run
+the training problems), which LUFFY's shaped term must raise, with its floor (>= 5e-6). It measures and reports
+(``base_check.max_rounds`` = 0: pre-training is not continued) and warns before and after training when either
+side is missed. Both methods run
 ``bash recipes/toy_addition/run.sh METHOD 0`` (``python -m mix_src.main_mix_ppo``, CPU backend, Ray) at
 the same time, with the same budget; this driver prints one line per training step of each, then the
 held-out greedy accuracy of both (200 problems; the trainer's own validation) and writes a PNG.

@@ -20,7 +20,7 @@ mismatch (one fp32 model does both).
 Usage::
 
     python -m scripts.experiments.luffy_replica --method luffy --lr 5e-4 --steps 300 --seed 0 [--eval-every 25]
-        [--out outputs/toy_addition/replica/luffy_lr5e-4_seed0.json]
+        [--out outputs/toy_addition/replica/luffy_lr5e-4_seed0.json] [--base MODEL_DIR] [--zero-on-policy-reward]
 """
 
 from __future__ import annotations
@@ -54,11 +54,19 @@ def main(argv=None) -> int:
     p.add_argument("--assets", default=ta.DEFAULT_OUT)
     p.add_argument("--variant", default="addition3", choices=sorted(ta.VARIANTS))
     p.add_argument("--out", default=None)
+    p.add_argument("--base", default=None, help="start from this base model instead of the prepared one (the "
+                   "tokenizer and parquets are read from --assets as they are)")
+    p.add_argument("--zero-on-policy-reward", action="store_true", help="diagnostic: score every sampled response "
+                   "0, so only the expert trace earns a reward (what a base with no sampled success would give)")
     a = p.parse_args(argv)
 
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
-    prep = ta.prepare(a.assets, seed=0, variant=a.variant)
+    if a.base is None:
+        prep = ta.prepare(a.assets, seed=0, variant=a.variant)
+    else:
+        prep = {"model": a.base, "tokenizer": os.path.join(a.assets, "tokenizer"),
+                "train": os.path.join(a.assets, "train.parquet"), "heldout": os.path.join(a.assets, "heldout.parquet")}
     tok = ta.load_tokenizer(prep["tokenizer"])
     model = AutoModelForCausalLM.from_pretrained(prep["model"], dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
@@ -97,7 +105,8 @@ def main(argv=None) -> int:
                 else:
                     resp = gen[i * (N - n_off) + j - n_off]
                     resp = resp[: resp.index(eos) + 1] if eos in resp else resp
-                rewards.append(task.compute_score("", tok.decode([t for t in resp if t != eos]), str(x + y))["score"])
+                score = task.compute_score("", tok.decode([t for t in resp if t != eos]), str(x + y))["score"]
+                rewards.append(0.0 if a.zero_on_policy_reward and j >= n_off else score)
                 rows.append(resp)
                 prefix.append(float(j < n_off))
         r = torch.tensor(rewards).view(a.batch, N)
@@ -133,6 +142,7 @@ def main(argv=None) -> int:
             print(f"  step {step}: on-policy solved {on:.3f}, expert-token p {out['off_policy_prob'].item():.3f}, "
                   f"entropy {h:.3f}", flush=True)
     res = {"method": a.method, "lr": a.lr, "seed": a.seed, "steps": a.steps, "batch": a.batch, "curve": curve,
+           "base": a.base, "zero_on_policy_reward": a.zero_on_policy_reward,
            "wall_s": round(time.time() - t0, 1)}
     out_path = a.out or os.path.join(a.assets, "replica", f"{a.method}_lr{a.lr:g}_seed{a.seed}_steps{a.steps}.json")
     os.makedirs(os.path.dirname(out_path), exist_ok=True)

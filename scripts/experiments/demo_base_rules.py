@@ -1,0 +1,138 @@
+"""Diagnostic: build candidate bases for the toy-addition demo variant by other pre-training rules and measure the
+two sides of the demo's story on each (plain torch, no Ray). Not part of `make demo`; the measurements are the
+"base-building rules" table of recipes/toy_addition/README.md.
+
+Rules (what the base is pre-trained on; none shows a column receiving a carry):
+  carry_free         the demo's: any 2-digit problem, carry-free trace (the stream of ``toy_addition.pretrain_base``)
+  no_incoming_carry  only problems no column of which receives a carry, correct traces (``PRETRAIN_DATA``)
+  one_digit          no_incoming_carry plus a share (``--one-digit-share``) of 1-digit problems (``7+8`` ->
+                     ``51>15``: the units column's carry writes the sum's leading digit)
+  carry_free_masked  carry-free traces with no loss on a carry token that is wrong (its column sums to >= 10)
+
+For each base: the sampled success rate on the 892 training problems (32 samples each, temperature 1, the
+rollout's sampler, full count) and E = p x 10,240; the teacher-forced probability of the expert's carry token
+(mean, 10% quantile) and of every expert token (mean and median by position); greedy accuracy on held-out, OOD
+and carry-free problems. Appends one JSON line to ``--results``.
+
+Usage::
+
+    python -m scripts.experiments.demo_base_rules RULE STEPS [--seed 0] [--assets DIR] [--results FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+from mix_src import toy_addition as task
+from scripts.experiments import toy_addition as ta
+
+RULES = ("carry_free", "no_incoming_carry", "one_digit", "carry_free_masked")
+
+
+def batch_of(rule: str, n: int, rng: random.Random, one_digit_share: float) -> list[tuple[int, int, str]]:
+    if rule in ("carry_free", "no_incoming_carry"):
+        return ta.pretrain_examples(rule, n, rng, 2)
+    if rule == "carry_free_masked":
+        return ta.pretrain_examples("carry_free", n, rng, 2)
+    out, seen = [], set()  # one_digit
+    while len(out) < n:
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        if rng.random() < one_digit_share:
+            a, b = rng.randint(0, 9), rng.randint(0, 9)
+        elif not task.no_incoming_carry(a, b):
+            continue
+        if (a, b) not in seen:
+            seen.add((a, b))
+            out.append((a, b, task.expert_trace(a, b)))
+    return out
+
+
+def pretrain(rule: str, steps: int, seed: int, tok, model_dir: str, one_digit_share: float = 0.25, log=print) -> dict:
+    """``toy_addition.pretrain_base``'s loop (same model, optimiser, schedule, seed and problem stream), with
+    right padding for mixed lengths and ``carry_free_masked``'s loss mask."""
+    import torch
+
+    hp = {**ta.PRETRAIN, "steps": steps}
+    model, opt, sched = ta.new_base(tok, seed, hp)
+    rng = random.Random(seed + 1000)
+    t0 = time.time()
+    for step in range(steps):
+        batch = batch_of(rule, hp["batch_size"], rng, one_digit_share)
+        seqs, plens = zip(*(ta._encode_example(tok, a, b, tr) for a, b, tr in batch))
+        width = max(map(len, seqs))
+        ids = torch.tensor([list(s) + [tok.pad_token_id] * (width - len(s)) for s in seqs])
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+        labels = ids.clone()
+        for r, ((a, b, _), s, pl) in enumerate(zip(batch, seqs, plens)):
+            labels[r, :pl] = -100
+            labels[r, len(s):] = -100
+            if rule == "carry_free_masked":  # response positions 1 and 4 are the units and tens carries
+                labels[r, pl + 1] = -100 if a % 10 + b % 10 >= 10 else labels[r, pl + 1]
+                labels[r, pl + 4] = -100 if a // 10 + b // 10 >= 10 else labels[r, pl + 4]
+        loss = ta.pretrain_step(model, opt, sched, ids, labels, attention_mask=mask)
+        if step % 100 == 0:
+            log(f"{rule} step {step} loss {loss.item():.4f} ({time.time() - t0:.0f}s)")
+    return ta.save_base(model, model_dir, hp, t0, loss)
+
+
+def per_position(model_dir: str, tok, problems) -> tuple[list[float], list[float]]:
+    """Mean and median over ``problems`` of the teacher-forced probability of each expert token (+ EOS)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    seqs, plens = zip(*(ta._encode_example(tok, a, b, task.expert_trace(a, b)) for a, b in problems))
+    assert len(set(map(len, seqs))) == 1 and len(set(plens)) == 1
+    ids = torch.tensor(seqs)
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)
+    p = lp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0][:, plens[0] - 1 :].exp()  # [B, response + EOS]
+    return p.mean(0).tolist(), p.median(0).values.tolist()
+
+
+def measure(model_dir: str, assets: str, seed: int = 0) -> dict:
+    tok = ta.load_tokenizer(os.path.join(assets, "tokenizer"))
+    train, held, ood = (ta.read_problems(os.path.join(assets, f"{n}.parquet")) for n in ("train", "heldout", "ood"))
+    tf = ta.teacher_forced_carry(model_dir, tok, train)
+    mean, median = per_position(model_dir, tok, train)
+    carry_free = task.sample_problems(ta.N_HELDOUT, random.Random(12345), carry=False, n_digits=2)
+    ev = {k: ta.evaluate(model_dir, tok, v) for k, v in (("heldout", held), ("ood", ood), ("carry_free", carry_free))}
+    s = ta.rollout_settings()
+    ss = ta.sampled_success(model_dir, tok, train, 32, s["temperature"], s["top_k"], s["top_p"], s["max_tokens"],
+                            seed=seed)
+    return {"carry_mean": tf["carry_mean"], "carry_q10": tf["carry_q10"], "trace_mean": tf["trace_mean"],
+            "pos_mean": mean, "pos_median": median, "greedy": {k: v["acc"] for k, v in ev.items()},
+            "examples": {k: v["examples"][:3] for k, v in ev.items()}, "n_success": ss["n_success"],
+            "n_samples": ss["n_samples"], "E": ta.expected_rewarded(ss["p"], 40, s["train_batch_size"], s["n"])}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("rule", choices=RULES)
+    p.add_argument("steps", type=int)
+    p.add_argument("--seed", type=int, default=0, help="the base's seed (init and problem stream)")
+    p.add_argument("--one-digit-share", type=float, default=0.25)
+    p.add_argument("--assets", default="outputs/demo_base_rules/assets", help="tokenizer + demo parquets (built here)")
+    p.add_argument("--results", default="outputs/demo_base_rules/results.jsonl")
+    a = p.parse_args(argv)
+    if not os.path.exists(os.path.join(a.assets, "ood.parquet")):
+        ta.build_tokenizer(os.path.join(a.assets, "tokenizer"))
+        ta.write_parquets(a.assets, seed=0, variant="demo")
+    tok = ta.load_tokenizer(os.path.join(a.assets, "tokenizer"))
+    model_dir = os.path.join(os.path.dirname(a.results), f"{a.rule}_{a.steps}_seed{a.seed}")
+    info = pretrain(a.rule, a.steps, a.seed, tok, model_dir, a.one_digit_share)
+    res = {"rule": a.rule, "steps": a.steps, "seed": a.seed, "t_pretrain": info["seconds"],
+           "final_loss": info["final_loss"], **measure(model_dir, a.assets)}
+    print(json.dumps(res))
+    with open(a.results, "a") as f:
+        f.write(json.dumps(res) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
