@@ -112,6 +112,7 @@ def test_tiny_grid_end_to_end(tmp_path):
         assert rl["flops"]["full"] >= budget > rl["flops"]["full"] - rl["last_step_flops"]["full"]
         assert rl["steps"] < cmp.RL_STEP_CAP and rl["evals"][0]["step"] == 0 and rl["evals"][-1]["step"] == rl["steps"]
         assert rl["flops"]["6n"] < rl["flops"]["full"]
+        assert rl["commit"].split("+")[0] == cmp.git_commit().split("+")[0]  # the tree each run started from
         sft = out["runs"]["addition"]["sft"][seed]
         assert sft["flops"]["full"] >= budget and sft["steps"] == out["plans"]["addition"]["sft_steps"]
         # the SFT FLOPs were counted from the tokens verl's SFT trainer actually trains on
@@ -127,6 +128,7 @@ def test_tiny_grid_end_to_end(tmp_path):
             assert math.isfinite(rl_m[step]["actor/pg_loss"]) and rl_m[step].get("batch/off_policy_rows", 0) == 0
     table = open(tmp_path / "table.md").read()
     assert "| grpo |" in table and "| sft |" in table and "Paired by seed against **grpo**" in table
+    assert f"runs made on commit(s) {out['runs']['addition']['grpo']['0']['commit']}" in table
     assert (tmp_path / "curves.png").stat().st_size > 0
     # resumable: the finished grid is read back, nothing is launched again
     again = subprocess.run([sys.executable, "-m", "scripts.experiments.compare", *args], cwd=cmp.REPO_ROOT, env=env,

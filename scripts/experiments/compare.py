@@ -204,6 +204,14 @@ def launch(cmd: list[str], env: dict, rdir: str, wrap: list[str]) -> float:
     return float(open(own).read()) if os.path.exists(own) else total
 
 
+def git_commit() -> str:
+    """HEAD's short hash, with ``+dirty`` when tracked files differ from it (the runs then used that tree)."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def run_jobs(fn: Callable, jobs: list, n: int) -> None:
     """``fn(job)`` for every job, ``n`` at a time (threads: each job waits on its own subprocess). Every job
     runs even when one fails (the runs are independent; finished ones are kept and a rerun reuses them); the
@@ -539,6 +547,7 @@ def main(argv=None) -> int:
                     step_fl=step_fl, test_freq=test_freq):
                 mname, seed, rdir, done = job
                 m = methods[mname]
+                launched_on = git_commit()  # the tree run.sh starts from (a grid can outlive several commits)
                 if m.kind == "rl":
                     rec = run_rl(task, assets, m, seed, a.budget, a.count, test_freq, rdir, wrap, extra=tuple(a.rl_overrides))
                 elif m.kind == "sft":
@@ -547,7 +556,7 @@ def main(argv=None) -> int:
                     rec = run_sft_rl(task, assets, m, seed, a, sft_steps, save_freq, step_fl, rdir, wrap, test_freq,
                                      plans[tname]["sft_tokens_per_step"])
                 rec.update({"budget": a.budget, "count": a.count, "evals_asked": a.evals, "method": mname, "seed": seed,
-                            "task": tname, "jobs": a.jobs})
+                            "task": tname, "jobs": a.jobs, "commit": launched_on})
                 with open(done, "w") as f:
                     json.dump(rec, f, indent=1)
                 results[tname].setdefault(mname, {})[seed] = rec
@@ -557,10 +566,12 @@ def main(argv=None) -> int:
             run_jobs(one, todo, a.jobs)
     names = list(a.methods)
     md, stats = summarize(results, a.tasks, names, a.seeds, a.last_k, a.baseline, base)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
+    run_commits = sorted({r.get("commit", "unrecorded") for t in results.values() for m in t.values() for r in m.values()})
     wall = time.time() - t_start
     head = (f"Budget {a.budget:.3g} training FLOPs per run ({a.count} count, mix_src/flops.py), seeds {a.seeds}, "
-            f"~{a.evals} evaluations per run, score = mean of the last {a.last_k}; commit {commit}; "
+            f"~{a.evals} evaluations per run, score = mean of the last {a.last_k}; runs made on commit(s) "
+            f"{', '.join(run_commits)}, this table on {commit}; "
             f"this invocation's wall time {wall:.0f} s (finished runs reused are not re-timed).\n")
     print(head + "\n" + md)
     with open(os.path.join(a.out, "table.md"), "w") as f:
