@@ -62,13 +62,14 @@ from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.debug import marked_timer
 from verl.workers.utils.padding import response_to_nested
 
 from mix_src import adv_estimators  # noqa: F401  (registers grpo_split with verl)
 from mix_src.dataset import TARGET_FIELD
 from mix_src.loss import pop_entropy_state
 from mix_src.mix_config import MixConfig, validate_mix_config
-from mix_src.mix_trainer import MIX_STATE_FILE, FilterGroupsExhausted
+from mix_src.mix_trainer import MIX_STATE_FILE, FilterGroupsExhausted, MIXRayPPOTrainer
 from mix_src.seeding import request_seeds
 from mix_src.stages import (draw_prefix_ratios, luffy_advantages, on_policy_rollout_correction, on_policy_rollout_metrics,
                             prefix_mask_tensor, prefix_step_metrics, solve_metrics, solved_rows)  # fmt: skip
@@ -152,38 +153,170 @@ class MixV1Mixin:
                 self._entropy_state = state
             return verl_reduce(output)
 
-        batch = self._add_kept_token_counts(batch)
+        batch = self._add_update_inputs(batch)
         trainer_base.reduce_metrics = reduce
         try:
             return super()._update_actor(batch, metrics)
         finally:
             trainer_base.reduce_metrics = verl_reduce
 
-    def _add_kept_token_counts(self, batch):
-        """``mix.loss.all_max_clip`` with token-mean: each row's kept-token count of its global mini-batch
-        (:func:`mix_src.loss.add_kept_token_counts`, as the legacy base computes it before the update), written
-        to TransferQueue as the ``mix_kept_tokens`` field that the worker loss reads. The rows' order is the order
-        verl's ``update_actor`` splits into mini-batches (``batch.keys``; ``actor.shuffle`` is refused with it).
-        Returns the batch's meta with the new field (the worker loads only the fields its meta names)."""
-        from mix_src.loss import KEPT_TOKENS, add_kept_token_counts
+    def _add_update_inputs(self, batch):
+        """The per-row inputs the worker loss reads next to verl's fields, computed on the driver as the legacy base
+        computes them before its update (``MIXRayPPOTrainer._update``), from the rows' TransferQueue fields, and
+        written back to TransferQueue as fields of the same rows:
 
-        if self.mix.loss.all_max_clip is None:
+        * ``mix.loss.all_max_clip`` with token-mean: ``mix_kept_tokens`` (:func:`mix_src.loss.add_kept_token_counts`);
+        * ``mix.loss.row_loss``: ``mix_sft_tokens``, the SFT tokens of each row's global mini-batch, from the
+          ``sft_row`` field the rollout policy's rows carry (:func:`mix_src.loss.add_sft_token_counts`);
+        * ``mix.loss.combine``: the per-population token/row counts and the global step
+          (:func:`mix_src.loss.add_combine_inputs`, ``mix_src.loss.COMBINE_FIELDS``).
+
+        The rows' order is the order verl's ``update_actor`` splits into mini-batches (``batch.keys``;
+        ``actor.shuffle`` is refused with these). Returns the batch's meta with the new fields (the worker loads
+        only the fields its meta names)."""
+        from mix_src.loss import COMBINE_FIELDS, KEPT_TOKENS, add_combine_inputs, add_kept_token_counts
+        from mix_src.row_loss import SFT_ROW, SFT_TOKENS
+
+        loss = self.mix.loss
+        if loss.all_max_clip is None and loss.row_loss is None and loss.combine is None:
             return batch
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["old_log_probs", "response_mask"])
+        fields = ["old_log_probs", "response_mask", "prefix_mask"] + ([SFT_ROW] if loss.row_loss is not None else [])
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
         proto = DataProto(batch=data.to_padded_tensor())
-        add_kept_token_counts(proto, self.config, self.mix.loss, lambda: _actor_dp_size(self.actor_rollout_wg))
-        if KEPT_TOKENS in proto.batch.keys():
-            out = TensorDict({KEPT_TOKENS: proto.batch[KEPT_TOKENS]}, batch_size=len(batch))
-            batch = tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=out)  # the meta names it
+        dp_size = lambda: _actor_dp_size(self.actor_rollout_wg)  # noqa: E731
+        add_kept_token_counts(proto, self.config, loss, dp_size)  # with row_loss: the SFT-token counts too
+        add_combine_inputs(proto, self.config, loss, dp_size, self.global_steps)
+        new = [k for k in (KEPT_TOKENS, SFT_TOKENS, *COMBINE_FIELDS) if k in proto.batch.keys()]
+        if new:
+            out = TensorDict({k: proto.batch[k] for k in new}, batch_size=len(batch))
+            batch = tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=out)  # the meta names them
         return batch
+
+    # ---- mix.flops_budget: the step's FLOPs (mix_src/flops.py), counted as the legacy base counts them ----------
+    _flops_shape: Any = None  # the actor's ModelShape, read on first use (or the read error)
+    _model_shape = MIXRayPPOTrainer._model_shape
+
+    def step(self, metrics: dict, timing_raw: dict):
+        """verl's step (sample, log-probs, advantages, update); then the step's FLOPs (:meth:`_count_flops`)."""
+        batch = super().step(metrics, timing_raw)
+        self._count_flops(batch, metrics)
+        return batch
+
+    def _count_flops(self, batch, metrics: dict) -> None:
+        """``flops/*`` of the step, as the legacy ``MIXRayPPOTrainer._count_flops`` counts them (mix_src/flops.py):
+        old (and reference) log-probs and ``ppo_epochs`` training passes over the rows the step trained on (verl's
+        padding rows excluded), plus generation: a streamed rollout (``prefix_guided``) over the same rows (each row's
+        generated tokens = response minus prefix), a rollout policy with several passes over every row each pass
+        generated (:class:`mix_src.rollout_policy_v1.V1PolicyRunner` adds them as they finish). Lengths are the rows'
+        TransferQueue tags (``prompt_len``, ``response_len``: verl's agent loop writes them unpadded). Sets
+        ``_budget_step`` when ``mix.flops_budget`` is reached with this step."""
+        from mix_src.flops import COUNTS, rl_step_flops, rollout_flops
+        from mix_src.rollout_policy import streams_on_v1
+
+        if self.mix.flops_budget is None:  # counting is only metrics then: a model config it cannot read is no error
+            try:
+                self._model_shape()
+            except Exception as e:  # noqa: BLE001
+                metrics["flops/unavailable"] = 1
+                if not getattr(self, "_flops_warned", False):
+                    print(f"[mix_src] FLOPs not counted (mix_src/flops.py cannot read the actor's config): {e}")
+                    self._flops_warned = True
+                return
+        keep = [i for i, tag in enumerate(batch.tags) if not tag.get("is_padding", False)]
+        tags = [batch.tags[i] for i in keep]
+        p = np.array([int(t["prompt_len"]) for t in tags], dtype=np.int64)
+        r = np.array([int(t["response_len"]) for t in tags], dtype=np.int64)
+        rollout = self._pending_rollout_flops()
+        if streams_on_v1(self.mix.rollout_policy):
+            data = tq.kv_batch_get(keys=[batch.keys[i] for i in keep], partition_id=batch.partition_id,
+                                   select_fields=["prefix_mask"])  # fmt: skip
+            g = r - data.to_padded_tensor()["prefix_mask"].long().sum(-1).numpy()
+            for c in COUNTS:
+                rollout[c] += rollout_flops(self._model_shape(), p, r, g, c)
+        epochs = int(self.config.actor_rollout_ref.actor.get("ppo_epochs", 1))
+        totals = self._flops_totals()
+        for c in COUNTS:
+            train = rl_step_flops(self._model_shape(), p, r, ppo_epochs=epochs, ref_policy=self.use_reference_policy,
+                                  count=c)  # fmt: skip
+            step = train + rollout[c]
+            totals[c] += step
+            metrics[f"flops/rollout_{c}"] = rollout[c]
+            metrics[f"flops/step_{c}"] = step
+            metrics[f"flops/total_{c}"] = totals[c]
+        metrics["flops/num_tokens"] = int((p + r).sum())
+        budget = self.mix.flops_budget
+        if budget is not None and totals[self.mix.flops_count] >= budget:
+            self._budget_step = self.global_steps
+
+    def _flops_totals(self) -> dict:
+        """The run's FLOPs so far per count (saved in mix_state.pt: a resumed run's budget counts them)."""
+        from mix_src.flops import COUNTS
+
+        if getattr(self, "_flops", None) is None:
+            self._flops = {c: 0.0 for c in COUNTS}
+        return self._flops
+
+    def _pending_rollout_flops(self) -> dict:
+        """The generation FLOPs a multi-pass rollout policy's passes added since the last step's count (then reset)."""
+        from mix_src.flops import COUNTS
+
+        pending = getattr(self, "_rollout_flops", None) or {}
+        self._rollout_flops = {c: 0.0 for c in COUNTS}
+        return {c: float(pending.get(c, 0.0)) for c in COUNTS}
+
+    def add_rollout_flops(self, prompt_lens, response_lens, generated_lens) -> None:
+        """Generation FLOPs of rows a rollout-policy pass generated (``V1PolicyRunner``), counted at the next step."""
+        from mix_src.flops import COUNTS, rollout_flops
+
+        try:
+            shape = self._model_shape()
+        except Exception:  # noqa: BLE001 - reported by _count_flops (and refused with a budget)
+            return
+        if getattr(self, "_rollout_flops", None) is None:
+            self._rollout_flops = {c: 0.0 for c in COUNTS}
+        for c in COUNTS:
+            self._rollout_flops[c] += rollout_flops(shape, prompt_lens, response_lens, generated_lens, c)
+
+    def on_step_end(self):
+        """verl's (weight sync). When ``mix.flops_budget`` was reached in this step, the step is the run's last, as on
+        the legacy base: verl's ``fit`` (``trainer_base.py`` 467-523) fixed its ``is_last_step`` before the step ran,
+        so the step's checkpoint (``trainer.save_freq`` > 0) is saved here unless verl's loop just saved it, the
+        validation (``trainer.test_freq`` > 0) runs here after the weight sync unless verl's loop will run it, its
+        metrics join the step's (:meth:`_consume_sync_metrics`), and ``total_training_steps`` becomes this step, so
+        verl's loop ends after logging it."""
+        step, cfg = self.global_steps, self.config.trainer
+        last = getattr(self, "_budget_step", None) == step and step < self.total_training_steps
+        if last and cfg.save_freq > 0 and step % cfg.save_freq != 0:
+            with marked_timer("save_checkpoint", self.timing_raw, color="green"):
+                self._save_checkpoint()
+        super().on_step_end()
+        if not last:
+            return
+        print(f"[mix_src] mix.flops_budget={self.mix.flops_budget:.4g} reached at step {step} ({self.mix.flops_count} "
+              f"count: {self._flops_totals()[self.mix.flops_count]:.4g} FLOPs): training ends")
+        if cfg.test_freq > 0 and step % cfg.test_freq != 0:
+            with marked_timer("testing", self.timing_raw, color="green"):
+                self.on_validate_begin()
+                self._budget_val_metrics = self._validate()
+                self.on_validate_end()
+        self.total_training_steps = step
+
+    def _consume_sync_metrics(self) -> dict:
+        """verl's weight-sync metrics, plus the validation run at a step that reached ``mix.flops_budget``."""
+        metrics = dict(super()._consume_sync_metrics())
+        metrics.update(getattr(self, "_budget_val_metrics", None) or {})
+        self._budget_val_metrics = None
+        return metrics
 
     def _save_checkpoint(self):
         super()._save_checkpoint()
         folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
         if self._carries_in_tq():  # the carried groups live in TransferQueue: saved as verl saves it in async modes
             tq.save_checkpoint(os.path.join(folder, "transfer_queue"), metadata={"global_steps": self.global_steps})
-        if self._entropy_state is not None or self._policy_state():
-            torch.save({"entropy_coef": self._entropy_state, "rollout_policy": self._policy_state()},
+        flops = getattr(self, "_flops", None)
+        if self._entropy_state is not None or self._policy_state() or flops:
+            torch.save({"entropy_coef": self._entropy_state, "rollout_policy": self._policy_state(),
+                        "flops": dict(flops or {})},  # the FLOPs so far: a resumed run's budget counts them
                        os.path.join(folder, MIX_STATE_FILE))  # fmt: skip
 
     def _carries_in_tq(self) -> bool:
@@ -224,6 +357,8 @@ class MixV1Mixin:
         if os.path.exists(path):
             state = torch.load(path, weights_only=False)
             self._entropy_state = state.get("entropy_coef")
+            if state.get("flops"):
+                self._flops_totals().update(state["flops"])
             self._policy_state().clear()  # the policy's RolloutContext.state: the same dict object, refilled
             self._policy_state().update(state.get("rollout_policy") or {})
 

@@ -235,8 +235,7 @@ def recipe_config(*overrides):
 
 def test_config_checks_refuse_before_ray():
     check_selected_entries(recipe_config())
-    with pytest.raises(EntryConfigError, match="not supported on the 'v1' trainer base"):
-        check_selected_entries(recipe_config("trainer.use_v1=true"))
+    check_selected_entries(recipe_config("trainer.use_v1=true"))  # both bases (V1: mix_src/rollout_policy_v1.py)
     with pytest.raises(EntryConfigError, match="off_policy_behaviour=stored_log_prob"):
         check_selected_entries(recipe_config("mix.loss.off_policy_behaviour=null"))
     with pytest.raises(EntryConfigError, match="calculate_log_probs=true"):

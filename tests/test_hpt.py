@@ -250,7 +250,7 @@ def test_rl_rows_with_prefixes_keep_the_off_policy_loss():
     prefix = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.bool)
     rl, sft = ROW_LOSSES.get("sft_rows")(response, prefix, torch.tensor([0.0, 1.0, 0.0]))
     assert rl.tolist() == [[True] * 4, [False] * 4, [True] * 4] and sft.tolist() == [[False] * 4, [True] * 4, [False] * 4]
-    assert ROW_LOSSES.describe("sft_rows").bases == ("legacy",)
+    assert ROW_LOSSES.describe("sft_rows").bases == ("legacy", "v1")
 
 
 def scripted_context(solved_first_pass, *, gate=0, has_target=None):
@@ -321,8 +321,7 @@ def recipe_config(*overrides):
 
 def test_config_checks_refuse_before_ray():
     check_selected_entries(recipe_config())
-    with pytest.raises(EntryConfigError, match="not supported on the 'v1' trainer base"):
-        check_selected_entries(recipe_config("trainer.use_v1=true"))
+    check_selected_entries(recipe_config("trainer.use_v1=true"))  # both bases (V1: mix_src/rollout_policy_v1.py)
     with pytest.raises(EntryConfigError, match="mix.loss.row_loss=sft_rows"):
         check_selected_entries(recipe_config("mix.loss.row_loss=null"))
     with pytest.raises(EntryConfigError, match="switch_gate=9 must be an integer"):

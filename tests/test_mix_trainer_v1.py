@@ -452,20 +452,21 @@ def test_v1_advantage_stage_runs_grpo_split_once_with_the_prefix_mask():
     assert verl_calls == [{"gamma": 1.0}] and torch.equal(out.batch["advantages"], torch.ones(4, 3))
 
 
-def test_v1_refuses_any_legacy_only_loss_extension_even_one_declaring_both_bases(tiny_assets):
-    """A loss combination from a plugin that declares no base (so both) is still refused on V1, by the
-    V1_REFUSALS table: its counts reach the worker loss from the legacy trainer only. (Before, only CHORD's own
-    entry refused V1, and such a plugin failed with a KeyError in the first update, after Ray started.)"""
+def test_v1_accepts_the_loss_extensions_whose_inputs_it_writes(tiny_assets):
+    """A loss combination, a row loss and an off-policy behaviour (built in or a plugin's, declaring both bases)
+    pass the V1 checks: MixV1Mixin._add_update_inputs writes the combination's counts and the SFT-token counts to
+    TransferQueue before the update, and V1PolicyRunner carries a rollout policy's per-row tensors (sft_row,
+    behaviour_log_prob) to the rows' fields. (Until then V1_REFUSALS refused all three.)"""
     from mix_src.loss_combine import register_loss_combine
-    from mix_src.main_mix_ppo import run_mix_ppo
+    from mix_src.main_mix_ppo import config_stage
 
     @register_loss_combine("test_both_bases_combine")
     def _combine(inputs, args):
         return inputs.rl_loss, {}
 
-    with pytest.raises(ValueError, match=r"mix\.loss\.combine='test_both_bases_combine' is not supported on "
-                                         r"trainer\.use_v1=true: .*add_combine_inputs"):
-        run_mix_ppo(compose_v1(tiny_assets, "mix.loss.combine=test_both_bases_combine", "mix.n_prefix=1"))
+    for overrides in (["mix.loss.combine=test_both_bases_combine", "mix.n_prefix=1"], ["mix.loss.row_loss=sft_rows"],
+                      ["mix.loss.off_policy_behaviour=stored_log_prob"], ["mix.flops_budget=1e12"]):
+        config_stage(compose_v1(tiny_assets, *overrides))
     assert not ray.is_initialized()
 
 
