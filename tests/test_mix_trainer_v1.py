@@ -21,6 +21,7 @@ from mix_src.mix_config import MixConfigError
 
 MIX = "mix_src.main_mix_ppo"
 GUIDE_ON_FAILURE = Path(__file__).resolve().parents[1] / "recipes/guide_on_failure/guide_on_failure.py"
+CHORD = Path(__file__).resolve().parents[1] / "recipes/chord/chord.py"
 LUFFY = ["mix.n_prefix=1", "mix.min_prefix_ratio=1.0", "mix.max_prefix_ratio=1.0", "algorithm.adv_estimator=grpo_split"]
 
 
@@ -114,6 +115,37 @@ def test_v1_colocate_async_luffy(tiny_assets, tmp_path):
     for m in result.metrics:
         assert_luffy_step(m)
         assert "training/off_policy/trajectory_staleness/mean" in m
+
+
+@pytest.mark.ray
+def test_v1_colocate_async_chord_stops_at_the_flops_budget(tiny_assets, tmp_path):
+    """colocate_async, LUFFY's expert rows trained by CHORD (mix.loss.combine=chord, recipes/chord) and a FLOPs
+    budget that the first step reaches, of 3 steps: the run stops after step 1 and saves it (save_freq 5 would not
+    have), with the FLOPs in the checkpoint's mix_state.pt. CHORD's loss runs only with the per-population counts
+    and the global step that MixV1Mixin._add_update_inputs writes to TransferQueue (else a KeyError in the worker):
+    its mu is the schedule's at step 1 (warm-up over 4 steps)."""
+    import torch
+
+    from mix_src.flops import COUNTS
+    from mix_src.registry import load_plugins
+
+    mu_schedule = __import__(load_plugins([str(CHORD)])[0]).mu_schedule
+
+    ckpt = tmp_path / "ckpt"
+    chord = [f"mix.plugins=[{CHORD}]", "mix.loss.combine=chord", "mix.loss.loss_agg_mode=token-mean",
+             "+mix.loss.combine_args={mu_warmup_steps:4,mu_peak:0.5}", "actor_rollout_ref.actor.entropy_coeff=0.0"]
+    result = v1_run(tiny_assets, tmp_path, "colocate_async", *LUFFY, *chord, "mix.flops_budget=1", "trainer.save_freq=5",
+                    f"trainer.default_local_dir={ckpt}", steps=3)  # fmt: skip
+    assert [m["step"] for m in result.metrics] == [1]
+    m = result.metrics[0]
+    assert m["batch/off_policy_rows"] == 4 and m["batch/off_solved"] == 1.0
+    assert m["actor/chord_mu"] == pytest.approx(mu_schedule(1, 4, 0, 0.5, 0.1)) and 0 < m["actor/chord_mu"] < 0.5
+    assert m["actor/chord_sft_loss"] > 0 and 0 < m["actor/chord_phi_mean"] <= 0.25 and m["actor/grad_norm"] > 0
+    for c in COUNTS:
+        assert m[f"flops/total_{c}"] == m[f"flops/step_{c}"] > m[f"flops/rollout_{c}"] > 0
+    assert "mix.flops_budget=1 reached at step 1" in result.log_tail(200000)
+    state = torch.load(ckpt / "global_step_1" / "mix_state.pt", weights_only=False)
+    assert state["flops"] == {c: m[f"flops/total_{c}"] for c in COUNTS}
 
 
 SEPARATE_ASYNC_CPU = [
