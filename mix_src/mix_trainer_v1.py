@@ -202,14 +202,55 @@ class MixV1Mixin:
         self._count_flops(batch, metrics)
         return batch
 
+    def _install_generation_count(self, buffer) -> None:
+        """With a streamed rollout policy, wrap the replay buffer's metadata sync so that each new ``train``
+        trajectory's generation is counted once (see :meth:`_build_replay_buffer`)."""
+        from mix_src.rollout_policy import streams_on_v1
+
+        self._counts_generation = False
+        verl_sync = getattr(buffer, "_sync_metadata_from_transfer_queue", None)
+        if verl_sync is None or not streams_on_v1(self.mix.rollout_policy):
+            return  # a policy with several passes: V1PolicyRunner counts its passes
+        import types
+
+        trainer = self
+        trainer._counted_rows = set()
+
+        def _sync_metadata_from_transfer_queue(buf):
+            verl_sync()
+            rows = buf.partitions.get("train", {})
+            trainer._counted_rows &= rows.keys()  # cleared rows are gone for good
+            new = [k for k, tag in rows.items() if k not in trainer._counted_rows and "response_len" in tag]
+            if new:
+                trainer._count_generated_rows(new, [rows[k] for k in new])
+                trainer._counted_rows.update(new)
+
+        buffer._sync_metadata_from_transfer_queue = types.MethodType(_sync_metadata_from_transfer_queue, buffer)
+        self._counts_generation = True
+
+    def _count_generated_rows(self, keys: list[str], tags: list[dict]) -> None:
+        """Generation FLOPs of newly generated ``train`` trajectories: ``F(P + R)`` for each that generated a token
+        (R minus its prefix tokens), as the legacy base counts every row of a rollout pass."""
+        try:
+            self._model_shape()
+        except Exception:  # noqa: BLE001 - reported by _count_flops (and fatal there with a budget)
+            return
+        data = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["response_mask", "extra_fields"])
+        extra = _extra_fields(data.pop("extra_fields"))
+        prefix = prefix_mask_tensor([e.get("prefix_token_mask") for e in extra], data.to_padded_tensor()["response_mask"])
+        p = np.array([int(t["prompt_len"]) for t in tags], dtype=np.int64)
+        r = np.array([int(t["response_len"]) for t in tags], dtype=np.int64)
+        self.add_rollout_flops(p, r, r - prefix.long().sum(-1).numpy())
+
     def _count_flops(self, batch, metrics: dict) -> None:
         """``flops/*`` of the step, as the legacy ``MIXRayPPOTrainer._count_flops`` counts them (mix_src/flops.py):
         old (and reference) log-probs and ``ppo_epochs`` training passes over the rows the step trained on (verl's
-        padding rows excluded), plus generation: a streamed rollout (``prefix_guided``) over the same rows (each row's
-        generated tokens = response minus prefix), a rollout policy with several passes over every row each pass
-        generated (:class:`mix_src.rollout_policy_v1.V1PolicyRunner` adds them as they finish). Lengths are the rows'
-        TransferQueue tags (``prompt_len``, ``response_len``: verl's agent loop writes them unpadded). Sets
-        ``_budget_step`` when ``mix.flops_budget`` is reached with this step."""
+        padding rows excluded), plus the generation of every row generated since the last count, trained or not
+        (a streamed policy: :meth:`_count_generated_rows` from the replay buffer's metadata sync; a policy with
+        several passes: :class:`mix_src.rollout_policy_v1.V1PolicyRunner`, per pass). Lengths are the rows'
+        TransferQueue tags (``prompt_len``, ``response_len``: verl's agent loop writes them unpadded), a row's
+        generated tokens its response minus its prefix. Sets ``_budget_step`` when ``mix.flops_budget`` is reached
+        with this step."""
         from mix_src.flops import COUNTS, rl_step_flops, rollout_flops
         from mix_src.rollout_policy import streams_on_v1
 
@@ -227,7 +268,8 @@ class MixV1Mixin:
         p = np.array([int(t["prompt_len"]) for t in tags], dtype=np.int64)
         r = np.array([int(t["response_len"]) for t in tags], dtype=np.int64)
         rollout = self._pending_rollout_flops()
-        if streams_on_v1(self.mix.rollout_policy):
+        if streams_on_v1(self.mix.rollout_policy) and not getattr(self, "_counts_generation", False):
+            # a custom sampler without verl's metadata sync: generation counted over the trained rows
             data = tq.kv_batch_get(keys=[batch.keys[i] for i in keep], partition_id=batch.partition_id,
                                    select_fields=["prefix_mask"])  # fmt: skip
             g = r - data.to_padded_tensor()["prefix_mask"].long().sum(-1).numpy()
@@ -316,7 +358,10 @@ class MixV1Mixin:
         flops = getattr(self, "_flops", None)
         if self._entropy_state is not None or self._policy_state() or flops:
             torch.save({"entropy_coef": self._entropy_state, "rollout_policy": self._policy_state(),
-                        "flops": dict(flops or {})},  # the FLOPs so far: a resumed run's budget counts them
+                        "flops": dict(flops or {}),  # the FLOPs so far: a resumed run's budget counts them
+                        # the trajectories whose generation is counted: those TransferQueue's checkpoint restores are
+                        # not counted again
+                        "flops_counted_rows": sorted(getattr(self, "_counted_rows", None) or ())},
                        os.path.join(folder, MIX_STATE_FILE))  # fmt: skip
 
     def _carries_in_tq(self) -> bool:
@@ -359,6 +404,8 @@ class MixV1Mixin:
             self._entropy_state = state.get("entropy_coef")
             if state.get("flops"):
                 self._flops_totals().update(state["flops"])
+            if getattr(self, "_counted_rows", None) is not None:
+                self._counted_rows = set(state.get("flops_counted_rows") or ())
             self._policy_state().clear()  # the policy's RolloutContext.state: the same dict object, refilled
             self._policy_state().update(state.get("rollout_policy") or {})
 
@@ -378,10 +425,14 @@ class MixV1Mixin:
           selected the batch (``self._clear_groups(partition_id, surplus_uids)``, replay_buffer.py 502-507) stay
           in TransferQueue as finished groups; the next step's ``sample`` takes them first (oldest prompt step
           first, ``_select_prompt_uids``), as the legacy loop puts carried groups first. They are saved with the
-          checkpoint (verl's ``tq.save_checkpoint``, which verl itself calls in the async modes only)."""
+          checkpoint (verl's ``tq.save_checkpoint``, which verl itself calls in the async modes only);
+        * a streamed rollout policy: every trajectory the buffer's metadata sync (``_sync_metadata_from_transfer_queue``,
+          replay_buffer.py 201-235) sees for the first time has its generation FLOPs counted
+          (:meth:`_count_generated_rows`), whether it is later trained, evicted by the group filter or discarded."""
         import types
 
         buffer = super()._build_replay_buffer()
+        self._install_generation_count(buffer)
         if getattr(buffer, "filter_groups_metric", None) is None or not hasattr(buffer, "_dapo_filtered_keys"):
             return buffer
         buffer._dapo_filtered_keys = types.MethodType(

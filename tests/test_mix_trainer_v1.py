@@ -580,3 +580,55 @@ def test_v1_sync_carry_over_keeps_the_surplus_groups_verl_would_discard(tiny_ass
         assert cleared == ([["evicted"]] if carry else [["evicted"], sorted(surplus)])
         if carry:
             assert trainer._carry_metrics == {"train/num_carried_prompts": 1, "train/num_surplus_carried": 2}
+
+
+def test_v1_counts_the_generation_of_every_trajectory_once(tiny_assets, monkeypatch):
+    """mix.flops_budget with a streamed rollout: the replay buffer's metadata sync (verl's ReplayBuffer, wrapped by
+    MixV1Mixin._install_generation_count) counts each new ``train`` trajectory's generation once, F(P + R) with R
+    minus its prefix tokens (mix_src.flops.rollout_flops), whether it is later trained or evicted; a row of a
+    whole target generated nothing. TransferQueue's listing and reads are stood in by a dict here."""
+    import torch
+    import transfer_queue
+
+    from mix_src.flops import COUNTS, rollout_flops
+
+    trainer = _sync_trainer(tiny_assets)
+    shape = trainer._model_shape()
+    rows = {  # key -> (prompt_len, response_len, prefix_token_mask)
+        "a_0_0": (5, 4, None), "a_1_0": (5, 4, [1, 1, 0, 0]), "b_0_0": (3, 3, [1, 1, 1]), "c_0_0": (6, 2, []),
+    }  # fmt: skip
+    listed = {"a": {"is_prompt": True, "status": "finished", "global_steps": 3},
+              "b": {"is_prompt": True, "status": "finished", "global_steps": 3}}  # fmt: skip
+
+    def kv_list(partition_id=None):
+        train = dict(listed, **{k: {"prompt_len": p, "response_len": r, "status": "success"} for k, (p, r, _) in rows.items()
+                                if k.split("_")[0] in listed})  # fmt: skip
+        return {"train": train, "val": {"v_0_0": {"prompt_len": 9, "response_len": 9}}}
+
+    read = []
+
+    class Data(dict):
+        def to_padded_tensor(self):
+            return {"response_mask": self["response_mask"]}
+
+    def kv_batch_get(keys, partition_id, select_fields):
+        read.append(list(keys))
+        width = max(rows[k][1] for k in keys)
+        mask = torch.tensor([[1] * rows[k][1] + [0] * (width - rows[k][1]) for k in keys])
+        return Data(response_mask=mask, extra_fields=[{"prefix_token_mask": rows[k][2]} for k in keys])
+
+    monkeypatch.setattr(transfer_queue, "kv_list", kv_list)
+    monkeypatch.setattr(transfer_queue, "kv_batch_get", kv_batch_get)
+    trainer._pending_rollout_flops()  # start from zero
+    buffer = trainer.replay_buffer
+    buffer._sync_metadata_from_transfer_queue()
+    buffer._sync_metadata_from_transfer_queue()  # nothing new: nothing read, nothing counted twice
+    assert read == [["a_0_0", "a_1_0", "b_0_0"]]
+    got = trainer._pending_rollout_flops()
+    for c in COUNTS:  # b_0_0 is a whole target: 0; a_1_0 generated 2 of its 4 response tokens
+        assert got[c] == rollout_flops(shape, [5, 5, 3], [4, 4, 3], [4, 2, 0], c) > 0
+    del listed["b"]  # evicted (cleared) ...
+    listed["c"] = {"is_prompt": True, "status": "finished", "global_steps": 3}  # ... and a refill finished
+    buffer._sync_metadata_from_transfer_queue()
+    assert read[-1] == ["c_0_0"] and trainer._counted_rows == {"a_0_0", "a_1_0", "c_0_0"}
+    assert trainer._pending_rollout_flops() == {c: rollout_flops(shape, [6], [2], [2], c) for c in COUNTS}
