@@ -27,6 +27,10 @@ weight sync and the checkpoints; the mixin only fills LUFFY into verl's overrida
   a step's refills (``_add_prompts_to_generate``) and ``mix.filter_groups.carry_over`` keeps the surplus groups.
 * ``_submit_batch_to_rollout`` — a rollout policy other than the streamed ``prefix_guided`` (e.g. two passes,
   ``guide_on_failure``) generates the groups through :class:`mix_src.rollout_policy_v1.V1PolicyRunner`.
+* ``_update_actor`` — the loss's driver-side inputs (``all_max_clip``'s kept tokens, ``mix.loss.row_loss``'s SFT
+  tokens, ``mix.loss.combine``'s population counts and global step) written to TransferQueue (``_add_update_inputs``).
+* ``step`` / ``on_step_end`` — ``flops/*`` (mix_src/flops.py) per step; with ``mix.flops_budget`` the step that
+  reaches it is the last (saved, validated), as on the legacy base.
 * ``_compute_metrics`` — verl's metrics plus LUFFY's over the trained rows.
 
 Which policy the log-probs come from (``verl/trainer/ppo/v1/trainer_base.py`` ``_compute_old_log_prob``):
@@ -181,7 +185,14 @@ class MixV1Mixin:
         if loss.all_max_clip is None and loss.row_loss is None and loss.combine is None:
             return batch
         fields = ["old_log_probs", "response_mask", "prefix_mask"] + ([SFT_ROW] if loss.row_loss is not None else [])
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+        try:
+            data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+        except Exception as e:  # noqa: BLE001 - re-raised, naming what the rows lack
+            if loss.row_loss is None:
+                raise
+            raise KeyError(f"mix.loss.row_loss={loss.row_loss!r} needs the per-row field '{SFT_ROW}' in the rows; it is "
+                           "set by a rollout policy that marks SFT rows (e.g. recipes/hpt: mix.rollout_policy=hpt) "
+                           f"(TransferQueue: {e})") from e
         proto = DataProto(batch=data.to_padded_tensor())
         dp_size = lambda: _actor_dp_size(self.actor_rollout_wg)  # noqa: E731
         add_kept_token_counts(proto, self.config, loss, dp_size)  # with row_loss: the SFT-token counts too
