@@ -23,7 +23,7 @@ Two counts, both per token and summed over the tokens a step actually processes:
   and a training pass costs ``3 F(T)`` (backward = 2 x forward), in both counts.
 
 An RL step of the legacy trainer (:meth:`mix_src.mix_trainer.MIXRayPPOTrainer._step`) is counted as
-(:func:`rl_step_flops`):
+(:func:`rl_step_flops`; the V1 trainer, :meth:`mix_src.mix_trainer_v1.MixV1Mixin._count_flops`, the same):
 
 * rollout: ``F(P + R)`` for every generated row of every generation pass (a KV-cached decode does the work
   of one forward over prompt + response; a prefix of target tokens is prefilled, which is the same work);

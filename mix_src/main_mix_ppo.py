@@ -298,26 +298,6 @@ V1_REFUSALS: list[tuple[str, Callable[[DictConfig, Any], Any], str]] = [
      "trainer dispatches a batch every step plus trainer.v1.<mode>.num_warmup_batches ahead (trainer_base.py "
      "prepare_step, _add_async_warmup_batches), so a step trains on groups dispatched in earlier steps; set it to 0 "
      "and bound generation with the off-policy sampler settings, or use trainer.v1.trainer_mode=sync"),
-    ("mix.flops_budget",
-     lambda c, m: m.flops_budget,
-     "the budget stop lives in the legacy trainer's loop (mix_src/mix_trainer.py MIXRayPPOTrainer.fit); the V1 loop "
-     "is verl's own fit (verl/trainer/ppo/v1/trainer_base.py), which mix_src does not override, so the budget would "
-     "be ignored. Unset mix.flops_budget or set trainer.use_v1=false"),
-    # the per-row / per-population counts these loss extension points need reach the worker loss from
-    # MIXRayPPOTrainer's update stage only (mix_src.loss.add_combine_inputs / add_sft_token_counts, and the
-    # behaviour log-probs a rollout policy stores); any entry, built in or a plugin's, is refused on V1
-    ("mix.loss.combine",
-     lambda c, m: repr(m.loss.combine) if m.loss.combine is not None else None,
-     "its per-population token counts and the global step reach the worker loss from MIXRayPPOTrainer before the "
-     "update (mix_src.loss.add_combine_inputs); use trainer.use_v1=false"),
-    ("mix.loss.row_loss",
-     lambda c, m: repr(m.loss.row_loss) if m.loss.row_loss is not None else None,
-     "its SFT-token counts reach the worker loss from MIXRayPPOTrainer before the update "
-     "(mix_src.loss.add_sft_token_counts) and its rows are marked by a rollout policy; use trainer.use_v1=false"),
-    ("mix.loss.off_policy_behaviour",
-     lambda c, m: repr(m.loss.off_policy_behaviour) if m.loss.off_policy_behaviour is not None else None,
-     "the recorded behaviour log-probs are a per-row tensor a rollout policy adds to its rows, which reaches the worker "
-     "loss from MIXRayPPOTrainer only; use trainer.use_v1=false"),
     ("mix.rollout_policy",
      lambda c, m: (repr(m.rollout_policy) if c.trainer.v1.trainer_mode == "separate_async"
                    and not streams_on_v1(m.rollout_policy) else None),

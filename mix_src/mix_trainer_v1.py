@@ -27,6 +27,10 @@ weight sync and the checkpoints; the mixin only fills LUFFY into verl's overrida
   a step's refills (``_add_prompts_to_generate``) and ``mix.filter_groups.carry_over`` keeps the surplus groups.
 * ``_submit_batch_to_rollout`` — a rollout policy other than the streamed ``prefix_guided`` (e.g. two passes,
   ``guide_on_failure``) generates the groups through :class:`mix_src.rollout_policy_v1.V1PolicyRunner`.
+* ``_update_actor`` — the loss's driver-side inputs (``all_max_clip``'s kept tokens, ``mix.loss.row_loss``'s SFT
+  tokens, ``mix.loss.combine``'s population counts and global step) written to TransferQueue (``_add_update_inputs``).
+* ``step`` / ``on_step_end`` — ``flops/*`` (mix_src/flops.py) per step; with ``mix.flops_budget`` the step that
+  reaches it is the last (saved, validated), as on the legacy base.
 * ``_compute_metrics`` — verl's metrics plus LUFFY's over the trained rows.
 
 Which policy the log-probs come from (``verl/trainer/ppo/v1/trainer_base.py`` ``_compute_old_log_prob``):
@@ -62,13 +66,14 @@ from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.debug import marked_timer
 from verl.workers.utils.padding import response_to_nested
 
 from mix_src import adv_estimators  # noqa: F401  (registers grpo_split with verl)
 from mix_src.dataset import TARGET_FIELD
 from mix_src.loss import pop_entropy_state
 from mix_src.mix_config import MixConfig, validate_mix_config
-from mix_src.mix_trainer import MIX_STATE_FILE, FilterGroupsExhausted
+from mix_src.mix_trainer import MIX_STATE_FILE, FilterGroupsExhausted, MIXRayPPOTrainer
 from mix_src.seeding import request_seeds
 from mix_src.stages import (draw_prefix_ratios, luffy_advantages, on_policy_rollout_correction, on_policy_rollout_metrics,
                             prefix_mask_tensor, prefix_step_metrics, solve_metrics, solved_rows)  # fmt: skip
@@ -152,38 +157,222 @@ class MixV1Mixin:
                 self._entropy_state = state
             return verl_reduce(output)
 
-        batch = self._add_kept_token_counts(batch)
+        batch = self._add_update_inputs(batch)
         trainer_base.reduce_metrics = reduce
         try:
             return super()._update_actor(batch, metrics)
         finally:
             trainer_base.reduce_metrics = verl_reduce
 
-    def _add_kept_token_counts(self, batch):
-        """``mix.loss.all_max_clip`` with token-mean: each row's kept-token count of its global mini-batch
-        (:func:`mix_src.loss.add_kept_token_counts`, as the legacy base computes it before the update), written
-        to TransferQueue as the ``mix_kept_tokens`` field that the worker loss reads. The rows' order is the order
-        verl's ``update_actor`` splits into mini-batches (``batch.keys``; ``actor.shuffle`` is refused with it).
-        Returns the batch's meta with the new field (the worker loads only the fields its meta names)."""
-        from mix_src.loss import KEPT_TOKENS, add_kept_token_counts
+    def _add_update_inputs(self, batch):
+        """The per-row inputs the worker loss reads next to verl's fields, computed on the driver as the legacy base
+        computes them before its update (``MIXRayPPOTrainer._update``), from the rows' TransferQueue fields, and
+        written back to TransferQueue as fields of the same rows:
 
-        if self.mix.loss.all_max_clip is None:
+        * ``mix.loss.all_max_clip`` with token-mean: ``mix_kept_tokens`` (:func:`mix_src.loss.add_kept_token_counts`);
+        * ``mix.loss.row_loss``: ``mix_sft_tokens``, the SFT tokens of each row's global mini-batch, from the
+          ``sft_row`` field the rollout policy's rows carry (:func:`mix_src.loss.add_sft_token_counts`);
+        * ``mix.loss.combine``: the per-population token/row counts and the global step
+          (:func:`mix_src.loss.add_combine_inputs`, ``mix_src.loss.COMBINE_FIELDS``).
+
+        The rows' order is the order verl's ``update_actor`` splits into mini-batches (``batch.keys``;
+        ``actor.shuffle`` is refused with these). Returns the batch's meta with the new fields (the worker loads
+        only the fields its meta names)."""
+        from mix_src.loss import COMBINE_FIELDS, KEPT_TOKENS, add_combine_inputs, add_kept_token_counts
+        from mix_src.row_loss import SFT_ROW, SFT_TOKENS
+
+        loss = self.mix.loss
+        if loss.all_max_clip is None and loss.row_loss is None and loss.combine is None:
             return batch
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["old_log_probs", "response_mask"])
+        fields = ["old_log_probs", "response_mask", "prefix_mask"] + ([SFT_ROW] if loss.row_loss is not None else [])
+        try:
+            data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+        except Exception as e:  # noqa: BLE001 - re-raised, naming what the rows lack
+            if loss.row_loss is None:
+                raise
+            raise KeyError(f"mix.loss.row_loss={loss.row_loss!r} needs the per-row field '{SFT_ROW}' in the rows; it is "
+                           "set by a rollout policy that marks SFT rows (e.g. recipes/hpt: mix.rollout_policy=hpt) "
+                           f"(TransferQueue: {e})") from e
         proto = DataProto(batch=data.to_padded_tensor())
-        add_kept_token_counts(proto, self.config, self.mix.loss, lambda: _actor_dp_size(self.actor_rollout_wg))
-        if KEPT_TOKENS in proto.batch.keys():
-            out = TensorDict({KEPT_TOKENS: proto.batch[KEPT_TOKENS]}, batch_size=len(batch))
-            batch = tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=out)  # the meta names it
+        dp_size = lambda: _actor_dp_size(self.actor_rollout_wg)  # noqa: E731
+        add_kept_token_counts(proto, self.config, loss, dp_size)  # with row_loss: the SFT-token counts too
+        add_combine_inputs(proto, self.config, loss, dp_size, self.global_steps)
+        new = [k for k in (KEPT_TOKENS, SFT_TOKENS, *COMBINE_FIELDS) if k in proto.batch.keys()]
+        if new:
+            out = TensorDict({k: proto.batch[k] for k in new}, batch_size=len(batch))
+            batch = tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=out)  # the meta names them
         return batch
+
+    # ---- mix.flops_budget: the step's FLOPs (mix_src/flops.py), counted as the legacy base counts them ----------
+    _flops_shape: Any = None  # the actor's ModelShape, read on first use (or the read error)
+    _model_shape = MIXRayPPOTrainer._model_shape
+
+    def step(self, metrics: dict, timing_raw: dict):
+        """verl's step (sample, log-probs, advantages, update); then the step's FLOPs (:meth:`_count_flops`)."""
+        batch = super().step(metrics, timing_raw)
+        self._count_flops(batch, metrics)
+        return batch
+
+    def _install_generation_count(self, buffer) -> None:
+        """With a streamed rollout policy, wrap the replay buffer's metadata sync so that each new ``train``
+        trajectory's generation is counted once (see :meth:`_build_replay_buffer`)."""
+        from mix_src.rollout_policy import streams_on_v1
+
+        self._counts_generation = False
+        verl_sync = getattr(buffer, "_sync_metadata_from_transfer_queue", None)
+        if verl_sync is None or not streams_on_v1(self.mix.rollout_policy):
+            return  # a policy with several passes: V1PolicyRunner counts its passes
+        import types
+
+        trainer = self
+        trainer._counted_rows = set()
+
+        def _sync_metadata_from_transfer_queue(buf):
+            verl_sync()
+            rows = buf.partitions.get("train", {})
+            trainer._counted_rows &= rows.keys()  # cleared rows are gone for good
+            new = [k for k, tag in rows.items() if k not in trainer._counted_rows and "response_len" in tag]
+            if new:
+                trainer._count_generated_rows(new, [rows[k] for k in new])
+                trainer._counted_rows.update(new)
+
+        buffer._sync_metadata_from_transfer_queue = types.MethodType(_sync_metadata_from_transfer_queue, buffer)
+        self._counts_generation = True
+
+    def _count_generated_rows(self, keys: list[str], tags: list[dict]) -> None:
+        """Generation FLOPs of newly generated ``train`` trajectories: ``F(P + R)`` for each that generated a token
+        (R minus its prefix tokens), as the legacy base counts every row of a rollout pass."""
+        try:
+            self._model_shape()
+        except Exception:  # noqa: BLE001 - reported by _count_flops (and fatal there with a budget)
+            return
+        data = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["response_mask", "extra_fields"])
+        extra = _extra_fields(data.pop("extra_fields"))
+        prefix = prefix_mask_tensor([e.get("prefix_token_mask") for e in extra], data.to_padded_tensor()["response_mask"])
+        p = np.array([int(t["prompt_len"]) for t in tags], dtype=np.int64)
+        r = np.array([int(t["response_len"]) for t in tags], dtype=np.int64)
+        self.add_rollout_flops(p, r, r - prefix.long().sum(-1).numpy())
+
+    def _count_flops(self, batch, metrics: dict) -> None:
+        """``flops/*`` of the step, as the legacy ``MIXRayPPOTrainer._count_flops`` counts them (mix_src/flops.py):
+        old (and reference) log-probs and ``ppo_epochs`` training passes over the rows the step trained on (verl's
+        padding rows excluded), plus the generation of every row generated since the last count, trained or not
+        (a streamed policy: :meth:`_count_generated_rows` from the replay buffer's metadata sync; a policy with
+        several passes: :class:`mix_src.rollout_policy_v1.V1PolicyRunner`, per pass). Lengths are the rows'
+        TransferQueue tags (``prompt_len``, ``response_len``: verl's agent loop writes them unpadded), a row's
+        generated tokens its response minus its prefix. Sets ``_budget_step`` when ``mix.flops_budget`` is reached
+        with this step."""
+        from mix_src.flops import COUNTS, rl_step_flops, rollout_flops
+        from mix_src.rollout_policy import streams_on_v1
+
+        if self.mix.flops_budget is None:  # counting is only metrics then: a model config it cannot read is no error
+            try:
+                self._model_shape()
+            except Exception as e:  # noqa: BLE001
+                metrics["flops/unavailable"] = 1
+                if not getattr(self, "_flops_warned", False):
+                    print(f"[mix_src] FLOPs not counted (mix_src/flops.py cannot read the actor's config): {e}")
+                    self._flops_warned = True
+                return
+        keep = [i for i, tag in enumerate(batch.tags) if not tag.get("is_padding", False)]
+        tags = [batch.tags[i] for i in keep]
+        p = np.array([int(t["prompt_len"]) for t in tags], dtype=np.int64)
+        r = np.array([int(t["response_len"]) for t in tags], dtype=np.int64)
+        rollout = self._pending_rollout_flops()
+        if streams_on_v1(self.mix.rollout_policy) and not getattr(self, "_counts_generation", False):
+            # a custom sampler without verl's metadata sync: generation counted over the trained rows
+            data = tq.kv_batch_get(keys=[batch.keys[i] for i in keep], partition_id=batch.partition_id,
+                                   select_fields=["prefix_mask"])  # fmt: skip
+            g = r - data.to_padded_tensor()["prefix_mask"].long().sum(-1).numpy()
+            for c in COUNTS:
+                rollout[c] += rollout_flops(self._model_shape(), p, r, g, c)
+        epochs = int(self.config.actor_rollout_ref.actor.get("ppo_epochs", 1))
+        totals = self._flops_totals()
+        for c in COUNTS:
+            train = rl_step_flops(self._model_shape(), p, r, ppo_epochs=epochs, ref_policy=self.use_reference_policy,
+                                  count=c)  # fmt: skip
+            step = train + rollout[c]
+            totals[c] += step
+            metrics[f"flops/rollout_{c}"] = rollout[c]
+            metrics[f"flops/step_{c}"] = step
+            metrics[f"flops/total_{c}"] = totals[c]
+        metrics["flops/num_tokens"] = int((p + r).sum())
+        budget = self.mix.flops_budget
+        if budget is not None and totals[self.mix.flops_count] >= budget:
+            self._budget_step = self.global_steps
+
+    def _flops_totals(self) -> dict:
+        """The run's FLOPs so far per count (saved in mix_state.pt: a resumed run's budget counts them)."""
+        from mix_src.flops import COUNTS
+
+        if getattr(self, "_flops", None) is None:
+            self._flops = {c: 0.0 for c in COUNTS}
+        return self._flops
+
+    def _pending_rollout_flops(self) -> dict:
+        """The generation FLOPs a multi-pass rollout policy's passes added since the last step's count (then reset)."""
+        from mix_src.flops import COUNTS
+
+        pending = getattr(self, "_rollout_flops", None) or {}
+        self._rollout_flops = {c: 0.0 for c in COUNTS}
+        return {c: float(pending.get(c, 0.0)) for c in COUNTS}
+
+    def add_rollout_flops(self, prompt_lens, response_lens, generated_lens) -> None:
+        """Generation FLOPs of rows a rollout-policy pass generated (``V1PolicyRunner``), counted at the next step."""
+        from mix_src.flops import COUNTS, rollout_flops
+
+        try:
+            shape = self._model_shape()
+        except Exception:  # noqa: BLE001 - reported by _count_flops (and refused with a budget)
+            return
+        if getattr(self, "_rollout_flops", None) is None:
+            self._rollout_flops = {c: 0.0 for c in COUNTS}
+        for c in COUNTS:
+            self._rollout_flops[c] += rollout_flops(shape, prompt_lens, response_lens, generated_lens, c)
+
+    def on_step_end(self):
+        """verl's (weight sync). When ``mix.flops_budget`` was reached in this step, the step is the run's last, as on
+        the legacy base: verl's ``fit`` (``trainer_base.py`` 467-523) fixed its ``is_last_step`` before the step ran,
+        so the step's checkpoint (``trainer.save_freq`` > 0) is saved here unless verl's loop just saved it, the
+        validation (``trainer.test_freq`` > 0) runs here after the weight sync unless verl's loop will run it, its
+        metrics join the step's (:meth:`_consume_sync_metrics`), and ``total_training_steps`` becomes this step, so
+        verl's loop ends after logging it."""
+        step, cfg = self.global_steps, self.config.trainer
+        last = getattr(self, "_budget_step", None) == step and step < self.total_training_steps
+        if last and cfg.save_freq > 0 and step % cfg.save_freq != 0:
+            with marked_timer("save_checkpoint", self.timing_raw, color="green"):
+                self._save_checkpoint()
+        super().on_step_end()
+        if not last:
+            return
+        print(f"[mix_src] mix.flops_budget={self.mix.flops_budget:.4g} reached at step {step} ({self.mix.flops_count} "
+              f"count: {self._flops_totals()[self.mix.flops_count]:.4g} FLOPs): training ends")
+        if cfg.test_freq > 0 and step % cfg.test_freq != 0:
+            with marked_timer("testing", self.timing_raw, color="green"):
+                self.on_validate_begin()
+                self._budget_val_metrics = self._validate()
+                self.on_validate_end()
+        self.total_training_steps = step
+
+    def _consume_sync_metrics(self) -> dict:
+        """verl's weight-sync metrics, plus the validation run at a step that reached ``mix.flops_budget``."""
+        metrics = dict(super()._consume_sync_metrics())
+        metrics.update(getattr(self, "_budget_val_metrics", None) or {})
+        self._budget_val_metrics = None
+        return metrics
 
     def _save_checkpoint(self):
         super()._save_checkpoint()
         folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
         if self._carries_in_tq():  # the carried groups live in TransferQueue: saved as verl saves it in async modes
             tq.save_checkpoint(os.path.join(folder, "transfer_queue"), metadata={"global_steps": self.global_steps})
-        if self._entropy_state is not None or self._policy_state():
-            torch.save({"entropy_coef": self._entropy_state, "rollout_policy": self._policy_state()},
+        flops = getattr(self, "_flops", None)
+        if self._entropy_state is not None or self._policy_state() or flops:
+            torch.save({"entropy_coef": self._entropy_state, "rollout_policy": self._policy_state(),
+                        "flops": dict(flops or {}),  # the FLOPs so far: a resumed run's budget counts them
+                        # the trajectories whose generation is counted: those TransferQueue's checkpoint restores are
+                        # not counted again
+                        "flops_counted_rows": sorted(getattr(self, "_counted_rows", None) or ())},
                        os.path.join(folder, MIX_STATE_FILE))  # fmt: skip
 
     def _carries_in_tq(self) -> bool:
@@ -224,6 +413,10 @@ class MixV1Mixin:
         if os.path.exists(path):
             state = torch.load(path, weights_only=False)
             self._entropy_state = state.get("entropy_coef")
+            if state.get("flops"):
+                self._flops_totals().update(state["flops"])
+            if getattr(self, "_counted_rows", None) is not None:
+                self._counted_rows = set(state.get("flops_counted_rows") or ())
             self._policy_state().clear()  # the policy's RolloutContext.state: the same dict object, refilled
             self._policy_state().update(state.get("rollout_policy") or {})
 
@@ -243,10 +436,14 @@ class MixV1Mixin:
           selected the batch (``self._clear_groups(partition_id, surplus_uids)``, replay_buffer.py 502-507) stay
           in TransferQueue as finished groups; the next step's ``sample`` takes them first (oldest prompt step
           first, ``_select_prompt_uids``), as the legacy loop puts carried groups first. They are saved with the
-          checkpoint (verl's ``tq.save_checkpoint``, which verl itself calls in the async modes only)."""
+          checkpoint (verl's ``tq.save_checkpoint``, which verl itself calls in the async modes only);
+        * a streamed rollout policy: every trajectory the buffer's metadata sync (``_sync_metadata_from_transfer_queue``,
+          replay_buffer.py 201-235) sees for the first time has its generation FLOPs counted
+          (:meth:`_count_generated_rows`), whether it is later trained, evicted by the group filter or discarded."""
         import types
 
         buffer = super()._build_replay_buffer()
+        self._install_generation_count(buffer)
         if getattr(buffer, "filter_groups_metric", None) is None or not hasattr(buffer, "_dapo_filtered_keys"):
             return buffer
         buffer._dapo_filtered_keys = types.MethodType(

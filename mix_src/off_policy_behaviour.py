@@ -40,9 +40,7 @@ register_off_policy_behaviour = OFF_POLICY_BEHAVIOURS.register
 
 
 @register_off_policy_behaviour(
-    "stored_log_prob", bases=("legacy",),
-    why_not={"v1": f"the per-token field '{BEHAVIOUR_LOG_PROB}' is set by a rollout policy (mix.rollout_policy), and "
-                   "rollout policies run on the legacy trainer base only"},
+    "stored_log_prob",
     reads=("mix.loss.off_policy_behaviour",),
 )  # fmt: skip
 def stored_log_prob(prefix_mask: torch.Tensor, fields: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -42,6 +42,9 @@ __all__ = ["TQ_KEY", "V1PolicyRunner"]
 TQ_KEY = "__tq_key__"  # non-tensor column of a pass's rows: the row's TransferQueue key
 PROMPT_RECORD = "__v1_prompt__"  # non-tensor column of ctx.records(): the row's prompt (a one-row TensorDict)
 PARTITION = "train"
+# the tensors of a pass's rows (V1PolicyRunner._view); any other tensor of the rows a policy returns is its own
+VIEW_TENSORS = {"response_mask", "token_level_scores", "prefix_mask", "responses", "prompts", "attention_mask",
+                "rollout_log_probs"}
 
 
 class V1PolicyRunner:
@@ -138,11 +141,25 @@ class V1PolicyRunner:
         tu.assign_non_tensor_data(sub, "__rollout_n__", 1)
         tu.assign_non_tensor_data(sub, "global_steps", int(self.trainer.global_steps))
         self.manager.generate_sequences(sub)
-        keys = self._wait(scratch)
-        return self._view(keys)
+        keys, tags = self._wait(scratch)
+        view = self._view(keys)
+        self._count_flops(view, [tags[k] for k in keys])
+        return view
 
-    def _wait(self, scratch: list[str]) -> list[str]:
-        """Wait until every scratch group is terminal; return the row keys, one per scratch uid, in order."""
+    def _count_flops(self, view, tags: list[dict]) -> None:
+        """The pass's generation FLOPs (every row it generated, kept or not, as the legacy base counts a pass) go to
+        the trainer's next step count (``MixV1Mixin.add_rollout_flops``); lengths from the rows' tags."""
+        add = getattr(self.trainer, "add_rollout_flops", None)
+        if add is None:
+            return
+        p = np.array([int(t["prompt_len"]) for t in tags], dtype=np.int64)
+        r = np.array([int(t["response_len"]) for t in tags], dtype=np.int64)
+        g = r - view.batch["prefix_mask"].long().sum(-1).numpy()
+        add(p, r, g)
+
+    def _wait(self, scratch: list[str]) -> tuple[list[str], dict]:
+        """Wait until every scratch group is terminal; return the row keys, one per scratch uid, in order, and the
+        partition's tags."""
         pending = set(scratch)
         while True:
             tags = (tq.kv_list(PARTITION) or {}).get(PARTITION, {})
@@ -164,25 +181,42 @@ class V1PolicyRunner:
                     "with several outputs per sample cannot take part in a multi-pass rollout policy)"
                 )
             keys.append(rows[0])
-        return keys
+        return keys, tags
 
     def _view(self, keys: list[str]):
-        """The pass's rows as a DataProto a rollout policy reads (see the module docstring)."""
+        """The pass's rows as a DataProto a rollout policy reads (see the module docstring): per row
+        ``response_mask``, ``token_level_scores``, ``prefix_mask``, ``responses`` and (with
+        ``rollout.calculate_log_probs``) ``rollout_log_probs``, right-padded to ``rollout.response_length``;
+        ``prompts`` right-padded to ``data.max_prompt_length`` and ``attention_mask`` over ``prompts`` then
+        ``responses`` (the prompt's and response's tokens; a different layout from the legacy batch's left-padded
+        prompts, with the same tokens under the mask)."""
         from verl import DataProto
 
         from mix_src.stages import prefix_mask_tensor
 
-        data = tq.kv_batch_get(keys=keys, partition_id=PARTITION, select_fields=["rm_scores", "response_mask", "extra_fields"])
+        fields = ["rm_scores", "response_mask", "extra_fields", "prompts", "responses"]
+        if self.trainer.config.actor_rollout_ref.rollout.get("calculate_log_probs", False):
+            fields.append("rollout_log_probs")
+        data = tq.kv_batch_get(keys=keys, partition_id=PARTITION, select_fields=fields)
         extra = [getattr(e, "data", e) if isinstance(getattr(e, "data", e), dict) else {} for e in list(data.pop("extra_fields"))]
+        prompt_lens, response_lens = _row_lengths(data["prompts"]), _row_lengths(data["responses"])
         padded = data.to_padded_tensor()
-        width = max(self.response_length, padded["response_mask"].shape[-1])
+        width = max(self.response_length, padded["response_mask"].shape[-1], padded["responses"].shape[-1])
+        p_width = max(int(self.trainer.config.data.max_prompt_length), padded["prompts"].shape[-1])
 
-        def pad(t):
-            return torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+        def pad(t, w=width):
+            return torch.nn.functional.pad(t, (0, w - t.shape[-1]))
 
         response_mask = pad(padded["response_mask"])
         scores = pad(padded["rm_scores"].float())
         prefix_mask = prefix_mask_tensor([e.get("prefix_token_mask") for e in extra], response_mask)
+        positions_p, positions_r = torch.arange(p_width), torch.arange(width)
+        attention_mask = torch.cat([(positions_p[None] < prompt_lens[:, None]), (positions_r[None] < response_lens[:, None])],
+                                   dim=-1).long()  # fmt: skip
+        tensors = {"responses": pad(padded["responses"]), "prompts": pad(padded["prompts"], p_width),
+                   "attention_mask": attention_mask}  # fmt: skip
+        if "rollout_log_probs" in padded.keys():
+            tensors["rollout_log_probs"] = pad(padded["rollout_log_probs"].float())
         non_tensor = {TQ_KEY: np.asarray(keys, dtype=object),
                       "prefix_ratio": np.asarray([float(e.get("prefix_ratio", 0.0) or 0.0) for e in extra])}  # fmt: skip
         infos = [e.get("reward_extra_info", {}) or {} for e in extra]
@@ -191,8 +225,8 @@ class V1PolicyRunner:
                 non_tensor[key] = np.asarray([i[key] for i in infos])
         from tensordict import TensorDict
 
-        batch = TensorDict({"response_mask": response_mask, "token_level_scores": scores, "prefix_mask": prefix_mask},
-                           batch_size=[len(keys)])  # fmt: skip
+        batch = TensorDict({"response_mask": response_mask, "token_level_scores": scores, "prefix_mask": prefix_mask,
+                            **tensors}, batch_size=[len(keys)])  # fmt: skip
         return DataProto(batch=batch, non_tensor_batch=non_tensor)
 
     # ---- the chosen rows become the groups' rows -----------------------------------------------------------
@@ -203,10 +237,6 @@ class V1PolicyRunner:
         if TQ_KEY not in out.non_tensor_batch or any(k is None for k in out.non_tensor_batch[TQ_KEY]):
             raise ValueError(f"rollout policy {self.trainer.mix.rollout_policy!r} returned rows that no ctx.generate "
                              "call produced (on V1 every returned row must come from a generation pass)")  # fmt: skip
-        extra_cols = set(out.batch.keys()) - {"response_mask", "token_level_scores", "prefix_mask"}
-        if extra_cols:
-            raise ValueError(f"rollout policy {self.trainer.mix.rollout_policy!r} added per-row tensors {sorted(extra_cols)}, "
-                             "which the V1 trainer does not carry to the workers; use trainer.use_v1=false")  # fmt: skip
         src = [str(k) for k in out.non_tensor_batch[TQ_KEY]]
         tags_all = (tq.kv_list(PARTITION) or {}).get(PARTITION, {})
         data = tq.kv_batch_get(keys=src, partition_id=PARTITION)
@@ -216,7 +246,32 @@ class V1PolicyRunner:
         tu.assign_non_tensor_stack(data, "session_id", [r % n for r in range(rows)])
         keys = [f"{group[r]}_{r % n}_0" for r in range(rows)]
         tq.kv_batch_put(keys=keys, partition_id=PARTITION, fields=data, tags=[dict(tags_all[k]) for k in src])
+        added = self._added_fields(out, [int(tags_all[k]["response_len"]) for k in src])
+        if added is not None:  # before the groups are marked finished: the replay buffer samples them with these
+            tq.kv_batch_put(keys=keys, partition_id=PARTITION, fields=added)
         tq.kv_batch_put(keys=list(uids), partition_id=PARTITION, tags=[{"status": "finished"} for _ in uids])
+
+    def _added_fields(self, out, response_lens: list[int]):
+        """The per-row tensors the policy added to its rows (e.g. HPT's ``sft_row`` (rows,), ExGRPO's
+        ``behaviour_log_prob`` (rows, L)), as TransferQueue fields of the rows, from where verl's ``update_actor``
+        hands every field of its rows to the worker loss: a (rows,) tensor as is, a (rows, L) tensor over the
+        response nested like ``response_mask``; None when the policy added none."""
+        from tensordict import TensorDict
+
+        width = out.batch["response_mask"].shape[-1]
+        fields = {}
+        for key in sorted(set(out.batch.keys()) - VIEW_TENSORS):
+            value = out.batch[key]
+            if value.dim() == 1:
+                fields[key] = value
+            elif value.dim() == 2 and value.shape[-1] == width:
+                fields[key] = torch.nested.as_nested_tensor([value[i, :n] for i, n in enumerate(response_lens)],
+                                                            layout=torch.jagged)  # fmt: skip
+            else:
+                raise ValueError(f"rollout policy {self.trainer.mix.rollout_policy!r} added the per-row tensor {key!r} "
+                                 f"of shape {tuple(value.shape)}; on V1 a policy's own tensor is (rows,) or (rows, "
+                                 f"{width}) over the response, as ctx.generate returns them")  # fmt: skip
+        return TensorDict(fields, batch_size=[len(out)]) if fields else None
 
     def _clear_scratch(self) -> None:
         if not self._scratch:
@@ -227,6 +282,13 @@ class V1PolicyRunner:
         if keys:
             tq.kv_clear(keys=keys, partition_id=PARTITION)
         self._scratch = []
+
+
+def _row_lengths(t: torch.Tensor) -> torch.Tensor:
+    """(rows,) lengths of a TransferQueue field's rows: nested (jagged) when they differ, a plain tensor when not."""
+    if t.is_nested:
+        return t.offsets().diff()
+    return torch.full((t.shape[0],), t.shape[-1] if t.dim() > 1 else 1, dtype=torch.long)
 
 
 def _column(batch, key: str) -> list:

@@ -40,14 +40,11 @@ SFT_ROW = "sft_row"  # (bsz,) float 0/1: the row is trained with SFT (set by a r
 SFT_TOKENS = "mix_sft_tokens"  # (bsz,) float: the SFT tokens of the row's global mini-batch
 
 RowLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-_WHY_NOT_V1 = ("the per-row 'sft_row' field is set by a rollout policy (mix.rollout_policy), and rollout "
-               "policies run on the legacy trainer base only")
 ROW_LOSSES: Registry[RowLoss] = Registry("row loss", "mix.loss.row_loss")
 register_row_loss = ROW_LOSSES.register
 
 
-@register_row_loss("sft_rows", bases=("legacy",), why_not={"v1": _WHY_NOT_V1},
-                   reads=("mix.loss.sft_loss_coef", "mix.loss.loss_agg_mode"))
+@register_row_loss("sft_rows", reads=("mix.loss.sft_loss_coef", "mix.loss.loss_agg_mode"))
 def sft_rows(response_mask: torch.Tensor, prefix_mask: torch.Tensor, sft_row: torch.Tensor):
     """SFT on every response token of an SFT row, the policy loss on every token of the other rows.
 

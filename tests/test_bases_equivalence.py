@@ -4,7 +4,10 @@ LUFFY step, and every metric name means the same thing on both.
 Same tiny assets, same seeds (data, rollout, mix), filter groups off, 4 prompts x 4 samples, 2 of them with a
 prefix whose ratio is drawn in [0.3, 0.7]; the adaptive entropy coefficient and all_max_clip on; 2 steps. The V1
 run checkpoints step 1, and a third run resumes from it: its step 2 draws the prefix ratios of the uninterrupted
-step 2 and continues the learned entropy coefficient saved with the V1 checkpoint.
+step 2 and continues the learned entropy coefficient saved with the V1 checkpoint. Both bases count the same
+``flops/*`` (mix_src/flops.py) for the same batches; the resumed run, of 3 steps with ``mix.flops_budget`` at the
+uninterrupted run's FLOPs after step 2, continues the count saved with step 1 and stops at step 2, saving and
+validating there (verl's own loop would have done neither: save_freq and test_freq are 5).
 Three runs, each ``python -m mix_src.main_mix_ppo +backend=cpu`` in its own Ray cluster (tests/e2e.py).
 """
 
@@ -28,7 +31,8 @@ COMMON = ["mix.n_prefix=2", "mix.min_prefix_ratio=0.3", "mix.max_prefix_ratio=0.
 LUFFY_PREFIXES = ("batch/", "actor/pg_loss", "actor/off_", "actor/on_", "actor/grad_norm", "actor/entropy",
                   "actor/pg_clipfrac", "actor/ppo_kl", "critic/score/", "critic/rewards/", "critic/advantages/",
                   "critic/returns/", "response_length/mean", "response_length/max", "response_length/min",
-                  "reward/", "training/rollout_probs_diff_", "training/rollout_actor_probs_pearson_corr")  # fmt: skip
+                  "reward/", "training/rollout_probs_diff_", "training/rollout_actor_probs_pearson_corr",
+                  "flops/")  # fmt: skip
 
 
 def _run(tiny_assets, tmp_path, *extra, steps=2, name="run"):
@@ -76,10 +80,18 @@ def test_legacy_and_v1_sync_train_the_same_luffy_steps_and_v1_resumes_them(tiny_
         assert lb["training/rollout_probs_diff_max"] < 0.05
         assert 0.3 * 2 / 4 <= lb["batch/avg_prefix_ratio"] <= 0.7 * 2 / 4
 
-    resumed = _run(tiny_assets, tmp_path / "resumed", *v1_args, "trainer.resume_mode=resume_path",
-                   f"trainer.resume_from_path={ckpt / 'global_step_1'}", "trainer.save_freq=-1", name="resumed")  # fmt: skip
-    assert [m["step"] for m in resumed.metrics] == [2]
+    budget = v1.metrics[1]["flops/total_full"]
+    assert v1.metrics[0]["flops/total_full"] < budget  # step 1 alone does not reach it
+    ckpt2 = tmp_path / "ckpt2"
+    resumed = _run(tiny_assets, tmp_path / "resumed", "trainer.use_v1=true", "trainer.v1.trainer_mode=sync",
+                   f"trainer.default_local_dir={ckpt2}", "trainer.resume_mode=resume_path",
+                   f"trainer.resume_from_path={ckpt / 'global_step_1'}", "trainer.save_freq=5", "trainer.test_freq=5",
+                   f"mix.flops_budget={budget!r}", steps=3, name="resumed")  # fmt: skip
+    assert [m["step"] for m in resumed.metrics] == [2]  # of 3: the budget was reached
     r, full = resumed.metrics[0], v1.metrics[1]
+    for key in [k for k in full if k.startswith("flops/")]:  # the same count, continued from the checkpoint
+        assert r[key] == full[key], (key, r[key], full[key])
+    assert (ckpt2 / "global_step_2").is_dir() and any(k.startswith("val-") for k in r)  # saved and validated there
     assert r["batch/avg_prefix_ratio"] == full["batch/avg_prefix_ratio"]  # the same draw (seed, step 2, fetch 0)
     assert r["batch/avg_prefix_ratio"] != v1.metrics[0]["batch/avg_prefix_ratio"]
     assert r["batch/prefix_token_frac"] == full["batch/prefix_token_frac"]

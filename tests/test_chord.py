@@ -316,10 +316,10 @@ def recipe_config(**over):
 
 def test_entry_checks_and_bases():
     entry = LOSS_COMBINES.describe("chord")
-    assert entry.bases == ("legacy",) and "v1" in entry.why_not and "mix.loss.combine_args" in entry.reads
+    assert entry.bases == ("legacy", "v1") and "mix.loss.combine_args" in entry.reads
     check_selected_entries(recipe_config())
+    check_selected_entries(recipe_config(**{"trainer.use_v1": True}))  # V1 writes its inputs too (MixV1Mixin)
     bad = {
-        "trainer.use_v1": (True, "not supported on the 'v1' trainer base"),
         "algorithm.adv_estimator": ("grpo", "grpo_split"),
         "mix.n_prefix": (0, "n_prefix=0"),
         "mix.min_prefix_ratio": (0.5, "whole targets"),

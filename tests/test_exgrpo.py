@@ -235,8 +235,7 @@ def recipe_config(*overrides):
 
 def test_config_checks_refuse_before_ray():
     check_selected_entries(recipe_config())
-    with pytest.raises(EntryConfigError, match="not supported on the 'v1' trainer base"):
-        check_selected_entries(recipe_config("trainer.use_v1=true"))
+    check_selected_entries(recipe_config("trainer.use_v1=true"))  # both bases (V1: mix_src/rollout_policy_v1.py)
     with pytest.raises(EntryConfigError, match="off_policy_behaviour=stored_log_prob"):
         check_selected_entries(recipe_config("mix.loss.off_policy_behaviour=null"))
     with pytest.raises(EntryConfigError, match="calculate_log_probs=true"):
@@ -272,13 +271,18 @@ def test_compare_entry_composes_on_the_toy_task():
 N = 4
 
 
+BASES = {"legacy": [], "v1": ["trainer.use_v1=true", "trainer.v1.trainer_mode=sync"]}
+
+
 @pytest.mark.ray
-def test_exgrpo_plugin_trains_two_steps_and_saves_its_buffer(tiny_assets, tmp_path):
-    """compare.yaml's settings on tiny assets, recording from step 1 (start_solved_ratio=-1) with a stand-in
-    reward (tests/exgrpo_stand_in_reward.py: about half the samples pass). Step 1 records; step 2 replays
-    buffered prompts as off-policy rows (one per replayed group) and the loss weighs them; the checkpoint's
+@pytest.mark.parametrize("base", list(BASES))
+def test_exgrpo_plugin_trains_two_steps_and_saves_its_buffer(tiny_assets, tmp_path, base):
+    """compare.yaml's settings on tiny assets, on each trainer base, recording from step 1 (start_solved_ratio=-1)
+    with a stand-in reward (tests/exgrpo_stand_in_reward.py: about half the samples pass). Step 1 records; step 2
+    replays buffered prompts as off-policy rows (one per replayed group) and the loss weighs them; the checkpoint's
     mix_state.pt holds the buffer: trajectories with their recorded log-probs, one per token; a run resumed
-    from it replays at its first step (step 3)."""
+    from it replays at its first step (step 3). On V1 the replayed rows' ``behaviour_log_prob`` reaches the worker
+    loss as a TransferQueue field (mix_src/rollout_policy_v1.py), which ``off_ratio_mean`` measures."""
     compare = yaml.safe_load((ROOT / "recipes" / "exgrpo" / "compare.yaml").read_text())
     reward = [f"reward.custom_reward_function.path={Path(__file__).parent / 'exgrpo_stand_in_reward.py'}",
               "reward.custom_reward_function.name=compute_score"]
@@ -287,7 +291,7 @@ def test_exgrpo_plugin_trains_two_steps_and_saves_its_buffer(tiny_assets, tmp_pa
                                          reward=reward) + [
         f"mix.plugins=[{','.join(str(ROOT / p) for p in compare['plugins'])}]", *compare["overrides"],
         "++mix.plugin_options.exgrpo.start_solved_ratio=-1", "trainer.save_freq=2",
-        f"trainer.default_local_dir={ckpt}",
+        f"trainer.default_local_dir={ckpt}", *BASES[base],
     ]  # fmt: skip
     result = run_verl("mix_src.main_mix_ppo", overrides, tmp_path, timeout=420)
     assert [m["step"] for m in result.metrics] == [1, 2], result.log_tail()
@@ -295,6 +299,9 @@ def test_exgrpo_plugin_trains_two_steps_and_saves_its_buffer(tiny_assets, tmp_pa
     replayed = result.metrics[1]["batch/off_policy_rows"]
     assert 1 <= replayed <= 2  # step 2: int(4 prompts * 0.5) groups at most, one replayed row each
     assert np.isfinite(result.metrics[1]["actor/off_ratio_mean"]) and result.metrics[1]["actor/off_ratio_mean"] > 0
+    # the replayed tokens are weighed by w = exp(l - l_recorded) ~ 1, f = w / (w + 0.1) ~ 0.91 (0.9105 on both bases,
+    # commit 1e10684), not by LUFFY's w = p ~ off_policy_prob ~ 0.01 (f ~ 0.09): the recorded log-probs arrived
+    assert result.metrics[1]["actor/off_ratio_mean"] > 0.5 > 10 * result.metrics[1]["actor/off_policy_prob"]
     state = torch.load(ckpt / "global_step_2" / "mix_state.pt", weights_only=False)
     buf = state["rollout_policy"]["exgrpo"]
     assert buf["mixed"] and len(buf["pool"]) >= 1

@@ -75,11 +75,13 @@ def test_budget_refused_with_a_critic_and_bad_values():
         validate_mix_config(_compose(["mix.flops_budget=0"]))
 
 
-def test_budget_refused_on_v1_before_ray():
+def test_budget_accepted_on_v1_before_ray():
+    """The V1 trainer counts and stops too (MixV1Mixin.step / on_step_end; run in tests/test_bases_equivalence.py
+    and tests/test_mix_trainer_v1.py)."""
     from mix_src.main_mix_ppo import check_v1_config
-    from mix_src.mix_config import MixConfigError, mix_config_from_dict
+    from mix_src.mix_config import mix_config_from_dict
 
-    cfg = OmegaConf.create({"trainer": {"v1": {"trainer_mode": "sync"}, "device": "cpu"}, "mix": {"flops_budget": 1e9},
-                            "algorithm": {}})  # fmt: skip
-    with pytest.raises(MixConfigError, match="mix.flops_budget=1000000000.0 is not supported on trainer.use_v1=true"):
+    for mode in ("sync", "colocate_async"):
+        cfg = OmegaConf.create({"trainer": {"v1": {"trainer_mode": mode}, "device": "cpu"}, "mix": {"flops_budget": 1e9},
+                                "algorithm": {}})  # fmt: skip
         check_v1_config(cfg, mix_config_from_dict({"flops_budget": 1e9}))

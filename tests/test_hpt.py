@@ -250,7 +250,7 @@ def test_rl_rows_with_prefixes_keep_the_off_policy_loss():
     prefix = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.bool)
     rl, sft = ROW_LOSSES.get("sft_rows")(response, prefix, torch.tensor([0.0, 1.0, 0.0]))
     assert rl.tolist() == [[True] * 4, [False] * 4, [True] * 4] and sft.tolist() == [[False] * 4, [True] * 4, [False] * 4]
-    assert ROW_LOSSES.describe("sft_rows").bases == ("legacy",)
+    assert ROW_LOSSES.describe("sft_rows").bases == ("legacy", "v1")
 
 
 def scripted_context(solved_first_pass, *, gate=0, has_target=None):
@@ -321,8 +321,7 @@ def recipe_config(*overrides):
 
 def test_config_checks_refuse_before_ray():
     check_selected_entries(recipe_config())
-    with pytest.raises(EntryConfigError, match="not supported on the 'v1' trainer base"):
-        check_selected_entries(recipe_config("trainer.use_v1=true"))
+    check_selected_entries(recipe_config("trainer.use_v1=true"))  # both bases (V1: mix_src/rollout_policy_v1.py)
     with pytest.raises(EntryConfigError, match="mix.loss.row_loss=sft_rows"):
         check_selected_entries(recipe_config("mix.loss.row_loss=null"))
     with pytest.raises(EntryConfigError, match="switch_gate=9 must be an integer"):
@@ -337,17 +336,26 @@ def test_config_checks_refuse_before_ray():
         mix_config_from_dict({"plugin_options": {"nope": {}}})
 
 
+BASES = {"legacy": [], "v1": ["trainer.use_v1=true", "trainer.v1.trainer_mode=sync"]}
+
+
 @pytest.mark.ray
-def test_hpt_plugin_trains_two_steps(tiny_assets, tmp_path):
-    """The compare.yaml settings on tiny assets: the random tiny model solves nothing, so with switch_gate=0
-    every prompt is an SFT prompt at step 1; the SFT loss is finite and positive and the weights move."""
+@pytest.mark.parametrize("base", list(BASES))
+def test_hpt_plugin_trains_two_steps(tiny_assets, tmp_path, base):
+    """The compare.yaml settings on tiny assets, on each trainer base: the random tiny model solves nothing, so
+    with switch_gate=0 every prompt is an SFT prompt at step 1; the SFT loss is finite and positive and the weights
+    move. On V1 (mix_src/rollout_policy_v1.py) the policy's two passes run through verl's agent loop, its
+    ``sft_row`` tensor becomes a TransferQueue field of the rows and the driver's ``mix_sft_tokens`` another
+    (MixV1Mixin._add_update_inputs): the SFT loss exists only when both reached the worker."""
     compare = yaml.safe_load((ROOT / "recipes" / "hpt" / "compare.yaml").read_text())
     overrides = MIX_CPU + tiny_overrides(tiny_assets, steps=2, n=N, batch_size=4, response_length=24) + [
-        f"mix.plugins=[{','.join(str(ROOT / p) for p in compare['plugins'])}]", *compare["overrides"],
+        f"mix.plugins=[{','.join(str(ROOT / p) for p in compare['plugins'])}]", *compare["overrides"], *BASES[base],
     ]  # fmt: skip
     result = run_verl("mix_src.main_mix_ppo", overrides, tmp_path, timeout=420)
     assert [m["step"] for m in result.metrics] == [1, 2]
     for m in result.metrics:
+        if base == "v1":
+            assert m["rollout_policy/passes"] == 2 and m["rollout_policy/rows_generated"] == 2 * 4 * N
         assert m["batch/off_policy_rows"] == 4 * N  # every group became N target rows (SFT)
         assert np.isfinite(m["actor/sft_loss"]) and m["actor/sft_loss"] > 0
         # no RL row: the policy term is exactly the SFT term (coefficient 1), the on-policy loss is 0

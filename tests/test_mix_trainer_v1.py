@@ -21,6 +21,7 @@ from mix_src.mix_config import MixConfigError
 
 MIX = "mix_src.main_mix_ppo"
 GUIDE_ON_FAILURE = Path(__file__).resolve().parents[1] / "recipes/guide_on_failure/guide_on_failure.py"
+CHORD = Path(__file__).resolve().parents[1] / "recipes/chord/chord.py"
 LUFFY = ["mix.n_prefix=1", "mix.min_prefix_ratio=1.0", "mix.max_prefix_ratio=1.0", "algorithm.adv_estimator=grpo_split"]
 
 
@@ -114,6 +115,37 @@ def test_v1_colocate_async_luffy(tiny_assets, tmp_path):
     for m in result.metrics:
         assert_luffy_step(m)
         assert "training/off_policy/trajectory_staleness/mean" in m
+
+
+@pytest.mark.ray
+def test_v1_colocate_async_chord_stops_at_the_flops_budget(tiny_assets, tmp_path):
+    """colocate_async, LUFFY's expert rows trained by CHORD (mix.loss.combine=chord, recipes/chord) and a FLOPs
+    budget that the first step reaches, of 3 steps: the run stops after step 1 and saves it (save_freq 5 would not
+    have), with the FLOPs in the checkpoint's mix_state.pt. CHORD's loss runs only with the per-population counts
+    and the global step that MixV1Mixin._add_update_inputs writes to TransferQueue (else a KeyError in the worker):
+    its mu is the schedule's at step 1 (warm-up over 4 steps)."""
+    import torch
+
+    from mix_src.flops import COUNTS
+    from mix_src.registry import load_plugins
+
+    mu_schedule = __import__(load_plugins([str(CHORD)])[0]).mu_schedule
+
+    ckpt = tmp_path / "ckpt"
+    chord = [f"mix.plugins=[{CHORD}]", "mix.loss.combine=chord", "mix.loss.loss_agg_mode=token-mean",
+             "+mix.loss.combine_args={mu_warmup_steps:4,mu_peak:0.5}", "actor_rollout_ref.actor.entropy_coeff=0.0"]
+    result = v1_run(tiny_assets, tmp_path, "colocate_async", *LUFFY, *chord, "mix.flops_budget=1", "trainer.save_freq=5",
+                    f"trainer.default_local_dir={ckpt}", steps=3)  # fmt: skip
+    assert [m["step"] for m in result.metrics] == [1]
+    m = result.metrics[0]
+    assert m["batch/off_policy_rows"] == 4 and m["batch/off_solved"] == 1.0
+    assert m["actor/chord_mu"] == pytest.approx(mu_schedule(1, 4, 0, 0.5, 0.1)) and 0 < m["actor/chord_mu"] < 0.5
+    assert m["actor/chord_sft_loss"] > 0 and 0 < m["actor/chord_phi_mean"] <= 0.25 and m["actor/grad_norm"] > 0
+    for c in COUNTS:
+        assert m[f"flops/total_{c}"] == m[f"flops/step_{c}"] > m[f"flops/rollout_{c}"] > 0
+    assert "mix.flops_budget=1 reached at step 1" in result.log_tail(200000)
+    state = torch.load(ckpt / "global_step_1" / "mix_state.pt", weights_only=False)
+    assert state["flops"] == {c: m[f"flops/total_{c}"] for c in COUNTS}
 
 
 SEPARATE_ASYNC_CPU = [
@@ -452,20 +484,21 @@ def test_v1_advantage_stage_runs_grpo_split_once_with_the_prefix_mask():
     assert verl_calls == [{"gamma": 1.0}] and torch.equal(out.batch["advantages"], torch.ones(4, 3))
 
 
-def test_v1_refuses_any_legacy_only_loss_extension_even_one_declaring_both_bases(tiny_assets):
-    """A loss combination from a plugin that declares no base (so both) is still refused on V1, by the
-    V1_REFUSALS table: its counts reach the worker loss from the legacy trainer only. (Before, only CHORD's own
-    entry refused V1, and such a plugin failed with a KeyError in the first update, after Ray started.)"""
+def test_v1_accepts_the_loss_extensions_whose_inputs_it_writes(tiny_assets):
+    """A loss combination, a row loss and an off-policy behaviour (built in or a plugin's, declaring both bases)
+    pass the V1 checks: MixV1Mixin._add_update_inputs writes the combination's counts and the SFT-token counts to
+    TransferQueue before the update, and V1PolicyRunner carries a rollout policy's per-row tensors (sft_row,
+    behaviour_log_prob) to the rows' fields. (Until then V1_REFUSALS refused all three.)"""
     from mix_src.loss_combine import register_loss_combine
-    from mix_src.main_mix_ppo import run_mix_ppo
+    from mix_src.main_mix_ppo import config_stage
 
     @register_loss_combine("test_both_bases_combine")
     def _combine(inputs, args):
         return inputs.rl_loss, {}
 
-    with pytest.raises(ValueError, match=r"mix\.loss\.combine='test_both_bases_combine' is not supported on "
-                                         r"trainer\.use_v1=true: .*add_combine_inputs"):
-        run_mix_ppo(compose_v1(tiny_assets, "mix.loss.combine=test_both_bases_combine", "mix.n_prefix=1"))
+    for overrides in (["mix.loss.combine=test_both_bases_combine", "mix.n_prefix=1"], ["mix.loss.row_loss=sft_rows"],
+                      ["mix.loss.off_policy_behaviour=stored_log_prob"], ["mix.flops_budget=1e12"]):
+        config_stage(compose_v1(tiny_assets, *overrides))
     assert not ray.is_initialized()
 
 
@@ -547,3 +580,55 @@ def test_v1_sync_carry_over_keeps_the_surplus_groups_verl_would_discard(tiny_ass
         assert cleared == ([["evicted"]] if carry else [["evicted"], sorted(surplus)])
         if carry:
             assert trainer._carry_metrics == {"train/num_carried_prompts": 1, "train/num_surplus_carried": 2}
+
+
+def test_v1_counts_the_generation_of_every_trajectory_once(tiny_assets, monkeypatch):
+    """mix.flops_budget with a streamed rollout: the replay buffer's metadata sync (verl's ReplayBuffer, wrapped by
+    MixV1Mixin._install_generation_count) counts each new ``train`` trajectory's generation once, F(P + R) with R
+    minus its prefix tokens (mix_src.flops.rollout_flops), whether it is later trained or evicted; a row of a
+    whole target generated nothing. TransferQueue's listing and reads are stood in by a dict here."""
+    import torch
+    import transfer_queue
+
+    from mix_src.flops import COUNTS, rollout_flops
+
+    trainer = _sync_trainer(tiny_assets)
+    shape = trainer._model_shape()
+    rows = {  # key -> (prompt_len, response_len, prefix_token_mask)
+        "a_0_0": (5, 4, None), "a_1_0": (5, 4, [1, 1, 0, 0]), "b_0_0": (3, 3, [1, 1, 1]), "c_0_0": (6, 2, []),
+    }  # fmt: skip
+    listed = {"a": {"is_prompt": True, "status": "finished", "global_steps": 3},
+              "b": {"is_prompt": True, "status": "finished", "global_steps": 3}}  # fmt: skip
+
+    def kv_list(partition_id=None):
+        train = dict(listed, **{k: {"prompt_len": p, "response_len": r, "status": "success"} for k, (p, r, _) in rows.items()
+                                if k.split("_")[0] in listed})  # fmt: skip
+        return {"train": train, "val": {"v_0_0": {"prompt_len": 9, "response_len": 9}}}
+
+    read = []
+
+    class Data(dict):
+        def to_padded_tensor(self):
+            return {"response_mask": self["response_mask"]}
+
+    def kv_batch_get(keys, partition_id, select_fields):
+        read.append(list(keys))
+        width = max(rows[k][1] for k in keys)
+        mask = torch.tensor([[1] * rows[k][1] + [0] * (width - rows[k][1]) for k in keys])
+        return Data(response_mask=mask, extra_fields=[{"prefix_token_mask": rows[k][2]} for k in keys])
+
+    monkeypatch.setattr(transfer_queue, "kv_list", kv_list)
+    monkeypatch.setattr(transfer_queue, "kv_batch_get", kv_batch_get)
+    trainer._pending_rollout_flops()  # start from zero
+    buffer = trainer.replay_buffer
+    buffer._sync_metadata_from_transfer_queue()
+    buffer._sync_metadata_from_transfer_queue()  # nothing new: nothing read, nothing counted twice
+    assert read == [["a_0_0", "a_1_0", "b_0_0"]]
+    got = trainer._pending_rollout_flops()
+    for c in COUNTS:  # b_0_0 is a whole target: 0; a_1_0 generated 2 of its 4 response tokens
+        assert got[c] == rollout_flops(shape, [5, 5, 3], [4, 4, 3], [4, 2, 0], c) > 0
+    del listed["b"]  # evicted (cleared) ...
+    listed["c"] = {"is_prompt": True, "status": "finished", "global_steps": 3}  # ... and a refill finished
+    buffer._sync_metadata_from_transfer_queue()
+    assert read[-1] == ["c_0_0"] and trainer._counted_rows == {"a_0_0", "a_1_0", "c_0_0"}
+    assert trainer._pending_rollout_flops() == {c: rollout_flops(shape, [6], [2], [2], c) for c in COUNTS}

@@ -94,9 +94,6 @@ def _check(config: Any) -> None:
 
 @register_loss_combine(
     "chord",
-    bases=("legacy",),
-    why_not={"v1": "the global step and the per-population token counts reach the worker loss from "
-                   "MIXRayPPOTrainer (mix_src.loss.add_combine_inputs), which verl's V1 trainer does not call"},
     check=_check,
     reads=("mix.loss.combine_args", "mix.n_prefix", "mix.min_prefix_ratio", "mix.max_prefix_ratio",
            "mix.prefix_strategy", "mix.loss.loss_remove_clip", "mix.loss.loss_agg_mode",

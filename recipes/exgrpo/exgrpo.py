@@ -247,9 +247,7 @@ def _check(config) -> None:
 
 
 @register_rollout_policy(
-    NAME, bases=("legacy",),
-    why_not={"v1": "its replayed rows carry the per-row behaviour_log_prob tensor to mix.loss.off_policy_behaviour, "
-                   "which the V1 trainer refuses (mix_src/main_mix_ppo.py V1_REFUSALS) and does not carry to the workers"},
+    NAME,
     check=_check,
     reads=tuple(f"mix.plugin_options.{NAME}.{k}" for k in DEFAULTS) + (
         "mix.loss.off_policy_behaviour", "actor_rollout_ref.rollout.n",

@@ -69,9 +69,7 @@ def _check(config) -> None:
 
 
 @register_rollout_policy(
-    NAME, bases=("legacy",),
-    why_not={"v1": "its rows carry the per-row sft_row tensor to mix.loss.row_loss, which the V1 trainer refuses "
-                   "(mix_src/main_mix_ppo.py V1_REFUSALS) and does not carry to the workers"},
+    NAME,
     check=_check,
     reads=("mix.plugin_options.hpt.switch_gate", "mix.loss.row_loss", "mix.n_prefix", "mix.prefix_strategy",
            "mix.min_prefix_ratio", "mix.max_prefix_ratio", "actor_rollout_ref.rollout.n"),
