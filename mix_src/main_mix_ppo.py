@@ -31,7 +31,6 @@ from mix_src.mix_config import MixConfigError, validate_mix_config
 from mix_src.cpu import CHECKPOINT_ENGINE as CPU_CHECKPOINT_ENGINE, ROLLOUT_ENV
 from mix_src.model_context import check_attention, resolve_max_model_len
 from mix_src.registry import PLUGINS_ENV, check_selected_entries, load_plugins, load_verl_plugins, resolve_plugin
-from mix_src.rollout_policy import streams_on_v1
 from mix_src.verl_parity import check_verl_keys
 
 
@@ -298,13 +297,6 @@ V1_REFUSALS: list[tuple[str, Callable[[DictConfig, Any], Any], str]] = [
      "trainer dispatches a batch every step plus trainer.v1.<mode>.num_warmup_batches ahead (trainer_base.py "
      "prepare_step, _add_async_warmup_batches), so a step trains on groups dispatched in earlier steps; set it to 0 "
      "and bound generation with the off-policy sampler settings, or use trainer.v1.trainer_mode=sync"),
-    ("mix.rollout_policy",
-     lambda c, m: (repr(m.rollout_policy) if c.trainer.v1.trainer_mode == "separate_async"
-                   and not streams_on_v1(m.rollout_policy) else None),
-     "a rollout policy with several passes generates on the driver, pass by pass, while verl's separate_async "
-     "trainer hands its standalone rollout pool between rollout and training on its own schedule "
-     "(verl/trainer/ppo/v1/trainer_separate_async.py on_step_begin / on_sample_begin); that combination is not "
-     "built; use trainer.v1.trainer_mode=sync or colocate_async"),
 ]
 
 

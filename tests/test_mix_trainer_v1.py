@@ -165,10 +165,13 @@ def test_v1_separate_async_luffy_weights_reach_the_standalone_pool(tiny_assets, 
     generated after step 1's weight sync. So step 2's rows carry weight version 1 (staleness 0: the server reports
     the version it received with the weights), and their rollout log-probs equal the updated actor's old log-probs
     to float noise; had the pool kept the initial weights they would differ by the step-1 update (6e-4 measured,
-    the stale rows of a run with one warm-up batch; 9e-4 in a control run whose server skipped loading them)."""
+    the stale rows of a run with one warm-up batch; 9e-4 in a control run whose server skipped loading them).
+    The groups come from the two-pass rollout policy ``guide_on_failure`` (mix_src/rollout_policy_v1.py): its passes
+    go to the standalone pool like verl's own single pass, and each prompt whose 4 on-policy samples all failed
+    (every prompt: the tiny model never solves one) gets its expert row from the second pass."""
     result = v1_run(tiny_assets, tmp_path, "separate_async", *LUFFY, *SEPARATE_ASYNC_CPU,
                     "actor_rollout_ref.hybrid_engine=false", "trainer.v1.separate_async.num_warmup_batches=0",
-                    steps=2)  # fmt: skip
+                    f"mix.plugins=[{GUIDE_ON_FAILURE}]", "mix.rollout_policy=guide_on_failure", steps=2)  # fmt: skip
     assert [m["step"] for m in result.metrics] == [1, 2]
     for m in result.metrics:
         assert_luffy_step(m)
@@ -177,6 +180,7 @@ def test_v1_separate_async_luffy_weights_reach_the_standalone_pool(tiny_assets, 
         assert m["checkpoint_engine/tensors"] > 0 and m["checkpoint_engine/payload_mbytes"] > 0
         assert m["training/off_policy/trajectory_staleness/max"] == 0  # rows sampled from the latest weights
         assert m["training/rollout_probs_diff_max"] < 1e-5  # ... which are the actor's, loaded in the pool
+        assert m["rollout_policy/passes"] == 2 and m["rollout_policy/rows_generated"] == 16 + 4
     assert result.metrics[0]["actor/grad_norm"] > 0  # step 1 moved the weights that step 2 samples from
 
 
@@ -306,25 +310,6 @@ def test_separate_async_composes_for_a_gpu_config():
     assert isinstance(trainer, MixV1Mixin) and isinstance(trainer, PPOTrainerSeparateAsync)
     assert trainer.mix.n_prefix == 1 and trainer.parameter_sync_step == 4  # 4 local updates of 2 prompts per step
     assert type(trainer.replay_buffer).__name__ == "ReplayBufferAsync"
-
-
-def test_separate_async_refuses_a_rollout_policy_with_several_passes():
-    """guide_on_failure generates pass by pass on the driver; separate_async hands its pool on its own schedule."""
-    from mix_src.main_mix_ppo import check_v1_config
-    from mix_src.mix_config import validate_mix_config
-    from mix_src.registry import load_plugins
-
-    load_plugins([str(GUIDE_ON_FAILURE)])
-    with initialize_config_module(config_module="mix_src.config", version_base=None):
-        cfg = compose(config_name="mix_ppo", overrides=[
-            "trainer.use_v1=true", "trainer.v1.trainer_mode=separate_async", "mix.rollout_policy=guide_on_failure",
-            "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl", "actor_rollout_ref.rollout.nnodes=1",
-            "trainer.v1.separate_async.parameter_sync_step=1",  # verl's own separate_async checks pass
-            "data.train_batch_size=256", "actor_rollout_ref.actor.ppo_mini_batch_size=256",
-        ])  # fmt: skip
-    with pytest.raises(MixConfigError, match=r"mix\.rollout_policy='guide_on_failure' is not supported on trainer\.use_v1="
-                                             r"true: .*trainer_separate_async\.py"):
-        check_v1_config(cfg, validate_mix_config(cfg))
 
 
 # ---------------------------------------------------------------------------------------------------
