@@ -51,7 +51,7 @@ demo: install
 # run 50 times in about an hour. COMPARE_WRAP prefixes every run (e.g. a lock); COMPARE_JOBS runs at a time.
 COMPARE_METHODS ?= luffy grpo sft sft_rl guide_on_failure
 COMPARE_WRAP    ?=
-COMPARE_JOBS    ?= 1
+COMPARE_JOBS    ?= 2
 COMPARE_ARGS     = --methods $(COMPARE_METHODS) --tasks addition sort --budget 4e11 --evals 4 --last-k 2 \
 		--out outputs/compare --wrap "$(COMPARE_WRAP)" --jobs $(COMPARE_JOBS)
 compare: install

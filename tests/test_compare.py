@@ -94,10 +94,11 @@ def test_run_jobs_runs_every_job_n_at_a_time_and_raises_the_first_failure():
 
 @pytest.mark.ray
 def test_tiny_grid_end_to_end(tmp_path):
-    """grpo and sft x seeds 0, 1 on the addition task with a barely trained base and 4-prompt RL batches."""
+    """grpo and sft x seeds 0, 1 on the addition task with a barely trained base and 4-prompt RL batches, two runs
+    at a time (--jobs 2: each run is one mostly single-threaded process tree, OMP_NUM_THREADS=1)."""
     budget = 1.5e10  # about 3 RL steps of 4 prompts x 8, 4 SFT steps of 32 sequences
     args = ["--tasks", "addition", "--methods", "grpo", "sft", "--seeds", "0", "1", "--budget", str(budget),
-            "--evals", "2", "--pretrain-steps", "3", "--out", str(tmp_path), "--baseline", "grpo", "--rl-overrides",
+            "--evals", "2", "--pretrain-steps", "3", "--out", str(tmp_path), "--baseline", "grpo", "--jobs", "2", "--rl-overrides",
             "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32"]
