@@ -140,3 +140,35 @@ def lengths_from_masks(attention_mask, response_mask_or_len, prefix_mask=None):
     gen = resp - (np.asarray(prefix_mask).astype(np.int64) * am[:, am.shape[1] - width:]).sum(-1) \
         if prefix_mask is not None else resp
     return prompt, resp, gen
+
+
+def add_step_flops(shape: ModelShape, prompt_lens, response_lens, rollout: Mapping[str, float], totals: dict,
+                   metrics: dict, *, ppo_epochs: int = 1, ref_policy: bool = False) -> None:
+    """One RL step of both trainer bases: its training passes over the rows (lengths ``prompt_lens``,
+    ``response_lens``: (rows,)) plus ``rollout`` (per count, the step's generation), added to ``totals`` (per count,
+    the run so far) and logged as ``flops/rollout_*``, ``flops/step_*``, ``flops/total_*`` and ``flops/num_tokens``."""
+    p, r = np.asarray(prompt_lens, dtype=np.int64), np.asarray(response_lens, dtype=np.int64)
+    for c in COUNTS:
+        step = rl_step_flops(shape, p, r, ppo_epochs=ppo_epochs, ref_policy=ref_policy, count=c) + rollout[c]
+        totals[c] += step
+        metrics[f"flops/rollout_{c}"] = rollout[c]
+        metrics[f"flops/step_{c}"] = step
+        metrics[f"flops/total_{c}"] = totals[c]
+    metrics["flops/num_tokens"] = int((p + r).sum())
+
+
+_UNREADABLE_WARNED: list[bool] = []
+
+
+def shape_unreadable(read_shape, metrics: dict) -> bool:
+    """With no ``mix.flops_budget`` counting is only metrics, so a model config this module cannot read is no
+    error: True (``flops/unavailable`` = 1, and one printed line per process) when ``read_shape()`` raises."""
+    try:
+        read_shape()
+    except Exception as e:  # noqa: BLE001
+        metrics["flops/unavailable"] = 1
+        if not _UNREADABLE_WARNED:
+            print(f"[mix_src] FLOPs not counted (mix_src/flops.py cannot read the actor's config): {e}")
+            _UNREADABLE_WARNED.append(True)
+        return True
+    return False

@@ -68,7 +68,7 @@ from verl.utils.skip.skip_manager import SkipManager
 from mix_src.dataset import TARGET_FIELD
 from mix_src.filter_groups import filter_groups, plan_train_batch
 from mix_src.flops import COUNTS as FLOPS_COUNTS
-from mix_src.flops import ModelShape, lengths_from_masks, rl_step_flops, rollout_flops
+from mix_src.flops import ModelShape, add_step_flops, lengths_from_masks, rollout_flops, shape_unreadable
 from mix_src.loss import add_combine_inputs, add_kept_token_counts, install_loss, pop_entropy_state
 from mix_src.mix_config import MixConfig
 from mix_src.seeding import pass_seeds, request_seeds
@@ -295,29 +295,15 @@ class MIXRayPPOTrainer(RayPPOTrainer):
     def _count_flops(self, batch: DataProto, metrics: dict) -> bool:
         """The step's FLOPs (mix_src/flops.py: rollout passes + old/ref log-probs + ppo_epochs updates) into
         ``flops/*`` metrics and the running totals; True when ``mix.flops_budget`` is reached with this step."""
-        if self.mix.flops_budget is None:  # counting is only metrics then: a model config it cannot read is no error
-            try:
-                self._model_shape()
-            except Exception as e:  # noqa: BLE001
-                metrics["flops/unavailable"] = 1
-                if not getattr(self, "_flops_warned", False):
-                    print(f"[mix_src] FLOPs not counted (mix_src/flops.py cannot read the actor's config): {e}")
-                    self._flops_warned = True
-                return False
+        if self.mix.flops_budget is None and shape_unreadable(self._model_shape, metrics):
+            return False
         if self._flops is None:
             self._flops = {c: 0.0 for c in FLOPS_COUNTS}
         rollout = self._step_rollout_flops or {c: 0.0 for c in FLOPS_COUNTS}
         p, r, _ = lengths_from_masks(batch.batch["attention_mask"], batch.batch["responses"])
-        epochs = int(self.config.actor_rollout_ref.actor.get("ppo_epochs", 1))
-        for c in FLOPS_COUNTS:
-            train = rl_step_flops(self._model_shape(), p, r, ppo_epochs=epochs, ref_policy=self.use_reference_policy,
-                                  count=c)
-            step = train + rollout[c]
-            self._flops[c] += step
-            metrics[f"flops/rollout_{c}"] = rollout[c]
-            metrics[f"flops/step_{c}"] = step
-            metrics[f"flops/total_{c}"] = self._flops[c]
-        metrics["flops/num_tokens"] = int((p + r).sum())
+        add_step_flops(self._model_shape(), p, r, rollout, self._flops, metrics,
+                       ppo_epochs=int(self.config.actor_rollout_ref.actor.get("ppo_epochs", 1)),
+                       ref_policy=self.use_reference_policy)  # fmt: skip
         budget = self.mix.flops_budget
         self._budget_reached = budget is not None and self._flops[self.mix.flops_count] >= budget
         return self._budget_reached

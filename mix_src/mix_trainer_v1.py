@@ -262,18 +262,11 @@ class MixV1Mixin:
         TransferQueue tags (``prompt_len``, ``response_len``: verl's agent loop writes them unpadded), a row's
         generated tokens its response minus its prefix. Sets ``_budget_step`` when ``mix.flops_budget`` is reached
         with this step."""
-        from mix_src.flops import COUNTS, rl_step_flops, rollout_flops
+        from mix_src.flops import COUNTS, add_step_flops, rollout_flops, shape_unreadable
         from mix_src.rollout_policy import streams_on_v1
 
-        if self.mix.flops_budget is None:  # counting is only metrics then: a model config it cannot read is no error
-            try:
-                self._model_shape()
-            except Exception as e:  # noqa: BLE001
-                metrics["flops/unavailable"] = 1
-                if not getattr(self, "_flops_warned", False):
-                    print(f"[mix_src] FLOPs not counted (mix_src/flops.py cannot read the actor's config): {e}")
-                    self._flops_warned = True
-                return
+        if self.mix.flops_budget is None and shape_unreadable(self._model_shape, metrics):
+            return
         keep = [i for i, tag in enumerate(batch.tags) if not tag.get("is_padding", False)]
         tags = [batch.tags[i] for i in keep]
         p = np.array([int(t["prompt_len"]) for t in tags], dtype=np.int64)
@@ -286,17 +279,10 @@ class MixV1Mixin:
             g = r - data.to_padded_tensor()["prefix_mask"].long().sum(-1).numpy()
             for c in COUNTS:
                 rollout[c] += rollout_flops(self._model_shape(), p, r, g, c)
-        epochs = int(self.config.actor_rollout_ref.actor.get("ppo_epochs", 1))
         totals = self._flops_totals()
-        for c in COUNTS:
-            train = rl_step_flops(self._model_shape(), p, r, ppo_epochs=epochs, ref_policy=self.use_reference_policy,
-                                  count=c)  # fmt: skip
-            step = train + rollout[c]
-            totals[c] += step
-            metrics[f"flops/rollout_{c}"] = rollout[c]
-            metrics[f"flops/step_{c}"] = step
-            metrics[f"flops/total_{c}"] = totals[c]
-        metrics["flops/num_tokens"] = int((p + r).sum())
+        add_step_flops(self._model_shape(), p, r, rollout, totals, metrics,
+                       ppo_epochs=int(self.config.actor_rollout_ref.actor.get("ppo_epochs", 1)),
+                       ref_policy=self.use_reference_policy)  # fmt: skip
         budget = self.mix.flops_budget
         if budget is not None and totals[self.mix.flops_count] >= budget:
             self._budget_step = self.global_steps

@@ -85,3 +85,22 @@ def test_budget_accepted_on_v1_before_ray():
         cfg = OmegaConf.create({"trainer": {"v1": {"trainer_mode": mode}, "device": "cpu"}, "mix": {"flops_budget": 1e9},
                                 "algorithm": {}})  # fmt: skip
         check_v1_config(cfg, mix_config_from_dict({"flops_budget": 1e9}))
+
+
+def test_add_step_flops_and_an_unreadable_shape_as_both_trainer_bases_log_them(capsys):
+    from mix_src.flops import add_step_flops, shape_unreadable
+
+    totals, metrics = {"6n": 1.0, "full": 2.0}, {}
+    add_step_flops(SHAPE, [2, 2], [1, 3], {"6n": 10.0, "full": 20.0}, totals, metrics)
+    assert totals == {"6n": 1.0 + 4 * 2624 + 10, "full": 2.0 + 4 * 3600 + 20}  # the run so far + this step
+    assert metrics["flops/step_full"] == 4 * 3600 + 20 and metrics["flops/rollout_6n"] == 10.0
+    assert metrics["flops/total_6n"] == totals["6n"] and metrics["flops/num_tokens"] == 8
+
+    def unreadable():
+        raise KeyError("num_attention_heads")
+
+    metrics = {}
+    assert shape_unreadable(lambda: SHAPE, metrics) is False and metrics == {}
+    assert shape_unreadable(unreadable, metrics) is True and metrics == {"flops/unavailable": 1}
+    assert shape_unreadable(unreadable, {}) is True
+    assert capsys.readouterr().out.count("FLOPs not counted") <= 1  # one line per process
