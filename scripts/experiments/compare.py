@@ -1,12 +1,12 @@
 """A comparison harness: methods x seeds x toy tasks at matched training compute, with confidence intervals.
 
     python -m scripts.experiments.compare --methods luffy grpo sft sft_rl guide_on_failure --seeds 0 1 2 3 4 \\
-        --tasks addition sort --budget 1e12 [--evals 6] [--last-k 2] [--baseline sft_rl] [--out DIR] [--wrap CMD]
+        --tasks addition sort --budget 1e12 [--evals 6] [--last-k 2] [--baseline sft_rl] [--out DIR] [--jobs N] [--wrap CMD]
 
 **Runs.** Every run goes through the real entry points: RL methods through ``recipes/toy_addition/run.sh``
 (``python -m mix_src.main_mix_ppo`` with the toy task's ``on_policy_grpo`` config = the task's base settings),
-SFT through the same script's ``sft`` path (verl's own ``verl.trainer.sft_trainer`` under torchrun). One run at a
-time (parallel runs were not measured to be faster on this 2-core machine). A finished run has ``done.json`` in
+SFT through the same script's ``sft`` path (verl's own ``verl.trainer.sft_trainer`` under torchrun). ``--jobs N``
+runs N at a time (threads over the runs' subprocesses; SFT->RL after the SFT runs it starts from). A finished run has ``done.json`` in
 its folder and is never re-run; an unfinished folder is deleted and the run starts again. ``--wrap CMD`` (or env
 ``COMPARE_RUN_WRAPPER``) prefixes each run's command, e.g. ``--wrap "flock /tmp/my.lock"`` takes a lock per run.
 
