@@ -198,6 +198,63 @@ def test_pretraining_data_never_shows_a_column_receiving_a_carry(ta, data, monke
         ta.pretrain_examples("nope", 1, rng)
 
 
+@pytest.mark.parametrize("rule", ["one_digit", "one_digit_masked"])
+def test_one_digit_rules_never_show_a_column_receiving_a_carry(rule):
+    """The shipped demo base's rules (scripts/experiments/demo_base_rules.py), drawn as its pretrain() draws them:
+    correct traces only; a 2-digit problem's units column never carries, so no column receives a carry; 1-digit
+    problems (about the share asked for) are the only units carries the base sees, and no demo problem is drawn."""
+    dbr = _load("demo_base_rules")
+    rng, n, one, unit_carries = random.Random(1000), 0, 0, 0
+    demo = set(sum(_load("toy_addition").variant_splits("demo").values(), []))
+    for _ in range(100):
+        for a, b, trace in dbr.batch_of(rule, 64, rng, 0.25):
+            pairs = trace.split(">")[0].split(" ")
+            assert trace == task.expert_trace(a, b) and int(trace.split(">")[1]) == a + b, (a, b, trace)
+            assert all(p[1] == "0" for p in pairs[:-1]), (a, b, trace)  # only the last column's carry may be 1
+            assert (a, b) not in demo
+            one += a < 10 and b < 10
+            unit_carries += pairs[0][1] == "1"
+            n += 1
+    assert n == 6400 and 0.2 < one / n < 0.3 and 0 < unit_carries < one
+
+
+def test_shipped_demo_base_is_checked_installed_and_measured(ta, tmp_path, monkeypatch):
+    """`make demo`'s base (prepare(base="shipped")): the shipped checkpoint is installed only when its SHA-256 is
+    the one in VARIANTS, and its property is measured here without training. The shipped base is the one its
+    BUILD.json describes: greedy 0% on the held-out and OOD problems, the carry probability BUILD.json recorded,
+    and, at 8 samples per training problem (a quarter of the demo's 28,544), a success count within Poisson noise
+    of the rate BUILD.json recorded (another CPU's kernels change the sampled tokens, not the rate)."""
+    import shutil
+
+    sb = ta.VARIANTS["demo"]["shipped_base"]
+    monkeypatch.setitem(ta.VARIANTS["demo"], "base_check", {**ta.VARIANTS["demo"]["base_check"], "k": 8})
+    prep = ta.prepare(str(tmp_path / "assets"), variant="demo", base="shipped", log=lambda *_: None)
+    build = prep["base_build"]
+    assert build["sha256"] == sb["sha256"] and prep["model"].endswith("base_shipped")
+    for name in ta.SHIPPED_FILES:
+        assert (Path(prep["model"]) / name).read_bytes() == (Path(sb["path"]) / name).read_bytes()
+    assert prep["base_eval"]["heldout_carry"]["acc"] == 0.0 and prep["base_eval"]["ood"]["acc"] == 0.0
+    assert prep["base_eval"]["carry_free"]["acc"] == build["measured_here"]["greedy"]["carry_free"]
+    prop = prep["base_property"]
+    assert prop["n_samples"] == 892 * 8 and prop["pretrain_steps"] == build["steps"] and not prop["stopped_early"]
+    expected = build["measured_here"]["n_success"] / build["measured_here"]["n_samples"] * prop["n_samples"]
+    assert abs(prop["n_success"] - expected) <= 4 * math.sqrt(expected) + 2, (prop["n_success"], expected)
+    assert prop["carry_mean"] == pytest.approx(build["measured_here"]["carry_mean"], rel=1e-3)
+    assert prop["luffy_ok"] and len(prop["history"]) == 1  # measured, never trained further
+    assert ta.prepare(str(tmp_path / "assets"), variant="demo", base="shipped") == prep  # cached: no re-measure
+    # a damaged checkout (one byte flipped; a Git LFS pointer would be caught the same way) is refused, by name
+    bad = tmp_path / "bad_base"
+    shutil.copytree(sb["path"], bad)
+    w = bytearray((bad / "model.safetensors").read_bytes())
+    w[-1] ^= 1
+    (bad / "model.safetensors").write_bytes(bytes(w))
+    monkeypatch.setitem(ta.VARIANTS["demo"], "shipped_base", {**sb, "path": str(bad)})
+    with pytest.raises(ValueError, match=r"bad_base/model.safetensors: SHA-256 [0-9a-f]{64} is not the shipped"):
+        ta.prepare(str(tmp_path / "assets2"), variant="demo", base="shipped", log=lambda *_: None)
+    with pytest.raises(ValueError, match="'addition3' ships no base"):
+        ta.prepare(str(tmp_path / "assets3"), variant="addition3", base="shipped", log=lambda *_: None)
+
+
 def test_demo_variant_splits(ta):
     sp = ta.variant_splits("demo", seed=0)
     assert (len(sp["heldout"]), len(sp["train"]), len(sp["ood"])) == (200, 892, 168)

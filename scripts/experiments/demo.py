@@ -60,16 +60,20 @@ def main(argv=None) -> int:
 
     hf_logging.disable_progress_bar()  # the evaluator loads checkpoints: no "Loading weights" bars here
     assets = os.path.join(a.out, "assets")
-    print(f"[demo] building the task and the base model in {assets} (3-6 min on 2 cores with the base-property "
-          "checks; cached)", flush=True)
-    prep = ta.prepare(assets, seed=0, variant="demo", log=lambda *_: None)
+    print(f"[demo] building the task in {assets}, installing the shipped base model and measuring its property "
+          "(about 1-2 min on 2 cores; cached)", flush=True)
+    prep = ta.prepare(assets, seed=0, variant="demo", log=lambda *_: None, base="shipped")
     base = prep["base_eval"]["heldout_carry"]["acc"]
     print(f"[demo] base model: {100 * base:.1f}% of the 200 held-out problems ({time.time() - t0:.0f} s)", flush=True)
     settings = ta.rollout_settings()
     prop = prep["base_property"]
     if a.steps != prop["grpo_steps"]:
         prop = {**ta.base_property(prop, a.steps, settings, prop["bound"]), "pretrain_steps": prop["pretrain_steps"]}
-    print(f"[demo] base after {prop['pretrain_steps']} pre-training steps: {ta.describe_property(prop)}", flush=True)
+    built = prep["base_build"]
+    print(f"[demo] base: the shipped checkpoint ({os.path.relpath(ta.VARIANTS['demo']['shipped_base']['path'], REPO_ROOT)}"
+          f", SHA-256 checked; rule {built['rule']}, {built['steps']} pre-training steps, seed {built['seed']}, built on "
+          f"{built['machine']} at commit {built['commit'][:12]}); measured on this machine: {ta.describe_property(prop)}",
+          flush=True)
     if not prop["meets_bound"]:
         print(f"[demo] WARNING: the base misses the bound: on-policy GRPO can expect {prop['expected_rewarded']:.1f} "
               "rewarded samples and may learn from them, so 'GRPO never sees a reward' need not hold on this "
@@ -85,7 +89,8 @@ def main(argv=None) -> int:
         shutil.rmtree(rdir, ignore_errors=True)  # a fresh run each time (run.sh would resume a finished one)
         os.makedirs(rdir)
         env = {**os.environ, "VARIANT": "demo", "STEPS": str(a.steps), "EVAL_EVERY": str(a.eval_every),
-               "ASSETS_DIR": assets, "OUTPUT_DIR": rdir, "LOGGER": "[console,file]"}
+               "ASSETS_DIR": assets, "OUTPUT_DIR": rdir, "LOGGER": "[console,file]", "SKIP_PREPARE": "1",
+               "MODEL_PATH": prep["model"]}
         logs[method] = os.path.join(rdir, "run.log")
         with open(logs[method], "w") as f:
             procs[method] = subprocess.Popen(

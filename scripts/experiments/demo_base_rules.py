@@ -7,7 +7,13 @@ Rules (what the base is pre-trained on; none shows a column receiving a carry):
   no_incoming_carry  only problems no column of which receives a carry, correct traces (``PRETRAIN_DATA``)
   one_digit          no_incoming_carry plus a share (``--one-digit-share``) of 1-digit problems (``7+8`` ->
                      ``51>15``: the units column's carry writes the sum's leading digit)
+  one_digit_masked   one_digit with no loss on what follows a 1-digit problem's units pair (its ``>``)
   carry_free_masked  carry-free traces with no loss on a carry token that is wrong (its column sums to >= 10)
+  carry_free_no_carry_loss  carry-free traces with no loss on any carry token
+
+``--ship DIR`` also writes the base as `make demo`'s shipped base (``recipes/toy_addition/demo_base``: the model
+files and a BUILD.json with the rule, steps, seed, this command, the commit, the machine, the weights' SHA-256 and
+the measurement); the printed SHA-256 goes in ``scripts/experiments/toy_addition.py`` (``VARIANTS["demo"]``).
 
 For each base: the sampled success rate on the 892 training problems (32 samples each, temperature 1, the
 rollout's sampler, full count) and E = p x 10,240; the teacher-forced probability of the expert's carry token
@@ -16,7 +22,7 @@ and carry-free problems. Appends one JSON line to ``--results``.
 
 Usage::
 
-    python -m scripts.experiments.demo_base_rules RULE STEPS [--seed 0] [--assets DIR] [--results FILE]
+    python -m scripts.experiments.demo_base_rules RULE STEPS [--seed 0] [--assets DIR] [--results FILE] [--ship DIR]
 """
 
 from __future__ import annotations
@@ -31,13 +37,13 @@ import time
 from mix_src import toy_addition as task
 from scripts.experiments import toy_addition as ta
 
-RULES = ("carry_free", "no_incoming_carry", "one_digit", "carry_free_masked")
+RULES = ("carry_free", "no_incoming_carry", "one_digit", "one_digit_masked", "carry_free_masked", "carry_free_no_carry_loss")
 
 
 def batch_of(rule: str, n: int, rng: random.Random, one_digit_share: float) -> list[tuple[int, int, str]]:
     if rule in ("carry_free", "no_incoming_carry"):
         return ta.pretrain_examples(rule, n, rng, 2)
-    if rule == "carry_free_masked":
+    if rule in ("carry_free_masked", "carry_free_no_carry_loss"):
         return ta.pretrain_examples("carry_free", n, rng, 2)
     out, seen = [], set()  # one_digit
     while len(out) < n:
@@ -71,6 +77,10 @@ def pretrain(rule: str, steps: int, seed: int, tok, model_dir: str, one_digit_sh
         for r, ((a, b, _), s, pl) in enumerate(zip(batch, seqs, plens)):
             labels[r, :pl] = -100
             labels[r, len(s):] = -100
+            if rule == "one_digit_masked" and a < 10 and b < 10:  # no loss on what follows a 1-digit problem's units pair
+                labels[r, pl + 2] = -100
+            if rule == "carry_free_no_carry_loss":  # no loss on any carry token
+                labels[r, pl + 1] = labels[r, pl + 4] = -100
             if rule == "carry_free_masked":  # response positions 1 and 4 are the units and tens carries
                 labels[r, pl + 1] = -100 if a % 10 + b % 10 >= 10 else labels[r, pl + 1]
                 labels[r, pl + 4] = -100 if a // 10 + b // 10 >= 10 else labels[r, pl + 4]
@@ -119,6 +129,10 @@ def main(argv=None) -> int:
     p.add_argument("--one-digit-share", type=float, default=0.25)
     p.add_argument("--assets", default="outputs/demo_base_rules/assets", help="tokenizer + demo parquets (built here)")
     p.add_argument("--results", default="outputs/demo_base_rules/results.jsonl")
+    p.add_argument("--ship", metavar="DIR", default=None,
+                   help="also write the base to DIR as `make demo`'s shipped base (the model files and BUILD.json: "
+                        "rule, steps, seed, command, commit, machine, SHA-256, this measurement); the printed "
+                        "SHA-256 goes in scripts/experiments/toy_addition.py VARIANTS['demo']['shipped_base']")
     a = p.parse_args(argv)
     if not os.path.exists(os.path.join(a.assets, "ood.parquet")):
         ta.build_tokenizer(os.path.join(a.assets, "tokenizer"))
@@ -131,7 +145,39 @@ def main(argv=None) -> int:
     print(json.dumps(res))
     with open(a.results, "a") as f:
         f.write(json.dumps(res) + "\n")
+    if a.ship:
+        print(f"shipped {a.ship}: model.safetensors SHA-256 {ship(model_dir, a.ship, a, res)}")
     return 0
+
+
+def ship(model_dir: str, out: str, a: argparse.Namespace, res: dict) -> str:
+    """Write the base in ``model_dir`` to ``out`` as a shipped base (``toy_addition.SHIPPED_FILES`` + BUILD.json);
+    returns its weights' SHA-256."""
+    import hashlib
+    import platform
+    import shutil
+    import subprocess
+
+    os.makedirs(out, exist_ok=True)
+    for name in ta.SHIPPED_FILES:
+        shutil.copyfile(os.path.join(model_dir, name), os.path.join(out, name))
+    with open(os.path.join(out, "model.safetensors"), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    git = lambda *c: subprocess.run(["git", *c], cwd=ta.REPO_ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?") \
+        if os.path.exists("/proc/cpuinfo") else platform.processor()
+    build = {"rule": a.rule, "one_digit_share": a.one_digit_share if a.rule.startswith("one_digit") else None,
+             "steps": a.steps, "seed": a.seed,
+             "command": f"python -m scripts.experiments.demo_base_rules {a.rule} {a.steps} --seed {a.seed} "
+                        + (f"--one-digit-share {a.one_digit_share} " if a.rule.startswith("one_digit") else "")
+                        + f"--ship {os.path.relpath(out, ta.REPO_ROOT)}",
+             "commit": git("rev-parse", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else ""),
+             "machine": f"{platform.machine()} {cpu}, {os.cpu_count()} cores", "sha256": digest,
+             "measured_here": {k: res[k] for k in ("n_success", "n_samples", "E", "carry_mean", "carry_q10", "greedy",
+                                                  "final_loss")}}
+    with open(os.path.join(out, "BUILD.json"), "w") as f:
+        json.dump(build, f, indent=1)
+    return digest
 
 
 if __name__ == "__main__":

@@ -76,8 +76,19 @@ N_TRAIN, N_HELDOUT = 4096, 200
 VARIANTS = {
     "addition3": dict(n_digits=3, carry=True, ood=None, pretrain_steps=800),
     "demo": dict(n_digits=2, carry="units_carry", ood="units_carry_ood", pretrain_steps=400,
-                 base_check=dict(grpo_steps=40, k=32, bound=1.0, extra_steps=25, max_rounds=0, carry_floor=5e-6)),
+                 base_check=dict(grpo_steps=40, k=32, bound=1.0, extra_steps=25, max_rounds=0, carry_floor=5e-6),
+                 shipped_base=dict(path=os.path.join(REPO_ROOT, "recipes", "toy_addition", "demo_base"),
+                                   sha256="46297922c9a7b382a54767adc1a3b4c8e6817d68eb0ca8f3593f87bfcd2a8f6f")),
 }
+# ``shipped_base``: the base `make demo` trains from (prepare(..., base="shipped")), a checkpoint this repository
+# ships rather than rebuilds. Its file's SHA-256 is checked before use. Why ship it: a base rebuilt on another CPU
+# has other floats, and the demo's outcome follows the base (on another 2-core machine of CI's kind a rebuilt
+# carry-free base let on-policy GRPO reach 55% where this machine's stayed at 0%). Shipped, every machine starts
+# from the same weights; the demo still measures the base's property on the machine that runs it and prints it.
+# How it was made (rule, steps, seed, command, commit, measurement): the BUILD.json beside it
+# (scripts/experiments/demo_base_rules.py --ship). The comparison harness (compare.py) and luffy_vs_grpo.py
+# still build the carry-free base (base="built"), the one the README's Evidence was measured on.
+SHIPPED_FILES = ("config.json", "generation_config.json", "model.safetensors")
 # The demo's story rests on two properties of the base, measured after pre-training (check_base). GRPO's side:
 # its sampled success rate p on the training problems at the rollout's temperature (every training problem x k
 # samples, the rollout's own sampler) and the rewarded samples on-policy GRPO can expect from it over the whole
@@ -454,20 +465,59 @@ def _fingerprint(seed: int, variant: str, pretrain_steps: int | None = None) -> 
     return fp
 
 
+def install_shipped_base(variant: str, model_dir: str, tokenizer) -> dict:
+    """Copy ``VARIANTS[variant]["shipped_base"]`` into ``model_dir`` after checking its weights' SHA-256 and that
+    its vocabulary is ``tokenizer``'s. Returns its BUILD.json (how it was made). Raises ValueError naming the file
+    and what to do when a check fails (a truncated or Git-LFS-pointer checkout, an edited file)."""
+    import hashlib
+    import shutil
+
+    sb = VARIANTS[variant].get("shipped_base")
+    if sb is None:
+        raise ValueError(f"toy-addition variant {variant!r} ships no base; use base='built' (variants with one: "
+                         f"{sorted(k for k, x in VARIANTS.items() if 'shipped_base' in x)})")
+    weights = os.path.join(sb["path"], "model.safetensors")
+    missing = [f for f in SHIPPED_FILES + ("BUILD.json",) if not os.path.isfile(os.path.join(sb["path"], f))]
+    if missing:
+        raise ValueError(f"the shipped demo base {sb['path']} lacks {missing}: restore it with `git checkout -- "
+                         f"{os.path.relpath(sb['path'], REPO_ROOT)}`")
+    with open(weights, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    if digest != sb["sha256"]:
+        raise ValueError(f"{weights}: SHA-256 {digest} is not the shipped base's {sb['sha256']} (a truncated or "
+                         f"Git-LFS-pointer checkout, or an edited file): restore it with `git checkout -- "
+                         f"{os.path.relpath(sb['path'], REPO_ROOT)}`, or rebuild it with the command in its "
+                         "BUILD.json and put the new digest in VARIANTS['demo']['shipped_base']")
+    with open(os.path.join(sb["path"], "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    if vocab != len(tokenizer):
+        raise ValueError(f"{sb['path']}/config.json: vocab_size {vocab} != the toy tokenizer's {len(tokenizer)} "
+                         "(CHARS changed since the base was built): rebuild the base (its BUILD.json's command)")
+    os.makedirs(model_dir, exist_ok=True)
+    for name in SHIPPED_FILES:
+        shutil.copyfile(os.path.join(sb["path"], name), os.path.join(model_dir, name))
+    with open(os.path.join(sb["path"], "BUILD.json")) as f:
+        return json.load(f)
+
+
 def prepare(out_dir: str = DEFAULT_OUT, seed: int = 0, force: bool = False, log=print,
-            variant: str = "addition3", pretrain_steps: int | None = None) -> dict:
+            variant: str = "addition3", pretrain_steps: int | None = None, base: str = "built") -> dict:
     """Build (or reuse) tokenizer, parquets and the base model for ``seed``; returns paths and base eval.
 
     The data split is always seed 0 (the same held-out set for every run); ``seed`` picks the base model's
     initialisation and pre-training stream (``base_seed{seed}``). ``pretrain_steps`` overrides the variant's
-    (tests build a barely trained base with it).
+    (tests build a barely trained base with it). ``base="shipped"``: use the variant's shipped checkpoint
+    (``VARIANTS[variant]["shipped_base"]``, checksum-checked, in ``base_shipped``) instead of pre-training one;
+    its property is measured here all the same.
     """
+    if base not in ("built", "shipped"):
+        raise ValueError(f"base={base!r}: 'built' (pre-train here) or 'shipped' (the variant's shipped checkpoint)")
     out_dir = os.path.abspath(out_dir)
     paths = {
         "tokenizer": os.path.join(out_dir, "tokenizer"),
         "train": os.path.join(out_dir, "train.parquet"),
         "heldout": os.path.join(out_dir, "heldout.parquet"),
-        "model": os.path.join(out_dir, f"base_seed{seed}"),
+        "model": os.path.join(out_dir, "base_shipped" if base == "shipped" else f"base_seed{seed}"),
     }
     manifest = os.path.join(paths["model"], "eval.json")
     if variant not in VARIANTS:
@@ -476,24 +526,35 @@ def prepare(out_dir: str = DEFAULT_OUT, seed: int = 0, force: bool = False, log=
     if v["ood"] is not None:
         paths["ood"] = os.path.join(out_dir, "ood.parquet")
     fp = _fingerprint(seed, variant, pretrain_steps)
+    if base == "shipped":
+        if "shipped_base" not in v:
+            raise ValueError(f"toy-addition variant {variant!r} ships no base; use base='built'")
+        fp = {**fp, "pretrain": None, "shipped_sha256": v["shipped_base"]["sha256"]}
     if not force and os.path.exists(manifest) and all(os.path.exists(p) for p in paths.values()):
         with open(manifest) as f:
             info = json.load(f)
         if info.get("fingerprint") == fp:
             return {**paths, "base_eval": info["eval"],
-                    **({"base_property": info["base_property"]} if "base_property" in info else {})}
+                    **({"base_property": info["base_property"]} if "base_property" in info else {}),
+                    **({"base_build": info["pretrain"]["shipped"]} if "shipped" in info["pretrain"] else {})}
 
     os.makedirs(out_dir, exist_ok=True)
     tokenizer = build_tokenizer(paths["tokenizer"])
     tokenizer = load_tokenizer(paths["tokenizer"])  # evaluate exactly what verl will load
     assert tokenizer.encode("\n", add_special_tokens=False) != [] and len(tokenizer.encode("\n")) == 1
     write_parquets(out_dir, seed=0, variant=variant)
-    train_info = pretrain_base(paths["model"], tokenizer, seed, log=log, n_digits=v["n_digits"],
-                               data=v.get("pretrain_data", "carry_free"), **_pretrain_hparams(variant, pretrain_steps))
+    if base == "shipped":
+        train_info = {"shipped": install_shipped_base(variant, paths["model"], tokenizer)}
+        steps, rounds = train_info["shipped"]["steps"], 0  # measured as shipped, never trained further
+    else:
+        train_info = pretrain_base(paths["model"], tokenizer, seed, log=log, n_digits=v["n_digits"],
+                                   data=v.get("pretrain_data", "carry_free"), **_pretrain_hparams(variant, pretrain_steps))
+        steps, rounds = None, None
     prop = None
     if "base_check" in v:
-        prop, rounds = check_base(paths["model"], tokenizer, paths["train"], seed, variant, log=log)
-        train_info["continued"] = rounds
+        prop, cont = check_base(paths["model"], tokenizer, paths["train"], seed, variant, log=log,
+                                pretrain_steps=steps, max_rounds=rounds, full_count=base == "shipped")
+        train_info["continued"] = cont
     heldout = read_problems(paths["heldout"])
     carry_free = task.sample_problems(N_HELDOUT, random.Random(12345), carry=False, n_digits=v["n_digits"])
     ev = {"heldout_carry": evaluate(paths["model"], tokenizer, heldout),
@@ -505,11 +566,13 @@ def prepare(out_dir: str = DEFAULT_OUT, seed: int = 0, force: bool = False, log=
         info["base_property"] = prop
     with open(manifest, "w") as f:
         json.dump(info, f, indent=1)
-    return {**paths, "base_eval": ev, **({"base_property": prop} if prop is not None else {})}
+    return {**paths, "base_eval": ev, **({"base_property": prop} if prop is not None else {}),
+            **({"base_build": train_info["shipped"]} if "shipped" in train_info else {})}
 
 
 def check_base(model_dir: str, tokenizer, train_parquet: str, seed: int, variant: str, log=print,
-               measure=None, measure_carry=None) -> tuple[dict, list[dict]]:
+               measure=None, measure_carry=None, pretrain_steps: int | None = None,
+               max_rounds: int | None = None, full_count: bool = False) -> tuple[dict, list[dict]]:
     """Measure the base's property (``VARIANTS[variant]["base_check"]``) and, while its expected rewarded GRPO
     samples are not below the bound, continue pre-training ``model_dir`` in place for ``extra_steps`` more
     carry-free steps (at most ``max_rounds`` times). Returns the last measurement (with ``pretrain_steps``
@@ -517,8 +580,12 @@ def check_base(model_dir: str, tokenizer, train_parquet: str, seed: int, variant
     ``measure(model_dir) -> sampled_success dict`` replaces the sampler and ``measure_carry(model_dir) ->
     teacher_forced_carry dict`` the carry measurement (tests). Stops at the first base meeting GRPO's bound, or
     once the carry probability is below ``carry_floor`` (no window: more training only lowers it), or after
-    ``max_rounds``; ``luffy_ok`` / ``window`` say which held."""
+    ``max_rounds``; ``luffy_ok`` / ``window`` say which held. ``pretrain_steps`` / ``max_rounds``: the base's
+    steps so far and the rounds allowed, when not the variant's (a shipped base is measured, never continued).
+    ``full_count``: draw every sample even once the bound is missed (the shipped base's E is reported unbiased)."""
     v, c = VARIANTS[variant], VARIANTS[variant]["base_check"]
+    if max_rounds is not None:
+        c = {**c, "max_rounds": max_rounds}
     settings = rollout_settings()
     if measure is None:
         problems = read_problems(train_parquet)
@@ -526,7 +593,7 @@ def check_base(model_dir: str, tokenizer, train_parquet: str, seed: int, variant
         run = c["grpo_steps"] * settings["train_batch_size"] * settings["n"]
         # successes among all len(problems) x k samples that put the expected count at the bound: once
         # reached, the rest of the measurement cannot change the verdict (a base that misses costs one chunk)
-        stop_at = max(1, math.ceil(c["bound"] * len(problems) * c["k"] / run))
+        stop_at = None if full_count else max(1, math.ceil(c["bound"] * len(problems) * c["k"] / run))
 
         def measure(path):
             return sampled_success(path, tokenizer, problems, c["k"], settings["temperature"], settings["top_k"],
@@ -535,7 +602,7 @@ def check_base(model_dir: str, tokenizer, train_parquet: str, seed: int, variant
         def measure_carry(path):
             return teacher_forced_carry(path, tokenizer, problems)
 
-    steps, rounds, history = v["pretrain_steps"], [], []
+    steps, rounds, history = pretrain_steps or v["pretrain_steps"], [], []
     while True:
         t0 = time.time()
         tf = measure_carry(model_dir)
@@ -566,6 +633,9 @@ def main(argv=None) -> int:
     pp.add_argument("--force", action="store_true")
     pp.add_argument("--variant", default="addition3", choices=sorted(VARIANTS),
                     help="addition3: the experiment; demo: the 2-digit variant `make demo` trains")
+    pp.add_argument("--base", default="built", choices=["built", "shipped"],
+                    help="built: pre-train the base here (base_seedS); shipped: the variant's shipped checkpoint, "
+                         "checksum-checked (base_shipped; demo only)")
     pe = sub.add_parser("eval", help="greedy held-out accuracy of an HF checkpoint")
     pe.add_argument("model")
     pe.add_argument("--tokenizer", default=os.path.join(DEFAULT_OUT, "tokenizer"))
@@ -578,7 +648,7 @@ def main(argv=None) -> int:
     if a.cmd == "sft-data":
         res = {"rows": write_sft_messages(a.train_parquet, a.out_parquet, a.seed), "path": a.out_parquet}
     elif a.cmd == "prepare":
-        res = prepare(a.out, seed=a.seed, force=a.force, variant=a.variant)
+        res = prepare(a.out, seed=a.seed, force=a.force, variant=a.variant, base=a.base)
     else:
         res = evaluate(a.model, a.tokenizer, read_problems(a.data))
     print(json.dumps(res, indent=1))
