@@ -202,7 +202,7 @@ def test_pretraining_data_never_shows_a_column_receiving_a_carry(ta, data, monke
 def test_one_digit_rules_never_show_a_column_receiving_a_carry(rule):
     """The shipped demo base's rules (scripts/experiments/demo_base_rules.py), drawn as its pretrain() draws them:
     correct traces only; a 2-digit problem's units column never carries, so no column receives a carry; 1-digit
-    problems (about the share asked for) are the only units carries the base sees, and no demo problem is drawn."""
+    problems (at least the share asked for) are the only units carries the base sees, and no demo problem is drawn."""
     dbr = _load("demo_base_rules")
     rng, n, one, unit_carries = random.Random(1000), 0, 0, 0
     demo = set(sum(_load("toy_addition").variant_splits("demo").values(), []))
@@ -215,7 +215,7 @@ def test_one_digit_rules_never_show_a_column_receiving_a_carry(rule):
             one += a < 10 and b < 10
             unit_carries += pairs[0][1] == "1"
             n += 1
-    assert n == 6400 and 0.2 < one / n < 0.3 and 0 < unit_carries < one
+    assert n == 6400 and 0.25 <= one / n < 0.4 and 0 < unit_carries < one  # rejected 2-digit draws raise the share
 
 
 def test_shipped_demo_base_is_checked_installed_and_measured(ta, tmp_path, monkeypatch):
