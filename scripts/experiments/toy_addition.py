@@ -466,16 +466,14 @@ def _fingerprint(seed: int, variant: str, pretrain_steps: int | None = None) -> 
 
 
 def install_shipped_base(variant: str, model_dir: str, tokenizer) -> dict:
-    """Copy ``VARIANTS[variant]["shipped_base"]`` into ``model_dir`` after checking its weights' SHA-256 and that
-    its vocabulary is ``tokenizer``'s. Returns its BUILD.json (how it was made). Raises ValueError naming the file
-    and what to do when a check fails (a truncated or Git-LFS-pointer checkout, an edited file)."""
+    """Copy ``VARIANTS[variant]["shipped_base"]`` (the variant must ship one: prepare checks) into ``model_dir``
+    after checking its weights' SHA-256 and that its vocabulary is ``tokenizer``'s. Returns its BUILD.json (how it
+    was made). Raises ValueError naming the file and what to do when a check fails (a truncated or
+    Git-LFS-pointer checkout, an edited file)."""
     import hashlib
     import shutil
 
-    sb = VARIANTS[variant].get("shipped_base")
-    if sb is None:
-        raise ValueError(f"toy-addition variant {variant!r} ships no base; use base='built' (variants with one: "
-                         f"{sorted(k for k, x in VARIANTS.items() if 'shipped_base' in x)})")
+    sb = VARIANTS[variant]["shipped_base"]
     weights = os.path.join(sb["path"], "model.safetensors")
     missing = [f for f in SHIPPED_FILES + ("BUILD.json",) if not os.path.isfile(os.path.join(sb["path"], f))]
     if missing:
@@ -528,7 +526,8 @@ def prepare(out_dir: str = DEFAULT_OUT, seed: int = 0, force: bool = False, log=
     fp = _fingerprint(seed, variant, pretrain_steps)
     if base == "shipped":
         if "shipped_base" not in v:
-            raise ValueError(f"toy-addition variant {variant!r} ships no base; use base='built'")
+            raise ValueError(f"toy-addition variant {variant!r} ships no base; use base='built' (variants with "
+                             f"one: {sorted(k for k, x in VARIANTS.items() if 'shipped_base' in x)})")
         fp = {**fp, "pretrain": None, "shipped_sha256": v["shipped_base"]["sha256"]}
     if not force and os.path.exists(manifest) and all(os.path.exists(p) for p in paths.values()):
         with open(manifest) as f:
