@@ -461,7 +461,8 @@ def _fingerprint(seed: int, variant: str, pretrain_steps: int | None = None) -> 
     fp = {"version": 1, "seed": seed, "chars": "".join(CHARS), "model": MODEL_KW,
           "pretrain": _pretrain_hparams(variant, pretrain_steps), "n_train": N_TRAIN, "n_heldout": N_HELDOUT}
     if variant != "addition3":  # caches of the experiment's assets stay valid
-        fp["variant"] = {"name": variant, **VARIANTS[variant]}
+        # the shipped base's path and digest are not part of a built base's identity (a shipped one adds its digest)
+        fp["variant"] = {"name": variant, **{k: x for k, x in VARIANTS[variant].items() if k != "shipped_base"}}
     return fp
 
 
