@@ -200,7 +200,7 @@ def test_pretraining_data_never_shows_a_column_receiving_a_carry(ta, data, monke
 
 @pytest.mark.parametrize("rule", ["one_digit", "one_digit_masked"])
 def test_one_digit_rules_never_show_a_column_receiving_a_carry(rule):
-    """The shipped demo base's rules (scripts/experiments/demo_base_rules.py), drawn as its pretrain() draws them:
+    """The measured one-digit rules (scripts/experiments/demo_base_rules.py), drawn as its pretrain() draws them:
     correct traces only; a 2-digit problem's units column never carries, so no column receives a carry; 1-digit
     problems (at least the share asked for) are the only units carries the base sees, and no demo problem is drawn."""
     dbr = _load("demo_base_rules")

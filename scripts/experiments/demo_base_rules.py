@@ -153,7 +153,6 @@ def main(argv=None) -> int:
 def ship(model_dir: str, out: str, a: argparse.Namespace, res: dict) -> str:
     """Write the base in ``model_dir`` to ``out`` as a shipped base (``toy_addition.SHIPPED_FILES`` + BUILD.json);
     returns its weights' SHA-256."""
-    import hashlib
     import platform
     import shutil
     import subprocess
@@ -161,8 +160,7 @@ def ship(model_dir: str, out: str, a: argparse.Namespace, res: dict) -> str:
     os.makedirs(out, exist_ok=True)
     for name in ta.SHIPPED_FILES:
         shutil.copyfile(os.path.join(model_dir, name), os.path.join(out, name))
-    with open(os.path.join(out, "model.safetensors"), "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
+    digest = ta.weights_sha256(out)
     git = lambda *c: subprocess.run(["git", *c], cwd=ta.REPO_ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?") \
         if os.path.exists("/proc/cpuinfo") else platform.processor()

@@ -466,12 +466,20 @@ def _fingerprint(seed: int, variant: str, pretrain_steps: int | None = None) -> 
     return fp
 
 
+def weights_sha256(model_dir: str) -> str:
+    """SHA-256 of ``model_dir/model.safetensors``: the digest a shipped base is recorded and checked by
+    (``demo_base_rules --ship`` writes it, :func:`install_shipped_base` checks it)."""
+    import hashlib
+
+    with open(os.path.join(model_dir, "model.safetensors"), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def install_shipped_base(variant: str, model_dir: str, tokenizer) -> dict:
     """Copy ``VARIANTS[variant]["shipped_base"]`` (the variant must ship one: prepare checks) into ``model_dir``
     after checking its weights' SHA-256 and that its vocabulary is ``tokenizer``'s. Returns its BUILD.json (how it
     was made). Raises ValueError naming the file and what to do when a check fails (a truncated or
     Git-LFS-pointer checkout, an edited file)."""
-    import hashlib
     import shutil
 
     sb = VARIANTS[variant]["shipped_base"]
@@ -480,8 +488,7 @@ def install_shipped_base(variant: str, model_dir: str, tokenizer) -> dict:
     if missing:
         raise ValueError(f"the shipped demo base {sb['path']} lacks {missing}: restore it with `git checkout -- "
                          f"{os.path.relpath(sb['path'], REPO_ROOT)}`")
-    with open(weights, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
+    digest = weights_sha256(sb["path"])
     if digest != sb["sha256"]:
         raise ValueError(f"{weights}: SHA-256 {digest} is not the shipped base's {sb['sha256']} (a truncated or "
                          f"Git-LFS-pointer checkout, or an edited file): restore it with `git checkout -- "
