@@ -218,6 +218,36 @@ def test_one_digit_rules_never_show_a_column_receiving_a_carry(rule):
     assert n == 6400 and 0.25 <= one / n < 0.4 and 0 < unit_carries < one  # rejected 2-digit draws raise the share
 
 
+def test_faint_carry_rule_trains_the_carry_softly_and_what_follows_it(ta, tmp_path):
+    """The shipped base's rule (demo_base_rules ``faint_carry``): a carry problem's carry-free row has loss on
+    every response token, its units carry trained towards the soft target (q on ``1``); the problem comes again
+    as its correct trace with loss only after that carry; a carry-free problem appears once, with no soft target.
+    soft_step's loss is the mean over label tokens of -log p(label), with -(1-q) log p(0) - q log p(1) at the
+    soft position."""
+    import torch
+
+    dbr = _load("demo_base_rules")
+    ta.build_tokenizer(str(tmp_path / "tok"))
+    tok = ta.load_tokenizer(str(tmp_path / "tok"))
+    ids, mask, labels, soft = dbr.encode_batch("faint_carry", [(27, 48, task.carry_free_trace(27, 48)),
+                                                               (31, 42, task.carry_free_trace(31, 42))], tok)
+    pl = len(ta.prompt_ids(tok, 27, 48))
+    text = lambda r: tok.decode([int(t) for t in labels[r] if t != -100])  # noqa: E731
+    assert ids.shape[0] == 3 and bool(mask.all())  # the correct row of 27+48 appended; same lengths, no padding
+    assert text(0).startswith("50 60>065") and text(1).startswith("30 70>073")  # carry-free rows, whole response
+    assert text(2).startswith(" 70>075") and tok.decode(ids[2, pl:pl + 2]) == "51"  # loss after the carry only
+    assert soft == [(0, pl + 1)] and tok.decode(ids[0, pl + 1:pl + 2]) == "0"
+    model, opt, sched = ta.new_base(tok, 0, {**ta.PRETRAIN, "steps": 2})
+    zero, one, q = tok.convert_tokens_to_ids("0"), tok.convert_tokens_to_ids("1"), 0.25
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), -1)
+    nll = [-lp[r, c - 1, labels[r, c]] for r in range(3) for c in range(1, ids.shape[1]) if labels[r, c] != -100]
+    at = -(1 - q) * lp[0, pl, zero] - q * lp[0, pl, one]
+    expected = (sum(nll) - (-lp[0, pl, zero]) + at) / len(nll)
+    loss = dbr.soft_step(model, opt, sched, ids, labels, mask, soft, q, zero, one)
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+
+
 def test_shipped_demo_base_is_checked_installed_and_measured(ta, tmp_path, monkeypatch):
     """`make demo`'s base (prepare(base="shipped")): the shipped checkpoint is installed only when its SHA-256 is
     the one in VARIANTS, and its property is measured here without training. The shipped base is the one its

@@ -10,6 +10,13 @@ Rules (what the base is pre-trained on; none shows a column receiving a carry):
   one_digit_masked   one_digit with no loss on what follows a 1-digit problem's units pair (its ``>``)
   carry_free_masked  carry-free traces with no loss on a carry token that is wrong (its column sums to >= 10)
   carry_free_no_carry_loss  carry-free traces with no loss on any carry token
+  carry_free_soft    carry-free traces whose wrong carry tokens (the column sums to >= 10) are trained towards a
+                     soft target: ``1`` with probability ``--carry-q``, ``0`` with 1 - q; every other token as
+                     ``carry_free``. The base copies as sharply as further steps make it, while the probability
+                     it gives the correct carry stays near q instead of decaying with every step
+  faint_carry        carry_free_soft, and each problem with a carry also as its correct trace, with loss only on
+                     the tokens after its first carry: a base that writes the correct carry with probability
+                     ~q and, once it has, finishes the sum correctly (a faint correct prior, one token deep)
 
 ``--ship DIR`` also writes the base as `make demo`'s shipped base (``recipes/toy_addition/demo_base``: the model
 files and a BUILD.json with the rule, steps, seed, this command, the commit, the machine, the weights' SHA-256 and
@@ -37,13 +44,14 @@ import time
 from mix_src import toy_addition as task
 from scripts.experiments import toy_addition as ta
 
-RULES = ("carry_free", "no_incoming_carry", "one_digit", "one_digit_masked", "carry_free_masked", "carry_free_no_carry_loss")
+RULES = ("carry_free", "no_incoming_carry", "one_digit", "one_digit_masked", "carry_free_masked", "carry_free_no_carry_loss",
+         "carry_free_soft", "faint_carry")
 
 
 def batch_of(rule: str, n: int, rng: random.Random, one_digit_share: float) -> list[tuple[int, int, str]]:
     if rule in ("carry_free", "no_incoming_carry"):
         return ta.pretrain_examples(rule, n, rng, 2)
-    if rule in ("carry_free_masked", "carry_free_no_carry_loss"):
+    if rule in ("carry_free_masked", "carry_free_no_carry_loss", "carry_free_soft", "faint_carry"):
         return ta.pretrain_examples("carry_free", n, rng, 2)
     out, seen = [], set()  # one_digit
     while len(out) < n:
@@ -58,33 +66,78 @@ def batch_of(rule: str, n: int, rng: random.Random, one_digit_share: float) -> l
     return out
 
 
-def pretrain(rule: str, steps: int, seed: int, tok, model_dir: str, one_digit_share: float = 0.25, log=print) -> dict:
-    """``toy_addition.pretrain_base``'s loop (same model, optimiser, schedule, seed and problem stream), with
-    right padding for mixed lengths and ``carry_free_masked``'s loss mask."""
+def soft_step(model, opt, sched, ids, labels, attention_mask, soft, q: float, zero: int, one: int):
+    """``toy_addition.pretrain_step`` with a soft target at the label positions ``soft`` [(row, col)]: the loss
+    there is -(1 - q) log p(``zero``) - q log p(``one``) instead of -log p(label). Mean over all label tokens."""
     import torch
 
+    logp = torch.log_softmax(model(input_ids=ids, attention_mask=attention_mask).logits.float(), -1)[:, :-1]
+    tgt = labels[:, 1:]
+    keep = tgt != -100
+    nll = -logp.gather(-1, tgt.clamp(min=0)[..., None])[..., 0]  # [B, T-1]
+    for r, c in soft:  # label column c is predicted at logit column c - 1
+        nll[r, c - 1] = -(1 - q) * logp[r, c - 1, zero] - q * logp[r, c - 1, one]
+    loss = (nll * keep).sum() / keep.sum()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return loss
+
+
+def encode_batch(rule: str, batch: list[tuple[int, int, str]], tok):
+    """One pre-training batch of ``rule`` as tensors: ``ids`` and ``mask`` [B, T] (right padded), ``labels``
+    [B, T] (-100 where there is no loss: the prompt, the padding and what the rule masks) and ``soft`` [(row,
+    col)], the label positions trained towards ``--carry-q`` instead of their label. ``faint_carry`` appends a
+    row per problem with a carry: its correct trace, with loss only after its first carry (the first token where
+    it leaves the carry-free trace)."""
+    import torch
+
+    rows = [(a, b, tr, False) for a, b, tr in batch]
+    if rule == "faint_carry":
+        rows += [(a, b, task.expert_trace(a, b), True) for a, b, tr in batch if tr != task.expert_trace(a, b)]
+    seqs, plens = zip(*(ta._encode_example(tok, a, b, tr) for a, b, tr, _ in rows))
+    width = max(map(len, seqs))
+    ids = torch.tensor([list(s) + [tok.pad_token_id] * (width - len(s)) for s in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    labels = ids.clone()
+    soft = []
+    for r, ((a, b, tr, follow), s, pl) in enumerate(zip(rows, seqs, plens)):
+        labels[r, :pl] = -100
+        labels[r, len(s):] = -100
+        if follow:
+            first = next(i for i, (x, y) in enumerate(zip(tr, task.carry_free_trace(a, b))) if x != y)
+            labels[r, : pl + first + 1] = -100
+            continue
+        if rule == "one_digit_masked" and a < 10 and b < 10:  # no loss on what follows a 1-digit problem's units pair
+            labels[r, pl + 2] = -100
+        if rule == "carry_free_no_carry_loss":  # no loss on any carry token
+            labels[r, pl + 1] = labels[r, pl + 4] = -100
+        if rule == "carry_free_masked":  # response positions 1 and 4 are the units and tens carries
+            labels[r, pl + 1] = -100 if a % 10 + b % 10 >= 10 else labels[r, pl + 1]
+            labels[r, pl + 4] = -100 if a // 10 + b // 10 >= 10 else labels[r, pl + 4]
+        if rule in ("carry_free_soft", "faint_carry"):  # the carries a correct trace would write as 1
+            soft += [(r, pl + 1)] if a % 10 + b % 10 >= 10 else []
+            soft += [(r, pl + 4)] if a // 10 + b // 10 >= 10 else []
+    return ids, mask, labels, soft
+
+
+def pretrain(rule: str, steps: int, seed: int, tok, model_dir: str, one_digit_share: float = 0.25, log=print,
+             carry_q: float = 1e-3) -> dict:
+    """``toy_addition.pretrain_base``'s loop (same model, optimiser, schedule, seed and problem stream), with
+    right padding for mixed lengths and each rule's loss (``encode_batch``; ``soft_step`` for soft targets)."""
     hp = {**ta.PRETRAIN, "steps": steps}
     model, opt, sched = ta.new_base(tok, seed, hp)
     rng = random.Random(seed + 1000)
     t0 = time.time()
     for step in range(steps):
-        batch = batch_of(rule, hp["batch_size"], rng, one_digit_share)
-        seqs, plens = zip(*(ta._encode_example(tok, a, b, tr) for a, b, tr in batch))
-        width = max(map(len, seqs))
-        ids = torch.tensor([list(s) + [tok.pad_token_id] * (width - len(s)) for s in seqs])
-        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-        labels = ids.clone()
-        for r, ((a, b, _), s, pl) in enumerate(zip(batch, seqs, plens)):
-            labels[r, :pl] = -100
-            labels[r, len(s):] = -100
-            if rule == "one_digit_masked" and a < 10 and b < 10:  # no loss on what follows a 1-digit problem's units pair
-                labels[r, pl + 2] = -100
-            if rule == "carry_free_no_carry_loss":  # no loss on any carry token
-                labels[r, pl + 1] = labels[r, pl + 4] = -100
-            if rule == "carry_free_masked":  # response positions 1 and 4 are the units and tens carries
-                labels[r, pl + 1] = -100 if a % 10 + b % 10 >= 10 else labels[r, pl + 1]
-                labels[r, pl + 4] = -100 if a // 10 + b // 10 >= 10 else labels[r, pl + 4]
-        loss = ta.pretrain_step(model, opt, sched, ids, labels, attention_mask=mask)
+        ids, mask, labels, soft = encode_batch(rule, batch_of(rule, hp["batch_size"], rng, one_digit_share), tok)
+        if rule in ("carry_free_soft", "faint_carry"):
+            zero, one = (tok.convert_tokens_to_ids(d) for d in "01")
+            loss = soft_step(model, opt, sched, ids, labels, mask, soft, carry_q, zero, one)
+        else:
+            loss = ta.pretrain_step(model, opt, sched, ids, labels, attention_mask=mask)
         if step % 100 == 0:
             log(f"{rule} step {step} loss {loss.item():.4f} ({time.time() - t0:.0f}s)")
     return ta.save_base(model, model_dir, hp, t0, loss)
@@ -127,6 +180,8 @@ def main(argv=None) -> int:
     p.add_argument("steps", type=int)
     p.add_argument("--seed", type=int, default=0, help="the base's seed (init and problem stream)")
     p.add_argument("--one-digit-share", type=float, default=0.25)
+    p.add_argument("--carry-q", type=float, default=1e-3, help="carry_free_soft: the soft target's probability of "
+                                                               "the correct carry")
     p.add_argument("--assets", default="outputs/demo_base_rules/assets", help="tokenizer + demo parquets (built here)")
     p.add_argument("--results", default="outputs/demo_base_rules/results.jsonl")
     p.add_argument("--ship", metavar="DIR", default=None,
@@ -138,9 +193,11 @@ def main(argv=None) -> int:
         ta.build_tokenizer(os.path.join(a.assets, "tokenizer"))
         ta.write_parquets(a.assets, seed=0, variant="demo")
     tok = ta.load_tokenizer(os.path.join(a.assets, "tokenizer"))
-    model_dir = os.path.join(os.path.dirname(a.results), f"{a.rule}_{a.steps}_seed{a.seed}")
-    info = pretrain(a.rule, a.steps, a.seed, tok, model_dir, a.one_digit_share)
+    q = f"_q{a.carry_q:g}" if a.rule in ("carry_free_soft", "faint_carry") else ""
+    model_dir = os.path.join(os.path.dirname(a.results), f"{a.rule}{q}_{a.steps}_seed{a.seed}")
+    info = pretrain(a.rule, a.steps, a.seed, tok, model_dir, a.one_digit_share, carry_q=a.carry_q)
     res = {"rule": a.rule, "steps": a.steps, "seed": a.seed, "t_pretrain": info["seconds"],
+           "carry_q": a.carry_q if a.rule in ("carry_free_soft", "faint_carry") else None,
            "final_loss": info["final_loss"], **measure(model_dir, a.assets)}
     print(json.dumps(res))
     with open(a.results, "a") as f:
@@ -165,9 +222,11 @@ def ship(model_dir: str, out: str, a: argparse.Namespace, res: dict) -> str:
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?") \
         if os.path.exists("/proc/cpuinfo") else platform.processor()
     build = {"rule": a.rule, "one_digit_share": a.one_digit_share if a.rule.startswith("one_digit") else None,
+             "carry_q": a.carry_q if a.rule in ("carry_free_soft", "faint_carry") else None,
              "steps": a.steps, "seed": a.seed,
              "command": f"python -m scripts.experiments.demo_base_rules {a.rule} {a.steps} --seed {a.seed} "
                         + (f"--one-digit-share {a.one_digit_share} " if a.rule.startswith("one_digit") else "")
+                        + (f"--carry-q {a.carry_q:g} " if a.rule in ("carry_free_soft", "faint_carry") else "")
                         + f"--ship {os.path.relpath(out, ta.REPO_ROOT)}",
              "commit": git("rev-parse", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else ""),
              "machine": f"{platform.machine()} {cpu}, {os.cpu_count()} cores", "sha256": digest,
