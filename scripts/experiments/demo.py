@@ -3,7 +3,8 @@
 The task is the toy-addition demo variant (``scripts/experiments/toy_addition.py``, ``VARIANTS["demo"]``):
 2-digit additions whose only carry is out of the units column, written as a units-first trace
 (``27+48`` -> ``51 70>075``). The base model is shipped (``recipes/toy_addition/demo_base``, pre-trained on
-carry-free traces; its SHA-256 is checked; BUILD.json there says how it was made), so every machine starts from
+carry-free traces with a faint prior for the correct carry: ``demo_base_rules.py faint_carry``; its SHA-256 is
+checked; BUILD.json there says how it was made), so every machine starts from
 the same weights; it solves 0% of them greedily. LUFFY puts one expert trace in each group of 8. Before
 training the demo prints the property its story rests on, measured on this machine: the base's sampled
 success rate p on the 892 training problems
@@ -12,8 +13,9 @@ on-policy GRPO can expect from it over the run, p x steps x 32 x 8, with its bou
 reward in the whole run); and the teacher-forced probability the base gives the expert's carry token (mean over
 the training problems), which LUFFY's shaped term must raise, with its floor (>= 5e-6). It measures and reports
 (every sample counted; the base is never trained further) and warns before and after training when either
-side is missed. The shipped base misses GRPO's bound (E = 6.8 here), and GRPO starts from it: see
-recipes/toy_addition/README.md for the search behind that choice. Both methods run
+side is missed. The shipped base meets both (1 of 28,544 sampled successes where it was built); E is the base's,
+and GRPO's policy can still move without a reward (its entropy bonus), so GRPO's actual rewarded samples are
+printed after training: see recipes/toy_addition/README.md for the search behind the base. Both methods run
 ``bash recipes/toy_addition/run.sh METHOD 0`` (``python -m mix_src.main_mix_ppo``, CPU backend, Ray) at
 the same time, with the same budget; this driver prints one line per training step of each, then the
 held-out greedy accuracy of both (200 problems; the trainer's own validation) and writes a PNG.

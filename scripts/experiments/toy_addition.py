@@ -61,7 +61,9 @@ PRETRAIN = dict(steps=800, batch_size=64, lr=1e-3, warmup=50, weight_decay=0.0)
 # carry, each with its correct trace, so a carry out of the last column is written (``52+61`` -> ``30 11>113``)
 # and nothing the base sees says a carry is 0 when a column sums to 10 or more. With it the demo's base meets
 # GRPO's bound with a carry probability above the carry-free base's, but LUFFY reached only 12.5-13% in 40
-# steps (seed 0; recipes/toy_addition/README.md, "Base-building rules"), so the demo keeps "carry_free".
+# steps (seed 0; recipes/toy_addition/README.md, "Base-building rules"). Built bases use "carry_free"; `make
+# demo`'s shipped base was built by scripts/experiments/demo_base_rules.py's "faint_carry" rule (carry-free
+# traces plus a faint, one-token-deep prior for the correct carry; its BUILD.json).
 PRETRAIN_DATA = {
     "carry_free": dict(carry=None, trace=task.carry_free_trace),
     "no_incoming_carry": dict(carry="no_incoming_carry", trace=task.expert_trace),
