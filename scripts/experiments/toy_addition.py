@@ -80,7 +80,7 @@ VARIANTS = {
     "demo": dict(n_digits=2, carry="units_carry", ood="units_carry_ood", pretrain_steps=400,
                  base_check=dict(grpo_steps=40, k=32, bound=1.0, extra_steps=25, max_rounds=0, carry_floor=5e-6),
                  shipped_base=dict(path=os.path.join(REPO_ROOT, "recipes", "toy_addition", "demo_base"),
-                                   sha256="7a76516674fa57bd930e12bd0f642a4e20896ad09b9a3dc659c86fd150a93cfc")),
+                                   sha256="336bccfa77a43aeb83be1ca28cdbc2f0f42917da71cc8c10df534f360d2e042b")),
 }
 # ``shipped_base``: the base `make demo` trains from (prepare(..., base="shipped")), a checkpoint this repository
 # ships rather than rebuilds. Its file's SHA-256 is checked before use. Why ship it: a base rebuilt on another CPU
