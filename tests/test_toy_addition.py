@@ -446,6 +446,11 @@ def test_base_property_by_hand(tiny_toy, ta):
     prop = ta.base_property(never, steps=40, settings=RUN, bound=0.1)
     assert (prop["n_success"], prop["p"], prop["expected_rewarded"], prop["meets_bound"]) == (0, 0.0, 0.0, True)
     assert prop["upper95"] == pytest.approx(3 / 16 * 10240)
+    # one success bounds more than none: the exact Poisson limits (4.744 for 1, 7.754 for 3), not a normal
+    # approximation, which put the bound of 1 of 28,544 below the rule of three's 3 of 28,544
+    one = ta.base_property({"n_samples": 28544, "n_success": 1, "p": 1 / 28544}, steps=40, settings=RUN, bound=1.0)
+    assert one["upper95"] == pytest.approx(4.744 / 28544 * 10240, rel=1e-3) and one["meets_bound"]
+    assert ta.poisson_upper95(3) == pytest.approx(7.754, rel=1e-3) and ta.poisson_upper95(0) == 3.0
     assert "0/16" in ta.describe_property(prop) and "-- met" in ta.describe_property(prop)
     # a fair coin at the carry: p = 1/2 in expectation; 2 x 64 samples land within 5 sigma, and the same seed
     # draws the same samples (one seeded generator per sample)

@@ -422,16 +422,34 @@ def expected_rewarded(p: float, steps: int, train_batch_size: int, n: int) -> fl
     return p * steps * train_batch_size * n
 
 
+def poisson_upper95(x: int) -> float:
+    """The one-sided 95% upper confidence limit of a Poisson mean from an observed count ``x``: the mean whose
+    P(X <= x) is 0.05 (exact, by bisection), 3 for ``x`` = 0 (the rule of three; exactly -ln 0.05 = 2.996).
+    A success count of a base is binomial with a tiny p, so Poisson is its law; the normal approximation it
+    replaces put the bound of 1 success (2.96) below that of 0."""
+    if x == 0:
+        return 3.0
+
+    def cdf(lam: float) -> float:
+        return sum(math.exp(-lam + k * math.log(lam) - math.lgamma(k + 1)) for k in range(x + 1))
+
+    lo, hi = float(x), x + 10.0 * math.sqrt(x) + 10.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) > 0.05 else (lo, mid)
+    return (lo + hi) / 2
+
+
 def base_property(success: dict, steps: int, settings: dict, bound: float) -> dict:
     """The demo's property of a base: ``success`` (from :func:`sampled_success`), the expected rewarded samples of
     a ``steps``-step GRPO run with ``settings`` (:func:`rollout_settings`) and whether it is below ``bound``.
 
-    ``upper95``: the expected count at the 95% upper confidence bound of p (3 / n_samples when no sample
-    succeeded, the "rule of three"; else the normal approximation): what the measurement can rule out.
+    ``upper95``: the expected count at the one-sided 95% upper confidence bound of p (:func:`poisson_upper95`
+    / n_samples: 3 / n_samples when no sample succeeded, the "rule of three"): what the measurement can rule out.
     """
     n, x = success["n_samples"], success["n_success"]
     run = steps * settings["train_batch_size"] * settings["n"]
-    p_hi = 3.0 / n if x == 0 else min(1.0, success["p"] + 1.96 * (success["p"] * (1 - success["p"]) / n) ** 0.5)
+    p_hi = min(1.0, poisson_upper95(x) / n)
     expected = expected_rewarded(success["p"], steps, settings["train_batch_size"], settings["n"])
     return {**success, "temperature": settings["temperature"], "grpo_steps": steps, "grpo_samples": run,
             "expected_rewarded": expected, "upper95": p_hi * run, "bound": bound, "meets_bound": expected < bound}
