@@ -77,13 +77,7 @@ def soft_step(model, opt, sched, ids, labels, attention_mask, soft, q: float, ze
     nll = -logp.gather(-1, tgt.clamp(min=0)[..., None])[..., 0]  # [B, T-1]
     for r, c in soft:  # label column c is predicted at logit column c - 1
         nll[r, c - 1] = -(1 - q) * logp[r, c - 1, zero] - q * logp[r, c - 1, one]
-    loss = (nll * keep).sum() / keep.sum()
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    sched.step()
-    return loss
+    return ta.optimiser_step(model, opt, sched, (nll * keep).sum() / keep.sum())
 
 
 def encode_batch(rule: str, batch: list[tuple[int, int, str]], tok):

@@ -256,10 +256,15 @@ def new_base(tokenizer, seed: int, hp: dict, model_kw: dict = MODEL_KW, init_fro
 def pretrain_step(model, opt, sched, ids, labels, attention_mask=None):
     """One step of a toy base's pre-training (every toy task's loop): next-token cross-entropy on the labels
     that are not -100, gradient norm clipped to 1.0, optimiser and schedule stepped. Returns the loss tensor."""
+    kw = {} if attention_mask is None else {"attention_mask": attention_mask}
+    return optimiser_step(model, opt, sched, model(input_ids=ids, labels=labels, **kw).loss)
+
+
+def optimiser_step(model, opt, sched, loss):
+    """Back-propagate ``loss``, clip the gradient norm to 1.0, step the optimiser and the schedule; returns ``loss``
+    (every toy pre-training loop's step, whatever its loss)."""
     import torch
 
-    kw = {} if attention_mask is None else {"attention_mask": attention_mask}
-    loss = model(input_ids=ids, labels=labels, **kw).loss
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
