@@ -46,12 +46,13 @@ from scripts.experiments import toy_addition as ta
 
 RULES = ("carry_free", "no_incoming_carry", "one_digit", "one_digit_masked", "carry_free_masked", "carry_free_no_carry_loss",
          "carry_free_soft", "faint_carry")
+SOFT_RULES = ("carry_free_soft", "faint_carry")  # the rules that train the carry towards --carry-q (soft_step)
 
 
 def batch_of(rule: str, n: int, rng: random.Random, one_digit_share: float) -> list[tuple[int, int, str]]:
     if rule in ("carry_free", "no_incoming_carry"):
         return ta.pretrain_examples(rule, n, rng, 2)
-    if rule in ("carry_free_masked", "carry_free_no_carry_loss", "carry_free_soft", "faint_carry"):
+    if rule in ("carry_free_masked", "carry_free_no_carry_loss", *SOFT_RULES):
         return ta.pretrain_examples("carry_free", n, rng, 2)
     out, seen = [], set()  # one_digit
     while len(out) < n:
@@ -111,7 +112,7 @@ def encode_batch(rule: str, batch: list[tuple[int, int, str]], tok):
         if rule == "carry_free_masked":  # response positions 1 and 4 are the units and tens carries
             labels[r, pl + 1] = -100 if a % 10 + b % 10 >= 10 else labels[r, pl + 1]
             labels[r, pl + 4] = -100 if a // 10 + b // 10 >= 10 else labels[r, pl + 4]
-        if rule in ("carry_free_soft", "faint_carry"):  # the carries a correct trace would write as 1
+        if rule in SOFT_RULES:  # the carries a correct trace would write as 1
             soft += [(r, pl + 1)] if a % 10 + b % 10 >= 10 else []
             soft += [(r, pl + 4)] if a // 10 + b // 10 >= 10 else []
     return ids, mask, labels, soft
@@ -124,11 +125,11 @@ def pretrain(rule: str, steps: int, seed: int, tok, model_dir: str, one_digit_sh
     hp = {**ta.PRETRAIN, "steps": steps}
     model, opt, sched = ta.new_base(tok, seed, hp)
     rng = random.Random(seed + 1000)
+    zero, one = (tok.convert_tokens_to_ids(d) for d in "01")
     t0 = time.time()
     for step in range(steps):
         ids, mask, labels, soft = encode_batch(rule, batch_of(rule, hp["batch_size"], rng, one_digit_share), tok)
-        if rule in ("carry_free_soft", "faint_carry"):
-            zero, one = (tok.convert_tokens_to_ids(d) for d in "01")
+        if rule in SOFT_RULES:
             loss = soft_step(model, opt, sched, ids, labels, mask, soft, carry_q, zero, one)
         else:
             loss = ta.pretrain_step(model, opt, sched, ids, labels, attention_mask=mask)
@@ -174,8 +175,8 @@ def main(argv=None) -> int:
     p.add_argument("steps", type=int)
     p.add_argument("--seed", type=int, default=0, help="the base's seed (init and problem stream)")
     p.add_argument("--one-digit-share", type=float, default=0.25)
-    p.add_argument("--carry-q", type=float, default=1e-3, help="carry_free_soft: the soft target's probability of "
-                                                               "the correct carry")
+    p.add_argument("--carry-q", type=float, default=1e-3, help="carry_free_soft, faint_carry: the soft target's "
+                                                               "probability of the correct carry")
     p.add_argument("--assets", default="outputs/demo_base_rules/assets", help="tokenizer + demo parquets (built here)")
     p.add_argument("--results", default="outputs/demo_base_rules/results.jsonl")
     p.add_argument("--ship", metavar="DIR", default=None,
@@ -187,11 +188,11 @@ def main(argv=None) -> int:
         ta.build_tokenizer(os.path.join(a.assets, "tokenizer"))
         ta.write_parquets(a.assets, seed=0, variant="demo")
     tok = ta.load_tokenizer(os.path.join(a.assets, "tokenizer"))
-    q = f"_q{a.carry_q:g}" if a.rule in ("carry_free_soft", "faint_carry") else ""
+    q = f"_q{a.carry_q:g}" if a.rule in SOFT_RULES else ""
     model_dir = os.path.join(os.path.dirname(a.results), f"{a.rule}{q}_{a.steps}_seed{a.seed}")
     info = pretrain(a.rule, a.steps, a.seed, tok, model_dir, a.one_digit_share, carry_q=a.carry_q)
     res = {"rule": a.rule, "steps": a.steps, "seed": a.seed, "t_pretrain": info["seconds"],
-           "carry_q": a.carry_q if a.rule in ("carry_free_soft", "faint_carry") else None,
+           "carry_q": a.carry_q if a.rule in SOFT_RULES else None,
            "final_loss": info["final_loss"], **measure(model_dir, a.assets)}
     print(json.dumps(res))
     with open(a.results, "a") as f:
@@ -216,11 +217,11 @@ def ship(model_dir: str, out: str, a: argparse.Namespace, res: dict) -> str:
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?") \
         if os.path.exists("/proc/cpuinfo") else platform.processor()
     build = {"rule": a.rule, "one_digit_share": a.one_digit_share if a.rule.startswith("one_digit") else None,
-             "carry_q": a.carry_q if a.rule in ("carry_free_soft", "faint_carry") else None,
+             "carry_q": a.carry_q if a.rule in SOFT_RULES else None,
              "steps": a.steps, "seed": a.seed,
              "command": f"python -m scripts.experiments.demo_base_rules {a.rule} {a.steps} --seed {a.seed} "
                         + (f"--one-digit-share {a.one_digit_share} " if a.rule.startswith("one_digit") else "")
-                        + (f"--carry-q {a.carry_q:g} " if a.rule in ("carry_free_soft", "faint_carry") else "")
+                        + (f"--carry-q {a.carry_q:g} " if a.rule in SOFT_RULES else "")
                         + f"--ship {os.path.relpath(out, ta.REPO_ROOT)}",
              "commit": git("rev-parse", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else ""),
              "machine": f"{platform.machine()} {cpu}, {os.cpu_count()} cores", "sha256": digest,
