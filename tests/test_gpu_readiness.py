@@ -33,6 +33,7 @@ def _gpu_recipe(tiny_assets, tmp_path, *overrides):
         cfg.data.train_files, cfg.data.val_files = tiny_assets["train"], tiny_assets["val"]
         cfg.actor_rollout_ref.model.path = str(model)
         cfg.actor_rollout_ref.model.tokenizer_path = tiny_assets["tokenizer"]
+        cfg.trainer.default_local_dir = str(tmp_path / "ckpt")  # probed before Ray (save_freq 50)
     return cfg
 
 

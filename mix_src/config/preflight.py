@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
+from mix_src.config.resources import check_checkpoint_dir
 from mix_src.cpu import CHECKPOINT_ENGINE as CPU_CHECKPOINT_ENGINE, ROLLOUT_ENV
 from mix_src.mix_config import MixConfigError, validate_mix_config
 from mix_src.model_context import check_attention, resolve_max_model_len
@@ -45,6 +46,7 @@ def run(config: DictConfig) -> Any:
     # 4. data contents (train/val files opened, rows checked)
     # 5. batch arithmetic verl checks only inside Ray
     # 6. resources: checkpoint directory, GPU memory
+    check_checkpoint_dir(config)  # created, written to, free space vs the checkpoints kept (mix_src/config/resources.py)
     return mix
 
 

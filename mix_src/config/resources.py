@@ -1,0 +1,140 @@
+"""Resources checked before Ray starts (preflight slot 6): the checkpoint directory.
+
+:func:`check_checkpoint_dir` creates ``trainer.default_local_dir``, writes and deletes a probe file in it, and
+compares its free space (``shutil.disk_usage``) with what the run keeps there at once; it prints one line with
+the number and size of the checkpoints the run will write, and refuses, naming ``trainer.default_local_dir``,
+a directory that cannot be written or cannot hold them. A 7B actor checkpoint with its AdamW state is ~91 GB
+(:func:`mix_src.planner.checkpoint_bytes`), so a run that fills its disk fails at its first or tenth save,
+hours in; this fails in seconds.
+
+verl 0.9.1's rules that set the count (verl/trainer/ppo/ray_trainer.py fit, _save_checkpoint; verl/utils/
+checkpoint/checkpoint_manager.py ensure_checkpoint_capacity, register_checkpoint):
+
+* ``trainer.save_freq <= 0``: no checkpoint is written (nothing to check; the directory is left alone);
+* else a save at every step divisible by ``save_freq`` and at the last step;
+* ``max_actor_ckpt_to_keep = k``: before a save, all but the newest ``k - 1`` are deleted (``k >= 2``); with
+  ``k = 1`` the old one is deleted only after the new one is written, so ``max(k, 2)`` are on disk at once;
+  ``null``: every save stays;
+* the manager tracks only the saves of this process: checkpoints already in the directory (a resumed run's)
+  are never deleted. They already count as used space, so free space must hold the new ones alone.
+
+The critic's checkpoints (only when a critic is used: GAE) are not counted; the line says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from mix_src.mix_config import MixConfigError
+from mix_src.planner import checkpoint_bytes, count_params
+
+GB = 10**9
+
+
+def check_checkpoint_dir(config: DictConfig) -> Optional[dict]:
+    """Create ``trainer.default_local_dir``, probe it with a write, and refuse it when its free space cannot
+    hold the checkpoints the run keeps at once. Returns the plan it printed (None when the run saves none)."""
+    trainer = config.trainer
+    save_freq = int(trainer.get("save_freq", -1) or -1)
+    if save_freq <= 0:
+        return None  # verl saves only when save_freq > 0 (ray_trainer.py fit)
+    directory = os.path.abspath(os.path.expanduser(str(trainer.default_local_dir)))
+    probe_write(directory)
+    steps = total_steps(config)
+    saves = None if steps is None else steps // save_freq + (1 if steps % save_freq else 0)
+    keep = trainer.get("max_actor_ckpt_to_keep")
+    kept = kept_at_once(saves, None if keep is None else int(keep))
+    params = model_params(config.actor_rollout_ref.model)
+    contents = OmegaConf.select(config, "actor_rollout_ref.actor.checkpoint.save_contents", default=None)
+    with_optimizer = contents is None or "optimizer" in list(contents)
+    each = None if params is None else checkpoint_bytes(params, with_optimizer=with_optimizer)
+    free = shutil.disk_usage(directory).free
+    plan = {"dir": directory, "steps": steps, "saves": saves, "kept": kept, "bytes_each": each, "free": free}
+    print(f"[mix_src] checkpoints: {describe(plan, save_freq, keep, with_optimizer)}")
+    if kept is not None and each is not None and kept * each > free:
+        raise MixConfigError(
+            f"trainer.default_local_dir={directory}: {free / GB:.1f} GB free, but the run keeps {kept} checkpoint(s) "
+            f"of {each / GB:.1f} GB there at once ({kept * each / GB:.1f} GB). Point trainer.default_local_dir (or "
+            "OUTPUT_DIR for a recipe) at a larger disk, lower trainer.max_actor_ckpt_to_keep, or raise trainer.save_freq"
+        )
+    return plan
+
+
+def probe_write(directory: str) -> None:
+    """Create ``directory`` and write + delete a small file in it; refuse, naming the key, when either fails."""
+    probe = os.path.join(directory, f".mix_src_write_probe_{uuid.uuid4().hex}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"mix_src checkpoint directory probe\n")
+        os.remove(probe)
+    except OSError as e:
+        raise MixConfigError(
+            f"trainer.default_local_dir={directory}: cannot write checkpoints there ({type(e).__name__}: {e}). "
+            "Point trainer.default_local_dir (or OUTPUT_DIR for a recipe) at a writable directory"
+        ) from e
+
+
+def kept_at_once(saves: Optional[int], keep: Optional[int]) -> Optional[int]:
+    """Checkpoints of this run on disk at the fullest moment (None: unknown, i.e. unbounded and uncounted)."""
+    if keep is not None and keep > 0:
+        peak = max(keep, 2)  # k = 1 keeps the old one until the new one is written (register_checkpoint)
+        return peak if saves is None else min(peak, saves)
+    return saves
+
+
+def total_steps(config: DictConfig) -> Optional[int]:
+    """The run's step count as verl computes it (``_create_dataloader``): ``trainer.total_training_steps`` when
+    set, else batches per epoch (rows // train_batch_size, verl drops the last partial batch) x total_epochs,
+    counted from the parquet footers. None when the training files cannot be counted here."""
+    steps = config.trainer.get("total_training_steps")
+    if steps is not None and int(steps) > 0:
+        return int(steps)
+    rows = parquet_rows(config.data.train_files)
+    if rows is None:
+        return None
+    return rows // int(config.data.train_batch_size) * int(config.trainer.total_epochs)
+
+
+def parquet_rows(files: Any) -> Optional[int]:
+    import pyarrow.parquet as pq
+
+    paths = [str(f) for f in (files if not isinstance(files, (str, bytes)) and hasattr(files, "__iter__") else [files])]
+    try:
+        return sum(pq.ParquetFile(os.path.expanduser(p)).metadata.num_rows for p in paths)
+    except Exception:  # a remote path, another format: the count is unknown, said in the printed line
+        return None
+
+
+def model_params(model_cfg: Any) -> Optional[int]:
+    """Parameters of ``actor_rollout_ref.model.path`` from its ``config.json`` (a local directory, or a hub id
+    already in the local Hugging Face cache; nothing is downloaded). None when it cannot be read here."""
+    path = os.path.expanduser(str(model_cfg.path))
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        try:
+            from huggingface_hub import hf_hub_download
+
+            config_file = hf_hub_download(str(model_cfg.path), "config.json", local_files_only=True)
+        except Exception:
+            return None
+    with open(config_file, encoding="utf-8") as f:
+        return count_params(json.load(f))
+
+
+def describe(plan: dict, save_freq: int, keep: Any, with_optimizer: bool) -> str:
+    steps = "?" if plan["steps"] is None else plan["steps"]
+    saves = "an uncounted number of" if plan["saves"] is None else str(plan["saves"])
+    size = "size unknown (model config.json not readable here)" if plan["bytes_each"] is None else \
+        f"{plan['bytes_each'] / GB:.2f} GB each ({'model + optimizer' if with_optimizer else 'model only'})"
+    kept = "all of them (max_actor_ckpt_to_keep=null)" if keep is None else f"at most {plan['kept']} on disk at once"
+    need = "" if plan["kept"] is None or plan["bytes_each"] is None else \
+        f", needs {plan['kept'] * plan['bytes_each'] / GB:.1f} GB"
+    return (f"{saves} actor checkpoint(s) (save_freq {save_freq} over {steps} steps), {size}, {kept}{need}; "
+            f"{plan['free'] / GB:.1f} GB free in {plan['dir']} (critic checkpoints not counted)")
