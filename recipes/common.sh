@@ -5,7 +5,10 @@
 #     mix_train "$@"                                           # extra Hydra overrides pass through
 #
 # Environment (every variable is optional; a recipe sets DEFAULT_<NAME> for its own defaults):
-#   PYTHON        interpreter                 default: <repo>/.venv/bin/python if present, else python3
+#   PYTHON        interpreter                 default: VENV's python (VENV=.venv-gpu, as given to make), else
+#                                             the <repo>/.venv* holding the GPU install (.mix_src-gpu), else
+#                                             <repo>/.venv/bin/python if present, else python3
+#   NO_FLASH_ATTN 1 = no flash-attn installed (make install-gpu NO_FLASH_ATTN=1): adds MIX_SDPA_OVERRIDES
 #   MODEL_PATH    HF model dir or hub id      default: the recipe's DEFAULT_MODEL_PATH, or with
 #                                             NGPUS=1 DEFAULT_MODEL_PATH_1GPU (Qwen/Qwen2.5-Math-1.5B)
 #   TRAIN_FILES   training parquet            default: DEFAULT_TRAIN_FILES or <repo>/data/openr1.parquet
@@ -26,9 +29,22 @@ MIX_REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 RECIPE_DIR="$(cd "$(dirname "${BASH_SOURCE[1]}")" && pwd)"  # the run.sh that sourced this file
 RECIPE_NAME="$(basename "$RECIPE_DIR")"
 
-if [[ -z "${PYTHON:-}" ]]; then
+# The interpreter: PYTHON, else VENV's (as `make ... VENV=...` names it), else the repository venv holding the GPU
+# install (marker .mix_src-gpu, written by `make install-gpu`), else .venv, else python3.
+mix_pick_python() {
+  if [[ -n "${PYTHON:-}" ]]; then return; fi
+  if [[ -n "${VENV:-}" ]]; then
+    local venv="$VENV"; [[ "$venv" == /* ]] || venv="$MIX_REPO_ROOT/$venv"
+    [[ -x "$venv/bin/python" ]] || { echo "VENV=$VENV: no $venv/bin/python; run \`make install-gpu VENV=$VENV\` first" >&2; return 1; }
+    PYTHON="$venv/bin/python"; return
+  fi
+  local marker
+  for marker in "$MIX_REPO_ROOT"/.venv*/.mix_src-gpu; do
+    if [[ -f "$marker" && -x "$(dirname "$marker")/bin/python" ]]; then PYTHON="$(dirname "$marker")/bin/python"; return; fi
+  done
   if [[ -x "$MIX_REPO_ROOT/.venv/bin/python" ]]; then PYTHON="$MIX_REPO_ROOT/.venv/bin/python"; else PYTHON=python3; fi
-fi
+}
+mix_pick_python
 : "${NGPUS:=}"
 : "${OUTPUT_DIR:=$MIX_REPO_ROOT/outputs/$RECIPE_NAME}"
 : "${LOGGER:=[console,file]}"
@@ -54,6 +70,13 @@ MIX_ONE_GPU_OVERRIDES=(
 )
 DEFAULT_MODEL_PATH_1GPU=Qwen/Qwen2.5-Math-1.5B
 
+# Attention without flash-attn (NO_FLASH_ATTN=1): torch's SDPA, which cannot take verl's packed (remove-padding)
+# sequences (mix_src/model_context.py check_attention; the same string as the Makefile's SDPA_OVERRIDES).
+MIX_SDPA_OVERRIDES=(
+  +actor_rollout_ref.model.override_config.attn_implementation=sdpa
+  actor_rollout_ref.model.use_remove_padding=false
+)
+
 # The overrides every run gets: model and data paths, output locations, logger, and the 1-GPU set.
 mix_common_overrides() {
   MIX_OVERRIDES=(
@@ -66,6 +89,9 @@ mix_common_overrides() {
     "trainer.experiment_name=$EXPERIMENT_NAME"
     "hydra.run.dir=$OUTPUT_DIR/hydra"
   )
+  if [[ "${NO_FLASH_ATTN:-}" == 1 ]]; then
+    MIX_OVERRIDES+=("${MIX_SDPA_OVERRIDES[@]}")
+  fi
   if [[ "$NGPUS" == 1 ]]; then
     MIX_OVERRIDES+=("${MIX_ONE_GPU_OVERRIDES[@]}")
   elif [[ -n "$NGPUS" ]]; then
@@ -83,7 +109,7 @@ mix_train() {
   : "${MODEL_PATH:?set MODEL_PATH (a local HF model directory or a hub id)}"
   mix_common_overrides
   mkdir -p "$OUTPUT_DIR"
-  echo "[recipes/$RECIPE_NAME] model=$MODEL_PATH train=$TRAIN_FILES gpus=$NGPUS out=$OUTPUT_DIR" >&2
+  echo "[recipes/$RECIPE_NAME] python=$PYTHON model=$MODEL_PATH train=$TRAIN_FILES gpus=$NGPUS out=$OUTPUT_DIR" >&2
   "$PYTHON" -m mix_src.main_mix_ppo --config-path "$RECIPE_DIR" --config-name config \
     "${MIX_OVERRIDES[@]}" "$@"
 }

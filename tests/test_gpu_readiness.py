@@ -4,6 +4,8 @@ config stage and verl's own model config, its refusals, and `make install-gpu`'s
 
 import importlib.util
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -92,13 +94,28 @@ def test_install_gpu_refuses_a_venv_with_the_cpu_install(tmp_path):
     assert "No module named pip" not in out.stderr  # refused before any install step
 
 
-def test_install_gpu_preflight_wants_nvcc_13_for_flash_attn(tmp_path, monkeypatch):
+def _gpu_install():
     sys.path.insert(0, str(REPO / "scripts"))
     try:
         import gpu_install
     finally:
         sys.path.remove(str(REPO / "scripts"))
+    return gpu_install
+
+
+def test_install_gpu_preflight_wants_nvcc_13_for_flash_attn(tmp_path, monkeypatch):
+    gpu_install = _gpu_install()
     python = str(_fake_venv(tmp_path, cpu_install=False) / "bin" / "python")
+    monkeypatch.setattr(gpu_install, "check_driver", lambda: (None, None))
+    # a Python with a prebuilt wheel: no compiler needed, unless the source build is asked for
+    monkeypatch.setattr(gpu_install, "python_tag", lambda py: ("3.12", "x86_64"))
+    monkeypatch.setattr(gpu_install, "nvcc_version", lambda: (None, None))
+    assert gpu_install.preflight(python, flash_attn=True) == []
+    assert "cp312-cp312-linux_x86_64.whl" in gpu_install.flash_attn_wheel(python)
+    assert "nvcc" in gpu_install.preflight(python, flash_attn=True, source=True)[0]
+    # no wheel for this Python: compiled here
+    monkeypatch.setattr(gpu_install, "python_tag", lambda py: ("3.13", "aarch64"))
+    assert gpu_install.flash_attn_wheel(python) is None
     monkeypatch.setattr(gpu_install, "nvcc_version", lambda: ("/usr/local/cuda/bin/nvcc", "12.8"))
     (problem,) = gpu_install.preflight(python, flash_attn=True)
     assert "nvcc 12.8" in problem and "NO_FLASH_ATTN=1" in problem and SDPA_OVERRIDES in problem
@@ -120,3 +137,81 @@ def test_check_gpu_install_report_names_what_it_did_not_check(tmp_path):
     not_checked = [line for line in out.stdout.splitlines() if line.startswith("NOT CHECKED: ")]
     assert any("flash-attn 2.8.3 compiles" in line for line in not_checked), out.stdout
     assert any("GPU run" in line for line in not_checked)
+
+
+def _fake_nvidia_smi(tmp_path, version):
+    """A bin/ folder whose nvidia-smi answers the driver query as the real one does (one line per GPU)."""
+    bin_dir = tmp_path / f"bin_{version or 'none'}"
+    bin_dir.mkdir()
+    if version:
+        smi = bin_dir / "nvidia-smi"
+        smi.write_text(f"#!/bin/sh\nprintf '{version}\\n{version}\\n'\n")
+        smi.chmod(0o755)
+    return bin_dir
+
+
+@pytest.mark.parametrize("version, refused", [("535.104.05", True), ("580.82.07", False), (None, False)])
+def test_preflight_checks_the_driver_against_torchs_cuda_13(tmp_path, version, refused):
+    """A driver < 580 cannot run PyPI's CUDA 13.0 torch 2.11: refused before anything is installed; without
+    nvidia-smi (a login node) a warning says the driver was not checked."""
+    python = str(_fake_venv(tmp_path, cpu_install=False) / "bin" / "python")
+    env = {**os.environ, "PATH": f"{_fake_nvidia_smi(tmp_path, version)}:/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_install.py"), "preflight", "--python", python,
+                          "--no-flash-attn"], capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
+    assert (out.returncode != 0) == refused, out.stderr
+    if refused:
+        assert "NVIDIA driver 535.104.05 is older than 580" in out.stderr and "CUDA 13.0" in out.stderr
+    elif version is None:
+        assert "WARNING: no nvidia-smi on PATH: could not check the NVIDIA driver" in out.stderr
+    else:
+        assert out.stderr == ""
+
+
+def _run_recipe_in_copy(tmp_path, env_extra, venvs=()):
+    """recipes/common.sh + luffy_zero/run.sh copied into a bare repository layout with stand-in venvs
+    (``venvs``: (name, has the GPU marker)); returns the python that ran and its argv."""
+    root = tmp_path / "repo"
+    (root / "recipes" / "luffy_zero").mkdir(parents=True)
+    shutil.copy(REPO / "recipes" / "common.sh", root / "recipes" / "common.sh")
+    for f in ("run.sh", "config.yaml"):
+        shutil.copy(REPO / "recipes" / "luffy_zero" / f, root / "recipes" / "luffy_zero" / f)
+    log = tmp_path / "calls.jsonl"
+    for name, gpu in venvs:
+        (root / name / "bin").mkdir(parents=True)
+        fake = root / name / "bin" / "python"
+        fake.write_text(f"#!{sys.executable}\nimport json, sys\n"
+                        f"open({str(log)!r}, 'a').write(json.dumps([sys.argv[0], *sys.argv[1:]]) + '\\n')\n")
+        fake.chmod(0o755)
+        if gpu:
+            (root / name / ".mix_src-gpu").touch()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VENV", "NO_FLASH_ATTN", "NGPUS")}
+    env.update({"OUTPUT_DIR": str(tmp_path / "out"), "MODEL_PATH": "m/x", **env_extra})
+    subprocess.run(["bash", str(root / "recipes" / "luffy_zero" / "run.sh")], env=env, check=True,
+                   capture_output=True, text=True, timeout=60)  # fmt: skip
+    (call,) = [json.loads(line) for line in log.read_text().splitlines()]
+    return Path(call[0]).relative_to(root).parts[0], call[1:]
+
+
+def test_recipes_run_the_venv_the_user_installed_into(tmp_path):
+    """After `make install-gpu VENV=.venv-gpu`, recipes run .venv-gpu's python (the GPU marker), not the
+    CPU .venv; VENV=... (as given to make) picks one explicitly."""
+    venvs = [(".venv", False), (".venv-gpu", True)]
+    assert _run_recipe_in_copy(tmp_path / "a", {}, venvs)[0] == ".venv-gpu"
+    assert _run_recipe_in_copy(tmp_path / "b", {"VENV": ".venv"}, venvs)[0] == ".venv"
+    assert _run_recipe_in_copy(tmp_path / "c", {}, [(".venv", False)])[0] == ".venv"
+
+
+def test_no_flash_attn_is_one_switch(tmp_path):
+    """NO_FLASH_ATTN=1 adds the SDPA overrides itself (the same two as the Makefile and model_context say)."""
+    _, argv = _run_recipe_in_copy(tmp_path / "sdpa", {"NO_FLASH_ATTN": "1"}, [(".venv", False)])
+    assert all(o in argv for o in SDPA_OVERRIDES.split())
+    _, argv = _run_recipe_in_copy(tmp_path / "fa", {}, [(".venv", False)])
+    assert not any("attn_implementation" in o for o in argv)
+
+
+def test_install_gpu_installs_the_prebuilt_flash_attn_wheel_where_one_matches():
+    makefile = (REPO / "Makefile").read_text()
+    assert "scripts/gpu_install.py flash-attn-spec --python $(PY)" in makefile
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_install.py"), "flash-attn-spec", "--source"],
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    assert out.stdout.strip() == "flash-attn==2.8.3"
