@@ -68,6 +68,9 @@ MIX_ONE_GPU_OVERRIDES=(
   actor_rollout_ref.actor.fsdp_config.optimizer_offload=true
   mix.data.max_target_length=3071
 )
+# Qwen2.5-Math-1.5B: the base of LUFFY's released LUFFY-Qwen-Math-1.5B-Zero (LUFFY README, Models), 4k context.
+# It needs LUFFY's system prompt in the data (scripts/data/prepare_openr1.py writes it; LUFFY issue #43: without
+# it 1.5B runs got zero reward); its chat template is Qwen2.5-Math's (tests/test_prompt_format.py).
 DEFAULT_MODEL_PATH_1GPU=Qwen/Qwen2.5-Math-1.5B
 
 # Attention without flash-attn (NO_FLASH_ATTN=1): torch's SDPA, which cannot take verl's packed (remove-padding)

@@ -89,7 +89,7 @@ def test_prepare_openr1_schema_targets_and_drop_counts(tmp_path, tokenizer_dir, 
     assert [dict(e) for e in df["extra_info"]] == [
         {"split": "train", "index": 0, "source_index": 0}, {"split": "train", "index": 1, "source_index": 1},
         {"split": "train", "index": 2, "source_index": 5}]
-    assert "\\boxed{}" in openr1.SYSTEM_PROMPT and "<think>\\n {thoughts} </think>\\n" in openr1.SYSTEM_PROMPT
+    assert "\\boxed{}" in openr1.SYSTEM_PROMPT and "<think>\n {thoughts} </think>\n" in openr1.SYSTEM_PROMPT
 
 
 def test_prepare_openr1_input_formats_and_options(tmp_path, capsys):

@@ -32,14 +32,15 @@ import glob
 import os
 from typing import Any
 
-# LUFFY's system prompt (prepare_openr1_data_spec_sys.py / v6, and its eval template), verbatim.
+# LUFFY's system prompt (luffy/scripts/data/prepare_openr1_data_spec_sys.py:80, the system message of its released
+# data/valid.parquet), verbatim: its "\n" are newlines (a plain Python string there), not backslash + n.
 SYSTEM_PROMPT = (
     "Your task is to follow a systematic, thorough reasoning process before providing the final solution. "
     "This involves analyzing, summarizing, exploring, reassessing, and refining your thought process through "
     "multiple iterations. Structure your response into two sections: Thought and Solution. In the Thought "
-    "section, present your reasoning using the format: \"<think>\\n {thoughts} </think>\\n\". Each thought "
+    "section, present your reasoning using the format: \"<think>\n {thoughts} </think>\n\". Each thought "
     "should include detailed analysis, brainstorming, verification, and refinement of ideas. After "
-    "\"</think>\\n,\" in the Solution section, provide the final, logical, and accurate answer, clearly derived "
+    "\"</think>\n,\" in the Solution section, provide the final, logical, and accurate answer, clearly derived "
     "from the exploration in the Thought section. If applicable, include the answer in \\boxed{} for "
     "closed-form results like multiple choices or mathematical solutions."
 )
