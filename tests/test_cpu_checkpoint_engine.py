@@ -106,3 +106,18 @@ def test_send_before_the_group_exists_is_an_error():
 
     with pytest.raises(RuntimeError, match="before init_process_group"):
         asyncio.run(GlooCheckpointEngine(bucket_size=512, is_master=True).send_weights(iter([])))
+
+
+@pytest.mark.parametrize("first", ["mix_src.cpu.checkpoint_engine", "verl.checkpoint_engine"])
+def test_cpu_gloo_registers_whichever_module_a_process_imports_first(first):
+    """A fresh process that imports the engine's module before verl's package ran the backend's hook while the
+    module was half done, and failed (circular import); both orders register it now."""
+    import subprocess
+    import sys
+
+    code = (f"import {first}\nfrom verl.checkpoint_engine import CheckpointEngineRegistry\n"
+            "from mix_src.cpu.checkpoint_engine import BACKEND, GlooCheckpointEngine\n"
+            "assert CheckpointEngineRegistry.get(BACKEND) is GlooCheckpointEngine")  # fmt: skip
+    env = {**__import__("os").environ, "VERL_PLATFORM": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]

@@ -425,10 +425,16 @@ CHECKPOINT_ENGINE_WRITTEN_FOR = {"verl": "0.9.1", "torch": ">=2.12,<2.14"}  # ch
 
 
 def _register_checkpoint_engine(mod) -> None:
-    """Register the ``cpu_gloo`` checkpoint engine (``checkpoint_engine.py``) in verl's registry."""
-    from .checkpoint_engine import register_checkpoint_engine
+    """Register the ``cpu_gloo`` checkpoint engine (``checkpoint_engine.py``) in verl's registry: importing that
+    module registers the engine and, at the end of its body, checks the registration.
 
-    register_checkpoint_engine(mod)
+    The module is imported by name, never ``from .checkpoint_engine import <name>``: when a process imports
+    ``checkpoint_engine.py`` first (a test, a user's plugin), its own ``import verl.checkpoint_engine.base`` runs
+    this hook while its body is half done; ``import_module`` then returns the half-done module and its end
+    registers and checks, where reading a name from it failed (circular import)."""
+    import importlib
+
+    importlib.import_module(f"{__name__}.checkpoint_engine")
 
 
 def rollout_name() -> str:

@@ -223,9 +223,15 @@ class GlooCheckpointEngine(CheckpointEngine):
         self._store.set(f"ack/{self.rank}", pickle.dumps((n_tensors, n_bytes)))
 
 
-def register_checkpoint_engine(mod) -> None:
-    """The CPU backend's hook on ``verl.checkpoint_engine`` (the package where verl registers its engines):
-    importing this module registers ``cpu_gloo``; checked, so a registry that moved fails loudly."""
-    registered = mod.CheckpointEngineRegistry.get(BACKEND)
+def check_registered() -> None:
+    """``cpu_gloo`` is ``GlooCheckpointEngine`` in verl's registry (``verl.checkpoint_engine``, the package where verl
+    registers its engines), so a registry that moved fails loudly. Run at the end of this module's body: importing
+    the module (the CPU backend's hook on ``verl.checkpoint_engine``) registers and checks, in either import order."""
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+
+    registered = CheckpointEngineRegistry.get(BACKEND)
     if registered is not GlooCheckpointEngine:
         raise RuntimeError(f"checkpoint engine {BACKEND!r} is registered as {registered}, not mix_src's")
+
+
+check_registered()
