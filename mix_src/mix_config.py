@@ -199,6 +199,20 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class PlannerConfig:
+    """The memory check before Ray (mix_src/planner/README.md)."""
+
+    check: bool = True  # refuse what cannot fit (fp32 params + grads + AdamW > GPU), print the estimate otherwise
+    gpu: Optional[str] = None  # plan for this GPU (mix_src.planner.estimate.GPUS) instead of the driver's; also on CPU
+
+    def check_values(self, p: str) -> None:
+        from mix_src.planner.estimate import GPUS
+
+        if self.gpu is not None and self.gpu not in GPUS:
+            raise MixConfigError(f"{p}.gpu={self.gpu!r}: use one of {sorted(GPUS)} or null (the driver's GPU)")
+
+
+@dataclass
 class MixConfig:
     """Everything under ``mix:``. Prefix keys follow LUFFY's ``actor_rollout_ref.rollout.*`` names."""
 
@@ -221,6 +235,7 @@ class MixConfig:
     data: DataConfig = field(default_factory=DataConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
 
     def check(self, p: str = "mix") -> None:
         _in_range(f"{p}.n_prefix", self.n_prefix, -1, None)
@@ -259,6 +274,7 @@ class MixConfig:
             raise MixConfigError(f"{p}.flops_count={self.flops_count!r}: use one of {list(FLOPS_COUNTS)}")
         self.data.check(f"{p}.data")
         self.filter_groups.check(f"{p}.filter_groups")
+        self.planner.check_values(f"{p}.planner")
 
 
 # --------------------------------------------------------------------------------------------------------

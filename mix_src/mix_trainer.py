@@ -74,8 +74,9 @@ from mix_src.mix_config import MixConfig
 from mix_src.seeding import pass_seeds, request_seeds
 from mix_src.rollout_policy import ROLLOUT_POLICIES, RolloutContext
 from mix_src.rollout_policy import solved as rows_solved
-from mix_src.stages import (draw_prefix_ratios, luffy_advantages, on_policy_rollout_correction, on_policy_rollout_metrics,
-                            prefix_mask_tensor, prefix_step_metrics, solve_metrics)  # fmt: skip
+from mix_src.stages import (draw_prefix_ratios, filter_metric_values, length_clip_metrics, luffy_advantages,
+                            on_policy_rollout_correction, on_policy_rollout_metrics, prefix_mask_tensor,
+                            prefix_step_metrics, solve_metrics)  # fmt: skip
 
 MIX_STATE_FILE = "mix_state.pt"
 
@@ -482,15 +483,11 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         return batch
 
     def _filter_metric(self, batch: DataProto) -> np.ndarray:
-        name = self.filter_cfg.metric or "reward"
-        if name in ("reward", "seq_reward"):
-            return batch.batch["token_level_scores"].sum(-1).numpy()
-        if name not in batch.non_tensor_batch:
-            raise KeyError(
-                f"algorithm.filter_groups.metric='{name}' is not in the batch; use 'reward' or one of the reward's "
-                f"extra keys: {sorted(batch.meta_info.get('reward_extra_keys', []))}"
-            )
-        return np.asarray(batch.non_tensor_batch[name], dtype=np.float64)
+        """(rows,) the group-filter metric's values, as on V1 (:func:`mix_src.stages.filter_metric_values`)."""
+        return filter_metric_values(
+            self.filter_cfg.metric, lambda: batch.batch["token_level_scores"].sum(-1).numpy(),
+            batch.non_tensor_batch.get, batch.meta_info.get("reward_extra_keys", []),
+        )  # fmt: skip
 
     def _filter_groups(self, batch: DataProto):
         """Stage 3: which prompt groups to keep (metric std > 0, or a single sample); see mix_src.filter_groups."""
@@ -668,6 +665,10 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         metrics["training/global_step"] = self.global_steps
         metrics["training/epoch"] = self._epoch
         metrics.update(compute_data_metrics(batch=batch, use_critic=self.use_critic))
+        # the clip ratios against the configured limits, as on V1 (lengths as verl's metric_utils.py 60-92 reads them)
+        width, mask, rollout = batch.batch["responses"].shape[-1], batch.batch["attention_mask"], self.config.actor_rollout_ref.rollout
+        metrics.update(length_clip_metrics(mask[:, :-width].sum(-1), mask[:, -width:].sum(-1), rollout.prompt_length,
+                                           rollout.response_length))  # fmt: skip
         gdpo_keys = self.config.algorithm.get("gdpo_reward_keys", None)
         if gdpo_keys and self.config.algorithm.adv_estimator == "gdpo":  # verl's per-component GDPO metrics
             for key in (k for k in gdpo_keys if k in batch.non_tensor_batch):

@@ -75,7 +75,8 @@ from mix_src.loss import pop_entropy_state
 from mix_src.mix_config import MixConfig, validate_mix_config
 from mix_src.mix_trainer import MIX_STATE_FILE, FilterGroupsExhausted, MIXRayPPOTrainer
 from mix_src.seeding import request_seeds
-from mix_src.stages import (draw_prefix_ratios, luffy_advantages, on_policy_rollout_correction, on_policy_rollout_metrics,
+from mix_src.stages import (SUMMED_REWARD_METRICS, draw_prefix_ratios, filter_metric_values, length_clip_metrics,
+                            luffy_advantages, on_policy_rollout_correction, on_policy_rollout_metrics,
                             prefix_mask_tensor, prefix_step_metrics, solve_metrics, solved_rows)  # fmt: skip
 
 __all__ = [
@@ -406,6 +407,15 @@ class MixV1Mixin:
             self._policy_state().clear()  # the policy's RolloutContext.state: the same dict object, refilled
             self._policy_state().update(state.get("rollout_policy") or {})
 
+    def _resolve_filter_groups_metric(self):
+        """verl's (trainer_base.py 187-213), with an unset ``algorithm.filter_groups.metric`` meaning ``reward`` as on
+        the legacy base (:func:`mix_src.stages.filter_metric_values`) where verl raises once Ray has started."""
+        fg = self.config.algorithm.get("filter_groups", None)
+        if fg is not None and fg.get("enable", False) and not fg.get("metric", None):
+            with open_dict(fg):
+                fg.metric = "reward"
+        return super()._resolve_filter_groups_metric()
+
     def _build_replay_buffer(self):
         """verl's replay buffer with mix_src's filter-group settings, on this instance only (a custom sampler,
         ``trainer.v1.sampler.custom_sampler``, owns its filtering and is left alone):
@@ -635,15 +645,18 @@ class MixV1Mixin:
         """LUFFY's metrics over the step's trained rows (verl's padding rows excluded)."""
         keep = [i for i, tag in enumerate(batch.tags) if not tag.get("is_padding", False)]
         keys = [batch.keys[i] for i in keep]
-        fields = ["uid", "response_mask", "prefix_mask", "rm_scores", "extra_fields"]
+        fields = ["uid", "response_mask", "prefix_mask", "rm_scores", "extra_fields", "prompts", "responses"]
         data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=fields)
         extra = _extra_fields(data.pop("extra_fields"))
         uids = data.pop("uid").tolist()
+        rollout = self.config.actor_rollout_ref.rollout  # verl's clip ratios measure the step's longest row (stages)
+        out = length_clip_metrics(data.pop("prompts").offsets().diff(), data.pop("responses").offsets().diff(),
+                                  rollout.prompt_length, rollout.response_length)  # fmt: skip
         padded = data.to_padded_tensor()
         prefix_mask = padded["prefix_mask"].bool()
         acc = [e.get("reward_extra_info", {}).get("acc") for e in extra]
         solved = solved_rows(acc, lambda: padded["rm_scores"].sum(-1).numpy())
-        out = solve_metrics(solved, prefix_mask.any(-1).numpy(), uids)
+        out.update(solve_metrics(solved, prefix_mask.any(-1).numpy(), uids))
         out.update(prefix_step_metrics([e.get("prefix_ratio", 0.0) for e in extra], prefix_mask, padded["response_mask"]))
         out["batch/prefix_truncated"] = int(sum(bool(e.get("prefix_truncated", False)) for e in extra))
         # rows the reward could not grade (scored wrong), as the legacy trainer counts them
@@ -675,11 +688,10 @@ def make_dapo_filtered_keys(rule: str, on_policy_only: bool) -> Callable:
     """A ``ReplayBuffer._dapo_filtered_keys(partition_id) -> (evicted uids, Counter)`` (verl 0.9.1 contract: the
     finished groups to evict and a ``{shared metric value: group count}`` breakdown of them) whose decision is
     :func:`mix_src.filter_groups.filter_groups` (``rule``; ``on_policy_only``: rows without a prefix token decide).
-    Each finished group is classified once (verl's cache), from its rows' ``rm_scores`` (metric ``reward``) or
-    ``reward_extra_info[metric]``, and ``prefix_token_mask``."""
+    Each finished group is classified once (verl's cache), from its rows' values of the metric as the legacy base
+    reads it (:func:`mix_src.stages.filter_metric_values`: ``reward``/``seq_reward`` the summed ``rm_scores``,
+    another name ``reward_extra_info[metric]``), and ``prefix_token_mask``."""
     from collections import Counter
-
-    from verl.trainer.ppo.v1.replay_buffer import FILTER_GROUPS_REWARD_METRIC
 
     from mix_src.filter_groups import filter_groups
 
@@ -694,18 +706,19 @@ def make_dapo_filtered_keys(rule: str, on_policy_only: bool) -> Callable:
         keys = [k for k in self.partitions[partition_id] if k.split("_")[0] in new]
         if not keys:
             return {u for u, v in cache.items() if v is not None}, Counter(v for v in cache.values() if v is not None)
-        canonical = self.filter_groups_metric == FILTER_GROUPS_REWARD_METRIC
-        fields = ["extra_fields", "rm_scores"] if canonical else ["extra_fields"]
+        summed = self.filter_groups_metric in SUMMED_REWARD_METRICS
+        fields = ["extra_fields", "rm_scores"] if summed else ["extra_fields"]
         data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=fields)
         extra = _extra_fields(data["extra_fields"])
-        if canonical:
-            values = [float(v.sum().item()) for v in data["rm_scores"]]
-        else:
-            infos = [e.get("reward_extra_info", {}) for e in extra]
-            missing = sorted({k.split("_")[0] for k, i in zip(keys, infos) if self.filter_groups_metric not in i})
-            if missing:
-                raise RuntimeError(f"Finished groups are missing DAPO metric {self.filter_groups_metric!r}: {missing[:5]}")
-            values = [float(i[self.filter_groups_metric]) for i in infos]
+        infos = [e.get("reward_extra_info", {}) for e in extra]
+
+        def extra_values(name):
+            return [float(i[name]) for i in infos] if all(name in i for i in infos) else None
+
+        values = filter_metric_values(
+            self.filter_groups_metric, lambda: [float(v.sum().item()) for v in data["rm_scores"]], extra_values,
+            sorted(set().union(*infos)) if infos else [],
+        ).tolist()  # fmt: skip
         uids = [k.split("_")[0] for k in keys]
         row_mask = None
         if on_policy_only:

@@ -9,7 +9,7 @@ advantages (``grpo_split`` + the alpha/beta prefix weights) and LUFFY's metrics.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -19,12 +19,15 @@ from mix_src import core_alg
 from mix_src.core_alg import apply_prefix_advantage_weights
 from mix_src.prefix import compute_prefix_ratios
 
-if TYPE_CHECKING:  # annotations only: mix_config imports rollout_policy, which imports this module
-    from mix_src.mix_config import MixConfig
+# ``mix`` arguments are the validated ``mix:`` section (``mix_src.mix_config.MixConfig``), typed ``Any`` here: this
+# module does not import the config schema, which imports the rollout policies, which import this module.
 
 __all__ = [
+    "SUMMED_REWARD_METRICS",
     "draw_prefix_ratios",
+    "filter_metric_values",
     "group_ids",
+    "length_clip_metrics",
     "luffy_advantages",
     "on_policy_rollout_metrics",
     "on_policy_rollout_correction",
@@ -40,7 +43,7 @@ def group_ids(uids: Sequence) -> np.ndarray:
 
 
 def draw_prefix_ratios(
-    mix: MixConfig, num_prompts: int, n: int, *, seed: int, global_step: int, gen_index: int, targets: Optional[Sequence]
+    mix: Any, num_prompts: int, n: int, *, seed: int, global_step: int, gen_index: int, targets: Optional[Sequence]
 ) -> np.ndarray:
     """One prefix ratio per row, float64 (num_prompts * n,), rows ``i*n + j`` (prompt i, sample j).
 
@@ -88,7 +91,7 @@ def luffy_advantages(
     uids: Sequence,
     prefix_mask: torch.Tensor,
     algorithm: Any,
-    mix: MixConfig,
+    mix: Any,
     verl_estimator: Callable[[], tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns, each (bsz, response_len).
@@ -157,6 +160,61 @@ def prefix_step_metrics(ratios: Sequence[float], prefix_mask: torch.Tensor, resp
         "batch/off_policy_rows": int(prefix_mask.any(-1).sum()),
         "batch/prefix_token_frac": float((prefix_mask.sum() / response_mask.sum().clamp(min=1)).item()),
     }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# group filtering: which per-row value ``algorithm.filter_groups.metric`` names, the same on both bases.
+#: the names of a row's summed token reward: verl's canonical ``reward`` (V1 ``replay_buffer.py`` 278: the sum of
+#: ``rm_scores``) and ``seq_reward``, which verl's DAPO recipe computes as ``token_level_scores.sum(-1)``
+#: (``recipe/dapo/dapo_ray_trainer.py``, its ``elif metric_name == "seq_reward"`` branch). V1's built-in buffer
+#: would look ``seq_reward`` up in ``reward_extra_info`` and fail after Ray has started.
+SUMMED_REWARD_METRICS = ("reward", "seq_reward")
+
+
+def filter_metric_values(
+    metric: Optional[str], summed_reward: Callable[[], Sequence[float]], extra: Callable[[str], Optional[Sequence]],
+    extra_keys: Sequence[str] = (),
+) -> np.ndarray:
+    """(rows,) float64: each row's value of the group-filter metric ``metric`` (unset: ``reward``).
+
+    ``summed_reward()`` returns the rows' summed token scores (called only for :data:`SUMMED_REWARD_METRICS`);
+    ``extra(name)`` the rows' values of the reward's extra key ``name`` (None when some row lacks it: legacy,
+    the batch's ``non_tensor_batch``; V1, each row's ``reward_extra_info``). ``extra_keys`` name the reward's
+    extra keys, for the error."""
+    name = metric or "reward"
+    if name in SUMMED_REWARD_METRICS:
+        return np.asarray(summed_reward(), dtype=np.float64)
+    values = extra(name)
+    if values is None:
+        raise KeyError(
+            f"algorithm.filter_groups.metric={name!r} is not a value the reward returned for every row; use one of "
+            f"{list(SUMMED_REWARD_METRICS)} (the summed token reward) or one of the reward's extra keys: "
+            f"{sorted(extra_keys)}"
+        )
+    return np.asarray(values, dtype=np.float64)
+
+
+def length_clip_metrics(
+    prompt_length: torch.Tensor, response_length: torch.Tensor, max_prompt_length: int, max_response_length: int
+) -> dict[str, float]:
+    """``prompt_length/clip_ratio``, ``response_length/clip_ratio``, ``response_length_non_aborted/clip_ratio``:
+    the fraction of rows whose prompt (response) is as long as the configured limit (``data.max_prompt_length``,
+    ``rollout.response_length``), i.e. was cut there. ``prompt_length``, ``response_length``: (bsz,) token counts.
+
+    verl's ``compute_data_metrics`` (``metric_utils.py`` 459, 592) compares with the width of the batch's
+    ``prompts`` / ``responses`` tensors: on the legacy base that width is the limit (the agent loop pads to it),
+    on V1 the longest row of the step (``to_padded_tensor``), where the longest prompt counts as clipped (tiny
+    assets: 0.0 legacy, 1.0 V1). Both bases overwrite verl's three values with these."""
+    prompt_length, response_length = prompt_length.float(), response_length.float()
+    non_aborted = response_length[response_length > 0]
+    out = {
+        "prompt_length/clip_ratio": torch.eq(prompt_length, max_prompt_length).float().mean().item(),
+        "response_length/clip_ratio": torch.eq(response_length, max_response_length).float().mean().item(),
+    }
+    out["response_length_non_aborted/clip_ratio"] = (  # NaN when every row aborted, as verl logs it
+        torch.eq(non_aborted, max_response_length).float().mean().item() if non_aborted.numel() else float("nan")
+    )
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -25,3 +25,133 @@ def test_checkpoint_bytes_basis():
     assert checkpoint_bytes(2 * n, with_optimizer=False) - checkpoint_bytes(n, with_optimizer=False) == 4 * n
     with pytest.raises(ValueError):
         checkpoint_bytes(-1)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the paper recipe, composed as recipes/luffy_zero/run.sh does (no Ray)
+
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from mix_src.flops import ModelShape  # noqa: E402
+from mix_src.planner.__main__ import compose, main as planner_main  # noqa: E402
+from mix_src.planner.check import PlannerRefusal, check_memory, refusal, run_shape  # noqa: E402
+from mix_src.planner.estimate import GPUS, entropy_bytes, plan_memory, states_bytes  # noqa: E402
+from mix_src.mix_config import MixConfigError  # noqa: E402
+
+LUFFY_ZERO = str(Path(__file__).resolve().parents[1] / "recipes" / "luffy_zero")
+Q7 = PRESETS["Qwen/Qwen2.5-7B"]
+ONE_GPU_7B = ["trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+              "actor_rollout_ref.model.path=Qwen/Qwen2.5-7B", "mix.planner.gpu=a100-80gb"]
+
+
+def paper(*overrides):
+    return compose(LUFFY_ZERO, "config", list(overrides))
+
+
+def test_7b_on_one_80gb_gpu_is_refused_naming_the_term():
+    cfg = paper(*ONE_GPU_7B)
+    run = run_shape(cfg)
+    assert run.fsdp_shards == 1
+    assert states_bytes(count_params(Q7), run) == 16 * 7_615_616_512  # ~122 GB: 4 + 4 + 8 B/param
+    with pytest.raises(PlannerRefusal, match=r"fp32 params \+ grads \+ AdamW states alone need 121\.8 GB") as e:
+        check_memory(cfg)
+    assert isinstance(e.value, MixConfigError)  # preflight's error type: the driver stops before Ray
+    for fix in ("trainer.n_gpus_per_node", "offload_policy=true", "mix.planner.check=false"):
+        assert fix in str(e.value)
+
+
+def test_offload_flags_as_verl_uses_them():
+    n = count_params(Q7)
+    # param_offload / optimizer_offload: verl loads both back for the update, still refused
+    cfg = paper(*ONE_GPU_7B, "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+                "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true")
+    assert refusal(n, run_shape(cfg), GPUS["a100-80gb"].memory_bytes) is not None
+    # FSDP2's CPUOffloadPolicy keeps the states on the CPU: not refused
+    cfg = paper(*ONE_GPU_7B, "actor_rollout_ref.actor.strategy=fsdp2",
+                "actor_rollout_ref.actor.fsdp_config.offload_policy=true")
+    assert refusal(n, run_shape(cfg), GPUS["a100-80gb"].memory_bytes) is None
+    # 2 GPUs: 61 GB of states per GPU, under 80 GiB
+    assert refusal(n, run_shape(paper(*ONE_GPU_7B, "trainer.n_gpus_per_node=2")), GPUS["a100-80gb"].memory_bytes) is None
+
+
+def test_check_memory_switches():
+    assert check_memory(paper(*ONE_GPU_7B, "mix.planner.check=false")) is None  # one key turns it off
+    cpu = paper("actor_rollout_ref.model.path=Qwen/Qwen2.5-7B", "trainer.device=cpu")
+    assert check_memory(cpu) is None  # the CPU backend: skipped unless a GPU is named
+    msg = check_memory(paper("actor_rollout_ref.model.path=Qwen/Qwen2.5-7B", "mix.planner.gpu=a100-80gb"))
+    assert "peak" in msg and "fits" in msg
+    hub = check_memory(paper("actor_rollout_ref.model.path=nobody/not-a-cached-model", "mix.planner.gpu=a100-80gb"))
+    assert "memory not checked" in hub and "nobody/not-a-cached-model" in hub  # says what could not be checked
+
+
+def test_paper_recipe_on_8x80gb_prints_every_term(capsys):
+    rc = planner_main(["--config-path", LUFFY_ZERO, "--config-name", "config", "--model", "Qwen/Qwen2.5-Math-7B"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for line in ("rollout:", "old log-prob:", "actor update:", "fp32 grads", "AdamW states", "logits + their gradient",
+                 "vLLM: KV cache", "peak per GPU", "+/- 25%", "GPU-hours for 500 steps"):
+        assert line in out, line
+    # the update's states by hand: 16 B/param x 7.62B / 8 GPUs = 15.2 GB
+    cfg = paper("actor_rollout_ref.model.path=Qwen/Qwen2.5-Math-7B")
+    plan = plan_memory(PRESETS["Qwen/Qwen2.5-Math-7B"], run_shape(cfg), GPUS["a100-80gb"])
+    upd = {t.name: t.bytes for t in plan.phases["actor update"]}
+    assert upd["fp32 params"] + upd["fp32 grads"] + upd["AdamW states"] == 16 * 7_615_616_512 // 8
+    assert upd["logits + their gradient"] == 4 * 32768 * 152064  # bf16 logits and gradient of 32k tokens
+    assert plan.peak <= GPUS["a100-80gb"].memory_bytes
+
+
+def test_one_gpu_7b_cli_exits_2(capsys):
+    rc = planner_main(["--config-path", LUFFY_ZERO, "--config-name", "config", "--model", "Qwen/Qwen2.5-7B",
+                       "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.tensor_model_parallel_size=1"])
+    assert rc == 2 and "REFUSED before Ray" in capsys.readouterr().out
+
+
+def _logit_bytes(cfg, phase, name):
+    plan = plan_memory(Q7, run_shape(cfg), GPUS["a100-80gb"])
+    return {t.name: t.bytes for t in plan.phases[phase]}[name]
+
+
+def test_chunked_entropy_before_after():
+    eager = "actor_rollout_ref.actor.fsdp_config.use_torch_compile=false"
+    chunk = "actor_rollout_ref.actor.entropy_from_logits_with_chunking=true"  # dp_actor.yaml forwards it to fsdp_config
+    base, chunked = paper(eager), paper(eager, chunk)
+    assert run_shape(chunked).entropy_chunking and not run_shape(base).entropy_chunking
+    t, v = 32768, 152064
+    # the log-prob pass (no gradient): chunking lowers the entropy's temporaries from 4 B/logit to one chunk's 12 B
+    assert _logit_bytes(base, "old log-prob", "entropy (no gradient)") == 4 * t * v
+    assert _logit_bytes(chunked, "old log-prob", "entropy (no gradient)") == 12 * 2048 * v
+    # the update (entropy_coeff 0.001: a gradient): chunking keeps each chunk's fp32 copies, 8 B/logit instead of 2
+    assert _logit_bytes(base, "actor update", "entropy (with gradient)") == 2 * t * v
+    assert _logit_bytes(chunked, "actor update", "entropy (with gradient)") == 8 * t * v
+    # verl's default, torch.compile: a fused reduction either way
+    assert _logit_bytes(paper(chunk), "actor update", "entropy (with gradient)") == 0
+
+
+def _saved_per_logit(fn, tokens=512, vocab=256, **kw):
+    x = torch.randn(tokens, vocab, dtype=torch.bfloat16, requires_grad=True)
+    seen = {}
+
+    def pack(t):
+        seen[t.data_ptr()] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x, **kw)
+    seen.pop(x.data_ptr(), None)
+    return sum(seen.values()) / x.numel()
+
+
+def test_entropy_bytes_match_verl():
+    """The planner's bytes per logit saved for the backward are what verl's own entropy functions save (eager)."""
+    from verl.utils.torch_functional import entropy_from_logits, entropy_from_logits_with_chunking
+
+    shape = ModelShape.from_hf_config(Q7)
+    run = run_shape(paper("actor_rollout_ref.actor.fsdp_config.use_torch_compile=false"))
+    per_logit = entropy_bytes(shape, run, 1000, grad=True) / (1000 * shape.vocab)
+    assert _saved_per_logit(entropy_from_logits) == pytest.approx(per_logit, rel=0.01)
+    run_c = run_shape(paper("actor_rollout_ref.actor.fsdp_config.use_torch_compile=false",
+                            "actor_rollout_ref.actor.entropy_from_logits_with_chunking=true"))
+    per_logit_c = entropy_bytes(shape, run_c, 1000, grad=True) / (1000 * shape.vocab)
+    assert _saved_per_logit(entropy_from_logits_with_chunking, chunk_size=128) == pytest.approx(per_logit_c, rel=0.01)

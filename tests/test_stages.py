@@ -6,7 +6,8 @@ import torch
 from omegaconf import OmegaConf
 
 from mix_src.mix_config import mix_config_from_dict
-from mix_src.stages import luffy_advantages, prefix_mask_tensor, prefix_step_metrics, solve_metrics, solved_rows
+from mix_src.stages import (filter_metric_values, length_clip_metrics, luffy_advantages, prefix_mask_tensor,
+                            prefix_step_metrics, solve_metrics, solved_rows)
 
 
 def test_prefix_mask_tensor_pads_and_stays_inside_the_response():
@@ -110,3 +111,79 @@ def test_rollout_correction_sees_on_policy_tokens_and_keeps_prefix_weights_at_on
     assert torch.equal(out.batch["response_mask"], torch.ones(4, 6))  # the prefix tokens are back in the mask
     assert torch.all(out.batch["rollout_is_weights"][prefix] == 1.0) and torch.all(out.batch["rollout_is_weights"][~prefix] == 2.0)
     assert metrics == {"rollout_corr/kl": 0.0}
+
+
+# ---- group-filter metric: one meaning on both bases --------------------------------------------------------------
+# Two groups of two rows: group "a" has summed token rewards (1, 1) (std 0: dropped), group "b" (0, 1) (kept); the
+# reward's extra key "acc" is (1, 0) in group "a" (kept when it decides) and (1, 1) in group "b".
+ROWS_UID = ["a", "a", "b", "b"]
+ROWS_SCORES = torch.tensor([[0.0, 1.0], [0.5, 0.5], [0.0, 0.0], [0.0, 1.0]])
+ROWS_ACC = [1.0, 0.0, 1.0, 1.0]
+
+
+def _legacy_filter_values(metric):
+    """The legacy base's reading (MIXRayPPOTrainer._filter_metric) of the rows above."""
+    from types import SimpleNamespace
+
+    from verl import DataProto
+
+    from mix_src.mix_trainer import MIXRayPPOTrainer
+
+    batch = DataProto.from_dict(tensors={"token_level_scores": ROWS_SCORES},
+                                non_tensors={"uid": np.array(ROWS_UID, dtype=object), "acc": np.array(ROWS_ACC)},
+                                meta_info={"reward_extra_keys": ["acc"]})  # fmt: skip
+    return MIXRayPPOTrainer._filter_metric(SimpleNamespace(filter_cfg=SimpleNamespace(metric=metric)), batch)
+
+
+def _v1_evicted(metric, monkeypatch, extra=None):
+    """The V1 base's replay-buffer classification (make_dapo_filtered_keys) of the rows above: the evicted uids."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from mix_src import mix_trainer_v1
+
+    extra = extra if extra is not None else [{"reward_extra_info": {"acc": a}} for a in ROWS_ACC]
+    keys = [f"{u}_{i}" for i, u in enumerate(ROWS_UID)]
+    fake_tq = SimpleNamespace(kv_batch_get=lambda keys, partition_id, select_fields: {
+        "extra_fields": extra, "rm_scores": list(ROWS_SCORES)})  # fmt: skip
+    monkeypatch.setattr(mix_trainer_v1, "tq", fake_tq)
+    buffer = SimpleNamespace(filter_groups_metric=metric, finished_keys={"train": {"a", "b"}},
+                             _dapo_classification_cache=defaultdict(dict), partitions={"train": keys})  # fmt: skip
+    evicted, _ = mix_trainer_v1.make_dapo_filtered_keys("nonzero_std", False)(buffer, "train")
+    return evicted
+
+
+@pytest.mark.parametrize("metric", ["reward", "seq_reward", None])
+def test_filter_metric_reward_and_seq_reward_are_the_summed_token_reward_on_both_bases(metric, monkeypatch):
+    assert _legacy_filter_values(metric).tolist() == [1.0, 1.0, 0.0, 1.0]
+    assert _legacy_filter_values(metric).dtype == np.float64
+    if metric is not None:  # V1: an unset metric is set to "reward" before verl builds the buffer
+        assert _v1_evicted(metric, monkeypatch) == {"a"}
+
+
+def test_filter_metric_extra_key_on_both_bases_and_a_missing_one_names_the_metric(monkeypatch):
+    assert _legacy_filter_values("acc").tolist() == ROWS_ACC
+    assert _v1_evicted("acc", monkeypatch) == {"b"}
+    with pytest.raises(KeyError, match=r"metric='score'.*seq_reward.*\['acc'\]"):
+        _legacy_filter_values("score")
+    with pytest.raises(KeyError, match=r"metric='score'.*seq_reward.*\['acc'\]"):
+        _v1_evicted("score", monkeypatch)
+
+
+def test_filter_metric_values_calls_only_what_it_needs():
+    def never(*_):
+        raise AssertionError("not needed")
+
+    assert filter_metric_values("seq_reward", lambda: [2.0], never).tolist() == [2.0]
+    assert filter_metric_values("acc", never, lambda name: [0.5]).tolist() == [0.5]
+
+
+def test_length_clip_metrics_measure_against_the_configured_limits_not_the_batch_width():
+    # prompts of 24 tokens with max_prompt_length 64: none clipped, although every prompt is as long as the longest
+    # (verl's compute_data_metrics on V1's tensors, padded to the longest row, reported 1.0)
+    prompt, response = torch.tensor([24, 24, 24, 24]), torch.tensor([24, 10, 0, 24])
+    out = length_clip_metrics(prompt, response, max_prompt_length=64, max_response_length=24)
+    assert out == {"prompt_length/clip_ratio": 0.0, "response_length/clip_ratio": 0.5,
+                   "response_length_non_aborted/clip_ratio": torch.tensor(2 / 3).item()}  # float32 means, as verl's  # fmt: skip
+    assert length_clip_metrics(prompt, response, 24, 32)["prompt_length/clip_ratio"] == 1.0
+    assert np.isnan(length_clip_metrics(prompt, torch.zeros(4), 64, 24)["response_length_non_aborted/clip_ratio"])

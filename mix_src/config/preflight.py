@@ -19,6 +19,7 @@ from mix_src.config.resources import check_checkpoint_dir
 from mix_src.cpu import CHECKPOINT_ENGINE as CPU_CHECKPOINT_ENGINE, ROLLOUT_ENV
 from mix_src.mix_config import MixConfigError, validate_mix_config
 from mix_src.model_context import check_attention, resolve_max_model_len
+from mix_src.planner.check import check_memory
 from mix_src.registry import PLUGINS_ENV, check_selected_entries, load_plugins, load_verl_plugins, resolve_plugin
 from mix_src.verl_parity import check_verl_keys
 
@@ -47,6 +48,7 @@ def run(config: DictConfig) -> Any:
     # 5. batch arithmetic verl checks only inside Ray
     # 6. resources: checkpoint directory, GPU memory
     check_checkpoint_dir(config)  # created, written to, free space vs the checkpoints kept (mix_src/config/resources.py)
+    check_memory(config)  # fp32 states vs GPU memory refused, the peak estimate printed (mix_src/planner/check.py)
     return mix
 
 
