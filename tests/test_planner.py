@@ -30,7 +30,12 @@ def test_checkpoint_bytes_basis():
 # ------------------------------------------------------------------------------------------------------------
 # the paper recipe, composed as recipes/luffy_zero/run.sh does (no Ray)
 
+import copy  # noqa: E402
+import functools  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+import yaml  # noqa: E402
+from omegaconf import OmegaConf, open_dict  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -46,8 +51,20 @@ ONE_GPU_7B = ["trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.tensor_mod
               "actor_rollout_ref.model.path=Qwen/Qwen2.5-7B", "mix.planner.gpu=a100-80gb"]
 
 
+@functools.lru_cache(maxsize=1)
+def _paper_base():
+    return compose(LUFFY_ZERO, "config", [])
+
+
 def paper(*overrides):
-    return compose(LUFFY_ZERO, "config", list(overrides))
+    """The paper recipe with ``key=value`` overrides set on one cached composition (a Hydra compose per test
+    costs seconds); tests of how Hydra forwards a key compose for real (:func:`compose`)."""
+    cfg = copy.deepcopy(_paper_base())
+    with open_dict(cfg):
+        for o in overrides:
+            key, value = o.split("=", 1)
+            OmegaConf.update(cfg, key, yaml.safe_load(value), force_add=True)
+    return cfg
 
 
 def test_7b_on_one_80gb_gpu_is_refused_naming_the_term():
@@ -116,7 +133,7 @@ def _logit_bytes(cfg, phase, name):
 def test_chunked_entropy_before_after():
     eager = "actor_rollout_ref.actor.fsdp_config.use_torch_compile=false"
     chunk = "actor_rollout_ref.actor.entropy_from_logits_with_chunking=true"  # dp_actor.yaml forwards it to fsdp_config
-    base, chunked = paper(eager), paper(eager, chunk)
+    base, chunked = paper(eager), compose(LUFFY_ZERO, "config", [eager, chunk])
     assert run_shape(chunked).entropy_chunking and not run_shape(base).entropy_chunking
     t, v = 32768, 152064
     # the log-prob pass (no gradient): chunking lowers the entropy's temporaries from 4 B/logit to one chunk's 12 B
@@ -126,7 +143,8 @@ def test_chunked_entropy_before_after():
     assert _logit_bytes(base, "actor update", "entropy (with gradient)") == 2 * t * v
     assert _logit_bytes(chunked, "actor update", "entropy (with gradient)") == 8 * t * v
     # verl's default, torch.compile: a fused reduction either way
-    assert _logit_bytes(paper(chunk), "actor update", "entropy (with gradient)") == 0
+    assert _logit_bytes(paper("actor_rollout_ref.actor.fsdp_config.entropy_from_logits_with_chunking=true"),
+                        "actor update", "entropy (with gradient)") == 0
 
 
 def _saved_per_logit(fn, tokens=512, vocab=256, **kw):
@@ -152,6 +170,6 @@ def test_entropy_bytes_match_verl():
     per_logit = entropy_bytes(shape, run, 1000, grad=True) / (1000 * shape.vocab)
     assert _saved_per_logit(entropy_from_logits) == pytest.approx(per_logit, rel=0.01)
     run_c = run_shape(paper("actor_rollout_ref.actor.fsdp_config.use_torch_compile=false",
-                            "actor_rollout_ref.actor.entropy_from_logits_with_chunking=true"))
+                            "actor_rollout_ref.actor.fsdp_config.entropy_from_logits_with_chunking=true"))
     per_logit_c = entropy_bytes(shape, run_c, 1000, grad=True) / (1000 * shape.vocab)
     assert _saved_per_logit(entropy_from_logits_with_chunking, chunk_size=128) == pytest.approx(per_logit_c, rel=0.01)
