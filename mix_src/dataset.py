@@ -121,7 +121,7 @@ class RLHFDatasetWithTarget(RLHFDataset):
                     n_unsampled += 1
 
         # length check under the policy's tokenizer
-        max_len = self.target_cfg.max_target_length
+        max_len = self.target_cfg.target_limit(self.config.get("max_response_length"))  # default: response - 1
         idx = [i for i, t in enumerate(texts) if t is not None]
         enc = self.tokenizer([texts[i] for i in idx], add_special_tokens=False, return_offsets_mapping=self.target_cfg.truncate_targets)
         too_long = [j for j, ids in enumerate(enc["input_ids"]) if len(ids) > max_len]

@@ -16,6 +16,9 @@ depend on how it is split into micro-batches. With an all-zero prefix_mask it eq
 Policy loss (from `mix.loss`):
     default                 core_alg.compute_token_on_off_policy_loss: PPO-clip on on-policy tokens,
                             -A * f(p) on prefix tokens (reshapes, clips, aggregation: see core_alg).
+                            With actor.policy_loss.loss_mode other than vanilla, verl's registered loss of that
+                            name takes the on-policy tokens instead of PPO-clip (mix_src/onpolicy_losses.py: how
+                            the two terms add up, sequence-level losses, which LUFFY knobs apply).
     use_sft_multitask_loss  PPO-clip on the on-policy rows + sft_loss_coef * NLL of the prefix tokens;
                             the NLL is aggregated exactly like the policy loss (same mode, same global
                             normalisation), so the two terms share one scale (the original divides them
@@ -75,6 +78,7 @@ from mix_src.core_alg import (
     masked_mean,
 )
 from mix_src.loss_combine import LOSS_COMBINES, CombineInputs
+from mix_src.onpolicy_losses import knob_refusals, mode_entry, on_policy_config, on_policy_term
 from mix_src.mix_config import LossConfig as MixLossConfig  # the `mix.loss` section, checked when built
 from mix_src.prefix_select import PrefixTokenView, select_prefix_tokens
 from mix_src.off_policy_behaviour import BEHAVIOUR_LOG_PROB, OFF_POLICY_BEHAVIOURS
@@ -191,7 +195,8 @@ class MixPolicyLoss:
     Args:
         config: verl's ActorConfig (omega_conf_to_dataclass of actor_rollout_ref.actor); read for
             clip_ratio(_low/_high), clip_ratio_c, loss_agg_mode, loss_scale_factor, entropy_coeff,
-            use_kl_loss, kl_loss_coef, kl_loss_type and policy_loss.loss_mode (must be "vanilla").
+            use_kl_loss, kl_loss_coef, kl_loss_type and policy_loss.loss_mode (any registered verl policy loss the
+            knob table of mix_src/onpolicy_losses.py allows with ``loss_config``).
         loss_config: the `mix.loss` section: MixLossConfig, a dataclass or mapping with its field names
             (e.g. mix_config.LossConfig), or None for the defaults.
 
@@ -207,11 +212,11 @@ class MixPolicyLoss:
         self.config = config
         self.mix = loss_config if isinstance(loss_config, MixLossConfig) else MixLossConfig.from_dict(loss_config)
         loss_mode = config.policy_loss.get("loss_mode", "vanilla") if config.get("policy_loss") else "vanilla"
-        if loss_mode != "vanilla":
-            raise ValueError(
-                f"actor.policy_loss.loss_mode={loss_mode!r}: the MIX loss applies vanilla PPO-clip to on-policy "
-                "tokens and replaces verl's policy loss; set it to 'vanilla'"
-            )
+        refusals = knob_refusals(loss_mode, self.mix, config)  # mix_src/onpolicy_losses.py: the mode x knob table
+        if refusals:
+            raise ValueError("; ".join(refusals))
+        # None: the LUFFY kernel's PPO-clip (vanilla); else the ActorConfig verl's own loss gets on on-policy tokens
+        self.on_policy_config = None if mode_entry(loss_mode).luffy_kernel else on_policy_config(config, self.mix)
         self.cliprange = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
         clip_high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
         if clip_high < self.cliprange:
@@ -320,8 +325,11 @@ class MixPolicyLoss:
             behaviour = None  # the prefix tokens' recorded behaviour log-probs (mix_src/off_policy_behaviour.py)
             if mix.off_policy_behaviour is not None:
                 behaviour = OFF_POLICY_BEHAVIOURS.get(mix.off_policy_behaviour)(prefix_mask & rl_mask, batch)
+            kernel_advantages = advantages  # a verl loss on the on-policy tokens: the kernel gives them A = 0
+            if self.on_policy_config is not None:
+                kernel_advantages = torch.where(prefix_mask & rl_mask, advantages, 0.0)
             out = compute_token_on_off_policy_loss(
-                batch["old_log_probs"], log_prob, advantages, rl_mask, prefix_mask & rl_mask,
+                batch["old_log_probs"], log_prob, kernel_advantages, rl_mask, prefix_mask & rl_mask,
                 off_policy_reshape=mix.off_policy_reshape, off_policy_reshape_gamma=mix.off_policy_reshape_gamma,
                 off_policy_reshape_weight=mix.off_policy_reshape_weight,
                 off_policy_reshape_pow_exp=mix.off_policy_reshape_pow_exp, on_policy_reshape=mix.on_policy_reshape,
@@ -330,6 +338,9 @@ class MixPolicyLoss:
                 off_min_clip=mix.off_min_clip, all_max_clip=mix.all_max_clip, behaviour_log_prob=behaviour, **common,
             )  # fmt: skip
             pg_loss = out["pg_loss"]
+            if self.on_policy_config is not None:
+                pg_loss = pg_loss + self._verl_on_policy_term(batch, log_prob, advantages, rl_mask, prefix_mask,
+                                                              policy_info, out)  # fmt: skip
             if sft_mask is not None:
                 sft_loss = sft_token_mean(log_prob, sft_mask, self._sft_tokens(data), info["dp_size"])
                 pg_loss = pg_loss + mix.sft_loss_coef * sft_loss
@@ -366,6 +377,24 @@ class MixPolicyLoss:
             metrics["kl_loss"] = Metric(value=kl_loss, aggregation=total_agg)
             metrics["kl_coef"] = config.kl_loss_coef
         return policy_loss, metrics
+
+    def _verl_on_policy_term(self, batch, log_prob, advantages, rl_mask, prefix_mask, policy_info, out):
+        """verl's registered ``policy_loss.loss_mode`` on the on-policy tokens of ``rl_mask``, aggregated to add to
+        the kernel's prefix-token term (mix_src/onpolicy_losses.py); its metrics replace the kernel's on-policy
+        ones in ``out`` (on_pg_loss is the on-term's share of pg_loss)."""
+        valid = rl_mask
+        if self.mix.all_max_clip is not None:  # tokens with p > c leave the loss, as in the kernel
+            valid = rl_mask & (log_prob.detach() <= math.log(self.mix.all_max_clip))
+        on_mask = valid & ~prefix_mask
+        loss, verl_metrics = on_policy_term(
+            self.on_policy_config, batch["old_log_probs"], log_prob, advantages, on_mask, valid, self.loss_agg_mode,
+            policy_info, batch.get("rollout_is_weights", None),
+        )  # fmt: skip
+        for key, name in (("on_pg_clipfrac", "actor/pg_clipfrac"), ("on_pg_clipfrac_lower", "actor/pg_clipfrac_lower"),
+                          ("ppo_kl", "actor/ppo_kl")):  # fmt: skip
+            out[key] = torch.as_tensor(float(verl_metrics.get(name, 0.0)))
+        out["on_pg_loss"] = loss.detach()
+        return loss
 
     def _row_masks(self, data: TensorDict, response_mask: torch.Tensor, prefix_mask: torch.Tensor):
         """(rl_mask, sft_mask), each (bsz, L) bool, from the row loss ``mix.loss.row_loss`` and `sft_row`."""

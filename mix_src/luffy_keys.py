@@ -169,4 +169,20 @@ def translate_overrides(overrides: Sequence[str], log: Callable[[str], None] = p
                 f"with plain PPO, which mix_src does not do; use {A}use_sft_multitask_loss=True (SFT on prefix tokens) or "
                 "keep use_off_policy_loss=True (the shaped off-policy loss)"
             )
-    return out
+    return _fit_target_cap(out, log)
+
+
+def _fit_target_cap(out: list[str], log: Callable[[str], None]) -> list[str]:
+    """LUFFY's ``max_prefix_len`` (= its dataset's max_target_length) at or above ``data.max_response_length``
+    (train.sh: 8192 and 8192) let a whole target fill the response and cut its EOS (the rollout appends EOS after
+    the target, then cuts the response at max_response_length). mix_src refuses such a cap; the original's
+    intent, "no cap below the response", is our default (``max_response_length - 1``), so it becomes null."""
+    values = {key: value for _, key, value in map(_split, out) if value is not None}
+    cap, response = values.get("mix.data.max_target_length"), values.get(D + "max_response_length")
+    if cap is None or response is None or not (cap.strip().isdigit() and response.strip().isdigit()):
+        return out
+    if int(cap) < int(response):
+        return out
+    log(f"[mix_src] LUFFY cap mix.data.max_target_length={cap} >= data.max_response_length={response} -> null "
+        f"(data.max_response_length - 1 = {int(response) - 1}: a whole target keeps its EOS)")
+    return [f"mix.data.max_target_length=null" if _split(o)[1] == "mix.data.max_target_length" else o for o in out]

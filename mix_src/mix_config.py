@@ -387,11 +387,12 @@ def validate_mix_config(config: Any) -> MixConfig:
             )
     if mix.n_prefix != 0:
         rc = config.algorithm.get("rollout_correction") or {}
-        active = [k for k in ("rollout_is", "rollout_rs") if rc.get(k)] + (["bypass_mode"] if rc.get("bypass_mode") else [])
-        if active:
+        # decoupled rollout_is / rollout_rs run over on-policy tokens only (stages.on_policy_rollout_correction)
+        if rc.get("bypass_mode"):
             raise MixConfigError(
-                f"algorithm.rollout_correction.{active[0]} is set, but rollout correction needs a behaviour "
-                "log-prob for every token and target (prefix) tokens have none; switch it off or set mix.n_prefix=0"
+                "algorithm.rollout_correction.bypass_mode=true replaces old log-probs by rollout log-probs for every "
+                "token, and target (prefix) tokens have none; use decoupled mode (bypass_mode=false with rollout_is / "
+                "rollout_rs), which keeps prefix tokens out, or set mix.n_prefix=0"
             )
     actor = config.actor_rollout_ref.actor
     if mix.loss.use_adaptive_entropy and not (actor.get("calculate_entropy", False) or actor.entropy_coeff != 0):

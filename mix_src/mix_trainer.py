@@ -527,8 +527,8 @@ class MIXRayPPOTrainer(RayPPOTrainer):
     def _apply_rollout_correction(self, batch: DataProto, metrics: dict) -> DataProto:
         """``algorithm.rollout_correction`` in verl's decoupled mode (IS weights and rejection sampling from
         old vs rollout log-probs), over on-policy tokens only: prefix (target) tokens have no rollout
-        log-prob, keep IS weight 1 and are never rejected. (Bypass mode and IS/RS with ``mix.n_prefix != 0``
-        are refused by mix_src.verl_parity.)"""
+        log-prob, keep IS weight 1 and are never rejected. (Bypass mode is refused before Ray:
+        mix_src.verl_parity, mix_src.mix_config.)"""
         rc = self.config.algorithm.get("rollout_correction", None)
         if rc is None or "rollout_log_probs" not in batch.batch.keys():
             return batch

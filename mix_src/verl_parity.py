@@ -197,14 +197,22 @@ def _refuse_profiler(config: Any, mix: Any) -> Optional[str]:
 
 
 def _refuse_policy_loss_mode(config: Any, mix: Any) -> Optional[str]:
+    """Any registered verl policy loss is the on-policy term, unless the mode x mix.loss knob table
+    (mix_src/onpolicy_losses.py knob_refusals) refuses the pair; bypass_mode is refused there."""
+    from mix_src.onpolicy_losses import knob_refusals
+
     mode = _get(config, "actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla")
-    if mode != "vanilla":
-        return (
-            f"actor_rollout_ref.actor.policy_loss.loss_mode={mode!r}: the MIX loss (mix_src/loss.py) replaces "
-            "verl's policy loss and applies PPO-clip to on-policy tokens; set it to 'vanilla' and shape the loss "
-            "with mix.loss.*"
-        )
-    return None
+    if mode == "vanilla":
+        return None
+    if mix is None:
+        from mix_src.mix_config import validate_mix_config
+
+        mix = validate_mix_config(config)
+    try:
+        refusals = knob_refusals(mode, mix.loss, config.actor_rollout_ref.actor)
+    except ValueError as e:  # a name verl does not know
+        return str(e)
+    return "; ".join(refusals) or None
 
 
 def _refuse_sglang(config: Any, mix: Any) -> Optional[str]:
@@ -246,7 +254,7 @@ REFUSED_SETTINGS: dict[str, Callable] = {
     "algorithm.adv_estimator=remax": _refuse_remax,
     "algorithm.rollout_correction.bypass_mode=true": _refuse_bypass_mode,
     "global_profiler.steps=[1]": _refuse_profiler,
-    "actor_rollout_ref.actor.policy_loss.loss_mode=gspo": _refuse_policy_loss_mode,
+    "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode": _refuse_policy_loss_mode,
     "actor_rollout_ref.rollout.name=sglang": _refuse_sglang,
 }
 

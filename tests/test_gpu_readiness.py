@@ -20,6 +20,16 @@ from test_recipes import compose_recipe
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _batch_of_rows(train: str, tmp_path, cfg) -> str:
+    """The tiny training rows repeated to one batch of the recipe (fewer rows than a batch are refused)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows, path = pq.read_table(train), tmp_path / "train_batch.parquet"
+    pq.write_table(pa.concat_tables([rows] * -(-int(cfg.data.train_batch_size) // rows.num_rows)), path)
+    return str(path)
+
+
 def _gpu_recipe(tiny_assets, tmp_path, *overrides):
     """recipes/luffy_zero (the paper's run: 1024 + 8192 tokens) as run.sh composes it, on the tiny data and a
     model directory with a 16k context (config only)."""
@@ -32,7 +42,7 @@ def _gpu_recipe(tiny_assets, tmp_path, *overrides):
     (model / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 16384}))
     cfg = compose_recipe("luffy_zero", [*overrides])
     with open_dict(cfg):
-        cfg.data.train_files, cfg.data.val_files = tiny_assets["train"], tiny_assets["val"]
+        cfg.data.train_files, cfg.data.val_files = _batch_of_rows(tiny_assets["train"], tmp_path, cfg), tiny_assets["val"]
         cfg.actor_rollout_ref.model.path = str(model)
         cfg.actor_rollout_ref.model.tokenizer_path = tiny_assets["tokenizer"]
         cfg.trainer.default_local_dir = str(tmp_path / "ckpt")  # probed before Ray (save_freq 50)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import shutil
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from hydra import compose, initialize_config_module
 
@@ -89,7 +91,8 @@ def compose_mix(overrides):
 
 
 def test_train_sh_runs_through_the_config_stage(tiny_assets, tmp_path):
-    shutil.copy(tiny_assets["train"], tmp_path / "openr1.parquet")
+    rows = pq.read_table(tiny_assets["train"])  # train.sh's batch is 128 prompts: repeat the 32 tiny rows to 128
+    pq.write_table(pa.concat_tables([rows] * 4), tmp_path / "openr1.parquet")
     shutil.copy(tiny_assets["val"], tmp_path / "valid.parquet")
     original = train_sh_overrides(str(tmp_path))
     with pytest.raises(Exception, match="Could not override"):  # verl's config refuses LUFFY's keys as they are
@@ -104,13 +107,14 @@ def test_train_sh_runs_through_the_config_stage(tiny_assets, tmp_path):
     assert (mix.n_prefix, mix.prefix_strategy, mix.min_prefix_ratio, mix.max_prefix_ratio) == (1, "random", 1.0, 1.0)
     assert (mix.loss.off_policy_reshape, mix.loss.off_policy_reshape_gamma) == ("p_div_p", 0.1)
     assert mix.loss.loss_remove_clip and mix.loss.loss_agg_mode == "luffy-token-sum-norm"
-    assert mix.data.max_target_length == 8192 and mix.prefix_reward_weight_alpha == 1.0
+    assert mix.data.max_target_length == 8191 and mix.prefix_reward_weight_alpha == 1.0  # 8192 = the response: EOS kept
     assert cfg.algorithm.norm_adv_by_std_in_grpo is False
     assert cfg.actor_rollout_ref.rollout.val_kwargs.temperature == 0.6 and cfg.actor_rollout_ref.rollout.val_kwargs.n == 1
     assert cfg.trainer.max_actor_ckpt_to_keep == 2 and cfg.trainer.val_before_train is False
 
     luffy_items = [o for o in original if o.split("=")[0] in LUFFY_KEYS or o.split("=")[0].lstrip("+") in LUFFY_KEYS]
-    assert len(lines) == len(luffy_items) == 22  # one printed line per LUFFY key, nothing else
+    assert len(lines) - 1 == len(luffy_items) == 22  # one printed line per LUFFY key, and the cap's:
+    assert lines[-1].startswith("[mix_src] LUFFY cap mix.data.max_target_length=8192 >= data.max_response_length=8192 -> null")
     assert "[mix_src] LUFFY key actor_rollout_ref.rollout.n_prefix -> mix.n_prefix" in lines
     assert "[mix_src] LUFFY key algorithm.grpo_use_std -> algorithm.norm_adv_by_std_in_grpo" in lines
     assert ("[mix_src] LUFFY key actor_rollout_ref.actor.loss_remove_token_mean=True -> "

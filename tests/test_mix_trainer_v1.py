@@ -202,7 +202,7 @@ def compose_v1(tiny_assets, *overrides):
           "algorithm.filter_groups.max_num_gen_batches=10"],
          r"max_num_gen_batches=10 is not supported on trainer\.use_v1=true: in the async modes no step has generation "
          r"batches of its own .*wait_for_sampleable"),
-        (["mix.n_prefix=1", "algorithm.rollout_correction.rollout_is=token"], r"rollout_correction\.rollout_is is set"),
+        (["mix.n_prefix=1", "algorithm.rollout_correction.bypass_mode=true"], r"rollout_correction\.bypass_mode=true replaces"),
         (["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=1",
           "actor_rollout_ref.rollout.nnodes=1"],
          r"checkpoint_engine\.backend=naive: on the CPU backend separate_async .*set it to cpu_gloo"),

@@ -28,6 +28,7 @@ PLOT_SCRIPT = REPO_ROOT / "scripts" / "plot_metrics.py"
 GPU_RECIPES = [
     "luffy_zero", "on_policy_grpo", "rl_with_sft_loss", "sft_then_rl",
     "dapo_filter", "luffy_filter", "prefix_curriculum", "guide_on_failure", "hpt", "chord", "prefix_rft", "exgrpo",
+    "guided_gspo",
 ]  # fmt: skip
 RECIPES = [*GPU_RECIPES, "cpu_tiny", "toy_calculator"]
 
@@ -40,6 +41,10 @@ EXPECTED = {
         "mix.loss.off_policy_reshape_gamma": 0.1, "mix.loss.loss_agg_mode": "luffy-token-sum-norm",
         "actor_rollout_ref.actor.loss_scale_factor": 8192, "data.train_batch_size": 128,
         "actor_rollout_ref.actor.entropy_coeff": 0.001, "actor_rollout_ref.actor.use_kl_loss": False,
+    },
+    "guided_gspo": {
+        "actor_rollout_ref.actor.policy_loss.loss_mode": "gspo", "mix.n_prefix": 1, "mix.loss.loss_remove_clip": False,
+        "actor_rollout_ref.actor.clip_ratio_high": 0.0004, "mix.loss.loss_agg_mode": "seq-mean-token-mean",
     },
     "on_policy_grpo": {"mix.n_prefix": 0, "mix.loss.loss_remove_clip": False, "algorithm.adv_estimator": "grpo"},
     "rl_with_sft_loss": {

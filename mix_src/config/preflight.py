@@ -16,6 +16,7 @@ from typing import Any, Callable
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from mix_src.config.resources import check_checkpoint_dir
+from mix_src.config.batch_check import check_batch_arithmetic
 from mix_src.cpu import CHECKPOINT_ENGINE as CPU_CHECKPOINT_ENGINE, ROLLOUT_ENV
 from mix_src.mix_config import MixConfigError, validate_mix_config
 from mix_src.model_context import check_attention, resolve_max_model_len
@@ -46,6 +47,7 @@ def run(config: DictConfig) -> Any:
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     # 4. data contents (train/val files opened, rows checked)
     # 5. batch arithmetic verl checks only inside Ray
+    check_batch_arithmetic(config)
     # 6. resources: checkpoint directory, GPU memory
     check_checkpoint_dir(config)  # created, written to, free space vs the checkpoints kept (mix_src/config/resources.py)
     check_memory(config)  # fp32 states vs GPU memory refused, the peak estimate printed (mix_src/planner/check.py)

@@ -1,0 +1,154 @@
+"""Batch arithmetic that verl checks only inside Ray, checked on the driver before Ray starts.
+
+verl's driver-side ``validate_config`` (verl/utils/config.py 92-127, with ``ActorConfig.validate``,
+verl/workers/config/actor.py 222-241) accepts settings that fail later, in a worker, after a full rollout:
+
+* a mini-batch that does not divide the step's batch: the legacy trainer sends ``ppo_mini_batch_size x
+  rollout.n`` rows as each mini-batch (verl/trainer/ppo/ray_trainer.py 1352-1363), the worker splits it over
+  its data-parallel ranks (``assert mini_batch_size % dp == 0``, verl/workers/engine_workers.py 267-270) and
+  each rank's share of ``train_batch_size x n`` rows into mini-batches (``assert batch % mini_batch_size ==
+  0``, verl/utils/tensordict_utils.py 588). verl's V1 trainer pads the batch up to that multiple instead
+  (``_get_required_batch_multiple``, verl/trainer/ppo/v1/trainer_base.py 1589-1621), so there it is allowed;
+* a micro-batch of 0 (``ZeroDivisionError``, engine_workers.py 287) or one that does not divide a rank's
+  mini-batch (``assert total_data_size % micro_batch_size_per_gpu == 0``, verl/workers/engine/utils.py 125);
+* ``rollout.n=0`` (an empty batch), a learning rate <= 0 (trains nothing, or ascends the loss);
+* ``trainer.total_epochs`` / ``total_training_steps`` <= 0, or fewer training rows than one batch: verl's
+  train loader drops the last partial batch (``drop_last=True``, ray_trainer.py 404-411), so the run exits 0
+  having trained nothing (ray_trainer.py 435-440, 1465).
+
+Every refusal names the keys and the numbers. The row count comes from the parquet footer (no rows are
+read); a file that cannot be read is left to the data check (slot 4 of :func:`mix_src.config.preflight.run`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from omegaconf import DictConfig, ListConfig
+
+from mix_src.mix_config import MixConfigError
+
+A = "actor_rollout_ref.actor"
+
+
+def check_batch_arithmetic(config: DictConfig) -> None:
+    """Refuse, before Ray, the batch settings verl would fail on (or silently train nothing with) in Ray."""
+    _check_positive(config)
+    _check_training_length(config)
+    _check_mini_batches(config)
+    _check_rows(config)
+
+
+def _check_positive(config: DictConfig) -> None:
+    rollout, actor = config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor
+    if not int(rollout.n) >= 1:
+        raise MixConfigError(f"actor_rollout_ref.rollout.n={rollout.n}: each prompt needs at least 1 sample; set it >= 1")
+    if not int(config.data.train_batch_size) >= 1:
+        raise MixConfigError(f"data.train_batch_size={config.data.train_batch_size}: set it >= 1 (prompts per step)")
+    if not int(actor.ppo_mini_batch_size) >= 1:
+        raise MixConfigError(f"{A}.ppo_mini_batch_size={actor.ppo_mini_batch_size}: set it >= 1 (prompts per optimiser step)")
+    for key, value in _micro_batch_keys(config):
+        if value is not None and not int(value) >= 1:
+            raise MixConfigError(f"{key}={value}: a micro-batch of {value} rows divides by zero in the worker; "
+                                 "set it >= 1 (or null with use_dynamic_bsz=true)")
+    lr = actor.optim.lr
+    if not float(lr) > 0 and not bool(config.trainer.get("val_only", False)):
+        raise MixConfigError(f"{A}.optim.lr={lr}: the actor would not learn (0) or would ascend its loss (< 0); "
+                             "set it > 0, or trainer.val_only=true to only evaluate")
+    if config.get("critic") is not None and bool(config.critic.get("enable", False)):
+        clr = config.critic.optim.lr
+        if not float(clr) > 0:
+            raise MixConfigError(f"critic.optim.lr={clr}: set it > 0")
+
+
+def _micro_batch_keys(config: DictConfig) -> list[tuple[str, Optional[int]]]:
+    aref = config.actor_rollout_ref
+    return [
+        (f"{A}.ppo_micro_batch_size_per_gpu", aref.actor.get("ppo_micro_batch_size_per_gpu")),
+        ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", aref.rollout.get("log_prob_micro_batch_size_per_gpu")),
+        ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", aref.ref.get("log_prob_micro_batch_size_per_gpu")),
+    ]
+
+
+def _check_training_length(config: DictConfig) -> None:
+    trainer = config.trainer
+    if bool(trainer.get("val_only", False)):
+        return  # only evaluates: no training step is asked for
+    if not int(trainer.total_epochs) >= 1:
+        raise MixConfigError(f"trainer.total_epochs={trainer.total_epochs}: the run would exit having trained nothing; "
+                             "set it >= 1 (or trainer.val_only=true to only evaluate)")
+    steps = trainer.get("total_training_steps")
+    if steps is not None and not int(steps) >= 1:
+        raise MixConfigError(f"trainer.total_training_steps={steps}: the run would exit having trained nothing; "
+                             "set it >= 1, or null for total_epochs passes over the data")
+
+
+def _data_parallel_size(config: DictConfig) -> int:
+    """The actor's data-parallel ranks under FSDP: trainer GPUs / Ulysses sequence-parallel size."""
+    n_gpus = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+    sp = int(config.actor_rollout_ref.actor.get("ulysses_sequence_parallel_size", 1) or 1)
+    return max(n_gpus // sp, 1)
+
+
+def _check_mini_batches(config: DictConfig) -> None:
+    actor, n = config.actor_rollout_ref.actor, int(config.actor_rollout_ref.rollout.n)
+    batch, mini = int(config.data.train_batch_size), int(actor.ppo_mini_batch_size)
+    if bool(config.trainer.get("use_v1", False)) or actor.get("strategy", "fsdp") == "megatron":
+        return  # V1 pads the batch to a multiple of the mini-batch; megatron's split is verl's validate_config's
+    if batch % mini:
+        raise MixConfigError(
+            f"{A}.ppo_mini_batch_size={mini} does not divide data.train_batch_size={batch}: each step's {batch} x "
+            f"rollout.n {n} = {batch * n} rows are cut into mini-batches of {mini} x {n} = {mini * n} rows "
+            f"(verl asserts {batch * n} % {mini * n} == 0 in the worker, after the rollout); use a divisor of {batch}"
+        )
+    dp = _data_parallel_size(config)
+    if (mini * n) % dp:
+        raise MixConfigError(
+            f"{A}.ppo_mini_batch_size={mini} x actor_rollout_ref.rollout.n={n} = {mini * n} rows per mini-batch "
+            f"must divide over the actor's {dp} data-parallel ranks (trainer.nnodes x n_gpus_per_node / "
+            "ulysses_sequence_parallel_size); change the mini-batch or the GPU count"
+        )
+    micro = actor.get("ppo_micro_batch_size_per_gpu")
+    if micro is not None and not bool(actor.get("use_dynamic_bsz", False)) and (mini * n // dp) % int(micro):
+        raise MixConfigError(
+            f"{A}.ppo_micro_batch_size_per_gpu={micro} does not divide a rank's mini-batch of {mini * n // dp} rows "
+            f"(ppo_mini_batch_size {mini} x rollout.n {n} / {dp} ranks; verl asserts it in the worker); use a divisor "
+            f"of {mini * n // dp}, or use_dynamic_bsz=true"
+        )
+
+
+def _paths(value) -> list[str]:
+    values = list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
+    return [os.path.expanduser(str(v)) for v in values if v is not None and "://" not in str(v)]
+
+
+def parquet_rows(path: str) -> Optional[int]:
+    """Rows in a parquet file (or a directory of them) from the footer, without reading them; None when it
+    cannot be read as parquet (the data check names that)."""
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetDataset(path).count_rows() if os.path.isdir(path) else pq.ParquetFile(path).metadata.num_rows
+    except Exception:  # noqa: BLE001  (format errors are the data check's, slot 4)
+        return None
+
+
+def _check_rows(config: DictConfig) -> None:
+    if bool(config.trainer.get("val_only", False)):
+        return
+    counts = [parquet_rows(p) for p in _paths(config.data.train_files)]
+    if not counts or any(c is None for c in counts):
+        return  # remote or unreadable: not countable here
+    rows = sum(counts)
+    cap = config.data.get("train_max_samples", -1)
+    if cap is not None and int(cap) > 0:
+        rows = min(rows, int(cap))
+    batch = int(config.data.get("gen_batch_size", None) or config.data.train_batch_size)
+    if rows < batch:
+        key = "data.gen_batch_size" if config.data.get("gen_batch_size", None) else "data.train_batch_size"
+        raise MixConfigError(
+            f"data.train_files has {rows} rows{f' (data.train_max_samples={cap})' if cap is not None and int(cap) > 0 else ''}, "
+            f"fewer than one batch ({key}={batch}): verl's loader drops the partial batch, so the run would train "
+            f"nothing; lower {key} to <= {rows} or add rows"
+        )

@@ -1,0 +1,61 @@
+"""Batch arithmetic and the target cap refused before Ray (mix_src/config/batch_check.py, mix_src/mix_config.py):
+each case is one the pre-Ray stage passed before issue #41 and verl failed on inside Ray (or trained nothing)."""
+
+import pyarrow.parquet as pq
+import pytest
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from e2e import MIX_CPU, tiny_overrides
+from mix_src.config.batch_check import check_batch_arithmetic, parquet_rows
+from mix_src.mix_config import MixConfigError, validate_mix_config
+
+
+def _compose(assets, *overrides):
+    with initialize_config_module(config_module="mix_src.config", version_base=None):
+        return compose(config_name="mix_ppo", overrides=[*MIX_CPU, *tiny_overrides(assets), *overrides])
+
+
+A = "actor_rollout_ref.actor."
+
+
+@pytest.mark.parametrize("overrides, pattern", [
+    ([A + "ppo_mini_batch_size=3"], r"ppo_mini_batch_size=3 does not divide data\.train_batch_size=4: .* 8 % 6 == 0"),
+    (["actor_rollout_ref.rollout.n=0", "mix.n_prefix=0"], r"actor_rollout_ref\.rollout\.n=0"),
+    ([A + "ppo_micro_batch_size_per_gpu=0"], r"ppo_micro_batch_size_per_gpu=0: a micro-batch of 0 rows"),
+    ([A + "ppo_micro_batch_size_per_gpu=3"], r"ppo_micro_batch_size_per_gpu=3 does not divide a rank's mini-batch of 8"),
+    (["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=0"], r"rollout\.log_prob_micro_batch_size_per_gpu=0"),
+    ([A + "optim.lr=-1e-4"], r"optim\.lr=-0\.0001: the actor would not learn"),
+    ([A + "optim.lr=0"], r"optim\.lr=0"),
+    (["trainer.total_epochs=0"], r"trainer\.total_epochs=0: the run would exit having trained nothing"),
+    (["trainer.total_training_steps=0"], r"trainer\.total_training_steps=0"),
+    (["data.train_batch_size=64", A + "ppo_mini_batch_size=64"],
+     r"data\.train_files has 32 rows, fewer than one batch \(data\.train_batch_size=64\)"),
+    (["data.train_max_samples=3"], r"has 3 rows \(data\.train_max_samples=3\), fewer than one batch"),
+])
+def test_batch_arithmetic_refused_naming_keys_and_numbers(tiny_assets, overrides, pattern):
+    cfg = _compose(tiny_assets, *overrides)
+    with pytest.raises(MixConfigError, match=pattern):
+        check_batch_arithmetic(cfg)
+
+
+def test_settings_that_train_pass(tiny_assets):
+    check_batch_arithmetic(_compose(tiny_assets))  # the tiny e2e settings
+    check_batch_arithmetic(_compose(tiny_assets, "trainer.use_v1=true", A + "ppo_mini_batch_size=3"))  # V1 pads
+    check_batch_arithmetic(_compose(tiny_assets, "trainer.total_epochs=0", "trainer.val_only=true"))  # evaluation only
+    assert parquet_rows(tiny_assets["train"]) == pq.ParquetFile(tiny_assets["train"]).metadata.num_rows == 32
+
+
+def test_target_cap_follows_the_response_length(tiny_assets):
+    cfg = _compose(tiny_assets)  # data.max_response_length=16, mix.data.max_target_length unset (null)
+    assert OmegaConf.select(cfg, "mix.data.max_target_length") is None
+    assert validate_mix_config(cfg).data.max_target_length == 15
+    assert cfg.mix.data.max_target_length == 15  # written back: the datasets built in Ray read the same number
+    assert validate_mix_config(_compose(tiny_assets, "mix.data.max_target_length=15")).data.max_target_length == 15
+
+
+@pytest.mark.parametrize("cap", [16, 8192])
+def test_target_cap_that_cannot_fit_is_refused(tiny_assets, cap):
+    with pytest.raises(MixConfigError, match=rf"mix\.data\.max_target_length={cap} cannot fit data\.max_response_length=16"
+                                              r".* <= 15"):
+        validate_mix_config(_compose(tiny_assets, f"mix.data.max_target_length={cap}"))
