@@ -136,10 +136,18 @@ def _check_paths(config: DictConfig) -> None:
     for key, paths in checks.items():
         for path in paths:
             if not os.path.exists(os.path.expanduser(path)) and (key.startswith("data.") or not _is_hub_id(path)):
-                raise FileNotFoundError(
-                    f"{key}: '{path}' does not exist (cwd {os.getcwd()}); fix the path, or build the files first "
-                    "(e.g. `python scripts/make_tiny_assets.py DIR` for the CPU demo)"
-                )
+                raise FileNotFoundError(f"{key}: '{path}' does not exist (cwd {os.getcwd()}); {_missing_hint(key, path)}")
+
+
+def _missing_hint(key: str, path: str) -> str:
+    """What builds a missing file: the tiny CPU assets, LUFFY's data (recipes/GPU_FIRST_DAY.md, Data), or a model."""
+    if "tiny" in path:
+        return "fix the path, or build the CPU demo's files: `python scripts/make_tiny_assets.py DIR`"
+    if key.startswith("data."):
+        return ("fix the path, or fetch LUFFY's data first (recipes/GPU_FIRST_DAY.md, '2. Data'): LUFFY's "
+                "data/prepare_train.py writes openr1.parquet; copy it and LUFFY's data/valid.parquet into data/ "
+                "(or build rows of your own: `python -m scripts.data.prepare_openr1 --input ROWS --output FILE`)")
+    return "fix the path: a local Hugging Face model folder, or a hub id such as Qwen/Qwen2.5-Math-1.5B"
 
 
 def _is_hub_id(path: str) -> bool:
