@@ -33,6 +33,7 @@ from verl.utils.dataset.rl_dataset import RLHFDataset
 # agent loop here registers "prefix_guided" in that process, on every node, wherever mix_src is installed.
 from mix_src import agent_loop  # noqa: F401
 from mix_src import agent_loop_tools  # noqa: F401  (registers prefix_guided_tool, the multi-turn tool loop)
+from mix_src.config.data_check import row_problem
 from mix_src.mix_config import DataConfig
 
 logger = logging.getLogger(__name__)
@@ -78,8 +79,24 @@ class RLHFDatasetWithTarget(RLHFDataset):
 
     def _read_files_and_tokenize(self):
         super()._read_files_and_tokenize()
+        self._drop_bad_rows()
         if self.with_targets:
             self._prepare_targets()
+
+    def _drop_bad_rows(self) -> None:
+        """Drop the rows the driver's data check counted (the same :func:`~mix_src.config.data_check.row_problem`),
+        so the workers train on the rows the summary line promised."""
+        cols = self.dataframe.column_names
+        if self.prompt_key not in cols or "reward_model" not in cols:
+            return  # refused before Ray by check_data; a direct user of the class keeps verl's behaviour
+        prompts, rms = self.dataframe[self.prompt_key], self.dataframe["reward_model"]
+        keep = [i for i, (p, rm) in enumerate(zip(prompts, rms)) if row_problem(p, rm) is None]
+        if len(keep) < len(self.dataframe):
+            msg = (f"[mix_src.dataset] {list(self.original_data_files)}: dropped {len(self.dataframe) - len(keep)} "
+                   f"of {len(self.dataframe)} rows that fail the data check (mix_src/config/data_check.py row_problem)")
+            print(msg, flush=True)
+            logger.info(msg)
+            self.dataframe = self.dataframe.select(keep)
 
     # -- target normalisation, once per load ------------------------------------------------------------
     def _prepare_targets(self) -> None:
@@ -123,7 +140,10 @@ class RLHFDatasetWithTarget(RLHFDataset):
         # length check under the policy's tokenizer
         max_len = self.target_cfg.target_limit(self.config.get("max_response_length"))  # default: response - 1
         idx = [i for i, t in enumerate(texts) if t is not None]
-        enc = self.tokenizer([texts[i] for i in idx], add_special_tokens=False, return_offsets_mapping=self.target_cfg.truncate_targets)
+        enc = {"input_ids": [], "offset_mapping": []}  # no target left (sample_target_ratio=0, all null): on-policy only
+        if idx:
+            enc = self.tokenizer([texts[i] for i in idx], add_special_tokens=False,
+                                 return_offsets_mapping=self.target_cfg.truncate_targets)
         too_long = [j for j, ids in enumerate(enc["input_ids"]) if len(ids) > max_len]
         n_truncated, drop_rows = 0, set()
         for j in too_long:

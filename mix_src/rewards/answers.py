@@ -195,3 +195,31 @@ def plain_int(s: str) -> int | None:
     """``"42"``, ``" -7 "``, ``"$12$"`` -> int; anything else (decimals, commas, LaTeX) -> ``None``."""
     t = s.strip().strip("$").strip()
     return int(t) if _PLAIN_INT.fullmatch(t) else None
+
+
+# Texts that float() reads as NaN or infinity: a ground truth like these came from a lost value (pandas writes a
+# missing answer as NaN, str() makes it 'nan'), never from a benchmark; infinity as an answer is written \infty.
+NONFINITE_TEXTS = frozenset({"nan", "+nan", "-nan", "inf", "+inf", "-inf", "infinity", "+infinity", "-infinity"})
+
+
+def ground_truth_problem(value) -> str | None:
+    """Why ``reward_model.ground_truth`` cannot be graded, or ``None`` when it can: it must be a non-empty
+    string (or an int / finite float, read as its text) that is not a NaN/inf spelling (:data:`NONFINITE_TEXTS`).
+    One rule for the data check (mix_src/config/data_check.py) and the reward."""
+    if hasattr(value, "tolist") and not isinstance(value, str):  # numpy scalars and arrays
+        value = value.tolist()
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    if isinstance(value, bool) or value is None:
+        return f"is {value!r}; it must be a non-empty string"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"is {value!r} (a missing or non-finite number)"
+    if isinstance(value, (int, float)):
+        return None
+    if not isinstance(value, str):
+        return f"is a {type(value).__name__} ({str(value)[:40]!r}); it must be a non-empty string"
+    if not value.strip():
+        return "is empty"
+    if value.strip().lower() in NONFINITE_TEXTS:
+        return f"is {value.strip()!r}, the text of a missing or non-finite number (write infinity as \\infty)"
+    return None

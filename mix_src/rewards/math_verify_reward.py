@@ -277,18 +277,17 @@ def _prepare(data_source, solution_str, ground_truth, extra_info, cfg: RewardCon
 
 
 def _ground_truth_text(ground_truth: Any) -> str:
+    """The ground truth as text; a missing, empty or NaN/inf one is ungradable (never graded correct, counted),
+    by the data check's own rule (:func:`mix_src.rewards.answers.ground_truth_problem`)."""
+    problem = answers.ground_truth_problem(ground_truth)
+    if problem is not None:
+        raise Ungradable("ground truth", f"reward_model.ground_truth {problem}; fix the data file "
+                         "(the data check before Ray drops such rows)")
     if hasattr(ground_truth, "tolist") and not isinstance(ground_truth, str):  # numpy scalars and arrays
         ground_truth = ground_truth.tolist()
-    if isinstance(ground_truth, (list, tuple)) and len(ground_truth) == 1:
+    if isinstance(ground_truth, (list, tuple)):
         ground_truth = ground_truth[0]
-    if isinstance(ground_truth, float) and ground_truth != ground_truth:  # NaN: a missing value in parquet
-        ground_truth = None
-    if isinstance(ground_truth, (int, float)) and not isinstance(ground_truth, bool):
-        ground_truth = str(ground_truth)
-    if not isinstance(ground_truth, str) or not ground_truth.strip():
-        raise Ungradable("ground truth", f"reward_model.ground_truth must be a non-empty string, got "
-                         f"{str(ground_truth)[:80]!r}; check the data file")
-    return ground_truth
+    return str(ground_truth)
 
 
 def _finish(cfg: RewardConfig, data_source, job: _Pending, outcome: Outcome) -> dict:

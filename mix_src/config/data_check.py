@@ -1,0 +1,261 @@
+"""Data contents, checked on the driver before Ray starts (preflight slot 4).
+
+``check_data(config)`` opens each ``data.train_files`` / ``data.val_files`` file the way verl's ``RLHFDataset``
+reads it (``.parquet``, ``.json``, ``.jsonl``; verl/utils/dataset/rl_dataset.py ``_read_files_and_tokenize``) and
+
+* **refuses a bad file** (:class:`~mix_src.mix_config.MixConfigError` naming the file, the column and what to
+  do): a directory, another extension, an empty or unreadable file, no rows, no ``data.prompt_key`` column, a
+  prompt column of strings, no ``reward_model`` column, a target column (``mix.data.target_key``) that is not
+  text, fewer usable training rows than one batch (``data.train_batch_size``);
+* **drops bad rows and counts them** in one summary line per file, naming the first bad row: a row fails
+  :func:`row_problem` (prompt not a chat list of ``{role, content}`` strings; ``reward_model.ground_truth``
+  missing, empty or NaN/inf text). The workers see the same rows because the dataset class
+  (:class:`mix_src.dataset.RLHFDatasetWithTarget`) drops rows with this same function when it loads the files;
+  with another ``data.custom_cls`` nothing would drop them, so a bad row is refused instead;
+* **prompts longer than ``data.max_prompt_length``** (verl's count: the chat template with the generation
+  prompt, ``data.apply_chat_template_kwargs``): with ``data.filter_overlong_prompts=true`` verl's dataset drops
+  them (counted here); otherwise ``data.truncation=error`` refuses them here with the count (verl's agent loop
+  does not apply it: it left-truncates, verl/experimental/agent_loop/agent_loop.py ``_cap_text_prompt_length``),
+  and so do ``right`` / ``middle`` (the agent loop would cut from the left instead); ``left`` is what the agent
+  loop does, and is not counted here.
+
+Targets longer than ``mix.data.max_target_length`` need the target tokenised (seconds per thousand rows); the
+dataset drops and counts them at load (mix_src/dataset.py). Cost: see scripts/data/README.md ("The data check").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+from omegaconf import DictConfig, ListConfig
+
+from mix_src.mix_config import MixConfigError
+from mix_src.rewards.answers import ground_truth_problem
+
+READABLE = (".parquet", ".json", ".jsonl")  # what verl's RLHFDataset reads (rl_dataset.py _read_files_and_tokenize)
+OUR_DATASET = "RLHFDatasetWithTarget"  # the class that drops bad rows with row_problem (mix_src/dataset.py)
+
+
+# ------------------------------------------------------------------------------------------ one row
+def _as_list(value) -> Any:
+    return value.tolist() if hasattr(value, "tolist") and not isinstance(value, str) else value
+
+
+def prompt_problem(prompt) -> Optional[str]:
+    """Why a prompt is not a non-empty chat list of ``{role: str, content: str}`` messages, or ``None``."""
+    prompt = _as_list(prompt)
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        return "prompt is not a non-empty list of {role, content} messages"
+    for message in prompt:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            return "a prompt message is not {role: str, content: str}"
+    return None
+
+
+def row_problem(prompt, reward_model) -> Optional[str]:
+    """Why a row cannot train or be graded, or ``None``: THE row rule, shared by :func:`check_data` (driver)
+    and :class:`mix_src.dataset.RLHFDatasetWithTarget` (workers) so both see the same rows."""
+    why = prompt_problem(prompt)
+    if why is not None:
+        return why
+    reward_model = _as_list(reward_model)
+    if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
+        return "reward_model has no ground_truth"
+    why = ground_truth_problem(reward_model["ground_truth"])
+    return None if why is None else "reward_model.ground_truth " + why.split(";")[0].split(" (")[0]
+
+
+# ------------------------------------------------------------------------------------------ one file
+@dataclass
+class FileReport:
+    """What :func:`check_file` found in one file."""
+
+    path: str
+    rows: int
+    kept: list[int]  # row indices that pass row_problem
+    dropped: dict[str, int] = field(default_factory=dict)  # reason -> rows
+    first_bad: dict[str, int] = field(default_factory=dict)  # reason -> first row index
+    prompts: list = field(default_factory=list)  # the kept rows' prompts (for the length check)
+
+    def summary(self, role: str) -> str:
+        drops = "; ".join(f"{n} {why} (first: row {self.first_bad[why]})" for why, n in self.dropped.items())
+        return (f"[mix_src.data_check] {role} {self.path}: {self.rows} rows, {len(self.kept)} kept"
+                + (f", {self.rows - len(self.kept)} dropped: {drops}" if self.dropped else ", none dropped"))
+
+
+def _refuse(path: str, key: str, what: str) -> MixConfigError:
+    return MixConfigError(f"{key}: {path}: {what}")
+
+
+def read_columns(path: str, columns: Iterable[str], key: str) -> tuple[dict[str, list], dict[str, str]]:
+    """``({column: values}, {column: type})`` for the wanted columns that exist (types of all columns), read the
+    way verl reads the file. Raises naming the file for what verl's dataset could not read."""
+    if os.path.isdir(path):
+        raise _refuse(path, key, "is a directory; verl's RLHFDataset reads one .parquet/.json/.jsonl file per entry "
+                                 "(list the files, e.g. data.train_files=[a.parquet,b.parquet])")
+    if not path.lower().endswith(READABLE):
+        raise _refuse(path, key, f"unsupported file type; verl's RLHFDataset reads {', '.join(READABLE)}")
+    if os.path.getsize(path) == 0:
+        raise _refuse(path, key, "is empty (0 bytes); rebuild it (scripts/data/README.md)")
+    if path.lower().endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        try:
+            pf = pq.ParquetFile(path)
+            types = {f.name: str(f.type) for f in pf.schema_arrow}
+            table = pf.read(columns=[c for c in columns if c in types])
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a broken file
+            raise _refuse(path, key, f"is not a readable parquet file ({type(e).__name__}: {str(e)[:200]})") from e
+        return {c: table.column(c).to_pylist() for c in table.column_names}, types
+    return _read_json(path, columns, key)
+
+
+def _read_json(path: str, columns: Iterable[str], key: str) -> tuple[dict[str, list], dict[str, str]]:
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        if text.lstrip()[:1] == "[":
+            records = json.loads(text)
+        else:
+            records = []
+            for n, line in enumerate(text.splitlines(), 1):
+                if line.strip():
+                    try:
+                        records.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise _refuse(path, key, f"line {n} is not JSON ({e.msg})") from e
+    except json.JSONDecodeError as e:
+        raise _refuse(path, key, f"is not JSON ({e.msg}, line {e.lineno})") from e
+    if not all(isinstance(r, dict) for r in records):
+        raise _refuse(path, key, "holds something other than one JSON object per row")
+    names = list(dict.fromkeys(k for r in records for k in r))
+    types = {c: ("string" if all(isinstance(r.get(c), str) for r in records if r.get(c) is not None) else "object")
+             for c in names}
+    return {c: [r.get(c) for r in records] for c in columns if c in names}, types
+
+
+def check_file(path: str, key: str, prompt_key: str, target_key: Optional[str]) -> FileReport:
+    """Open one data file, refuse it when it is unusable, and sort its rows with :func:`row_problem`."""
+    cols, types = read_columns(path, [prompt_key, "reward_model"], key)
+    n = len(next(iter(cols.values()))) if cols else 0
+    if prompt_key not in types:
+        raise _refuse(path, f"{key} (data.prompt_key={prompt_key})",
+                      f"no '{prompt_key}' column; its columns are {sorted(types)}. Rebuild it with scripts/data "
+                      "(prepare_openr1 / prepare_eval), or set data.prompt_key")
+    if types[prompt_key] in ("string", "large_string"):
+        raise _refuse(path, key, f"column '{prompt_key}' holds strings; verl's chat-template path needs a list of "
+                                 "{role, content} messages per row, e.g. [{'role': 'user', 'content': '...'}]")
+    if "reward_model" not in types:
+        raise _refuse(path, key, f"no 'reward_model' column (a {{style, ground_truth}} struct the reward grades "
+                                 f"against); its columns are {sorted(types)}")
+    if target_key and target_key in types and not _text_like(types[target_key]):
+        raise _refuse(path, f"{key} (mix.data.target_key={target_key})",
+                      f"column '{target_key}' has type {types[target_key]}; a target is a string or LUFFY's "
+                      "[{role: assistant, content: str}]")
+    if n == 0:
+        raise _refuse(path, key, "has no rows")
+    report = FileReport(path, n, [])
+    for i, (prompt, rm) in enumerate(zip(cols[prompt_key], cols["reward_model"])):
+        why = row_problem(prompt, rm)
+        if why is None:
+            report.kept.append(i)
+            report.prompts.append(prompt)
+        else:
+            report.dropped[why] = report.dropped.get(why, 0) + 1
+            report.first_bad.setdefault(why, i)
+    return report
+
+
+def _text_like(arrow_type: str) -> bool:
+    """A target column LUFFY's or our loader reads: strings, a message list/struct, or all nulls."""
+    return arrow_type in ("string", "large_string", "null", "object") or "struct<" in arrow_type \
+        or arrow_type.startswith(("list<element: string", "large_list<element: string"))
+
+
+# --------------------------------------------------------------------------------------- prompt length
+def prompt_lengths(config: DictConfig, prompts: list) -> list[int]:
+    """Token counts of the templated prompts, as verl's ``maybe_filter_out_long_prompts`` counts them."""
+    from verl.utils import hf_tokenizer
+
+    model = config.actor_rollout_ref.model
+    path = os.path.expanduser(str(model.get("tokenizer_path") or model.path))
+    tok = hf_tokenizer(path, trust_remote_code=bool(model.get("trust_remote_code", False)))
+    kwargs = dict(config.data.get("apply_chat_template_kwargs") or {})
+    for k in ("tokenize", "return_dict", "return_tensors"):
+        kwargs.pop(k, None)
+    texts = [tok.apply_chat_template(list(_as_list(p)), add_generation_prompt=True, tokenize=False, **kwargs)
+             for p in prompts]
+    return [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
+
+
+def check_prompt_lengths(config: DictConfig, key: str, report: FileReport) -> int:
+    """Apply ``data.truncation`` / ``data.filter_overlong_prompts`` to one file. Returns the rows verl's dataset
+    will filter out; raises for ``truncation=error``."""
+    limit = int(config.data.max_prompt_length)
+    lengths = prompt_lengths(config, report.prompts)
+    over = [report.kept[j] for j, n in enumerate(lengths) if n > limit]
+    if not over:
+        return 0
+    longest = max(lengths)
+    if bool(config.data.get("filter_overlong_prompts", False)):
+        print(f"[mix_src.data_check] {key} {report.path}: {len(over)} prompts longer than data.max_prompt_length="
+              f"{limit} tokens (longest {longest}) are dropped by data.filter_overlong_prompts=true", flush=True)
+        return len(over)
+    truncation = str(config.data.get("truncation", "error"))
+    if truncation == "error":
+        raise _refuse(report.path, key, f"{len(over)} of {len(report.kept)} prompts are longer than "
+                      f"data.max_prompt_length={limit} tokens (first: row {over[0]}, longest {longest}) and "
+                      "data.truncation=error; raise data.max_prompt_length, set data.filter_overlong_prompts=true "
+                      "to drop them, or data.truncation=left to cut them from the left (what verl's agent loop does)")
+    # left is not tokenised here (check_data skips it): it is what the agent loop does anyway
+    raise _refuse(report.path, key, f"{len(over)} prompts are longer than data.max_prompt_length={limit} tokens "
+                  f"(first: row {over[0]}) and data.truncation={truncation}, but verl's agent loop cuts long prompts "
+                  "from the left whatever data.truncation says (agent_loop.py _cap_text_prompt_length); set "
+                  "data.truncation=left, data.filter_overlong_prompts=true, or raise data.max_prompt_length")
+
+
+# ----------------------------------------------------------------------------------------- the stage
+def _files(value) -> list[str]:
+    values = list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
+    return [os.path.expanduser(str(v)) for v in values if v is not None and "://" not in str(v)]
+
+
+def check_data(config: DictConfig) -> dict[str, FileReport]:
+    """Preflight slot 4: every train/val file checked; one summary line per file. Returns the reports."""
+    data = config.data
+    prompt_key = str(data.get("prompt_key", "prompt"))
+    mix = config.get("mix") or {}
+    target_key = (mix.get("data") or {}).get("target_key", "target") if mix else None
+    ours = str((data.get("custom_cls") or {}).get("name") or "") == OUR_DATASET
+    check_length = bool(data.get("filter_overlong_prompts", False)) or str(data.get("truncation", "error")) != "left"
+    reports: dict[str, FileReport] = {}
+    for key, role in (("data.train_files", "train"), ("data.val_files", "val")):
+        usable = 0
+        for path in _files(data.get(key.split(".")[1])):
+            report = check_file(path, key, prompt_key, target_key if role == "train" else None)
+            print(report.summary(role), flush=True)
+            if report.dropped and not ours:
+                why, n = next(iter(report.dropped.items()))
+                raise _refuse(path, key, f"{n} rows with {why} (first: row {report.first_bad[why]}); data.custom_cls "
+                              f"is not {OUR_DATASET}, which drops such rows, so fix the file")
+            filtered = check_prompt_lengths(config, key, report) if check_length and report.kept else 0
+            usable += len(report.kept) - filtered
+            reports[path] = report
+        _check_enough(config, key, role, usable)
+    return reports
+
+
+def _check_enough(config: DictConfig, key: str, role: str, usable: int) -> None:
+    data = config.data
+    limit = int(data.get(f"{role}_max_samples", -1) or -1)
+    usable = min(usable, limit) if limit > 0 else usable
+    need = int(data.train_batch_size) if role == "train" else 1
+    if usable < need:
+        what = f"data.train_batch_size={need}" if role == "train" else "one row"
+        raise MixConfigError(f"{key}: {usable} usable rows after the drops above, fewer than {what}; verl's "
+                             "dataloader drops the last incomplete batch, so nothing would train. Add rows or "
+                             "lower data.train_batch_size")
