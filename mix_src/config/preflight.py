@@ -17,6 +17,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from mix_src.config.resources import check_checkpoint_dir
 from mix_src.config.data_check import check_data
+from mix_src.config.batch_check import check_batch_arithmetic
 from mix_src.cpu import CHECKPOINT_ENGINE as CPU_CHECKPOINT_ENGINE, ROLLOUT_ENV
 from mix_src.mix_config import MixConfigError, validate_mix_config
 from mix_src.model_context import check_attention, resolve_max_model_len
@@ -48,6 +49,7 @@ def run(config: DictConfig) -> Any:
     # 4. data contents (train/val files opened, rows checked)
     check_data(config)  # mix_src/config/data_check.py: bad files refused, bad rows dropped and counted
     # 5. batch arithmetic verl checks only inside Ray
+    check_batch_arithmetic(config)
     # 6. resources: checkpoint directory, GPU memory
     check_checkpoint_dir(config)  # created, written to, free space vs the checkpoints kept (mix_src/config/resources.py)
     check_memory(config)  # fp32 states vs GPU memory refused, the peak estimate printed (mix_src/planner/check.py)
@@ -136,10 +138,18 @@ def _check_paths(config: DictConfig) -> None:
     for key, paths in checks.items():
         for path in paths:
             if not os.path.exists(os.path.expanduser(path)) and (key.startswith("data.") or not _is_hub_id(path)):
-                raise FileNotFoundError(
-                    f"{key}: '{path}' does not exist (cwd {os.getcwd()}); fix the path, or build the files first "
-                    "(e.g. `python scripts/make_tiny_assets.py DIR` for the CPU demo)"
-                )
+                raise FileNotFoundError(f"{key}: '{path}' does not exist (cwd {os.getcwd()}); {_missing_hint(key, path)}")
+
+
+def _missing_hint(key: str, path: str) -> str:
+    """What builds a missing file: the tiny CPU assets, LUFFY's data (recipes/GPU_FIRST_DAY.md, Data), or a model."""
+    if "tiny" in path:
+        return "fix the path, or build the CPU demo's files: `python scripts/make_tiny_assets.py DIR`"
+    if key.startswith("data."):
+        return ("fix the path, or fetch LUFFY's data first (recipes/GPU_FIRST_DAY.md, '2. Data'): LUFFY's "
+                "data/prepare_train.py writes openr1.parquet; copy it and LUFFY's data/valid.parquet into data/ "
+                "(or build rows of your own: `python -m scripts.data.prepare_openr1 --input ROWS --output FILE`)")
+    return "fix the path: a local Hugging Face model folder, or a hub id such as Qwen/Qwen2.5-Math-1.5B"
 
 
 def _is_hub_id(path: str) -> bool:
