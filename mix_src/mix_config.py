@@ -44,14 +44,35 @@ class DataConfig:
 
     target_key: str = "target"  # parquet column with the target: [{role: assistant, content}] or a string
     sample_target_ratio: float = 1.0  # probability that a row keeps its target (drawn once per row, seeded)
-    max_target_length: int = 8192  # targets longer than this (tokens) are dropped and counted ...
+    max_target_length: Optional[int] = None  # targets longer than this (tokens) are dropped and counted ...
+    # (None: data.max_response_length - 1, so a whole target plus its EOS fits the response; see target_limit)
     truncate_targets: bool = False  # ... or truncated to it when true (also counted)
 
     def check(self, p: str) -> None:
         _in_range(f"{p}.sample_target_ratio", self.sample_target_ratio, 0.0, 1.0)
-        _in_range(f"{p}.max_target_length", self.max_target_length, 1, None)
+        if self.max_target_length is not None:
+            _in_range(f"{p}.max_target_length", self.max_target_length, 1, None)
         if not self.target_key:
             raise MixConfigError(f"{p}.target_key must be a non-empty column name")
+
+    def target_limit(self, max_response_length: Optional[int]) -> int:
+        """Longest target kept, in tokens: ``max_target_length``, or by default ``max_response_length - 1`` (the
+        rollout appends EOS to a whole target, and a response has ``max_response_length`` tokens; LUFFY's 8192 with
+        8192-token responses cut that EOS off, luffy/verl/verl/mix_src/mix_vllm_rollout.py). No response length
+        known (a dataset built outside the trainer): no limit."""
+        if self.max_target_length is not None:
+            return int(self.max_target_length)
+        return int(max_response_length) - 1 if max_response_length else 2**31 - 1
+
+    def check_fits(self, p: str, max_response_length: int) -> None:
+        """An explicit ``max_target_length`` must leave room for the EOS in ``data.max_response_length`` tokens."""
+        if self.max_target_length is not None and self.max_target_length > max_response_length - 1:
+            raise MixConfigError(
+                f"{p}.max_target_length={self.max_target_length} cannot fit data.max_response_length="
+                f"{max_response_length}: a whole target plus its EOS needs max_target_length <= {max_response_length - 1}, "
+                f"or longer targets are cut and score 0; set it <= {max_response_length - 1}, or null to follow "
+                "data.max_response_length - 1"
+            )
 
 
 @dataclass
@@ -354,6 +375,23 @@ def mix_config_from_dict(values: Optional[dict], prefix: str = "mix") -> MixConf
     return cfg
 
 
+def _resolve_target_limit(config: Any, mix: MixConfig) -> None:
+    """Refuse a ``mix.data.max_target_length`` whose target + EOS cannot fit ``data.max_response_length``; write
+    the resolved limit (default ``max_response_length - 1``) into both ``mix`` and ``config.mix.data``, so the
+    datasets Ray builds read the number checked here."""
+    from omegaconf import open_dict
+
+    response = config.get("data", {}).get("max_response_length")
+    if response is None:
+        return
+    mix.data.check_fits("mix.data", int(response))
+    mix.data.max_target_length = mix.data.target_limit(int(response))
+    if config.get("mix") is not None:
+        with open_dict(config):
+            config.mix.setdefault("data", {})
+            config.mix.data.max_target_length = mix.data.max_target_length
+
+
 def _check_adv_estimator(name: str) -> None:
     """algorithm.adv_estimator must be a prefix-aware estimator (mix_src.adv_estimators) or one of verl's."""
     from verl.trainer.ppo import core_algos  # here, not at the top: this module stays free of verl
@@ -374,6 +412,7 @@ def validate_mix_config(config: Any) -> MixConfig:
 
     mix_values = OmegaConf.to_container(config.get("mix"), resolve=True) if config.get("mix") is not None else {}
     mix = mix_config_from_dict(mix_values)
+    _resolve_target_limit(config, mix)
 
     n = int(config.actor_rollout_ref.rollout.n)
     if mix.n_prefix > n:
