@@ -173,3 +173,20 @@ def test_entropy_bytes_match_verl():
                             "actor_rollout_ref.actor.fsdp_config.entropy_from_logits_with_chunking=true"))
     per_logit_c = entropy_bytes(shape, run_c, 1000, grad=True) / (1000 * shape.vocab)
     assert _saved_per_logit(entropy_from_logits_with_chunking, chunk_size=128) == pytest.approx(per_logit_c, rel=0.01)
+
+
+def test_calibration_script_runs_on_cpu_with_a_tiny_config(tmp_path, capsys):
+    """scripts/gpu/calibrate_memory.py's plumbing (model build, update with AdamW, log-prob pass, the planner's
+    terms); the measurement itself needs CUDA (mix_src/planner/README.md)."""
+    import json
+
+    from scripts.gpu import calibrate_memory
+
+    cfg = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 512, "max_position_embeddings": 256,
+           "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert calibrate_memory.main(["--config", str(tmp_path), "--tokens", "32", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "actor update:" in out and "old log-prob:" in out and "n/a (no CUDA)" in out
+    assert f"{count_params(cfg) / 1e9:.3f}B" in out
