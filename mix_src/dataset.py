@@ -33,7 +33,7 @@ from verl.utils.dataset.rl_dataset import RLHFDataset
 # agent loop here registers "prefix_guided" in that process, on every node, wherever mix_src is installed.
 from mix_src import agent_loop  # noqa: F401
 from mix_src import agent_loop_tools  # noqa: F401  (registers prefix_guided_tool, the multi-turn tool loop)
-from mix_src.config.data_check import row_problem
+from mix_src.config.data_check import normalize_target, row_problem  # noqa: F401 (normalize_target re-exported)
 from mix_src.mix_config import DataConfig
 
 logger = logging.getLogger(__name__)
@@ -43,24 +43,6 @@ THINK_OPEN = "<think>\n"
 # The rows carry their normalised target under this name whatever ``mix.data.target_key`` says: the agent
 # loop and the trainer read it from here.
 TARGET_FIELD = "target"
-
-
-def normalize_target(value: Any) -> Optional[str]:
-    """Return the target text of one row, or None when it is missing, empty or not text.
-
-    Accepts LUFFY's list-of-one-message form, a message dict, or a plain string.
-    """
-    if isinstance(value, np.ndarray):
-        value = value.tolist()
-    if isinstance(value, (list, tuple)):
-        if len(value) == 0:
-            return None
-        value = value[0]
-    if isinstance(value, dict):
-        value = value.get("content")
-    if not isinstance(value, str) or not value.strip():
-        return None
-    return value
 
 
 class RLHFDatasetWithTarget(RLHFDataset):

@@ -70,7 +70,7 @@ def test_prepare_openr1_schema_targets_and_drop_counts(tmp_path, tokenizer_dir, 
 
     assert summary["read"] == 8 and summary["written"] == 3
     assert summary["dropped"] == {
-        "empty problem or answer": 1, "no generations": 1,
+        "empty, NaN or inf answer": 1, "no generations": 1,
         "flag lists (correctness_math_verify, is_reasoning_complete) not as long as generations": 1,
         "no generation marked correct and complete": 1, "every candidate longer than 40 tokens": 1}
     for reason, n in summary["dropped"].items():
@@ -210,7 +210,7 @@ def test_prepare_eval_all_benchmarks(tmp_path, capsys):
 
 def test_prepare_eval_passthrough_fields_and_errors(tmp_path):
     # LUFFY-style rows already in our schema are kept
-    pd.DataFrame([{"data_source": "aime", "prompt": [{"role": "user", "content": "Q"}], "ability": "math",
+    pd.DataFrame([{"data_source": "aime24", "prompt": [{"role": "user", "content": "Q"}], "ability": "math",
                    "reward_model": {"style": "rule", "ground_truth": "5"}, "extra_info": {"split": "test", "index": 9}}]
                  ).to_parquet(tmp_path / "luffy.parquet")
     pd.DataFrame([{"Problem": "P", "Final": "9"}]).to_parquet(tmp_path / "odd.parquet")
@@ -254,3 +254,116 @@ def test_prepare_eval_passthrough_mixed_labels_and_malformed_rows(tmp_path, caps
     graded = [compute_score("arc_c", f"<think>x</think> \\boxed{{{ans}}}", rm["ground_truth"], dict(e))
               for ans, rm, e in zip(("B", "D", "C"), df["reward_model"], df["extra_info"])]
     assert [g["acc"] for g in graded] == [True, True, True]
+
+
+# ----------------------------------------------------------------------------- exact values (issue #41 item 4)
+def test_answers_kept_exact_nan_and_empty_dropped_bad_line_named(tmp_path, capsys):
+    gens = {"generations": [T("a")], "correctness_math_verify": [True], "is_reasoning_complete": [True]}
+    rows = [{"problem": "p0", "answer": 12, **gens}, {"problem": "p1", "answer": None, **gens},
+            {"problem": "p2", "answer": "0012", **gens}, {"problem": "p3", "answer": 12345678901234567890, **gens},
+            {"problem": "p4", "answer": "", **gens}, {"problem": "p5", "answer": "nan", **gens}]
+    # parquet: an int column with a null was float64 through pandas (12 -> '12.0', None -> 'nan')
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{**r, "answer": r["answer"] if r["answer"] in (12, None) else None}
+                                         for r in rows[:2]]), tmp_path / "ints.parquet")
+    s = openr1.main(["--input", str(tmp_path / "ints.parquet"), "--output", str(tmp_path / "o.parquet")])
+    assert [rm["ground_truth"] for rm in pd.read_parquet(tmp_path / "o.parquet")["reward_model"]] == ["12"]
+    assert s["dropped"] == {"empty, NaN or inf answer": 1}
+    # JSONL: values as written, no dtype inference
+    _write_jsonl(tmp_path / "r.jsonl", rows)
+    s = openr1.main(["--input", str(tmp_path / "r.jsonl"), "--output", str(tmp_path / "o.parquet")])
+    assert [rm["ground_truth"] for rm in pd.read_parquet(tmp_path / "o.parquet")["reward_model"]] == \
+        ["12", "0012", "12345678901234567890"]
+    assert s["dropped"] == {"empty, NaN or inf answer": 3}
+    assert "dropped 3 rows: empty, NaN or inf answer" in capsys.readouterr().out
+    # a malformed line is named by file and line
+    with open(tmp_path / "r.jsonl", "a") as f:
+        f.write('{"problem": "p6", "answer": \n')
+    with pytest.raises(SystemExit, match=r"r\.jsonl: line 7 is not valid JSON"):
+        openr1.main(["--input", str(tmp_path / "r.jsonl"), "--output", str(tmp_path / "o.parquet")])
+    # prepare_eval reads the same way: the big integer stays exact
+    _write_jsonl(tmp_path / "aime.jsonl", [{"problem": "A", "answer": 12345678901234567890}, {"problem": "B", "answer": None}])
+    out = prep_eval.main(["--output", str(tmp_path / "v.parquet"), "--input", f"aime24={tmp_path / 'aime.jsonl'}"])
+    assert pd.read_parquet(tmp_path / "v.parquet").iloc[0]["reward_model"]["ground_truth"] == "12345678901234567890"
+    assert out["benchmarks"]["aime24"]["dropped"] == {"no answer in answer": 1}
+
+
+# ------------------------------------------------------------------------- LUFFY's released data (issue #36 item 1)
+LUFFY_SYSTEM = openr1.SYSTEM_PROMPT  # LUFFY's prepare_openr1_data_v6.py make_openr1_map_fn `instruction`, verbatim
+
+
+def luffy_train_rows(n: int = 6) -> list[dict]:
+    """Rows with the schema of LUFFY's released training set, Elliott/Openr1-Math-46k-8192. LUFFY's
+    data/prepare_train.py only dumps that dataset (load_dataset(...); pd.DataFrame(rows).to_parquet), so the types
+    come from the script that made it, luffy/scripts/data/prepare_openr1_data_v6.py make_openr1_map_fn('train')."""
+    return [{
+        "data_source": "",  # str: the literal "data_source": "" in make_openr1_map_fn
+        # list of {role, content} str structs: [system = `instruction` (LUFFY's system prompt), user = example['problem']]
+        "prompt": [{"role": "system", "content": LUFFY_SYSTEM}, {"role": "user", "content": f"What is {i}+{i}?"}],
+        # list of one {role: "assistant", content: str}: generations[0] of OpenR1-Math-220k (after filter_function
+        # kept the correct and complete ones and filter_target_length those <= 8192 tokens)
+        "target": [{"role": "assistant", "content": f"<think>\n{i}+{i}={2 * i}\n</think>\n\n\\boxed{{{2 * i}}}"}],
+        "ability": "math",  # str: the literal "math"
+        # {style: str, ground_truth: str}: "rule" and example['answer'], a string column in OpenR1-Math-220k
+        "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+        "extra_info": {"split": "default", "index": i},  # {split: str 'default', index: int idx}
+    } for i in range(n)]
+
+
+def test_luffy_released_training_set_passes_unchanged(tmp_path, capsys):
+    import datasets
+
+    rows = luffy_train_rows()
+    rows[3]["reward_model"] = {"style": "rule", "ground_truth": "nan"}  # ungradable: dropped, counted
+    rows[4]["target"] = None  # no target: kept, trained on-policy only
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))  # the arrow folder `datasets` saves
+    pd.DataFrame(rows).to_parquet(tmp_path / "openr1.parquet")  # what LUFFY's data/prepare_train.py writes
+    for src in (tmp_path / "saved", tmp_path / "openr1.parquet"):
+        out = tmp_path / "out.parquet"
+        s = openr1.main(["--input", str(src), "--output", str(out)])
+        printed = capsys.readouterr().out
+        assert "no conversion needed" in printed and "dropped 1 rows: reward_model.ground_truth is 'nan'" in printed
+        assert "kept 1 rows without a usable target" in printed and "wrote 5 rows" in printed
+        assert s["converted"] is False and s["written"] == 5 and s["no_target"] == 1
+        df = pd.read_parquet(out)
+        assert list(df.columns) == list(rows[0])
+        assert [e["index"] for e in df["extra_info"]] == [0, 1, 2, 4, 5]
+        assert df.iloc[0]["prompt"][0]["content"] == LUFFY_SYSTEM and df.iloc[0]["target"][0]["content"].startswith("<think>")
+
+
+def test_luffy_released_training_set_target_length_filter(tmp_path, tokenizer_dir, capsys):
+    rows = luffy_train_rows(4)
+    rows[1]["target"] = [{"role": "assistant", "content": LONG}]
+    pd.DataFrame(rows).to_parquet(tmp_path / "openr1.parquet")
+    s = openr1.main(["--input", str(tmp_path / "openr1.parquet"), "--output", str(tmp_path / "o.parquet"),
+                     "--tokenizer", tokenizer_dir, "--max-target-tokens", "40"])
+    assert s["dropped"] == {"target longer than 40 tokens": 1} and s["written"] == 3
+
+
+def luffy_valid_rows() -> list[dict]:
+    """Rows shaped like LUFFY's data/valid.parquet (2,019 rows; its arrow schema: data_source str, prompt
+    list<struct<content: str, role: str>>, ability str, reward_model struct<ground_truth: str, style: str>,
+    extra_info struct<index: int64, split: str>) with its five data_source values and their row counts
+    (olympiad_bench 675, math 500, amc 332, minerva 272, aime 240), here 2 rows each."""
+    return [{"data_source": ds, "prompt": [{"content": LUFFY_SYSTEM, "role": "system"},
+                                           {"content": f"{ds} problem {i}", "role": "user"}],
+             "ability": "math", "reward_model": {"ground_truth": f"{i + 1}", "style": "rule"},
+             "extra_info": {"index": i, "split": "default"}}
+            for ds in ("aime", "amc", "math", "minerva", "olympiad_bench") for i in range(2)]
+
+
+def test_luffy_valid_parquet_keeps_its_five_benchmarks(tmp_path, capsys):
+    pd.DataFrame(luffy_valid_rows()).to_parquet(tmp_path / "valid.parquet")
+    out = tmp_path / "v.parquet"
+    s = prep_eval.main(["--output", str(out), "--input", str(tmp_path / "valid.parquet")])
+    df = pd.read_parquet(out)
+    assert df["data_source"].value_counts().to_dict() == {ds: 2 for ds in ("aime", "amc", "math", "minerva",
+                                                                            "olympiad_bench")}
+    assert s["rows"] == 10 and df.iloc[0]["prompt"][0]["content"] == LUFFY_SYSTEM
+    assert {e["answer_type"] for e in df["extra_info"]} == {"math"}
+    # NAME=PATH would write one benchmark name over all five: refused, naming them
+    with pytest.raises(SystemExit, match=r"--input aime24=.*valid.parquet: its rows already name their benchmark in "
+                                         r"data_source \(aime: 2, amc: 2, .*Pass --input .*valid.parquet \(no NAME=\)"):
+        prep_eval.main(["--output", str(out), "--input", f"aime24={tmp_path / 'valid.parquet'}"])

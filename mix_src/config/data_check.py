@@ -44,6 +44,24 @@ def _as_list(value) -> Any:
     return value.tolist() if hasattr(value, "tolist") and not isinstance(value, str) else value
 
 
+def normalize_target(value: Any) -> Optional[str]:
+    """Return the target text of one row, or None when it is missing, empty or not text.
+
+    Accepts LUFFY's list-of-one-message form, a message dict, or a plain string.
+    """
+    if hasattr(value, "tolist") and not isinstance(value, str):  # numpy arrays from parquet
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        if len(value) == 0:
+            return None
+        value = value[0]
+    if isinstance(value, dict):
+        value = value.get("content")
+    if not isinstance(value, str) or not value.strip():
+        return None
+    return value
+
+
 def prompt_problem(prompt) -> Optional[str]:
     """Why a prompt is not a non-empty chat list of ``{role: str, content: str}`` messages, or ``None``."""
     prompt = _as_list(prompt)

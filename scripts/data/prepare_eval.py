@@ -37,17 +37,20 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import random
 from typing import Any
 
 from mix_src.rewards.answers import gold_choice, last_boxed
-from scripts.data.prepare_openr1 import SYSTEM_PROMPT, USER_INSTRUCTION, load_table, make_prompt, resolve_system_prompt
+from scripts.data.prepare_openr1 import (SYSTEM_PROMPT, USER_INSTRUCTION, answer_text, load_table, make_prompt,
+                                         resolve_system_prompt)
 
 MATH = ("aime24", "aime25", "amc", "math500", "minerva", "olympiad_bench")
 MULTIPLE_CHOICE = ("arc_c", "gpqa_diamond")
 BENCHMARKS = MATH + MULTIPLE_CHOICE
+# where recipes/common.sh looks for the validation set (VAL_FILES)
+DEFAULT_OUTPUT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                              "data", "valid.parquet")
 LETTERS = "ABCDEFGHIJ"
 MC_INSTRUCTION = "Answer with the letter of the correct option in \\boxed{}, e.g. \\boxed{A}."
 
@@ -59,22 +62,7 @@ def _first_present(row_keys, keys):
     return next((k for k in keys if k in row_keys), None)
 
 
-def _answer_text(value) -> str | None:
-    """Normalise a final answer: lists are joined, 142.0 -> "142", surrounding $ removed."""
-    if value is None:
-        return None
-    if isinstance(value, float):
-        if math.isnan(value):
-            return None
-        value = str(int(value)) if value.is_integer() else repr(value)
-    if not isinstance(value, str) and hasattr(value, "__len__"):
-        parts = [_answer_text(v) for v in list(value)]
-        parts = [p for p in parts if p]
-        return ", ".join(parts) if parts else None
-    text = str(value).strip()
-    if text.startswith("$") and text.endswith("$") and len(text) > 1:
-        text = text.strip("$").strip()
-    return text or None
+_answer_text = answer_text  # one rule for training and evaluation answers (prepare_openr1.answer_text)
 
 
 def _mc_prompt(question: str, options: list[str]) -> str:
@@ -85,8 +73,10 @@ def _mc_prompt(question: str, options: list[str]) -> str:
 class Converter:
     """Turns one benchmark file into rows; counts what it drops."""
 
-    def __init__(self, name: str, path: str, fields: dict[str, str], seed: int, system_prompt: str | None):
+    def __init__(self, name: str, path: str, fields: dict[str, str], seed: int, system_prompt: str | None,
+                 kind: str = "math"):
         self.name, self.path, self.fields, self.seed, self.system_prompt = name, path, fields, seed, system_prompt
+        self.kind = kind  # "math" or "multiple_choice" (answer_kind)
         self.drops: dict[str, int] = {}
 
     def drop(self, reason: str) -> None:
@@ -122,7 +112,7 @@ class Converter:
             return None
         reward_model = r.get("reward_model")
         gt = _answer_text(reward_model.get("ground_truth")) if isinstance(reward_model, dict) else None
-        if gt and self.name in MULTIPLE_CHOICE:
+        if gt and self.kind == "multiple_choice":
             if gold_choice(gt) is None:
                 self.drop("ground truth is not an option label (a letter, or a number 1-26)")
                 return None
@@ -202,12 +192,54 @@ def _parse_pairs(values: list[str], flag: str) -> dict[str, str]:
     return out
 
 
+def answer_kind(name: str) -> str:
+    """``multiple_choice`` for our multiple-choice benchmarks and for a kept data_source the reward reads as one
+    (``gpqa``, ``arc``, ``mmlu``..., mix_src/rewards/math_verify_reward.py answer_type_for), else ``math``."""
+    from mix_src.rewards.math_verify_reward import answer_type_for, make_config
+
+    if name in BENCHMARKS:
+        return "multiple_choice" if name in MULTIPLE_CHOICE else "math"
+    return "multiple_choice" if answer_type_for(name, None, make_config()) == "multiple_choice" else "math"
+
+
+def refuse_relabel(name: str, path: str, df) -> None:
+    """``NAME=PATH`` would write NAME over every row; a file whose rows already name their benchmark (LUFFY's
+    valid.parquet holds five) is refused, naming them."""
+    if "data_source" not in df.columns or not {"prompt", "reward_model"} <= set(df.columns):
+        return
+    counts = df["data_source"].astype(str).value_counts().to_dict()
+    if set(counts) - {name}:
+        raise SystemExit(f"error: --input {name}={path}: its rows already name their benchmark in data_source "
+                         f"({', '.join(f'{k}: {v}' for k, v in counts.items())}); writing {name!r} over them would "
+                         f"mislabel them. Pass --input {path} (no NAME=) to keep each row's data_source")
+
+
+def as_is_groups(paths: list[str], split: str) -> dict[str, tuple[str, Any]]:
+    """Rows of files already in our schema (``--input PATH``, e.g. LUFFY's data/valid.parquet), grouped by their
+    own ``data_source``: ``{data_source: (path, rows)}``."""
+    groups: dict[str, tuple[str, Any]] = {}
+    for path in paths:
+        df = load_table(path, split)
+        missing = [c for c in ("data_source", "prompt", "reward_model") if c not in df.columns]
+        if missing:
+            raise SystemExit(f"error: --input {path}: kept as is needs the columns data_source, prompt and "
+                             f"reward_model; it has no {missing} (its columns: {list(df.columns)}). Give it a "
+                             f"benchmark name instead: --input NAME={path}")
+        for ds, rows in df.groupby(df["data_source"].astype(str), sort=False):
+            if ds in groups:
+                raise SystemExit(f"error: data_source {ds!r} appears in {groups[ds][0]} and in {path}")
+            groups[ds] = (path, rows.reset_index(drop=True))
+    return groups
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--input", action="append", default=[], metavar="NAME=PATH",
-                   help=f"benchmark file; NAME in {', '.join(BENCHMARKS)}")
-    p.add_argument("--output", required=True, help="output .parquet path")
+    p.add_argument("--input", action="append", default=[], metavar="NAME=PATH|PATH",
+                   help=f"benchmark file; NAME in {', '.join(BENCHMARKS)}; a bare PATH is a file already in our "
+                        "schema (e.g. LUFFY's data/valid.parquet) whose rows keep their data_source")
+    p.add_argument("--output", default=DEFAULT_OUTPUT,
+                   help=f"output .parquet path (default {os.path.relpath(DEFAULT_OUTPUT)}, the recipes' default)")
     p.add_argument("--repeat", action="append", default=[], metavar="K|NAME=K",
                    help="repeat rows K times for avg@k (all benchmarks, or one)")
     p.add_argument("--field", action="append", default=[], metavar="NAME.problem=COL|NAME.answer=COL")
@@ -218,12 +250,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--system-prompt-file", default=None)
     a = p.parse_args(argv)
 
-    inputs = _parse_pairs(a.input, "--input")
-    if not inputs:
-        p.error(f"give at least one --input NAME=PATH (NAME in {', '.join(BENCHMARKS)})")
+    as_is = [v for v in a.input if "=" not in v]  # files in our schema whose rows keep their data_source
+    inputs = _parse_pairs([v for v in a.input if "=" in v], "--input")
+    if not inputs and not as_is:
+        p.error(f"give at least one --input NAME=PATH (NAME in {', '.join(BENCHMARKS)}) or --input PATH")
     unknown = sorted(set(inputs) - set(BENCHMARKS))
     if unknown:
         p.error(f"unknown benchmark(s) {unknown}; the names are {', '.join(BENCHMARKS)}")
+    tables = {name: load_table(path, a.split) for name, path in inputs.items()}
+    for name, df in tables.items():
+        refuse_relabel(name, inputs[name], df)
+    groups = as_is_groups(as_is, a.split)  # {data_source: (path, rows)}
+    clash = sorted(set(groups) & set(inputs))
+    if clash:
+        p.error(f"benchmark(s) {clash} given both as NAME=PATH and as data_source values of an --input PATH file")
+    inputs.update({ds: path for ds, (path, _) in groups.items()})
+    tables.update({ds: df for ds, (_, df) in groups.items()})
     default_repeat, repeats = 1, {}
     for v in a.repeat:
         try:
@@ -246,16 +288,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     rows, summary = [], {}
     print(f"{'benchmark':15s} {'read':>6s} {'kept':>6s} {'repeat':>6s} {'rows':>7s}  file")
-    for name in BENCHMARKS:
-        if name not in inputs:
-            continue
-        df = load_table(inputs[name], a.split)
+    for name in [b for b in BENCHMARKS if b in inputs] + [g for g in groups if g not in BENCHMARKS]:
+        df = tables[name]
         if a.limit:
             df = df.iloc[: a.limit]
-        conv = Converter(name, inputs[name], fields.get(name, {}), a.seed, system_prompt)
+        kind = answer_kind(name)
+        conv = Converter(name, inputs[name], fields.get(name, {}), a.seed, system_prompt, kind)
         made = conv.rows(df)
         k = repeats.get(name, default_repeat)
-        kind = "multiple_choice" if name in MULTIPLE_CHOICE else "math"
         for bench_index, m in made:
             if not m["ground_truth"]:
                 conv.drop("empty ground truth")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import math
 import os
 from typing import Any
 
@@ -48,6 +49,10 @@ SYSTEM_PROMPT = (
 USER_INSTRUCTION = " Let's think step by step and output the final answer within \\boxed{}."
 
 REQUIRED = ("problem", "answer", "generations")
+PREPARED = ("prompt", "reward_model")  # rows already in the training schema (LUFFY's released set): checked, not converted
+# where recipes/common.sh looks for the training set (TRAIN_FILES)
+DEFAULT_OUTPUT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                              "data", "openr1.parquet")
 FLAG_COLUMNS = ("correctness_math_verify", "is_reasoning_complete")
 
 
@@ -78,7 +83,7 @@ def load_table(source: str, split: str = "train"):
                     raise SystemExit(f"error: {source} is a saved DatasetDict without split {split!r}; "
                                      f"its splits are {sorted(ds)}; pass --split")
                 ds = ds[split]
-            return ds.to_pandas()
+            return _arrow_to_pandas(ds.with_format("arrow")[:])
         files = sorted(f for ext in ("parquet", "jsonl", "json")
                        for f in glob.glob(os.path.join(source, "**", f"*.{ext}"), recursive=True))
         files = [f for f in files if os.path.basename(f) not in ("dataset_info.json", "state.json")]
@@ -94,13 +99,15 @@ def load_table(source: str, split: str = "train"):
     if os.path.isfile(source):
         lower = source.lower()
         if lower.endswith(".parquet"):
-            return pd.read_parquet(source)
-        if lower.endswith(".jsonl"):
-            return pd.read_json(source, lines=True)
-        if lower.endswith(".json"):
-            with open(source, encoding="utf-8") as f:
-                head = f.read(4096).lstrip()[:1]
-            return pd.read_json(source, lines=head != "[")  # a JSON array, or one object per line
+            import pyarrow.parquet as pq
+
+            try:
+                return _arrow_to_pandas(pq.read_table(source))
+            except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a broken file
+                raise SystemExit(f"error: {source} is not a readable parquet file ({type(exc).__name__}: "
+                                 f"{str(exc)[:200]})") from exc
+        if lower.endswith((".jsonl", ".json")):
+            return read_json_rows(source)
         raise SystemExit(f"error: {source}: unsupported file type; use .parquet, .jsonl or .json")
     looks_like_path = source.startswith(("/", ".", "~")) or source.count("/") > 1 or \
         source.lower().endswith((".parquet", ".jsonl", ".json"))
@@ -109,11 +116,74 @@ def load_table(source: str, split: str = "train"):
     try:
         import datasets
 
-        return datasets.load_dataset(source, split=split).to_pandas()
+        ds = datasets.load_dataset(source, split=split)
     except Exception as exc:  # offline, or no such dataset
         raise SystemExit(f"error: {source!r} is not a local file or folder, and loading it from the Hugging Face "
                          f"Hub failed ({type(exc).__name__}: {str(exc)[:200]}). Download it first and pass the "
                          "local path.") from exc
+    return _arrow_to_pandas(ds.with_format("arrow")[:])
+
+
+def _arrow_to_pandas(table):
+    """An arrow table as pandas without changing a value: an integer column with nulls stays integers (pandas
+    would make it float64, so 12 became '12.0'), big integers stay exact."""
+    return table.to_pandas(integer_object_nulls=True)
+
+
+def read_json_rows(path: str):
+    """A JSON array or one JSON object per line, values as written (no dtype inference: '0012' and
+    12345678901234567890 stay as they are); a malformed line is named by file and line number."""
+    import json
+
+    import pandas as pd
+
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if text.lstrip()[:1] == "[":
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"error: {path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+    else:
+        records = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise SystemExit(f"error: {path}: line {n} is not valid JSON ({exc.msg}); fix or delete "
+                                     "that line") from exc
+    bad = next((i for i, r in enumerate(records) if not isinstance(r, dict)), None)
+    if bad is not None:
+        raise SystemExit(f"error: {path}: row {bad} is not a JSON object")
+    columns = list(dict.fromkeys(k for r in records for k in r))
+    return pd.DataFrame({c: pd.Series([r.get(c) for r in records], dtype=object) for c in columns})
+
+
+def answer_text(value) -> str | None:
+    """A final answer as exact text, or None when it is missing, empty, NaN or inf (those rows are dropped and
+    counted). Lists are joined with ", ", integer-valued floats lose their ".0" (142.0 -> "142"), ints are written
+    exactly, surrounding $ are removed."""
+    from mix_src.rewards.answers import ground_truth_problem
+
+    if hasattr(value, "item") and not isinstance(value, str) and getattr(value, "ndim", 1) == 0:
+        value = value.item()  # numpy scalars
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return None
+        value = str(int(value)) if value.is_integer() else repr(value)
+    elif isinstance(value, int):
+        value = str(value)
+    if not isinstance(value, str) and hasattr(value, "__len__"):
+        parts = [answer_text(v) for v in list(value)]
+        parts = [p for p in parts if p]
+        return ", ".join(parts) if parts else None
+    text = str(value).strip()
+    if text.startswith("$") and text.endswith("$") and len(text) > 1:
+        text = text.strip("$").strip()
+    return text if text and ground_truth_problem(text) is None else None
 
 
 def require_columns(df, columns, where: str, hint: str = "") -> None:
@@ -167,7 +237,7 @@ def prepare(df, *, max_target_tokens: int | None, tokenizer: str | None, system_
     """Build output rows and the drop counts (``{reason: n}``) from an input DataFrame."""
     require_columns(df, REQUIRED, where, "Expected OpenR1-Math-style rows (problem, answer, generations).")
     flags = [c for c in FLAG_COLUMNS if c in df.columns]
-    drops = {"empty problem or answer": 0, "no generations": 0,
+    drops = {"empty problem": 0, "empty, NaN or inf answer": 0, "no generations": 0,
              f"flag lists ({', '.join(flags)}) not as long as generations": 0,
              "no generation marked correct and complete": 0,
              f"every candidate longer than {max_target_tokens} tokens": 0}
@@ -175,9 +245,12 @@ def prepare(df, *, max_target_tokens: int | None, tokenizer: str | None, system_
 
     candidates: list[tuple[int, list[str]]] = []  # (input row, candidate generations in order)
     for i, row in enumerate(df.to_dict("records")):
-        problem, answer = row.get("problem"), row.get("answer")
-        if not isinstance(problem, str) or not problem.strip() or answer is None or not str(answer).strip():
-            drops["empty problem or answer"] += 1
+        problem, answer = row.get("problem"), answer_text(row.get("answer"))
+        if not isinstance(problem, str) or not problem.strip():
+            drops["empty problem"] += 1
+            continue
+        if answer is None:
+            drops["empty, NaN or inf answer"] += 1
             continue
         gens = _as_list(row.get("generations"))
         if not gens:
@@ -221,17 +294,45 @@ def prepare(df, *, max_target_tokens: int | None, tokenizer: str | None, system_
             "prompt": make_prompt(r["problem"], system_prompt),
             "target": [{"role": "assistant", "content": chosen[i]}],
             "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": str(r["answer"]).strip()},
+            "reward_model": {"style": "rule", "ground_truth": answer_text(r["answer"])},
             "extra_info": {"split": split, "index": len(rows), "source_index": i},
         })
     return rows, {k: v for k, v in drops.items() if v}
+
+
+def check_prepared(df, *, max_target_tokens: int | None, tokenizer: str | None,
+                   where: str) -> tuple[list[int], dict[str, int], int]:
+    """Rows already in the training schema (LUFFY's ``Elliott/Openr1-Math-46k-8192``): nothing to convert; each row
+    is checked with the training data check's own rule (mix_src/config/data_check.py ``row_problem``) and, with
+    ``--tokenizer``, its target length. Returns (kept row indices, drops by reason, kept rows without a target)."""
+    from mix_src.config.data_check import normalize_target, row_problem
+
+    drops: dict[str, int] = {}
+    kept, texts = [], []
+    for i, (prompt, rm) in enumerate(zip(df["prompt"], df["reward_model"])):
+        why = row_problem(prompt, rm)
+        if why is not None:
+            drops[why] = drops.get(why, 0) + 1
+            continue
+        kept.append(i)
+        texts.append(normalize_target(df["target"].iloc[i]) if "target" in df.columns else None)
+    no_target = sum(t is None for t in texts)
+    if max_target_tokens:
+        has = [j for j, t in enumerate(texts) if t is not None]
+        lens = _Lengths(tokenizer).many([texts[j] for j in has])
+        too_long = {has[j] for j, n in zip(range(len(has)), lens) if n > max_target_tokens}
+        if too_long:
+            drops[f"target longer than {max_target_tokens} tokens"] = len(too_long)
+            kept = [i for j, i in enumerate(kept) if j not in too_long]
+    return kept, drops, no_target
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--input", required=True, help="parquet/jsonl/json file, folder, save_to_disk folder or HF name")
-    p.add_argument("--output", required=True, help="output .parquet path")
+    p.add_argument("--output", default=DEFAULT_OUTPUT,
+                   help=f"output .parquet path (default {os.path.relpath(DEFAULT_OUTPUT)}, the recipes' default)")
     p.add_argument("--split", default="train", help="split to read from a DatasetDict / HF dataset (train)")
     p.add_argument("--tokenizer", default=None, help="local tokenizer folder for the target length filter")
     p.add_argument("--max-target-tokens", type=int, default=8192,
@@ -255,6 +356,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if a.limit:
         df = df.iloc[: a.limit]
     print(f"read {n_read} rows from {a.input}" + (f"; using the first {len(df)}" if a.limit else ""))
+    if all(c in df.columns for c in PREPARED) and "generations" not in df.columns:
+        return _write_prepared(df, a)
     rows, drops = prepare(df, max_target_tokens=a.max_target_tokens if a.tokenizer else None, tokenizer=a.tokenizer,
                           system_prompt=system_prompt, data_source=a.data_source, split=a.split, where=a.input)
     for reason, n in drops.items():
@@ -268,6 +371,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"wrote {len(rows)} rows to {a.output} (dropped {len(df) - len(rows)} of {len(df)})")
     summary = {"read": len(df), "written": len(rows), "dropped": drops, "output": a.output}
     return summary
+
+
+def _write_prepared(df, a: argparse.Namespace) -> dict[str, Any]:
+    """LUFFY's released set (or any file in the training schema): no conversion, the rows checked and the usable
+    ones written unchanged."""
+    print(f"no conversion needed: {a.input} is already in the training schema (columns {list(df.columns)}; LUFFY's "
+          "Elliott/Openr1-Math-46k-8192 is); checking its rows")
+    kept, drops, no_target = check_prepared(df, max_target_tokens=a.max_target_tokens if a.tokenizer else None,
+                                            tokenizer=a.tokenizer, where=a.input)
+    for reason, n in drops.items():
+        print(f"dropped {n} rows: {reason}")
+    if no_target:
+        print(f"kept {no_target} rows without a usable target (trained on-policy only)")
+    if not kept:
+        raise SystemExit(f"error: no rows left out of {len(df)} from {a.input}; see the drop counts above")
+    os.makedirs(os.path.dirname(os.path.abspath(a.output)), exist_ok=True)
+    df.iloc[kept].reset_index(drop=True).to_parquet(a.output, index=False)
+    print(f"wrote {len(kept)} rows to {a.output} (dropped {len(df) - len(kept)} of {len(df)}; rows unchanged)")
+    return {"read": len(df), "written": len(kept), "dropped": drops, "no_target": no_target, "output": a.output,
+            "converted": False}
 
 
 if __name__ == "__main__":
