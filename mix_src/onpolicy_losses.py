@@ -27,19 +27,19 @@ numbers N tokens, S rows, W horizon, dp_size D of the mini-batch, exactly as one
                  multiplied (through ``rollout_is_weights``, which every token-level verl loss multiplies into its
                  per-token loss) by n_on / n_valid of its row, so the row is divided by all its valid tokens, as
                  the off-term divides it. Rows without a prefix get weight 1.0 (exact).
-A mode's entry may fix its own aggregation: SAPO always uses seq-mean-token-mean (core_algos.py ~1696, treated
-as above); GMPO (geo_mean) takes ``torch.mean`` over the micro-batch's rows (~1989), which we rescale by
+A mode's entry may fix its own aggregation: SAPO always uses seq-mean-token-mean (core_algos.py ~1689, treated
+as above); GMPO (geo_mean) takes ``torch.mean`` over the micro-batch's rows (~2000), which we rescale by
 B_micro * D / S so micro-batches add up to the mean over the global mini-batch (verl's own geo_mean depends on
 the micro-batch split; with one micro-batch and D=1 the factor is 1.0).
 
 Sequence-level losses: a row holding prefix and generated tokens enters verl's function with its generated
-tokens only -- GSPO's sequence ratio (core_algos.py ~1589-1596) is the mean log-ratio over the row's generated
-tokens, GMPO's geometric mean (~1975-1984) and its mean advantage likewise; prefix tokens never enter an on-policy
+tokens only -- GSPO's sequence ratio (core_algos.py ~1583-1589) is the mean log-ratio over the row's generated
+tokens, GMPO's geometric mean (~1983-1987) and its mean advantage likewise; prefix tokens never enter an on-policy
 ratio (they are off-policy and get LUFFY's term). A row of prefix tokens only adds 0 to the on-term.
 
 Micro-batch exactness: every mode is exact under micro-batching except clip_cov and kl_cov, which pick the
 tokens they clip / penalise from per-micro-batch statistics (covariance of A and log p over the micro-batch's
-tokens and a top-k of a micro-batch count, core_algos.py ~1793-1809 and ~1893-1907): their ``micro_batch_exact``
+tokens and a top-k of a micro-batch count, core_algos.py ~1812-1819 and ~1905-1907): their ``micro_batch_exact``
 is False (verl's own ppo_loss has the same dependence).
 
 LUFFY's knobs under the other modes (one rule per knob, read off the entry's declared properties,
