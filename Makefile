@@ -105,12 +105,14 @@ check-gpu-install: install
 # ---- GPU smoke test (scripts/gpu/smoke.py) --------------------------------------------------------------
 # smoke-gpu: one GPU, vLLM, FSDP, LUFFY on: 2 steps, 1 validation, a checkpoint, a resume (MODEL=hub id or path;
 # default Qwen/Qwen2.5-0.5B-Instruct); prints tokens/s, peak memory beside the planner's, PASS/FAIL. Needs the GPU
-# install (make install-gpu). SMOKE_BACKEND=cpu, or smoke-cpu: the same on the CPU backend (plumbing only; CI).
+# install (make install-gpu). SMOKE_ARGS: Hydra overrides for both runs (without flash-attn: SMOKE_ARGS='$(SDPA_OVERRIDES)').
+# SMOKE_BACKEND=cpu, or smoke-cpu: the same on the CPU backend (plumbing only; CI).
 SMOKE_BACKEND ?= gpu
 MODEL ?=
+SMOKE_ARGS ?=
 .PHONY: smoke-gpu smoke-cpu
 smoke-gpu:
-	SMOKE_BACKEND=$(SMOKE_BACKEND) $(PY) -m scripts.gpu.smoke $(if $(MODEL),--model $(MODEL))
+	SMOKE_BACKEND=$(SMOKE_BACKEND) $(PY) -m scripts.gpu.smoke $(if $(MODEL),--model $(MODEL)) $(SMOKE_ARGS)
 
 smoke-cpu: install
 	SMOKE_BACKEND=cpu $(PY) -m scripts.gpu.smoke

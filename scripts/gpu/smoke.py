@@ -179,6 +179,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", help="Hub id or local path (gpu; default Qwen/Qwen2.5-0.5B-Instruct)")
     ap.add_argument("--out", default=str(REPO / "outputs" / "smoke"), help="assets, logs, checkpoints")
     ap.add_argument("--gpu", default="h100-80gb", help="the planner's GPU for the estimate line")
+    ap.add_argument("extra", nargs="*", help="Hydra overrides added to both runs (e.g. recipes/common.sh's SDPA set)")
     a = ap.parse_args(argv)
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -197,16 +198,19 @@ def main(argv=None) -> int:
     if peak:
         peak.__enter__()
     try:
-        first = run(a.backend, overrides(a.backend, assets, model, out, 2, resume=False), out, "train", timeout)
+        first = run(a.backend, overrides(a.backend, assets, model, out, 2, resume=False) + a.extra, out, "train",
+                    timeout)
         print(f"[smoke] 2 steps + validation + save: exit {first[0]} in {first[2]:.0f} s", flush=True)
-        second = run(a.backend, overrides(a.backend, assets, model, out, 3, resume=True), out, "resume", timeout)
+        second = run(a.backend, overrides(a.backend, assets, model, out, 3, resume=True) + a.extra, out, "resume",
+                     timeout)
         print(f"[smoke] resume + step 3: exit {second[0]} in {second[2]:.0f} s", flush=True)
     finally:
         if peak:
             peak.__exit__()
     print(f"[smoke] tokens/s (training steps): {tokens_per_s(first[1] + second[1]):.1f}")
     try:
-        print(f"[smoke] {planner_line(a.backend, overrides(a.backend, assets, model, out, 2, resume=False), model, a.gpu)}")
+        line = planner_line(a.backend, overrides(a.backend, assets, model, out, 2, resume=False) + a.extra, model, a.gpu)
+        print(f"[smoke] {line}" + (" (this config on that GPU; the CPU run is not comparable)" if a.backend == "cpu" else ""))
     except Exception as e:  # noqa: BLE001  (the estimate line never decides PASS/FAIL)
         print(f"[smoke] planner: not estimated ({type(e).__name__}: {e})")
     if peak:
