@@ -490,6 +490,15 @@ def _off_policy_shape(mode, lp, p, params):
     return f, df
 
 
+def _clip_rows(loss_remove_clip: bool | torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
+    """Which rows take the PPO clip: None for none (loss_remove_clip True), else a bool tensor broadcasting
+    against ``like`` (B, L): all True for False, ~loss_remove_clip for a (B, 1) per-row choice."""
+    if not torch.is_tensor(loss_remove_clip):
+        return None if loss_remove_clip else torch.ones((), dtype=torch.bool, device=like.device)
+    keep = ~loss_remove_clip.to(device=like.device, dtype=torch.bool).reshape(-1, 1)
+    return keep if bool(keep.any()) else None
+
+
 def compute_token_on_off_policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -509,7 +518,7 @@ def compute_token_on_off_policy_loss(
     off_max_clip: float | None = None,
     off_min_clip: float | None = None,
     all_max_clip: float | None = None,
-    loss_remove_clip: bool = False,
+    loss_remove_clip: bool | torch.Tensor = False,
     loss_agg_mode: str = "token-mean",
     target_probs: torch.Tensor | None = None,
     clip_ratio_c: float | None = None,
@@ -542,7 +551,8 @@ def compute_token_on_off_policy_loss(
         on_policy_reshape_weight, on_policy_reshape_pow_exp: w and k of the on-policy options.
         off_max_clip, off_min_clip: optional clamps of f (None = off).
         all_max_clip: optional c in (0, 1]: tokens with p > c leave the loss (after the metrics).
-        loss_remove_clip: no PPO clipping on on-policy tokens (loss = -A r).
+        loss_remove_clip: no PPO clipping on on-policy tokens (loss = -A r); a bool, or a (B, 1) bool tensor
+            choosing per row (e.g. ExGRPO's clipped warm-up, set per step by its rollout policy).
         loss_agg_mode: one of LOSS_AGG_MODES (see `agg_loss`).
         target_probs: (B, L) optional behaviour probabilities: then f = p / (target_probs + 1e-6), and
             off_policy_reshape must be "no_reshape".
@@ -628,16 +638,17 @@ def compute_token_on_off_policy_loss(
             r, dr = _on_policy_ratio(on_mode, log_ratio, lp, old_log_prob, on_params, in_clamp)
             obj = advantages * r
             dobj = obj if dr is r else advantages * dr
-            if not loss_remove_clip:
+            clip_rows = _clip_rows(loss_remove_clip, lp)  # None: no row is clipped
+            if clip_rows is not None:
                 obj_clipped = advantages * r.clamp(1.0 - cliprange, max(clip_upper_bound, 1.0 + cliprange))
-                is_clipped = obj_clipped < obj
-                obj = torch.minimum(obj, obj_clipped)
+                is_clipped = (obj_clipped < obj) & clip_rows
+                obj = torch.where(is_clipped, obj_clipped, obj)
                 dobj = dobj.masked_fill_(is_clipped, 0.0)  # dobj is never the new obj: in place is safe
                 clipfrac = _count(is_clipped & on) / n_on
                 del obj_clipped
                 if clip_ratio_c is not None:  # dual clip: J = max(J, A c) where A < 0
                     obj_floor = advantages * clip_ratio_c
-                    is_capped = (advantages < 0) & (obj < obj_floor)
+                    is_capped = (advantages < 0) & (obj < obj_floor) & clip_rows
                     obj = torch.where(is_capped, obj_floor, obj)
                     dobj.masked_fill_(is_capped, 0.0)
                     clipfrac_lower = _count(is_capped & on) / n_on

@@ -26,8 +26,9 @@ Policy loss (from `mix.loss`):
     off_policy_behaviour    the prefix tokens' shaping takes w = exp(l - l_b) with recorded behaviour log-probs
                             l_b (mix_src/off_policy_behaviour.py, e.g. ExGRPO's replayed samples) instead of p.
     row_loss                a per-row choice (mix_src/row_loss.py): the rows a rollout policy marked with
-                            `sft_row` take sft_loss_coef * the token-mean NLL over the SFT tokens of the global
-                            mini-batch (count `mix_sft_tokens`, added by add_kept_token_counts); the other
+                            `sft_row` take sft_loss_coef * the NLL aggregated by mix.loss.sft_loss_agg (default: the
+                            token mean over the SFT tokens of the global mini-batch, count `mix_sft_tokens`, added
+                            by add_kept_token_counts; HPT's official per-micro-batch mean: row_loss.py); the other
                             rows take the default loss above (prefix tokens there keep the off-policy loss).
 Entropy bonus: -c * entropy_loss with c = actor.entropy_coeff, or learned (use_adaptive_entropy:
     core_alg.AdaptiveEntropyCoef, stepped once per mini-batch on the mini-batch's token-mean entropy,
@@ -41,6 +42,8 @@ all_max_clip with token-mean: tokens with p > c leave the policy loss, and the t
     count as `mix_kept_tokens` (add_kept_token_counts). A token whose p crosses c during the step's
     updates still follows the current p in the numerator (LUFFY's rule); on the first mini-batch of an
     on-policy step p = p_old and the mean is exact.
+Per-row clip choice: a rollout policy may put REMOVE_CLIP (bsz,) 0/1 into the batch; it replaces
+    mix.loss.loss_remove_clip row by row (recipes/exgrpo: PPO clip during its warm-up, none afterwards).
 Loss combination (mix.loss.combine, a registered mix_src.loss_combine entry): PPO-clip on the on-policy rows,
     combined with the expert rows' tokens by the entry (e.g. recipes/chord: (1-mu)*RL + mu*SFT); each population
     normalised by its own global mini-batch size, counted on the driver (add_combine_inputs).
@@ -67,6 +70,7 @@ from typing import Any, Callable, Mapping
 import torch
 from tensordict import TensorDict
 from verl.trainer.ppo.core_algos import kl_penalty
+from verl.utils import tensordict_utils as tu
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.padding import no_padding_2_padding
 
@@ -82,10 +86,10 @@ from mix_src.onpolicy_losses import knob_refusals, mode_entry, on_policy_config,
 from mix_src.mix_config import LossConfig as MixLossConfig  # the `mix.loss` section, checked when built
 from mix_src.prefix_select import PrefixTokenView, select_prefix_tokens
 from mix_src.off_policy_behaviour import BEHAVIOUR_LOG_PROB, OFF_POLICY_BEHAVIOURS
-from mix_src.row_loss import ROW_LOSSES, SFT_ROW, SFT_TOKENS, sft_token_mean
+from mix_src.row_loss import ROW_LOSSES, SFT_AGGS, SFT_ROW, SFT_TOKENS, SftScale
 
-__all__ = ["COMBINE_FIELDS", "ENTROPY_STATE", "KEPT_TOKENS", "MixLossConfig", "MixPolicyLoss", "add_combine_inputs",
-           "add_kept_token_counts", "add_sft_token_counts", "pop_entropy_state"]
+__all__ = ["COMBINE_FIELDS", "ENTROPY_STATE", "KEPT_TOKENS", "MixLossConfig", "MixPolicyLoss", "REMOVE_CLIP",
+           "add_combine_inputs", "add_kept_token_counts", "add_sft_token_counts", "pop_entropy_state"]
 
 KEPT_TOKENS = "mix_kept_tokens"  # (bsz,) float: all_max_clip's kept tokens in the row's global mini-batch
 # mix.loss.combine's per-row inputs, (bsz,) float each (add_combine_inputs): the on-policy / expert tokens and
@@ -94,6 +98,9 @@ ON_TOKENS, ON_ROWS = "mix_on_tokens", "mix_on_rows"
 EXPERT_TOKENS, EXPERT_ROWS = "mix_expert_tokens", "mix_expert_rows"
 GLOBAL_STEP = "mix_global_step"
 COMBINE_FIELDS = (ON_TOKENS, ON_ROWS, EXPERT_TOKENS, EXPERT_ROWS, GLOBAL_STEP)
+# (bsz,) float 0/1 set by a rollout policy: the row's on-policy tokens take no PPO clip (1) or the clip (0), in place
+# of mix.loss.loss_remove_clip (e.g. recipes/exgrpo: clipped during its warm-up, as the official trainer)
+REMOVE_CLIP = "mix_loss_remove_clip"
 ENTROPY_STATE = "mix_entropy_state/"  # metric keys carrying the learned entropy coefficient's state
 
 
@@ -297,7 +304,7 @@ class MixPolicyLoss:
             policy_info = dict(info, batch_num_tokens=self._kept_tokens(data))
         common = dict(
             cliprange=self.cliprange, clip_upper_bound=self.clip_upper_bound, clip_ratio_c=self.clip_ratio_c,
-            loss_remove_clip=mix.loss_remove_clip, loss_agg_mode=self.loss_agg_mode,
+            loss_remove_clip=self._remove_clip(data, response_mask), loss_agg_mode=self.loss_agg_mode,
             rollout_is_weights=batch.get("rollout_is_weights", None), **policy_info,
         )  # fmt: skip
         rl_mask, sft_mask = response_mask, None
@@ -342,7 +349,7 @@ class MixPolicyLoss:
                 pg_loss = pg_loss + self._verl_on_policy_term(batch, log_prob, advantages, rl_mask, prefix_mask,
                                                               policy_info, out)  # fmt: skip
             if sft_mask is not None:
-                sft_loss = sft_token_mean(log_prob, sft_mask, self._sft_tokens(data), info["dp_size"])
+                sft_loss = SFT_AGGS.get(mix.sft_loss_agg)(log_prob, sft_mask, self._sft_scale(data, info))
                 pg_loss = pg_loss + mix.sft_loss_coef * sft_loss
                 metrics["actor/sft_loss"] = Metric(value=sft_loss, aggregation=total_agg)
                 metrics["actor/sft_nll"] = Metric(value=masked_mean(-log_prob.detach(), sft_mask),
@@ -406,10 +413,25 @@ class MixPolicyLoss:
             raise ValueError(f"'{SFT_ROW}' has {sft_row.shape[0]} rows for a micro-batch of {response_mask.shape[0]}")
         return ROW_LOSSES.get(self.mix.row_loss)(response_mask, prefix_mask, sft_row)
 
+    def _remove_clip(self, data: TensorDict, response_mask: torch.Tensor):
+        """mix.loss.loss_remove_clip, or the rows' own choice (bsz, 1) bool when a rollout policy set REMOVE_CLIP."""
+        if REMOVE_CLIP not in data.keys():
+            return self.mix.loss_remove_clip
+        return data[REMOVE_CLIP].to(response_mask.device).reshape(-1, 1).bool()
+
     @staticmethod
     def _sft_tokens(data: TensorDict) -> float:
         """The SFT tokens of this micro-batch's global mini-batch (see add_sft_token_counts)."""
         return max(_row_values(data, (SFT_TOKENS,), "mix.loss.row_loss", "add_sft_token_counts")[SFT_TOKENS], 1.0)
+
+    def _sft_scale(self, data: TensorDict, info: dict) -> SftScale:
+        """The numbers of ``mix.loss.sft_loss_agg`` (mix_src/row_loss.py SftScale): the official gradient-accumulation
+        divisor is the rank's rows / micro-batch rows with static micro-batches, 1 with dynamic ones."""
+        grad_accum = 1.0
+        micro_rows = tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=None)
+        if not tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True) and micro_rows and info["global_batch_size"]:
+            grad_accum = max(float(info["global_batch_size"]) / info["dp_size"] / float(micro_rows), 1.0)
+        return SftScale(self._sft_tokens(data), int(info["dp_size"]), grad_accum)
 
     def _combined_policy_loss(self, data, batch, log_prob, response_mask, prefix_mask, info, common, metrics):
         """``mix.loss.combine``: PPO-clip on the on-policy rows, then the registered combination (its module

@@ -169,7 +169,7 @@ def translate_overrides(overrides: Sequence[str], log: Callable[[str], None] = p
                 f"with plain PPO, which mix_src does not do; use {A}use_sft_multitask_loss=True (SFT on prefix tokens) or "
                 "keep use_off_policy_loss=True (the shaped off-policy loss)"
             )
-    return _fit_target_cap(out, log)
+    return _official_loss_scale(_fit_target_cap(out, log), log)
 
 
 def _fit_target_cap(out: list[str], log: Callable[[str], None]) -> list[str]:
@@ -186,3 +186,20 @@ def _fit_target_cap(out: list[str], log: Callable[[str], None]) -> list[str]:
     log(f"[mix_src] LUFFY cap mix.data.max_target_length={cap} >= data.max_response_length={response} -> null "
         f"(data.max_response_length - 1 = {int(response) - 1}: a whole target keeps its EOS)")
     return [f"mix.data.max_target_length=null" if _split(o)[1] == "mix.data.max_target_length" else o for o in out]
+
+
+def _official_loss_scale(out: list[str], log: Callable[[str], None]) -> list[str]:
+    """LUFFY's ``loss_remove_token_mean=True`` divided each GPU's token sum by the response width W and FSDP averaged
+    the G GPUs' gradients (luffy/verl/verl/mix_src/mix_core_alg.py:236-237, mix_actor.py:243-244): sum / (G x W).
+    Ours divides the global token sum by ``actor.loss_scale_factor``, so G x W reproduces it (unless set already)."""
+    values = {key: value.strip() for _, key, value in map(_split, out) if value is not None}
+    if values.get("mix.loss.loss_agg_mode") != "luffy-token-sum-norm" or A + "loss_scale_factor" in values:
+        return out
+    gpus, nodes, width = (values.get(T + "n_gpus_per_node"), values.get(T + "nnodes", "1"),
+                          values.get(D + "max_response_length"))  # fmt: skip
+    if not all(v is not None and v.isdigit() for v in (gpus, nodes, width)):
+        return out
+    scale = int(gpus) * int(nodes) * int(width)
+    log(f"[mix_src] LUFFY loss scale: loss_remove_token_mean divided each of {int(gpus) * int(nodes)} GPUs' token sum by "
+        f"{width}, averaged over GPUs -> {A}loss_scale_factor={scale}")
+    return [*out, f"{A}loss_scale_factor={scale}"]

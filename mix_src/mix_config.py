@@ -31,7 +31,7 @@ from mix_src.prefix_select import PREFIX_TOKEN_SELECTS
 from mix_src.registry import _REGISTRIES, load_plugins
 from mix_src.rollout_policy import ROLLOUT_POLICIES
 from mix_src.off_policy_behaviour import OFF_POLICY_BEHAVIOURS
-from mix_src.row_loss import ROW_LOSSES
+from mix_src.row_loss import ROW_LOSSES, SFT_AGGS
 
 
 class MixConfigError(ValueError):
@@ -103,6 +103,7 @@ class LossConfig:
     combine_args: dict = field(default_factory=dict)  # its settings, checked by the entry
     sft_loss_coef: float = 1.0
     row_loss: Optional[str] = None  # a per-row SFT / policy-loss choice (mix_src/row_loss.py); None = off
+    sft_loss_agg: str = "global_token_mean"  # the row loss's SFT aggregation (mix_src/row_loss.py SFT_AGGS)
     off_policy_behaviour: Optional[str] = None  # recorded behaviour log-probs of prefix tokens (mix_src/off_policy_behaviour.py); None = LUFFY
     use_adaptive_entropy: bool = False  # learn the entropy coefficient (starts at actor.entropy_coeff)
     adaptive_entropy_fixed: bool = False  # c = entropy_coeff * target_entropy / H (no learning)
@@ -150,12 +151,17 @@ class LossConfig:
             if self.use_sft_multitask_loss:
                 raise MixConfigError(f"{p}.off_policy_behaviour={self.off_policy_behaviour!r} weighs the off-policy "
                                      f"loss, which {p}.use_sft_multitask_loss replaces by SFT; pick one")
+        if self.row_loss is None and self.sft_loss_agg != "global_token_mean":
+            raise MixConfigError(f"{p}.sft_loss_agg={self.sft_loss_agg!r} aggregates the SFT rows of {p}.row_loss, "
+                                 "which is null; set a row loss or leave sft_loss_agg at global_token_mean")
         if self.row_loss is not None:
             if self.row_loss not in ROW_LOSSES:
                 raise MixConfigError(ROW_LOSSES.unknown(self.row_loss))
             if self.use_sft_multitask_loss:
                 raise MixConfigError(f"{p}.row_loss={self.row_loss!r} and {p}.use_sft_multitask_loss both choose the "
                                      "SFT rows; pick one")
+            if self.sft_loss_agg not in SFT_AGGS:
+                raise MixConfigError(SFT_AGGS.unknown(self.sft_loss_agg))
             if self.all_max_clip is not None:
                 raise MixConfigError(f"{p}.row_loss={self.row_loss!r} with {p}.all_max_clip={self.all_max_clip} is not "
                                      "supported (its kept-token mean would count the SFT rows); set it to null")

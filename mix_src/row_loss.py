@@ -12,9 +12,13 @@ entry of :data:`ROW_LOSSES`, which says which tokens take which loss; the worker
                    ``mix.loss.loss_agg_mode`` like every other policy loss (its normaliser is the whole
                    mini-batch's: with token-mean, all response tokens, the SFT rows' included; with
                    luffy-token-sum-norm, as in HPT's recipe, the fixed width W);
-    NLL(sft_mask)  the token mean of -log p over the ``sft_mask`` tokens of the whole global mini-batch
-                   (:func:`sft_token_mean`; the count travels as ``mix_sft_tokens``, added by
-                   ``mix_src.loss.add_kept_token_counts``), so the sum stays micro-batch invariant.
+    NLL(sft_mask)  aggregated by the entry ``mix.loss.sft_loss_agg`` of :data:`SFT_AGGS`:
+                   ``global_token_mean`` (default): the token mean of -log p over the ``sft_mask`` tokens of the
+                   whole global mini-batch (:func:`sft_token_mean`; the count travels as ``mix_sft_tokens``,
+                   added by ``mix_src.loss.add_kept_token_counts``), so the sum stays micro-batch invariant;
+                   ``micro_batch_token_mean``: HPT's official weighting, the token mean of each micro-batch
+                   summed over micro-batches and averaged over DP ranks (:func:`sft_micro_batch_mean`): the
+                   SFT term then weighs M times more, M = the (rank, micro-batch) pairs holding an SFT token.
 
 Signature (one for all)::
 
@@ -28,13 +32,15 @@ Torch only (no verl): the maths is tested on its own (tests/test_hpt.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from mix_src.registry import Registry
 
-__all__ = ["ROW_LOSSES", "SFT_ROW", "SFT_TOKENS", "register_row_loss", "sft_rows", "sft_token_mean"]
+__all__ = ["ROW_LOSSES", "SFT_AGGS", "SFT_ROW", "SFT_TOKENS", "SftScale", "register_row_loss", "sft_micro_batch_mean",
+           "sft_rows", "sft_token_mean"]
 
 SFT_ROW = "sft_row"  # (bsz,) float 0/1: the row is trained with SFT (set by a rollout policy)
 SFT_TOKENS = "mix_sft_tokens"  # (bsz,) float: the SFT tokens of the row's global mini-batch
@@ -62,3 +68,43 @@ def sft_token_mean(log_prob: torch.Tensor, sft_mask: torch.Tensor, sft_tokens: f
     sum(-log p * m) / sft_tokens over the mini-batch. Returns a scalar (0 when no SFT token)."""
     m = sft_mask.to(log_prob.dtype)
     return (-log_prob * m).sum() / max(float(sft_tokens), 1.0) * dp_size
+
+
+@dataclass(frozen=True)
+class SftScale:
+    """The numbers an SFT aggregation may read, for one micro-batch on one DP rank.
+
+    sft_tokens: the SFT tokens of the global mini-batch (all DP ranks; ``mix_sft_tokens``);
+    dp_size: the data-parallel size (FSDP averages the ranks' gradients);
+    grad_accum: the official code's gradient-accumulation divisor of this micro-batch's loss
+    (``ppo_mini_batch_size // ppo_micro_batch_size`` per GPU: the rank's rows / micro-batch rows with static
+    micro-batches, 1 with dynamic ones, as in the official runs where ppo_micro_batch_size = ppo_mini_batch_size)."""
+
+    sft_tokens: float
+    dp_size: int
+    grad_accum: float = 1.0
+
+
+SftAgg = Callable[[torch.Tensor, torch.Tensor, SftScale], torch.Tensor]
+SFT_AGGS: Registry[SftAgg] = Registry("SFT aggregation", "mix.loss.sft_loss_agg")
+
+
+@SFT_AGGS.register("global_token_mean", reads=("mix.loss.row_loss",))
+def _global_token_mean(log_prob: torch.Tensor, sft_mask: torch.Tensor, scale: SftScale) -> torch.Tensor:
+    """The global mini-batch's token mean (:func:`sft_token_mean`): independent of the micro-batch split."""
+    return sft_token_mean(log_prob, sft_mask, scale.sft_tokens, scale.dp_size)
+
+
+@SFT_AGGS.register("micro_batch_token_mean", reads=("mix.loss.row_loss", "actor_rollout_ref.actor.use_dynamic_bsz"))
+def sft_micro_batch_mean(log_prob: torch.Tensor, sft_mask: torch.Tensor, scale: SftScale) -> torch.Tensor:
+    """HPT's official SFT term: this micro-batch's token mean of -log p over its SFT tokens / grad_accum (0 when
+    it holds none), no DP factor: FSDP's average over ranks then gives sum_{(rank, micro-batch)} mean / (dp * GA),
+    as ``compute_sft_pure_loss`` per micro-batch, then ``loss = policy_loss / self.gradient_accumulation``
+    (Unify-Post-Training ae332f5, hpt/verl/verl/mix_src/mix_actor.py:136-165 and :477-478).
+
+    log_prob, sft_mask: (bsz, L) -> scalar."""
+    m = sft_mask.to(log_prob.dtype)
+    count = m.sum()
+    if not count > 0:
+        return (log_prob * 0.0).sum()  # keeps the graph; the official skips a NaN (no SFT row) term
+    return (-log_prob * m).sum() / count / scale.grad_accum

@@ -39,8 +39,8 @@ EXPECTED = {
         "algorithm.adv_estimator": "grpo", "algorithm.norm_adv_by_std_in_grpo": False,
         "mix.loss.loss_remove_clip": True, "mix.loss.off_policy_reshape": "p_div_p",
         "mix.loss.off_policy_reshape_gamma": 0.1, "mix.loss.loss_agg_mode": "luffy-token-sum-norm",
-        "actor_rollout_ref.actor.loss_scale_factor": 8192, "data.train_batch_size": 128,
-        "actor_rollout_ref.actor.entropy_coeff": 0.001, "actor_rollout_ref.actor.use_kl_loss": False,
+        "actor_rollout_ref.actor.loss_scale_factor": 65536, "data.train_batch_size": 128,  # 8 GPUs x 8192
+        "actor_rollout_ref.actor.entropy_coeff": 0.00033, "actor_rollout_ref.actor.use_kl_loss": False,
     },
     "guided_gspo": {
         "actor_rollout_ref.actor.policy_loss.loss_mode": "gspo", "mix.n_prefix": 1, "mix.loss.loss_remove_clip": False,
@@ -222,8 +222,9 @@ def test_gpu_recipe_one_gpu_variant(name):
     assert cfg.data.max_prompt_length + cfg.data.max_response_length <= 4096  # Qwen2.5-Math-1.5B's context
     assert cfg.data.train_batch_size % cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 0
     assert cfg.mix.data.max_target_length < cfg.data.max_response_length  # target + EOS fits
-    if cfg.mix.loss.loss_agg_mode == "luffy-token-sum-norm":
-        assert cfg.actor_rollout_ref.actor.loss_scale_factor == cfg.data.max_response_length
+    if cfg.mix.loss.loss_agg_mode == "luffy-token-sum-norm":  # the 8-GPU run's per-token scale and entropy ratio
+        assert cfg.actor_rollout_ref.actor.loss_scale_factor == full.actor_rollout_ref.actor.loss_scale_factor
+        assert cfg.actor_rollout_ref.actor.entropy_coeff == full.actor_rollout_ref.actor.entropy_coeff
 
 
 def test_sft_stage_config_composes():

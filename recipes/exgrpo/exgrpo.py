@@ -10,7 +10,8 @@ defaults from ``ExGRPO/exp_scripts/run_exgrpo.sh``.
 Per generation batch (P prompts x n samples), rollout policy ``exgrpo``:
 
 1. while not "mixed" (before the batch solve rate first exceeds ``start_solved_ratio``, official 0.35): all
-   rows on-policy (GRPO), nothing recorded;
+   rows on-policy (GRPO) with the PPO clip (the rows carry ``mix_loss_remove_clip`` = 0; once mixed it is
+   ``mix.loss.loss_remove_clip``, official: meta_info["loss_remove_clip"]), nothing recorded;
 2. when mixed and the buffer holds prompts: ``n_exp = min(int(P * experience_ratio), #prompts in buffer)``
    prompts are drawn from the buffer's buckets (bucket k = the prompt's latest solved count; weight
    N(k; n/2, 1), "normal"), without replacement inside a bucket; for each, the stored trajectory of lowest
@@ -42,6 +43,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from mix_src.loss import REMOVE_CLIP
 from mix_src.off_policy_behaviour import BEHAVIOUR_LOG_PROB
 from mix_src.registry import EntryConfigError
 from mix_src.rollout_policy import RolloutContext, register_rollout_policy, solved
@@ -208,6 +210,12 @@ def _concat(parts: list):
     return DataProto.concat(fixed)
 
 
+def warmup_remove_clip(mixed: bool, loss_remove_clip: bool) -> bool:
+    """The step's loss_remove_clip: mix.loss.loss_remove_clip once mixed, False (PPO clip) during the warm-up, as the
+    official trainer sets ``batch.meta_info["loss_remove_clip"]`` (mix_trainer_experience.py:429-436)."""
+    return bool(loss_remove_clip) if mixed else False
+
+
 def _check(config) -> None:
     mix, n = config.mix, int(config.actor_rollout_ref.rollout.n)
     opts = dict((mix.get("plugin_options") or {}).get(NAME) or {})
@@ -290,6 +298,7 @@ def exgrpo(ctx: RolloutContext):
         parts.append(ctx.generate(np.asarray(ratios), targets=targets, prompts=DataProto.concat(prompts)))
     out = _concat(parts) if len(parts) > 1 else parts[0]
     out.batch[BEHAVIOUR_LOG_PROB] = _behaviour(out, chosen)
+    out.batch[REMOVE_CLIP] = torch.full((len(out),), float(warmup_remove_clip(mixed, ctx.mix.loss.loss_remove_clip)))
     if mixed:
         all_keys = [_prompt_key(out, g * n) for g in range(n_keep)] + list(replay_keys)
         records_of = lambda g: (ctx.records([g * n]) if g < n_keep else buf["pool"][all_keys[g]]["record"])  # noqa: E731
