@@ -146,9 +146,9 @@ def _missing_hint(key: str, path: str) -> str:
     if "tiny" in path:
         return "fix the path, or build the CPU demo's files: `python scripts/make_tiny_assets.py DIR`"
     if key.startswith("data."):
-        return ("fix the path, or fetch LUFFY's data first (recipes/GPU_FIRST_DAY.md, '2. Data'): LUFFY's "
-                "data/prepare_train.py writes openr1.parquet; copy it and LUFFY's data/valid.parquet into data/ "
-                "(or build rows of your own: `python -m scripts.data.prepare_openr1 --input ROWS --output FILE`)")
+        return ("fix the path, or build LUFFY's data first (recipes/GPU_FIRST_DAY.md, '2. Data'): "
+                "`python -m scripts.data.prepare_openr1 --input Elliott/Openr1-Math-46k-8192 --output data/openr1.parquet`, "
+                "`python -m scripts.data.prepare_eval --input LUFFY/data/valid.parquet --output data/valid.parquet`")
     return "fix the path: a local Hugging Face model folder, or a hub id such as Qwen/Qwen2.5-Math-1.5B"
 
 
