@@ -72,6 +72,9 @@ def test_good_files_pass_with_a_summary(tiny_assets, capsys):
     assert f"train {tiny_assets['train']}: 32 rows, 32 kept, none dropped" in out
     assert f"val {tiny_assets['val']}: 8 rows, 8 kept, none dropped" in out
     assert len(reports) == 2
+    # a remote file is verl's to copy (not opened here, not counted as missing rows)
+    reports = check_data(_config(tiny_assets, tiny_assets["train"], "data.val_files=hdfs://cluster/valid.parquet"))
+    assert list(reports) == [tiny_assets["train"]]
 
 
 def test_bad_files_refused_naming_file_and_column(tiny_assets, tmp_path):

@@ -237,9 +237,10 @@ def check_prompt_lengths(config: DictConfig, key: str, report: FileReport) -> in
 
 
 # ----------------------------------------------------------------------------------------- the stage
-def _files(value) -> list[str]:
+def _files(value, remote: bool = False) -> list[str]:
+    """The local files of a ``data.*_files`` value (``remote=True``: all of them; verl copies hdfs:// ones itself)."""
     values = list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
-    return [os.path.expanduser(str(v)) for v in values if v is not None and "://" not in str(v)]
+    return [os.path.expanduser(str(v)) for v in values if v is not None and (remote or "://" not in str(v))]
 
 
 def check_data(config: DictConfig) -> dict[str, FileReport]:
@@ -252,8 +253,8 @@ def check_data(config: DictConfig) -> dict[str, FileReport]:
     check_length = bool(data.get("filter_overlong_prompts", False)) or str(data.get("truncation", "error")) != "left"
     reports: dict[str, FileReport] = {}
     for key, role in (("data.train_files", "train"), ("data.val_files", "val")):
-        usable = 0
-        for path in _files(data.get(key.split(".")[1])):
+        usable, paths = 0, _files(data.get(key.split(".")[1]))
+        for path in paths:
             report = check_file(path, key, prompt_key, target_key if role == "train" else None)
             print(report.summary(role), flush=True)
             if report.dropped and not ours:
@@ -263,7 +264,8 @@ def check_data(config: DictConfig) -> dict[str, FileReport]:
             filtered = check_prompt_lengths(config, key, report) if check_length and report.kept else 0
             usable += len(report.kept) - filtered
             reports[path] = report
-        _check_enough(config, key, role, usable)
+        if paths and len(paths) == len(_files(data.get(key.split(".")[1]), remote=True)):  # a remote file: not counted
+            _check_enough(config, key, role, usable)
     return reports
 
 
