@@ -12,7 +12,7 @@ TORCH_CPU_INDEX    ?= https://download.pytorch.org/whl/cpu
 TORCH_INSTALL_ARGS ?=
 INSTALL_TORCH       = $(PY) scripts/install_torch.py --index $(TORCH_CPU_INDEX) $(TORCH_INSTALL_ARGS)
 
-.PHONY: install install-torch test demo evidence compare bench clean install-gpu check-gpu-install
+.PHONY: install install-torch test test-fast demo evidence compare bench clean install-gpu check-gpu-install
 
 $(STAMP): setup.py scripts/install_torch.py
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -39,6 +39,11 @@ install-torch:
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The inner loop: every test that starts no Ray cluster (tests/conftest.py marks those `ray` automatically).
+# scripts/check_tests_alone.py (not in CI) runs each test file in its own process.
+test-fast: install
+	$(PY) -m pytest -m "not ray" $(PYTEST_ARGS)
 
 # LUFFY vs on-policy GRPO on the toy-addition demo variant, side by side (scripts/experiments/demo.py)
 demo: install

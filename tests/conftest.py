@@ -26,3 +26,47 @@ def tiny_assets(tmp_path_factory) -> dict:
     """Tiny tokenizer / random Qwen2 / arithmetic parquets, built once per session (seed 0)."""
     out = tmp_path_factory.mktemp("tiny_assets")
     return load_make_tiny_assets().build(str(out), seed=0)
+
+
+# ---- test tiers -----------------------------------------------------------------------------------------------
+# `make test` runs everything; `make test-fast` runs `-m "not ray"`. A test is marked `ray` automatically when it
+# can start a Ray cluster: its body, a fixture it requests or a function of its module that it calls (transitively)
+# names one of RAY_ENTRY_POINTS (tests/e2e.py's job runner). Nothing to remember when adding an e2e test.
+RAY_ENTRY_POINTS = frozenset({"run_verl", "run_command"})
+
+
+def _names_in(node) -> set[str]:
+    import ast
+
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+    }
+
+
+def _ray_functions(path: str) -> frozenset:
+    """The module-level functions of the test file ``path`` that can reach a Ray entry point."""
+    import ast
+
+    if path not in _RAY_FUNCTIONS:
+        tree = ast.parse(open(path).read())
+        funcs = {n.name: _names_in(n) for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        ray, grew = set(RAY_ENTRY_POINTS), True
+        while grew:
+            new = {name for name, used in funcs.items() if name not in ray and used & ray}
+            ray |= new
+            grew = bool(new)
+        _RAY_FUNCTIONS[path] = frozenset(ray)
+    return _RAY_FUNCTIONS[path]
+
+
+_RAY_FUNCTIONS: dict[str, frozenset] = {}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        fn = getattr(item, "function", None)
+        if fn is None or item.get_closest_marker("ray"):
+            continue
+        reach = _ray_functions(str(item.path))
+        if {fn.__name__, *getattr(item, "fixturenames", ())} & reach:
+            item.add_marker(pytest.mark.ray)
