@@ -29,6 +29,7 @@ from mix_src.config import preflight
 from mix_src.config.preflight import (  # noqa: F401  (the checks before Ray; these names stay importable from here)
     V1_MODES, V1_REFUSALS, check_separate_async, check_v1_config, export_plugins, prepare_config,
 )
+from mix_src.failure import report_failure
 from mix_src.luffy_keys import translate_overrides
 from mix_src.mix_config import validate_mix_config
 
@@ -102,12 +103,13 @@ def run_mix_ppo(config: DictConfig) -> None:
     from verl.trainer.main_ppo import run_ppo
 
     config_stage(config)
-    if bool(config.trainer.get("use_v1", False)):
-        from mix_src.mix_trainer_v1 import MixTaskRunnerV1
+    with report_failure():  # a failure in Ray: its worker and exception in the driver's last line (mix_src/failure.py)
+        if bool(config.trainer.get("use_v1", False)):
+            from mix_src.mix_trainer_v1 import MixTaskRunnerV1
 
-        run_ppo(config, task_runner_class=ray.remote(MixTaskRunnerV1))
-    else:
-        run_ppo(config, task_runner_class=ray.remote(num_cpus=1)(MixTaskRunner))
+            run_ppo(config, task_runner_class=ray.remote(MixTaskRunnerV1))
+        else:
+            run_ppo(config, task_runner_class=ray.remote(num_cpus=1)(MixTaskRunner))
 
 
 @hydra.main(config_path="config", config_name="mix_ppo", version_base=None)
