@@ -25,6 +25,7 @@ dataset drops and counts them at load (mix_src/dataset.py). Cost: see scripts/da
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -197,17 +198,23 @@ def _text_like(arrow_type: str) -> bool:
 # --------------------------------------------------------------------------------------- prompt length
 def prompt_lengths(config: DictConfig, prompts: list) -> list[int]:
     """Token counts of the templated prompts, as verl's ``maybe_filter_out_long_prompts`` counts them."""
-    from verl.utils import hf_tokenizer
-
     model = config.actor_rollout_ref.model
     path = os.path.expanduser(str(model.get("tokenizer_path") or model.path))
-    tok = hf_tokenizer(path, trust_remote_code=bool(model.get("trust_remote_code", False)))
+    tok = _tokenizer(path, bool(model.get("trust_remote_code", False)))
     kwargs = dict(config.data.get("apply_chat_template_kwargs") or {})
     for k in ("tokenize", "return_dict", "return_tensors"):
         kwargs.pop(k, None)
     texts = [tok.apply_chat_template(list(_as_list(p)), add_generation_prompt=True, tokenize=False, **kwargs)
              for p in prompts]
     return [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(path: str, trust_remote_code: bool):
+    """The policy's tokenizer, loaded once for the train and val files."""
+    from verl.utils import hf_tokenizer
+
+    return hf_tokenizer(path, trust_remote_code=trust_remote_code)
 
 
 def check_prompt_lengths(config: DictConfig, key: str, report: FileReport) -> int:
