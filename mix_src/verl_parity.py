@@ -53,7 +53,8 @@ HONOURED: dict[str, tuple[str, ...]] = {
 REFUSED_KEYS: dict[str, str] = {
     "global_profiler.steps": "_refuse_profiler",
     "global_profiler.profile_continuous_steps": "_refuse_profiler",  # only read when steps are set
-    "actor_rollout_ref.actor.policy_loss": "_refuse_bypass_mode",  # only read in rollout-correction bypass mode
+    # loss_mode (and the mode's own keys, e.g. dro_beta) picks the on-policy term's verl loss (mix_src/onpolicy_losses.py)
+    "actor_rollout_ref.actor.policy_loss": "_refuse_policy_loss_mode",
     "algorithm.rollout_correction.bypass_mode": "_refuse_bypass_mode",
 }
 
