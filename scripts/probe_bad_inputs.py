@@ -201,6 +201,8 @@ CASES: list[Case] = [
          overrides=(*LUFFY, "mix.data.sample_target_ratio=0.0")),
     Case("data.max_response_length=8 with ~12-token targets", "trainer keys", expect="trains",
          overrides=(*LUFFY, "data.max_response_length=8")),
+    Case("data.max_prompt_length=8 (~25-token prompts; data.truncation's default)", "trainer keys",
+         overrides=("data.max_prompt_length=8",)),
     Case("data.max_prompt_length=8, data.truncation=error (~25-token prompts)", "trainer keys",
          overrides=("data.max_prompt_length=8", "data.truncation=error")),
     Case("data.max_prompt_length=8, data.filter_overlong_prompts=true", "trainer keys",

@@ -100,7 +100,8 @@ def test_train_sh_runs_through_the_config_stage(tiny_assets, tmp_path):
 
     lines: list[str] = []
     translated = translate_overrides(original, log=lines.append)
-    cfg = compose_mix([*translated, f"trainer.default_local_dir={tmp_path / 'ckpt'}"])  # probed before Ray (save_freq 50)
+    cfg = compose_mix([*translated, f"trainer.default_local_dir={tmp_path / 'ckpt'}",  # probed before Ray (save_freq 50)
+                       f"++actor_rollout_ref.model.tokenizer_path={tiny_assets['tokenizer']}"])  # prompt lengths, offline
     config_stage(cfg)  # ours and verl's checks, as the entry point runs them before Ray
     mix = validate_mix_config(cfg)
 
