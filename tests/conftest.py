@@ -31,16 +31,23 @@ def tiny_assets(tmp_path_factory) -> dict:
 # ---- test tiers -----------------------------------------------------------------------------------------------
 # `make test` runs everything; `make test-fast` runs `-m "not ray"`. A test is marked `ray` automatically when it
 # can start a Ray cluster: its body, a fixture it requests or a function of its module that it calls (transitively)
-# names one of RAY_ENTRY_POINTS (tests/e2e.py's job runner). Nothing to remember when adding an e2e test.
-RAY_ENTRY_POINTS = frozenset({"run_verl", "run_command"})
+# names one of RAY_ENTRY_POINTS (tests/e2e.py's job runner, ray.init). Nothing to remember when adding an e2e test.
+RAY_ENTRY_POINTS = frozenset({"run_verl", "run_command", "ray.init"})
 
 
 def _names_in(node) -> set[str]:
+    """The names a function uses: bare names, attribute names, and ``ray.<attr>`` spelled out."""
     import ast
 
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {
-        n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
-    }
+    names = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name):
+            names.add(n.id)
+        elif isinstance(n, ast.Attribute):
+            names.add(n.attr)
+            if isinstance(n.value, ast.Name) and n.value.id == "ray":
+                names.add(f"ray.{n.attr}")
+    return names
 
 
 def _ray_functions(path: str) -> frozenset:
