@@ -10,6 +10,7 @@ that uses it:
     group filters         mix_src.filter_groups.register_group_filter      (mix.filter_groups.rule)
     rollout policies      mix_src.rollout_policy.register_rollout_policy   (mix.rollout_policy)
     row losses            mix_src.row_loss.register_row_loss               (mix.loss.row_loss)
+    SFT aggregations      mix_src.row_loss.SFT_AGGS.register                (mix.loss.sft_loss_agg)
     loss combinations     mix_src.loss_combine.register_loss_combine       (mix.loss.combine)
     off-policy behaviours mix_src.off_policy_behaviour.register_off_policy_behaviour (mix.loss.off_policy_behaviour)
 

@@ -117,14 +117,17 @@ def engine_micro_batch(padded: dict, rows: torch.Tensor, *, dp_size: int, global
 
 
 def ours_micro_losses(loss_fn, model, padded: dict, split: Split, *, use_dynamic_bsz: bool,
-                      micro_rows: int | None = None, extra: Sequence[str] = (), drop_entropy: bool = False):
-    """Per rank, per micro-batch: a closure running the model and the real worker loss ``loss_fn`` (MixPolicyLoss)."""
+                      micro_rows: int | None = None, extra: Sequence[str] = (), drop_entropy: bool = False,
+                      dp_size: int | None = None):
+    """Per rank, per micro-batch: a closure running the model and the real worker loss ``loss_fn`` (MixPolicyLoss).
+    dp_size: the data-parallel size (default: the ranks of ``split``)."""
+    dp_size = dp_size or len(split)
     global_rows = len(padded["response_mask"])
     global_tokens = int(padded["response_mask"].sum())
 
     def closure(rows):
         def run():
-            td = engine_micro_batch(padded, rows, dp_size=len(split), global_rows=global_rows,
+            td = engine_micro_batch(padded, rows, dp_size=dp_size, global_rows=global_rows,
                                     global_tokens=global_tokens, use_dynamic_bsz=use_dynamic_bsz,
                                     micro_rows=micro_rows, extra=extra)  # fmt: skip
             out = model(td)
@@ -185,3 +188,36 @@ def random_batch(model, seed: int, groups: int, group_size: int, *, vocab: int, 
         current, _ = padded_forward(model, padded)
     padded["old_log_probs"] = (current + noise * torch.randn(current.shape, generator=g)) * response_mask
     return padded
+
+
+def _gloo_rank(rank: int, world: int, init_file: str, model, loss_fn, padded: dict, split: Split, run: dict,
+               out_file: str) -> None:
+    """One real data-parallel rank (torch.multiprocessing.spawn target): gloo process group, the model wrapped in
+    DistributedDataParallel (its gradient all-reduce divides by the world size, as FSDP's reduce-scatter), this
+    rank's micro-batches under ``no_sync`` but the last, then the averaged gradient saved by rank 0."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        losses = ours_micro_losses(loss_fn, ddp, padded, [split[rank]], **run)[0]
+        for k, loss in enumerate(losses):
+            with ddp.no_sync() if k < len(losses) - 1 else contextlib.nullcontext():
+                loss().backward()
+        if rank == 0:
+            torch.save([p.grad.clone() for p in model.parameters()], out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+def gloo_gradient(model, loss_fn, padded: dict, split: Split, tmp_dir, **run) -> list[torch.Tensor]:
+    """The gradient of real gloo processes, one per rank of ``split``; each rank's loss closures see dp_size =
+    len(split) as in :func:`ours_micro_losses`."""
+    import torch.multiprocessing as mp
+
+    init_file, out_file = str(tmp_dir / "gloo_init"), str(tmp_dir / "grad.pt")
+    args = (len(split), init_file, model, loss_fn, padded, split, dict(run, dp_size=len(split)), out_file)
+    mp.spawn(_gloo_rank, args=args, nprocs=len(split), join=True)  # fresh processes (fork hangs gloo here)
+    return torch.load(out_file)

@@ -420,3 +420,20 @@ def test_rollout_policy_records_replays_and_survives_a_pickle():
 
 
 ROLLOUT = __import__("mix_src.rollout_policy", fromlist=["ROLLOUT_POLICIES"]).ROLLOUT_POLICIES.get("exgrpo")
+
+
+def test_rollout_policy_clips_the_warm_up():
+    """The official trainer sets loss_remove_clip=False until the run is mixed (mix_trainer_experience.py:429-436),
+    then the script's True: the policy's rows carry it as mix_loss_remove_clip (0 during the warm-up, the step that
+    switches included; then mix.loss.loss_remove_clip), which the worker loss reads per row."""
+    from mix_src.loss import REMOVE_CLIP
+
+    mix = mix_config_from_dict({"rollout_policy": "exgrpo", "loss": {"off_policy_behaviour": "stored_log_prob",
+                                                                     "loss_remove_clip": True}})  # fmt: skip
+    state: dict = {}
+    ctx, _ = _fake_ctx(1, state, [0, 1, 2], lambda p, ids: False, mix)  # nothing solved: still warming up
+    assert ROLLOUT(ctx).batch[REMOVE_CLIP].tolist() == [0.0] * 3 * N
+    ctx, _ = _fake_ctx(2, state, [0, 1, 2], lambda p, ids: True, mix)  # all solved: this step switches
+    assert ROLLOUT(ctx).batch[REMOVE_CLIP].tolist() == [0.0] * 3 * N and state["exgrpo"]["mixed"]
+    ctx, _ = _fake_ctx(3, state, [0, 1, 2], lambda p, ids: True, mix)
+    assert ROLLOUT(ctx).batch[REMOVE_CLIP].tolist() == [1.0] * 3 * N

@@ -395,3 +395,19 @@ def test_prefix_rft_against_official_on_n_ranks(ranks, kind):
     else:
         cosine = torch.nn.functional.cosine_similarity(g_ours.flatten(), g_off.flatten(), dim=0)
         assert cosine < 1 - 1e-4
+
+
+def test_simulation_equals_gloo_averaging(tmp_path):
+    """The harness's average equals real data parallelism: 2 gloo processes, DistributedDataParallel (no_sync over
+    the micro-batches but the last, then the all-reduce average), the luffy_zero recipe's loss on 2 ranks."""
+    from multirank import gloo_gradient
+
+    model = BigramLM(seed=1)
+    padded = random_batch(model, 0, 4, GROUP, vocab=VOCAB, prompt=PROMPT, response=RESPONSE, expert_rows=(0,))
+    split = static_split(4 * GROUP, 2, MICRO_ROWS // 2)
+    ours = recipe_loss("luffy_zero", loss_scale_factor=2 * RESPONSE, entropy_coeff=0.001)
+    run = dict(use_dynamic_bsz=False, micro_rows=MICRO_ROWS // 2)
+    (simulated,), _ = dp_gradient([model.w], ours_micro_losses(ours, model, padded, split, **run))
+    (real,) = gloo_gradient(model, ours, padded, split, tmp_path, **run)
+    assert simulated.abs().sum() > 0
+    torch.testing.assert_close(real, simulated, rtol=1e-5, atol=1e-8)
