@@ -1,0 +1,65 @@
+"""The refactor guard (issue #38): seeded tiny runs on both trainer bases log, step by step, exactly the metrics
+recorded in ``tests/guard/metrics.json`` (timings and machine-dependent counters aside). See tests/guard/README.md.
+
+One run per base (one Ray start-up each): partial prefixes (2 of 4 samples, fixed ratios 0.5 and 1.0), filter
+groups on (``algorithm.filter_groups.metric=seq_reward``: the summed token reward on both bases; half the prompts
+lose their target, so their all-failing groups are dropped), the SFT term on (``mix.loss.use_sft_multitask_loss``),
+2 steps. ``GUARD_RECORD=1`` rewrites the file from the runs instead of comparing (record only on purpose, and say
+why in the commit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from e2e import MIX_CPU, run_verl, tiny_overrides
+
+pytestmark = pytest.mark.ray
+
+RECORD = Path(__file__).resolve().parent / "guard" / "metrics.json"
+MIX = "mix_src.main_mix_ppo"
+COMMON = ["mix.n_prefix=2", "mix.prefix_strategy=fixed", "mix.prefix_fix_ratios=[0.5,1.0]", "mix.seed=7",
+          "mix.data.sample_target_ratio=0.5", "algorithm.adv_estimator=grpo_split",
+          "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward",
+          "algorithm.filter_groups.max_num_gen_batches=0", "mix.loss.use_sft_multitask_loss=true",
+          "actor_rollout_ref.rollout.calculate_log_probs=true"]  # fmt: skip
+BASES = {"legacy": [], "v1_sync": ["trainer.use_v1=true", "trainer.v1.trainer_mode=sync"]}
+# What is not compared: wall-clock timings and what follows from them (throughput, MFU), and memory counters.
+UNGUARDED = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/", "agent_loop/", "timing/")
+
+
+def guarded(m: dict) -> dict:
+    return {k: v for k, v in m.items() if not k.startswith(UNGUARDED)}
+
+
+def _run(tiny_assets, tmp_path, base):
+    overrides = MIX_CPU + tiny_overrides(tiny_assets, steps=2, n=4, batch_size=4, response_length=24)
+    return run_verl(MIX, overrides + COMMON + BASES[base], tmp_path / base, timeout=420, name=base)
+
+
+def _commit() -> str:
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+@pytest.mark.parametrize("base", list(BASES))
+def test_guard_runs_log_the_recorded_metrics_bit_for_bit(tiny_assets, tmp_path, base):
+    steps = [guarded(m) for m in _run(tiny_assets, tmp_path, base).metrics]
+    assert [m["step"] for m in steps] == [1, 2]
+    if os.environ.get("GUARD_RECORD") == "1":
+        data = json.loads(RECORD.read_text()) if RECORD.exists() else {}
+        data[base] = {"recorded_at_commit": _commit(), "steps": steps}
+        RECORD.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        return
+    recorded = json.loads(RECORD.read_text())[base]["steps"]
+    for got, want in zip(steps, recorded, strict=True):
+        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        assert not missing and not extra, f"step {want['step']}: metrics no longer logged {missing}, new {extra}"
+        diff = {k: (want[k], got[k]) for k in want if want[k] != got[k] and not (want[k] != want[k] and got[k] != got[k])}
+        assert not diff, f"{base} step {want['step']} differs from the record (recorded, now): {diff}"
