@@ -27,12 +27,19 @@ COMMON = ["mix.n_prefix=2", "mix.min_prefix_ratio=0.3", "mix.max_prefix_ratio=0.
           "mix.loss.use_adaptive_entropy=true", "actor_rollout_ref.actor.entropy_coeff=0.01", "mix.loss.alpha_lr=0.5",
           "mix.loss.all_max_clip=0.999"]  # fmt: skip
 
-# LUFFY's metrics and losses: equal bit for bit on both bases (the prompts, ratios, samples, advantages, update)
-LUFFY_PREFIXES = ("batch/", "actor/pg_loss", "actor/off_", "actor/on_", "actor/grad_norm", "actor/entropy",
-                  "actor/pg_clipfrac", "actor/ppo_kl", "critic/score/", "critic/rewards/", "critic/advantages/",
-                  "critic/returns/", "response_length/mean", "response_length/max", "response_length/min",
-                  "reward/", "training/rollout_probs_diff_", "training/rollout_actor_probs_pearson_corr",
-                  "flops/")  # fmt: skip
+# Every metric both bases log is compared (below); these are not: wall-clock timings and what follows from them
+# (throughput, MFU) and memory counters, which differ between any two runs.
+UNCOMPARED = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/", "agent_loop/", "timing/")
+# The metrics only one base logs, each with the reason; the test fails when a metric appears on, or disappears
+# from, one base only, so this list stays complete.
+LEGACY_ONLY: dict[str, str] = {}
+V1_ONLY: dict[str, str] = {
+    **{f"training/num_turns/{s}": "verl's V1 stage logs the turn counts twice, as num_turns/* (both bases) and under "
+       "training/ (trainer_base.py _compute_metrics)" for s in ("max", "mean", "min")},
+    **{f"training/off_policy/{m}/{s}": "V1's replay buffer: how many steps old a trained trajectory is; the legacy "
+       "loop trains every row in the step that generated it"
+       for m in ("trajectory_spans", "trajectory_staleness", "trajectory_staleness_worst") for s in ("max", "mean", "min")},
+}  # fmt: skip
 
 
 def _run(tiny_assets, tmp_path, *extra, steps=2, name="run"):
@@ -50,10 +57,14 @@ def _run(tiny_assets, tmp_path, *extra, steps=2, name="run"):
 # pearson 1.2e-7 relative; in one run every actor/* metric of step 2 was bit-identical.
 ACTOR_FLOATS = ("actor/", "training/rollout_actor_probs_pearson_corr")
 ROLLOUT_DIFF = "training/rollout_probs_diff_"
+# verl's rollout-correction diagnostics (old log-probs, i.e. the actor's forward pass, against the rollout's), now
+# compared too: measured on the tiny assets (this 2-core CPU machine, the checkout at 19e5254), step 1 identical,
+# step 2 up to 1.8e-6 absolute (chi2_seq 1.2e-7 vs 1.9e-6), training_log_ppl 1.0e-7 relative.
+ROLLOUT_CORR = "rollout_corr/"
 
 
-def _luffy(m: dict) -> dict:
-    return {k: v for k, v in m.items() if k.startswith(LUFFY_PREFIXES)}
+def _compared(m: dict) -> dict:
+    return {k: v for k, v in m.items() if not k.startswith(UNCOMPARED)}
 
 
 def test_legacy_and_v1_sync_train_the_same_luffy_steps_and_v1_resumes_them(tiny_assets, tmp_path):
@@ -64,18 +75,23 @@ def test_legacy_and_v1_sync_train_the_same_luffy_steps_and_v1_resumes_them(tiny_
     assert [m["step"] for m in legacy.metrics] == [m["step"] for m in v1.metrics] == [1, 2]
 
     for a, b in zip(legacy.metrics, v1.metrics):
-        la, lb = _luffy(a), _luffy(b)
-        assert "batch/avg_prefix_ratio" in la and "actor/off_pg_loss" in la and "critic/advantages/mean" in la
-        only = sorted(set(la) ^ set(lb))
-        assert not only, f"step {a['step']}: LUFFY metrics logged on one base only: {only}"
-        exact = [k for k in la if not k.startswith((*ACTOR_FLOATS, ROLLOUT_DIFF))]
-        diff = {k: (la[k], lb[k]) for k in exact if la[k] != lb[k]}
+        ca, cb = _compared(a), _compared(b)
+        assert "batch/avg_prefix_ratio" in ca and "actor/off_pg_loss" in ca and "critic/advantages/mean" in ca
+        assert sorted(set(ca) - set(cb)) == sorted(LEGACY_ONLY), f"step {a['step']}: legacy only"
+        assert sorted(set(cb) - set(ca)) == sorted(V1_ONLY), f"step {a['step']}: V1 only"
+        la = {k: ca[k] for k in ca if k in cb}  # every metric both bases log
+        lb = {k: cb[k] for k in la}
+        exact = [k for k in la if not k.startswith((*ACTOR_FLOATS, ROLLOUT_DIFF, ROLLOUT_CORR))]
+        diff = {k: (la[k], lb[k]) for k in exact if la[k] != lb[k] and not (la[k] != la[k] and lb[k] != lb[k])}
         assert not diff, f"step {a['step']}: legacy vs V1 differ (legacy, v1): {diff}"
         for k in la:
             if k.startswith(ACTOR_FLOATS):
                 assert lb[k] == pytest.approx(la[k], rel=1e-6, abs=1e-12), (k, la[k], lb[k])
             elif k.startswith(ROLLOUT_DIFF):
                 assert lb[k] == pytest.approx(la[k], abs=1e-7), (k, la[k], lb[k])
+            elif k.startswith(ROLLOUT_CORR):
+                assert lb[k] == pytest.approx(la[k], rel=1e-6, abs=1e-5), (k, la[k], lb[k])
+        assert la["prompt_length/clip_ratio"] == 0.0  # prompts of ~24 tokens, none cut at 32 (V1 logged 1.0)
         # one meaning: rollout vs actor over on-policy tokens on both (prefix tokens have no rollout log-prob)
         assert lb["training/rollout_probs_diff_max"] < 0.05
         assert 0.3 * 2 / 4 <= lb["batch/avg_prefix_ratio"] <= 0.7 * 2 / 4
