@@ -1,6 +1,6 @@
 """Steps without off-policy rows, and micro-batches with only off-policy rows, train (issue #41 item 6) on both
 trainer bases: ``mix.data.sample_target_ratio=0`` (documented "on-policy only"; it raised IndexError in
-mix_src/dataset.py before) on the legacy base, and a file whose targets are null for half the prompts with
+mix_src/dataset.py before) on both bases, and a file whose targets are null for half the prompts with
 one-row micro-batches and one-prompt mini-batches on the V1 base (LUFFY issue #24 saw NaN in such batches).
 Real verl trainer, workers, Ray and agent loop on the tiny assets (tests/e2e.py); about a minute each."""
 
@@ -26,8 +26,9 @@ def _finite(m: dict) -> None:
         assert key in m and math.isfinite(m[key]), (key, m.get(key))
 
 
-def test_sample_target_ratio_zero_trains_on_policy_only(tiny_assets, tmp_path):
-    overrides = MIX_CPU + tiny_overrides(tiny_assets, steps=2, n=4, batch_size=4, response_length=24)
+@pytest.mark.parametrize("base", [[], ["trainer.use_v1=true", "trainer.v1.trainer_mode=sync"]], ids=["legacy", "v1"])
+def test_sample_target_ratio_zero_trains_on_policy_only(tiny_assets, tmp_path, base):
+    overrides = MIX_CPU + tiny_overrides(tiny_assets, steps=2, n=4, batch_size=4, response_length=24) + base
     result = run_verl("mix_src.main_mix_ppo", overrides + LUFFY + ONE_ROW_MICRO + ["mix.data.sample_target_ratio=0.0"],
                       tmp_path, timeout=420)
     assert [m["step"] for m in result.metrics] == [1, 2]
