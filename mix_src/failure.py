@@ -36,13 +36,14 @@ def _first_line(text: str) -> str:
 
 def _task_name(error: BaseException) -> str:
     """``Class.method (pid N)`` of a RayTaskError. The instance ``ray.get`` raises is Ray's dual class (a
-    subclass of the cause's type) that keeps only ``cause``, so the name comes from its message's first line,
-    ``ray::Class.method() (pid=N, ip=...)``."""
+    subclass of the cause's type) that keeps only ``cause``, so the name comes from its message's innermost
+    ``ray::Class.method() (pid=N, ip=...)`` line."""
+    # the message holds every hop's line, outermost first (a cause that crossed a process keeps only its text)
+    found = re.findall(r"ray::([\w.]+)\(\)\W*\(pid=(\d+)", re.sub(r"\x1b\[[0-9;]*m", "", str(error)))
+    if found:
+        return f"{found[-1][0]} (pid {found[-1][1]})"
     fields = vars(error)
-    if "function_name" in fields:
-        return f"{fields['function_name']} (pid {fields.get('pid')})"
-    match = re.search(r"ray::([\w.]+)\(\)\W*\(pid=(\d+)", re.sub(r"\x1b\[[0-9;]*m", "", str(error)))
-    return f"{match.group(1)} (pid {match.group(2)})" if match else "a Ray task"
+    return f"{fields['function_name']} (pid {fields.get('pid')})" if "function_name" in fields else "a Ray task"
 
 
 def failure_line(exc: BaseException) -> str:

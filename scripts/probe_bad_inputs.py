@@ -321,9 +321,9 @@ def with_ray(outcome: dict) -> dict:
     proc = subprocess.run([sys.executable, "-m", "mix_src.main_mix_ppo", *outcome["overrides"]], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
     seconds = time.perf_counter() - t0
-    out = (proc.stdout + "\n" + proc.stderr).strip().splitlines()
+    out = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + "\n" + proc.stderr).strip().splitlines()  # no colour codes
     failed = [ln for ln in out if ln.startswith("[mix_src] FAILED")]
-    counts = [ln.strip() for ln in out if re.search(r"dropped|\brows\b.*(drop|count)", ln)]
+    counts = [ln.strip() for ln in out if "dropped" in ln and "none dropped" not in ln]
     if proc.returncode == 0:
         verdict = "trains as documented" if outcome["verdict"] == "passes pre-Ray" else "SILENT"
         return {**outcome, "verdict": verdict, "seconds": seconds, "line": counts[0][:160] if counts else "exit 0"}
