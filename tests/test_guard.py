@@ -30,7 +30,11 @@ COMMON = ["mix.n_prefix=2", "mix.prefix_strategy=fixed", "mix.prefix_fix_ratios=
           "actor_rollout_ref.rollout.calculate_log_probs=true"]  # fmt: skip
 BASES = {"legacy": [], "v1_sync": ["trainer.use_v1=true", "trainer.v1.trainer_mode=sync"]}
 # What is not compared: wall-clock timings and what follows from them (throughput, MFU), and memory counters.
-UNGUARDED = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/", "agent_loop/", "timing/")
+UNGUARDED = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/", "agent_loop/", "timing/",
+             # the rollout's log-probs against the actor's (values 1e-9..1e-7, ppl 3.49): a re-run at the recorded
+             # commit changed them in the last bits on both bases (e.g. rollout_corr/kl 5.5e-9 vs 3.6e-9) while
+             # every other metric of the step was identical
+             "rollout_corr/", "training/rollout_probs_diff_")
 
 
 def guarded(m: dict) -> dict:
