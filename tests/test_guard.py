@@ -61,7 +61,7 @@ def test_guard_runs_log_the_recorded_metrics_bit_for_bit(tiny_assets, tmp_path, 
         data[base] = {"recorded_at_commit": _commit(), "steps": steps}
         RECORD.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         return
-    recorded = json.loads(RECORD.read_text())[base]["steps"]
+    recorded = [guarded(m) for m in json.loads(RECORD.read_text())[base]["steps"]]
     for got, want in zip(steps, recorded, strict=True):
         missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
         assert not missing and not extra, f"step {want['step']}: metrics no longer logged {missing}, new {extra}"
