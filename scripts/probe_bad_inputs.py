@@ -199,7 +199,7 @@ CASES: list[Case] = [
          files=_raw(b"x", "afile")),
     Case("mix.data.sample_target_ratio=0.0 (on-policy only)", "trainer keys", expect="trains",
          overrides=(*LUFFY, "mix.data.sample_target_ratio=0.0")),
-    Case("data.max_response_length=8 with ~12-token targets", "trainer keys", expect="trains",
+    Case("data.max_response_length=8 with ~12-token targets (every row's target over the cap)", "trainer keys",
          overrides=(*LUFFY, "data.max_response_length=8")),
     Case("data.max_prompt_length=8 (~25-token prompts; data.truncation's default)", "trainer keys",
          overrides=("data.max_prompt_length=8",)),

@@ -164,6 +164,21 @@ def test_long_prompts_follow_data_truncation(tiny_assets, tmp_path, capsys):
     check_data(_config(tiny_assets, path, "data.truncation=left"))  # what the agent loop does: not tokenised
 
 
+def test_targets_over_the_cap_leave_the_usable_rows_before_ray(tiny_assets, tmp_path, capsys):
+    """Rows whose target is over mix.data.max_target_length are dropped by the dataset at load: counted here, so a
+    file where too few rows are left is refused before Ray (it was found empty inside Ray: num_samples=0)."""
+    rows = [_row(i, target=[{"role": "assistant", "content": "7" * 40}]) for i in range(6)] + [_row(6 + i) for i in range(2)]
+    path = _write(tmp_path / "long_targets.parquet", rows)
+    check_data(_config(tiny_assets, path, "mix.data.max_target_length=16", batch_size=2))
+    out = capsys.readouterr().out
+    assert "6 rows have a target longer than mix.data.max_target_length=16 tokens (first: row 0)" in out
+    with pytest.raises(MixConfigError, match=r"2 usable rows.*fewer than data.train_batch_size=4"):
+        check_data(_config(tiny_assets, path, "mix.data.max_target_length=16", batch_size=4))
+    # truncated instead of dropped, or a short cap's bytes bound: nothing counted
+    check_data(_config(tiny_assets, path, "mix.data.max_target_length=16", "mix.data.truncate_targets=true", batch_size=8))
+    check_data(_config(tiny_assets, path, "mix.data.max_target_length=64", batch_size=8))
+
+
 @pytest.mark.parametrize("mix,target", [({"n_prefix": 1, "data": {"sample_target_ratio": 0.0}}, ...),
                                         ({"n_prefix": 1}, None), ({"n_prefix": 1}, [])])
 def test_no_target_left_loads_on_policy_only(tiny_assets, tmp_path, mix, target):

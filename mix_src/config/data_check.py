@@ -19,8 +19,14 @@ reads it (``.parquet``, ``.json``, ``.jsonl``; verl/utils/dataset/rl_dataset.py 
   and so do ``right`` / ``middle`` (the agent loop would cut from the left instead); ``left`` is what the agent
   loop does, and is not counted here.
 
-Targets longer than ``mix.data.max_target_length`` need the target tokenised (seconds per thousand rows); the
-dataset drops and counts them at load (mix_src/dataset.py). Cost: see scripts/data/README.md ("The data check").
+* **targets longer than ``mix.data.max_target_length``** (tokens; the dataset drops their rows at load,
+  mix_src/dataset.py, unless ``mix.data.truncate_targets=true``): a target of at most that many UTF-8 bytes
+  fits for certain (a token of a byte-level tokenizer covers at least one byte), so only longer ones are
+  tokenised; up to :data:`EXACT_TARGETS` of them exactly (their rows leave the usable count, so a file whose
+  every target is too long is refused here rather than found empty inside Ray), beyond that a seeded sample
+  of :data:`SAMPLED_TARGETS` gives an estimate that is printed, not enforced.
+
+Cost: see scripts/data/README.md ("The data check").
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from mix_src.rewards.answers import ground_truth_problem
 
 READABLE = (".parquet", ".json", ".jsonl")  # what verl's RLHFDataset reads (rl_dataset.py _read_files_and_tokenize)
 OUR_DATASET = "RLHFDatasetWithTarget"  # the class that drops bad rows with row_problem (mix_src/dataset.py)
+EXACT_TARGETS = 5000  # targets longer in bytes than the cap: tokenised all when at most this many
+SAMPLED_TARGETS = 2000  # ... else a seeded sample of this many, for an estimate
 
 
 # ------------------------------------------------------------------------------------------ one row
@@ -99,6 +107,7 @@ class FileReport:
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> rows
     first_bad: dict[str, int] = field(default_factory=dict)  # reason -> first row index
     prompts: list = field(default_factory=list)  # the kept rows' prompts (for the length check)
+    targets: list = field(default_factory=list)  # the kept rows' targets as text (None: no target)
 
     def summary(self, role: str) -> str:
         drops = "; ".join(f"{n} {why} (first: row {self.first_bad[why]})" for why, n in self.dropped.items())
@@ -159,7 +168,7 @@ def _read_json(path: str, columns: Iterable[str], key: str) -> tuple[dict[str, l
 
 def check_file(path: str, key: str, prompt_key: str, target_key: Optional[str]) -> FileReport:
     """Open one data file, refuse it when it is unusable, and sort its rows with :func:`row_problem`."""
-    cols, types = read_columns(path, [prompt_key, "reward_model"], key)
+    cols, types = read_columns(path, [prompt_key, "reward_model", *([target_key] if target_key else [])], key)
     n = len(next(iter(cols.values()))) if cols else 0
     if prompt_key not in types:
         raise _refuse(path, f"{key} (data.prompt_key={prompt_key})",
@@ -178,11 +187,13 @@ def check_file(path: str, key: str, prompt_key: str, target_key: Optional[str]) 
     if n == 0:
         raise _refuse(path, key, "has no rows")
     report = FileReport(path, n, [])
+    targets = cols.get(target_key) if target_key else None
     for i, (prompt, rm) in enumerate(zip(cols[prompt_key], cols["reward_model"])):
         why = row_problem(prompt, rm)
         if why is None:
             report.kept.append(i)
             report.prompts.append(prompt)
+            report.targets.append(normalize_target(targets[i]) if targets is not None else None)
         else:
             report.dropped[why] = report.dropped.get(why, 0) + 1
             report.first_bad.setdefault(why, i)
@@ -217,19 +228,19 @@ def _tokenizer(path: str, trust_remote_code: bool):
     return hf_tokenizer(path, trust_remote_code=trust_remote_code)
 
 
-def check_prompt_lengths(config: DictConfig, key: str, report: FileReport) -> int:
+def check_prompt_lengths(config: DictConfig, key: str, report: FileReport) -> set[int]:
     """Apply ``data.truncation`` / ``data.filter_overlong_prompts`` to one file. Returns the rows verl's dataset
     will filter out; raises for ``truncation=error``."""
     limit = int(config.data.max_prompt_length)
     lengths = prompt_lengths(config, report.prompts)
     over = [report.kept[j] for j, n in enumerate(lengths) if n > limit]
     if not over:
-        return 0
+        return set()
     longest = max(lengths)
     if bool(config.data.get("filter_overlong_prompts", False)):
         print(f"[mix_src.data_check] {key} {report.path}: {len(over)} prompts longer than data.max_prompt_length="
               f"{limit} tokens (longest {longest}) are dropped by data.filter_overlong_prompts=true", flush=True)
-        return len(over)
+        return set(over)
     truncation = str(config.data.get("truncation", "error"))
     if truncation == "error":
         raise _refuse(report.path, key, f"{len(over)} of {len(report.kept)} prompts are longer than "
@@ -241,6 +252,44 @@ def check_prompt_lengths(config: DictConfig, key: str, report: FileReport) -> in
                   f"(first: row {over[0]}) and data.truncation={truncation}, but verl's agent loop cuts long prompts "
                   "from the left whatever data.truncation says (agent_loop.py _cap_text_prompt_length); set "
                   "data.truncation=left, data.filter_overlong_prompts=true, or raise data.max_prompt_length")
+
+
+# --------------------------------------------------------------------------------------- target length
+def check_target_lengths(config: DictConfig, key: str, report: FileReport) -> set[int]:
+    """Rows the dataset will drop for a target over ``mix.data.max_target_length`` tokens (exact up to
+    :data:`EXACT_TARGETS` candidates, else none with a printed estimate). None with ``truncate_targets=true`` or when
+    ``sample_target_ratio < 1`` (the dataset drops only sampled targets; an upper bound would refuse wrongly)."""
+    target_cfg = (config.get("mix") or {}).get("data") or {}
+    cap = target_cfg.get("max_target_length")
+    if cap is None or bool(target_cfg.get("truncate_targets", False)):
+        return set()
+    cap = int(cap)
+    longer = [j for j, t in enumerate(report.targets) if t and len(t.encode("utf-8")) > cap]  # may not fit
+    if not longer:
+        return set()
+    exact = len(longer) <= EXACT_TARGETS
+    if not exact:
+        import random
+
+        longer = random.Random(0).sample(longer, SAMPLED_TARGETS)
+    model = config.actor_rollout_ref.model
+    tok = _tokenizer(os.path.expanduser(str(model.get("tokenizer_path") or model.path)),
+                     bool(model.get("trust_remote_code", False)))
+    ids = tok([report.targets[j] for j in longer], add_special_tokens=False)["input_ids"]
+    over = [report.kept[j] for j, t in zip(longer, ids) if len(t) > cap]
+    if not over:
+        return set()
+    ratio = float(target_cfg.get("sample_target_ratio", 1.0))
+    if exact:
+        print(f"[mix_src.data_check] {key} {report.path}: {len(over)} rows have a target longer than "
+              f"mix.data.max_target_length={cap} tokens (first: row {over[0]}); the dataset drops them at load "
+              "(mix.data.truncate_targets=true cuts them instead)", flush=True)
+        return set(over) if ratio >= 1.0 else set()
+    share = len(over) / len(longer) * sum(1 for t in report.targets if t and len(t.encode("utf-8")) > cap)
+    print(f"[mix_src.data_check] {key} {report.path}: about {share:.0f} rows have a target longer than "
+          f"mix.data.max_target_length={cap} tokens (estimated from {len(longer)} sampled); the dataset drops "
+          "and counts them at load", flush=True)
+    return set()
 
 
 # ----------------------------------------------------------------------------------------- the stage
@@ -268,8 +317,10 @@ def check_data(config: DictConfig) -> dict[str, FileReport]:
                 why, n = next(iter(report.dropped.items()))
                 raise _refuse(path, key, f"{n} rows with {why} (first: row {report.first_bad[why]}); data.custom_cls "
                               f"is not {OUR_DATASET}, which drops such rows, so fix the file")
-            filtered = check_prompt_lengths(config, key, report) if check_length and report.kept else 0
-            usable += len(report.kept) - filtered
+            filtered = check_prompt_lengths(config, key, report) if check_length and report.kept else set()
+            if role == "train":
+                filtered |= check_target_lengths(config, key, report)
+            usable += len(report.kept) - len(filtered)
             reports[path] = report
         if paths and len(paths) == len(_files(data.get(key.split(".")[1]), remote=True)):  # a remote file: not counted
             _check_enough(config, key, role, usable)
