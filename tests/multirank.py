@@ -199,7 +199,11 @@ def _gloo_rank(rank: int, world: int, init_file: str, model, loss_fn, padded: di
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    import datetime
+
+    # a stalled peer raises after 2 minutes instead of holding the suite until pytest's timeout
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         losses = ours_micro_losses(loss_fn, ddp, padded, [split[rank]], **run)[0]
