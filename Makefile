@@ -50,8 +50,8 @@ demo: install
 	$(PY) -m scripts.experiments.demo
 
 # The comparison harness (scripts/experiments/compare.py): launch methods x seeds x both toy tasks at matched
-# training FLOPs. `make compare` is the smoke grid (seeds 0 1); `make evidence` the grid behind the README's
-# Evidence section: the same runs with seeds 0-4, in the same folder, so the smoke grid's runs are reused (a
+# training FLOPs. `make compare` is the smoke grid (seeds 0 1); `make evidence` the grid behind the Evidence
+# section of scripts/experiments/README.md: the same runs with seeds 0-4, in the same folder, so the smoke grid's runs are reused (a
 # finished run is never re-run). 4e11 FLOPs is about 10 LUFFY steps on the addition task: what 2 CPU cores can
 # run 50 times in about an hour. COMPARE_WRAP prefixes every run (e.g. a lock); COMPARE_JOBS runs at a time.
 COMPARE_METHODS ?= luffy grpo sft sft_rl guide_on_failure

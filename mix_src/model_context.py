@@ -147,5 +147,5 @@ def check_attention(config, *, cuda: Optional[bool] = None) -> None:
                 raise MixConfigError(
                     f"{key}.override_config.attn_implementation={impl} (verl's default) but flash_attn is not installed "
                     "here (`make install-gpu NO_FLASH_ATTN=1` skips it: it has no wheel for torch 2.11 + CUDA 13). "
-                    f"Install it (README, GPU install), or train without it: {SDPA_OVERRIDES}"
+                    f"Install it (scripts/gpu/README.md), or train without it: {SDPA_OVERRIDES}"
                 )

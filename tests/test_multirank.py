@@ -315,7 +315,7 @@ def test_chord_equals_official_on_n_ranks(ranks, kind):
     ones equal on 1 GPU and N times ours on N GPUs (its policy loss's gradient_accumulation is computed from the
     global ppo_mini_batch_size, the actor's from the per-GPU one: Trinity docs, "ppo_mini_batch_size ... per GPU in
     update_policy"). Rows of unequal length: Trinity averages micro-batch token means weighted by rows, ours is the
-    token mean of the whole mini-batch (README)."""
+    token mean of the whole mini-batch (mix_src/README.md, loss options)."""
     from mix_src.loss import COMBINE_FIELDS
     from test_chord import mix_chord_loss
 

@@ -6,7 +6,7 @@ first weight sync). :func:`check_worker_keys` runs in ``mix_src.main_mix_ppo.pre
 (patched by ``vllm_cpu.patch_validate_config``, which runs before ``ray.init``).
 
 Each entry of :data:`CHECKS` reads the keys it names and returns the refusal, or None. Everything not refused
-here runs on the CPU backend (README, "CPU backend": reference policy, critic, LoRA, dynamic batch sizes).
+here runs on the CPU backend (mix_src/cpu/README.md: reference policy, critic, LoRA, dynamic batch sizes).
 """
 
 from __future__ import annotations

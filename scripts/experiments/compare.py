@@ -490,7 +490,7 @@ def main(argv=None) -> int:
     p.add_argument("--assets", default=None, help="default: OUT/assets/<task>")
     p.add_argument("--wrap", default=None, help="command prefix for each run (default: env COMPARE_RUN_WRAPPER)")
     p.add_argument("--jobs", type=int, default=1,
-                   help="runs at a time (each its own Ray cluster or torchrun); README: measured speed-up here")
+                   help="runs at a time (each its own Ray cluster or torchrun); scripts/experiments/README.md: measured speed-up here")
     p.add_argument("--rl-overrides", nargs="*", default=[], help="Hydra overrides added to every RL run (tests: smaller batches)")
     p.add_argument("--pretrain-steps", type=int, default=None, help="base pre-training steps (tests: a barely trained base)")
     a = p.parse_args(argv)

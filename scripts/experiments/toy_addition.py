@@ -89,7 +89,7 @@ VARIANTS = {
 # from the same weights; the demo still measures the base's property on the machine that runs it and prints it.
 # How it was made (rule, steps, seed, command, commit, measurement): the BUILD.json beside it
 # (scripts/experiments/demo_base_rules.py --ship). The comparison harness (compare.py) and luffy_vs_grpo.py
-# still build the carry-free base (base="built"), the one the README's Evidence was measured on.
+# still build the carry-free base (base="built"), the one scripts/experiments/README.md's Evidence was measured on.
 SHIPPED_FILES = ("config.json", "generation_config.json", "model.safetensors")
 # The demo's story rests on two properties of the base, measured after pre-training (check_base). GRPO's side:
 # its sampled success rate p on the training problems at the rollout's temperature (every training problem x k
