@@ -11,8 +11,9 @@ LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 FENCE = re.compile(r"^\s*```")
 
 
-def relative_links(md: Path) -> list[str]:
-    """Relative link targets of a markdown file, outside fenced code blocks, anchors stripped ('' for '#x')."""
+def relative_links(md: Path, keep_anchor: bool = False) -> list[str]:
+    """Relative link targets of a markdown file, outside fenced code blocks, anchors stripped ('' for '#x')
+    unless keep_anchor."""
     links, in_code = [], False
     for line in md.read_text(encoding="utf-8").splitlines():
         if FENCE.match(line):
@@ -23,8 +24,21 @@ def relative_links(md: Path) -> list[str]:
         for target in LINK.findall(line):
             if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", target):  # http:, https:, mailto:, ...
                 continue
-            links.append(target.split("#", 1)[0])
+            links.append(target if keep_anchor else target.split("#", 1)[0])
     return links
+
+
+def heading_anchors(md: Path) -> set[str]:
+    """GitHub's anchors of a markdown file's headings: lower case, punctuation but '-' and '_' dropped, spaces
+    to '-' (no duplicate suffixes: the front page's targets are unique headings)."""
+    anchors, in_code = set(), False
+    for line in md.read_text(encoding="utf-8").splitlines():
+        if FENCE.match(line):
+            in_code = not in_code
+        elif not in_code and re.match(r"^#{1,6} ", line):
+            text = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", text).replace(" ", "-"))
+    return anchors
 
 
 def broken_links(md: Path) -> list[str]:
@@ -45,6 +59,17 @@ def test_readme_links_resolve():
     assert broken_links(README) == []
 
 
+def test_readme_anchors_name_headings():
+    """The front page's links into a section (file.md#section) land on a heading of that file."""
+    bad = []
+    for target in relative_links(README, keep_anchor=True):
+        path, _, anchor = target.partition("#")
+        doc = (README.parent / path) if path else README
+        if anchor and doc.suffix == ".md" and doc.is_file() and anchor not in heading_anchors(doc):
+            bad.append(target)
+    assert bad == []
+
+
 def test_links_of_linked_docs_resolve():
     docs = linked_docs(README)
     assert len(docs) >= 10, [str(d) for d in docs]  # the link table itself
@@ -57,3 +82,6 @@ def test_checker_sees_a_broken_link(tmp_path):
     (tmp_path / "there.md").write_text("ok")
     md.write_text("[a](there.md#anchor) [b](missing.md) [c](https://x.org/y.md) ![d](gone.png)\n```\n[e](no.md)\n```\n")
     assert relative_links(md) == ["there.md", "missing.md", "gone.png"]
+    assert relative_links(md, keep_anchor=True)[0] == "there.md#anchor"
+    (tmp_path / "h.md").write_text("## The demo (`make demo`)\n```\n# not a heading\n```\n### verl's own vLLM rollout\n")
+    assert heading_anchors(tmp_path / "h.md") == {"the-demo-make-demo", "verls-own-vllm-rollout"}
