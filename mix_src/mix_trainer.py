@@ -230,6 +230,25 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             self.checkpoint_manager.sleep_replicas()
             self._rollout_awake = False
 
+    def _actor_entropy(self, rows: DataProto) -> torch.Tensor:
+        """RolloutContext.entropy: (rows, response_len) per-token entropy of generated rows under the current
+        actor, by verl's old-log-prob pass (``calculate_entropy=True``), padded (repeated rows) to a multiple of the
+        world size x the log-prob micro-batch, as verl's static micro-batching requires; the
+        rollout replicas sleep first, as before stage 4 (the next ``generate`` wakes them with the weights)."""
+        from verl.protocol import pad_dataproto_to_divisor
+
+        self._sleep_rollout()
+        sub = DataProto(batch=rows.batch, non_tensor_batch=dict(rows.non_tensor_batch), meta_info=dict(rows.meta_info))
+        sub.meta_info["temperature"] = self.config.actor_rollout_ref.rollout.temperature
+        rollout, world = self.config.actor_rollout_ref.rollout, self.actor_rollout_wg.world_size
+        micro = rollout.get("log_prob_micro_batch_size_per_gpu") or (
+            (rollout.get("log_prob_micro_batch_size") or world) // world)
+        sub, _ = pad_dataproto_to_divisor(sub, world * max(int(micro), 1))  # engine_workers.py:624, utils.py:125
+        sub.meta_info["global_token_num"] = torch.sum(sub.batch["attention_mask"], dim=-1).tolist()
+        sub.meta_info["images_seqlens"] = []
+        out, _ = self._compute_old_log_prob(sub)
+        return out.batch["entropys"][: len(rows)]
+
     def _train_batches(self) -> Iterator[dict]:
         """Batches of ``data.train_batch_size`` prompts across epochs (resumes mid-epoch via the dataloader)."""
         for epoch in range(self._epoch, self.config.trainer.total_epochs):
@@ -448,6 +467,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             batch=batch, n=self.n, global_step=self.global_steps, mix=self.mix, generate=generate,
             prefix_ratios=lambda: self._prefix_ratios(gen_batch, gen_index), rng=np.random.default_rng([*seed, 1]),
             records=records, state=self._policy_state(), tokenizer=getattr(self, "tokenizer", None),
+            entropy=self._actor_entropy,
         )  # fmt: skip
         out = ROLLOUT_POLICIES.get(self.mix.rollout_policy)(ctx)
         timing.update(merge_rollout_timing(passes))  # min/max/mean keep their meaning over several passes

@@ -50,6 +50,9 @@ class RolloutContext:
     prefix_ratios() -> (B,) float array: the configured strategy's ratios for this batch (seeded from
         (seed, global_step, gen batch), as the default policy uses them; 0 for rows without a target).
     rng: a generator seeded like the ratios, for the policy's own draws.
+    entropy(rows) -> (rows, response_len) float tensor: per-token entropy of rows that ``generate`` returned,
+        under the current actor (verl's old-log-prob pass with ``calculate_entropy``); None where the trainer
+        base offers none (V1).
     """
 
     batch: Any
@@ -62,6 +65,7 @@ class RolloutContext:
     records: Optional[Callable[..., Any]] = None
     state: dict = field(default_factory=dict)
     tokenizer: Any = None
+    entropy: Optional[Callable[..., Any]] = None
 
 
 RolloutPolicy = Callable[[RolloutContext], Any]

@@ -26,6 +26,12 @@ load_plugins([str(PLUGIN)])
 ex = next(m for name, m in sys.modules.items() if name.startswith("mix_plugin_exgrpo_"))
 
 
+@pytest.fixture(autouse=True)
+def _keep_the_bound_env(monkeypatch):
+    """The plugin's check exports skip_grad_bound to this process's environment: undo it after each test."""
+    monkeypatch.setenv("MIX_EXGRPO_SKIP_GRAD_BOUND", "")
+
+
 # ---- the official code, transcribed (commit 01f4ae0) ------------------------------------------------------
 class OfficialWeightedBucketSampler:
     # experience/weighted_bucket_sampler.py, WeightedBucketSampler (verbatim but for the prints)
@@ -119,6 +125,31 @@ def official_select_best(uids, uid_exp_indices, postcal_metrics, exp_select_mode
     return best
 
 
+def official_entropy_metrics(ents, responses, pad_token_id, batch_size, fixed=False):
+    """experience/experience_helpers.py:143-146 (``exp_metric == 'ent'``): ``ents`` = the actor's per-token
+    entropies of all candidates, ``responses`` = the LAST micro-batch of BATCH_SIZE rows (``ppl_batch``, the loop
+    variable left over). fixed=True: the intended mask, the candidate's own non-pad tokens."""
+    postcal_metrics = []
+    for i in range(ents.shape[0]):
+        if fixed:
+            mask = responses[i] != pad_token_id
+        else:
+            mask = ~(responses[i % batch_size] != pad_token_id)
+        ent = ents[i][mask].mean().item()
+        postcal_metrics.append(ent)
+    return postcal_metrics
+
+
+def official_optimizer_step(module, optimizer, grad_clip, skip_grad_bound):
+    """mix_actor.py:244-256 ``_optimizer_step`` (the non-FSDP branch; no alpha optimizer)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm=grad_clip)
+    if not torch.isfinite(grad_norm) or (grad_norm > skip_grad_bound).any():
+        optimizer.zero_grad()
+    else:
+        optimizer.step()
+    return grad_norm
+
+
 def official_exgrpo_loss(old_log_prob, log_prob, advantages, eos_mask, prefix_mask, recorded_old_log_prob):
     """experience/experience_trainer_ops.py replace_recorded_old_log_probs (exp_is_correct=True: the replayed
     rows' old_log_probs become the recorded ones) + mix_core_alg.py compute_token_on_off_policy_loss with the
@@ -190,6 +221,21 @@ def test_trajectory_choice_matches_the_official_selection(seed, mode):
     assert {u: ex.choose_trajectory(per_uid[u], mode) for u in uids} == official
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_entropy_metric_is_the_official_one_with_the_padding_mask_fixed(seed):
+    """mean_entropy = the official ``exp_metric=ent`` metric with the intended mask (each candidate's own tokens);
+    the official mask (padding positions of a row of the last micro-batch) gives other numbers on the same input."""
+    g = torch.Generator().manual_seed(seed)
+    T, L, pad = 6, 10, 0
+    lengths = torch.randint(2, L, (T,), generator=g)
+    mask = torch.arange(L)[None, :] < lengths[:, None]
+    responses = torch.where(mask, torch.randint(1, 50, (T, L), generator=g), torch.full((T, L), pad))
+    ents = torch.rand(T, L, generator=g) * 3
+    ours = ex.mean_entropy(ents, mask).tolist()
+    assert ours == pytest.approx(official_entropy_metrics(ents, responses, pad, T, fixed=True), rel=1e-6)
+    assert ours != pytest.approx(official_entropy_metrics(ents, responses, pad, T), rel=1e-3)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_loss_with_recorded_log_probs_matches_the_official_loss(seed):
     """Replayed rows (all prefix tokens) weighed by w = exp(l - l_recorded), shaped w/(w+0.1); on-policy rows
@@ -222,6 +268,39 @@ def test_loss_with_recorded_log_probs_matches_the_official_loss(seed):
 
 
 # ---- config ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("scale", [1e-3, 10.0, 1e4, float("nan")])
+def test_skip_grad_bound_matches_the_official_optimizer_step(scale, monkeypatch):
+    """verl 0.9.1's FSDPEngine.optimizer_step (its own code, on a plain module: the torch clip branch) wrapped by
+    the plugin with skip_grad_bound=500 leaves the parameters, optimiser state and gradients as the official
+    ``_optimizer_step`` does: a step below the bound, none above it or at a non-finite norm."""
+    from types import SimpleNamespace
+
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    assert getattr(FSDPEngine.optimizer_step, "_mix_exgrpo", False)  # the plugin wrapped verl's class
+    monkeypatch.setenv(ex.SKIP_GRAD_BOUND_ENV, "500.0")
+    ours, official = (torch.nn.Linear(4, 3) for _ in range(2))
+    official.load_state_dict(ours.state_dict())
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.01) for m in (ours, official)]
+    torch.optim.lr_scheduler.LambdaLR(opts[0], lambda _: 1.0)  # wraps opts[0].step as an instance attribute
+    scheduled_step = opts[0].step
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
+    for _ in range(2):  # twice: the second step sees the first one's optimiser state
+        for m, o in zip((ours, official), opts):
+            o.zero_grad()
+            (m(x).sum() * scale).backward()
+        engine = SimpleNamespace(module=ours, optimizer=opts[0], optimizer_config=SimpleNamespace(clip_grad=1.0),
+                                 scaler=None, _qat_enabled=False)
+        got = FSDPEngine.optimizer_step(engine)
+        want = official_optimizer_step(official, opts[1], 1.0, 500)
+        assert got == pytest.approx(float(want), nan_ok=True)
+        for a, b in zip(ours.parameters(), official.parameters()):
+            torch.testing.assert_close(a, b, equal_nan=True)
+            torch.testing.assert_close(a.grad, b.grad, equal_nan=True)
+        assert len(opts[0].state) == len(opts[1].state) and opts[0].step is scheduled_step
+    assert ex.skip_step(600.0, 500) and not ex.skip_step(600.0, None) and ex.skip_step(float("inf"), None)
+
+
 def recipe_config(*overrides):
     """compare.yaml's settings on a minimal config, as check_selected_entries sees the composed one."""
     base = OmegaConf.load(ROOT / "recipes" / "exgrpo" / "compare.yaml")
@@ -235,7 +314,19 @@ def recipe_config(*overrides):
 
 def test_config_checks_refuse_before_ray():
     check_selected_entries(recipe_config())
-    check_selected_entries(recipe_config("trainer.use_v1=true"))  # both bases (V1: mix_src/rollout_policy_v1.py)
+    check_selected_entries(recipe_config("trainer.use_v1=true", "+mix.plugin_options.exgrpo.trajectory_metric="
+                                         "recorded_nll"))  # both bases (V1: mix_src/rollout_policy_v1.py)
+    with pytest.raises(EntryConfigError, match="trajectory_metric=recorded_nll there"):
+        check_selected_entries(recipe_config("trainer.use_v1=true"))
+    with pytest.raises(EntryConfigError, match="trajectory_metric='ppl'"):
+        check_selected_entries(recipe_config("+mix.plugin_options.exgrpo.trajectory_metric=ppl"))
+    with pytest.raises(EntryConfigError, match="skip_grad_bound=-1"):
+        check_selected_entries(recipe_config("+mix.plugin_options.exgrpo.skip_grad_bound=-1"))
+    with pytest.raises(EntryConfigError, match="strategy='megatron'"):
+        check_selected_entries(recipe_config("+actor_rollout_ref.actor.strategy=megatron"))
+    cfg = recipe_config("+mix.plugin_options.exgrpo.skip_grad_bound=7")
+    check_selected_entries(cfg)  # exported to the workers' environment
+    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars[ex.SKIP_GRAD_BOUND_ENV] == "7.0"
     with pytest.raises(EntryConfigError, match="off_policy_behaviour=stored_log_prob"):
         check_selected_entries(recipe_config("mix.loss.off_policy_behaviour=null"))
     with pytest.raises(EntryConfigError, match="calculate_log_probs=true"):
@@ -271,7 +362,8 @@ def test_compare_entry_composes_on_the_toy_task():
 N = 4
 
 
-BASES = {"legacy": [], "v1": ["trainer.use_v1=true", "trainer.v1.trainer_mode=sync"]}
+BASES = {"legacy": [], "v1": ["trainer.use_v1=true", "trainer.v1.trainer_mode=sync",
+                              "++mix.plugin_options.exgrpo.trajectory_metric=recorded_nll"]}  # no actor entropy on V1
 
 
 @pytest.mark.ray
@@ -326,7 +418,7 @@ class _Tok:
         return " ".join(str(i) for i in ids)
 
 
-def _fake_ctx(step, state, prompt_ids, solved_fn, mix, n=N, L=6, P=3):
+def _fake_ctx(step, state, prompt_ids, solved_fn, mix, n=N, L=6, P=3, entropy=None):
     """A RolloutContext whose generate makes rows like the trainer's: prompts (P, 3) prompt ids, responses of
     random ids ending in EOS (on-policy) or the target's ids + EOS (ratio 1.0), rollout_log_probs, acc."""
     from verl import DataProto
@@ -376,7 +468,8 @@ def _fake_ctx(step, state, prompt_ids, solved_fn, mix, n=N, L=6, P=3):
         return batch[np.asarray(rows)]
 
     ctx = RolloutContext(batch=batch, n=n, global_step=step, mix=mix, generate=generate, prefix_ratios=None,
-                         rng=np.random.default_rng(step), records=records, state=state, tokenizer=_Tok())
+                         rng=np.random.default_rng(step), records=records, state=state, tokenizer=_Tok(),
+                         entropy=entropy)
     return ctx, calls
 
 
@@ -388,7 +481,8 @@ def test_rollout_policy_records_replays_and_survives_a_pickle():
     import pickle
 
     mix = mix_config_from_dict({"rollout_policy": "exgrpo", "loss": {"off_policy_behaviour": "stored_log_prob"},
-                                "plugin_options": {"exgrpo": {"start_solved_ratio": -1}}})
+                                "plugin_options": {"exgrpo": {"start_solved_ratio": -1,
+                                                              "trajectory_metric": "recorded_nll"}}})
     # prompt 0: samples of even length pass (mixed groups); prompt 1: never; prompt 2: always (retired)
     solved_fn = lambda p, ids: (len(ids) % 2 == 0) if p == 0 else (p == 2)  # noqa: E731
     state: dict = {}
@@ -437,3 +531,60 @@ def test_rollout_policy_clips_the_warm_up():
     assert ROLLOUT(ctx).batch[REMOVE_CLIP].tolist() == [0.0] * 3 * N and state["exgrpo"]["mixed"]
     ctx, _ = _fake_ctx(3, state, [0, 1, 2], lambda p, ids: True, mix)
     assert ROLLOUT(ctx).batch[REMOVE_CLIP].tolist() == [1.0] * 3 * N
+
+
+def _fake_entropy(rows):
+    """Per-token entropies of scored rows, a function of the tokens (so the choice depends on the trajectory)."""
+    return torch.sin(rows.batch["responses"].float() * 1.7 + torch.arange(rows.batch["responses"].shape[-1])) + 1.5
+
+
+def test_rollout_policy_replays_the_lowest_current_entropy_trajectory():
+    """trajectory_metric=entropy (the default, official exp_metric=ent): the drawn prompt's stored trajectories
+    are turned into ratio-1.0 rows by one extra generate pass and scored by ctx.entropy; the replayed one is the
+    official select_best_experiences over the official metric with the padding mask fixed (its own tokens)."""
+    mix = mix_config_from_dict({"rollout_policy": "exgrpo", "loss": {"off_policy_behaviour": "stored_log_prob"},
+                                "plugin_options": {"exgrpo": {"start_solved_ratio": -1}}})
+    solved_fn = lambda p, ids: p == 0 and len(ids) >= 3  # noqa: E731
+    state: dict = {}
+    for step in range(1, 40):  # a step whose prompt 0 records >= 2 trajectories that differ in entropy
+        state = {}
+        ctx, _ = _fake_ctx(step, state, [0, 1, 1], solved_fn, mix, entropy=_fake_entropy)
+        ex_out = ROLLOUT(ctx)
+        pool = state["exgrpo"]["pool"]
+        if pool and len(next(iter(pool.values()))["trajs"]) >= 2:
+            break
+    else:
+        pytest.skip("the fake draws gave no prompt with two trajectories")
+    (entry,) = pool.values()
+    trajs = entry["trajs"]
+    scored = []
+    ctx, calls = _fake_ctx(100, state, [1, 1, 1], solved_fn, mix, entropy=lambda rows: scored.append(rows) or
+                           _fake_entropy(rows))
+    out = ROLLOUT(ctx)
+    assert [len(c[0]) for c in calls] == [2 * N, len(trajs), N]  # kept prompts, the candidates, the replay
+    assert calls[1][1].tolist() == [1.0] * len(trajs) and len(scored) == 1
+    rows = scored[0]
+    pad = -1
+    responses = torch.where(rows.batch["response_mask"].bool(), rows.batch["responses"], torch.tensor(pad))
+    metrics = official_entropy_metrics(_fake_entropy(rows), responses, pad, len(rows), fixed=True)
+    best = official_select_best([0], {0: (0, len(trajs))}, metrics, "argmin")[0]
+    pm = out.batch["prefix_mask"][2 * N]
+    assert out.batch["responses"][2 * N][pm].tolist() == trajs[best]["ids"].tolist()
+    assert ex_out is not None
+
+
+def test_warm_up_retires_prompts_solved_by_every_sample():
+    """Official fit (mix_trainer_experience.py:370-388) adds a prompt solved n/n to skip_uid_set on every step,
+    the warm-up included: such a prompt is never recorded once the run is mixed."""
+    mix = mix_config_from_dict({"rollout_policy": "exgrpo", "loss": {"off_policy_behaviour": "stored_log_prob"}})
+    state: dict = {}
+    ctx, _ = _fake_ctx(1, state, [0, 1, 2], lambda p, ids: p == 0, mix)  # warm-up: 1/3 solved <= 0.35
+    ROLLOUT(ctx)
+    buf = state["exgrpo"]
+    assert not buf["mixed"] and len(buf["retired"]) == 1
+    ctx, _ = _fake_ctx(2, state, [0, 1, 2], lambda p, ids: p in (0, 1), mix)  # 2/3 solved: switches
+    ROLLOUT(ctx)
+    assert buf["mixed"] and len(buf["retired"]) == 2
+    ctx, _ = _fake_ctx(3, state, [0, 1, 2], lambda p, ids: len(ids) % 2 == 0, mix)  # mixed groups everywhere
+    ROLLOUT(ctx)
+    assert not set(buf["pool"]) & buf["retired"]  # the retired prompts 0 and 1 recorded nothing

@@ -15,12 +15,18 @@ Per generation batch (P prompts x n samples), rollout policy ``exgrpo``:
 2. when mixed and the buffer holds prompts: ``n_exp = min(int(P * experience_ratio), #prompts in buffer)``
    prompts are drawn from the buffer's buckets (bucket k = the prompt's latest solved count; weight
    N(k; n/2, 1), "normal"), without replacement inside a bucket; for each, the stored trajectory of lowest
-   metric (argmin) is chosen, and the prompt's group = that trajectory (row 0, an off-policy row whose
+   mean token entropy under the current actor is chosen (``trajectory_metric=entropy``: one extra ratio-1.0
+   generate pass over the candidates, scored by ``ctx.entropy``, verl's old-log-prob pass; or
+   ``recorded_nll``), and the prompt's group = that trajectory (row 0, an off-policy row whose
    tokens are all ``prefix_mask``) + n-1 fresh samples. These groups replace the batch's last n_exp groups
    (the official collate function keeps the first P - n_exp prompts of the batch, too);
 3. when mixed, every group with 0 < k <= rbound (official 0 < k <= 7 of 8) records its solved on-policy
    samples (token ids, the rollout's log-probs = the behaviour policy's, mean token NLL), deduplicated,
-   and moves its prompt to bucket k; a group solved n/n is retired (removed, never recorded again).
+   and moves its prompt to bucket k; a group solved n/n is retired (removed, never recorded again), on
+   warm-up steps too.
+
+``skip_grad_bound`` (official 500): an optimiser step whose gradient norm before clipping exceeds it is skipped
+(verl 0.9.1's ``FSDPEngine.optimizer_step`` wrapped in each process that loads this plugin, :func:`_patch_engine`).
 
 The replayed rows carry their recorded log-probs in ``behaviour_log_prob``; with
 ``mix.loss.off_policy_behaviour=stored_log_prob`` the core loss shapes them as f(w) = w / (w + 0.1),
@@ -35,21 +41,24 @@ mix.loss.off_policy_behaviour=stored_log_prob``. Every difference from the offic
 from __future__ import annotations
 
 import hashlib
+import math
+import os
 import random
 import uuid
 from typing import Any, Sequence
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from mix_src.loss import REMOVE_CLIP
 from mix_src.off_policy_behaviour import BEHAVIOUR_LOG_PROB
-from mix_src.registry import EntryConfigError
+from mix_src.registry import EntryConfigError, trainer_base
 from mix_src.rollout_policy import RolloutContext, register_rollout_policy, solved
 
 NAME = "exgrpo"
 WEIGHTINGS = ("linear", "normal", "sqrt", "linear_clip")
+METRICS = ("entropy", "recorded_nll")
 DEFAULTS = {
     "experience_ratio": 0.5,  # official trainer.experience_ratio=0.5
     "start_solved_ratio": 0.35,  # official trainer.experience_start_sratio=0.35 (< 0: mixed from step 1)
@@ -57,7 +66,10 @@ DEFAULTS = {
     "lbound": 0,  # official trainer.experience_lbound=0: record groups with lbound < k
     "rbound": None,  # official trainer.experience_rbound=7 (n=8): ... and k <= rbound; None = n - 1
     "select_mode": "argmin",  # official trainer.exp_select_mode=argmin
+    "trajectory_metric": "entropy",  # official trainer.exp_metric=ent (under the current policy); or recorded_nll
+    "skip_grad_bound": 500.0,  # official actor.skip_grad_bound=500 (run_exgrpo.sh:99); null = take every step
 }
+SKIP_GRAD_BOUND_ENV = "MIX_EXGRPO_SKIP_GRAD_BOUND"  # carries skip_grad_bound to the actor workers (set by _check)
 
 
 def options(mix) -> dict:
@@ -120,6 +132,57 @@ def token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * m).sum(-1) / m.sum(-1).clamp(min=1)
 
 
+def mean_entropy(entropy: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Each stored trajectory's metric for ``exp_metric=ent``: its mean token entropy over its *own* response
+    tokens, (T, L), (T, L) -> (T,). The official ``calculate_metrics`` (experience_helpers.py:143-146) masks with
+    ``~(responses[i % BATCH_SIZE] != pad)``: the padding positions of a row of the last micro-batch (a bug, listed
+    in README.md); this is the intended mask ``responses[i] != pad``."""
+    return token_mean(entropy, response_mask.bool())
+
+
+def skip_step(grad_norm: float, bound) -> bool:
+    """Skip the optimiser step: a non-finite norm (verl's own rule) or one above ``bound`` (None = no bound),
+    official ``_optimizer_step`` (mix_actor.py:244-256): ``not isfinite(g) or g > skip_grad_bound``."""
+    return not math.isfinite(grad_norm) or (bound is not None and grad_norm > float(bound))
+
+
+def guarded_optimizer_step(original):
+    """verl's ``FSDPEngine.optimizer_step`` (clip, step unless the norm is non-finite; returns the norm before
+    clipping) with ExGRPO's bound: the optimiser's ``step`` is deferred until the norm is known, then taken
+    unless :func:`skip_step`; a skipped step zeroes the gradients, as the official code does. Reads the bound
+    from ``MIX_EXGRPO_SKIP_GRAD_BOUND`` (unset: verl's method unchanged)."""
+
+    def optimizer_step(self):
+        bound = os.environ.get(SKIP_GRAD_BOUND_ENV)
+        if not bound:
+            return original(self)
+        opt, calls = self.optimizer, []
+        own = opt.__dict__.get("step")  # torch's LR scheduler wraps step as an instance attribute: keep it
+        opt.step = lambda *a, **k: calls.append((a, k))
+        try:
+            grad_norm = original(self)
+        finally:
+            if own is None:
+                del opt.step
+            else:
+                opt.step = own
+        if calls and not skip_step(float(grad_norm), float(bound)):
+            opt.step(*calls[0][0], **calls[0][1])
+        elif calls:
+            print(f"WARN: exgrpo skip_grad_bound={bound}: grad_norm {float(grad_norm)} above it, step skipped")
+            opt.zero_grad()
+        return grad_norm
+
+    optimizer_step._mix_exgrpo = True
+    return optimizer_step
+
+
+def _patch_engine(module) -> None:
+    """verl 0.9.1 ``verl/workers/engine/fsdp/transformer_impl.py:788`` ``FSDPEngine.optimizer_step``."""
+    if not getattr(module.FSDPEngine.optimizer_step, "_mix_exgrpo", False):
+        module.FSDPEngine.optimizer_step = guarded_optimizer_step(module.FSDPEngine.optimizer_step)
+
+
 def choose_trajectory(metrics: Sequence[float], select_mode: str = "argmin") -> int:
     """Index of the trajectory to replay, official ``select_best_experiences`` (argmin / argmax)."""
     if select_mode == "argmin":
@@ -175,6 +238,36 @@ def _record(ctx: RolloutContext, buf: dict, out, keys: list, records_of, opts: d
             entry["trajs"].append({"ids": ids, "log_prob": lp, "metric": float(-lp.mean()) if len(lp) else 0.0})
 
 
+def _choose(ctx: RolloutContext, entries: list, opts: dict) -> list:
+    """The trajectory to replay for each drawn prompt (official ``select_best_experiences``). ``entropy``:
+    :func:`mean_entropy` of each stored trajectory under the current actor (official ``calculate_metrics``,
+    experience_helpers.py:100-146: an actor forward pass over the re-tokenised stored texts): one ratio-1.0
+    ``generate`` pass turns the candidates into rows (the stored text as the whole response), ``ctx.entropy``
+    scores them; a prompt with one trajectory needs no score. ``recorded_nll``: the NLL recorded at sampling."""
+    mode = opts["select_mode"]
+    if opts["trajectory_metric"] == "recorded_nll":
+        return [e["trajs"][choose_trajectory([t["metric"] for t in e["trajs"]], mode)] for e in entries]
+    cands = [(i, t) for i, e in enumerate(entries) if len(e["trajs"]) > 1 for t in e["trajs"]]
+    metrics: dict = {}
+    if cands:
+        if ctx.entropy is None:
+            raise RuntimeError(f"mix.plugin_options.{NAME}.trajectory_metric=entropy needs the actor's entropy "
+                               "(RolloutContext.entropy), which this trainer base does not offer; use recorded_nll")
+        from verl import DataProto
+
+        recs = []
+        for i, _ in cands:
+            rec = entries[i]["record"][np.arange(1)]
+            rec.non_tensor_batch["uid"] = np.array([f"exgrpo-{uuid.uuid4()}"], dtype=object)
+            recs.append(rec)
+        rows = ctx.generate(np.ones(len(cands)), targets=[_target_text(ctx.tokenizer, t["ids"]) for _, t in cands],
+                            prompts=DataProto.concat(recs))
+        ent = mean_entropy(ctx.entropy(rows), rows.batch["response_mask"])
+        for (i, _), value in zip(cands, ent.tolist()):
+            metrics.setdefault(i, []).append(value)
+    return [e["trajs"][choose_trajectory(metrics[i], mode) if i in metrics else 0] for i, e in enumerate(entries)]
+
+
 def _target_text(tokenizer, ids: torch.Tensor) -> str:
     """The stored ids as the target string the agent loop re-tokenises (it appends EOS itself)."""
     ids = ids.tolist()
@@ -216,6 +309,16 @@ def warmup_remove_clip(mixed: bool, loss_remove_clip: bool) -> bool:
     return bool(loss_remove_clip) if mixed else False
 
 
+def _export_bound(config, bound) -> None:
+    """skip_grad_bound to the actor workers: this process's environment (inherited by a local Ray cluster) and
+    ``ray_kwargs.ray_init.runtime_env.env_vars`` (as mix_src/config/preflight.py ``export_plugins`` does)."""
+    value = "" if bound is None else repr(float(bound))
+    os.environ[SKIP_GRAD_BOUND_ENV] = value
+    with open_dict(config):
+        OmegaConf.update(config, f"ray_kwargs.ray_init.runtime_env.env_vars.{SKIP_GRAD_BOUND_ENV}", value,
+                         force_add=True)
+
+
 def _check(config) -> None:
     mix, n = config.mix, int(config.actor_rollout_ref.rollout.n)
     opts = dict((mix.get("plugin_options") or {}).get(NAME) or {})
@@ -236,12 +339,26 @@ def _check(config) -> None:
                                "batch solve rate above it; < 0 = mixed from the first step)")
     if o["bucket_weighting"] not in WEIGHTINGS:
         raise EntryConfigError(f"{p}.bucket_weighting={o['bucket_weighting']!r} is not one of {list(WEIGHTINGS)}")
+    if o["trajectory_metric"] not in METRICS:
+        raise EntryConfigError(f"{p}.trajectory_metric={o['trajectory_metric']!r} is not one of {list(METRICS)}")
+    if o["trajectory_metric"] == "entropy" and trainer_base(config) == "v1":
+        raise EntryConfigError(f"{p}.trajectory_metric=entropy scores the stored trajectories with the actor "
+                               "(RolloutContext.entropy), which the V1 trainer base (trainer.use_v1=true) does not "
+                               f"offer yet: set {p}.trajectory_metric=recorded_nll there")
     if o["select_mode"] not in ("argmin", "argmax"):
         raise EntryConfigError(f"{p}.select_mode={o['select_mode']!r} is not one of ['argmin', 'argmax']")
     rb = n - 1 if o["rbound"] is None else o["rbound"]
     if not (isinstance(o["lbound"], int) and isinstance(rb, int) and 0 <= o["lbound"] < rb <= n - 1):
         raise EntryConfigError(f"{p}: need integers 0 <= lbound < rbound <= rollout.n - 1 = {n - 1} (got lbound="
                                f"{o['lbound']!r}, rbound={o['rbound']!r})")
+    bound = o["skip_grad_bound"]
+    if bound is not None and not (isinstance(bound, (int, float)) and not isinstance(bound, bool) and bound > 0):
+        raise EntryConfigError(f"{p}.skip_grad_bound={bound!r} must be a number > 0 (official 500) or null")
+    strategy = OmegaConf.select(config, "actor_rollout_ref.actor.strategy", default="fsdp")
+    if bound is not None and strategy not in ("fsdp", "fsdp2"):
+        raise EntryConfigError(f"{p}.skip_grad_bound={bound!r} wraps verl's FSDP engine's optimizer_step, and "
+                               f"actor_rollout_ref.actor.strategy={strategy!r}: set skip_grad_bound=null")
+    _export_bound(config, bound)
     if mix.loss.get("off_policy_behaviour") != "stored_log_prob":
         raise EntryConfigError(f"mix.rollout_policy={NAME!r} replays rows with recorded log-probs for "
                                f"mix.loss.off_policy_behaviour=stored_log_prob (got "
@@ -282,10 +399,10 @@ def exgrpo(ctx: RolloutContext):
     if n_keep:
         parts.append(ctx.generate(np.zeros(n_keep * n), rows=np.arange(n_keep * n)))
     if replay_keys:
+        picks = _choose(ctx, [buf["pool"][key] for key in replay_keys], opts)
         prompts, targets, ratios = [], [], []
         for j, key in enumerate(replay_keys):
-            entry = buf["pool"][key]
-            traj = entry["trajs"][choose_trajectory([t["metric"] for t in entry["trajs"]], opts["select_mode"])]
+            entry, traj = buf["pool"][key], picks[j]
             rec = entry["record"].repeat(repeat_times=n, interleave=True)
             rec.non_tensor_batch["uid"] = np.array([f"exgrpo-{uuid.uuid4()}"] * n, dtype=object)  # unique across gen batches
             prompts.append(rec)
@@ -303,6 +420,24 @@ def exgrpo(ctx: RolloutContext):
         all_keys = [_prompt_key(out, g * n) for g in range(n_keep)] + list(replay_keys)
         records_of = lambda g: (ctx.records([g * n]) if g < n_keep else buf["pool"][all_keys[g]]["record"])  # noqa: E731
         _record(ctx, buf, out, all_keys, records_of, opts)
-    elif float(solved(out).mean()) > float(opts["start_solved_ratio"]):
-        buf["mixed"] = True  # official: switch after the step whose batch/solved exceeds the ratio
+    else:
+        _retire_solved(buf, out, [_prompt_key(out, g * n) for g in range(n_keep)], n)
+        if float(solved(out).mean()) > float(opts["start_solved_ratio"]):
+            buf["mixed"] = True  # official: switch after the step whose batch/solved exceeds the ratio
     return out
+
+
+def _retire_solved(buf: dict, out, keys: list, n: int) -> None:
+    """Warm-up steps: a prompt solved n/n is retired as on mixed steps (official ``fit``
+    mix_trainer_experience.py:370-388 runs on every step: ``skip_uid_set.add``)."""
+    ok = solved(out).reshape(-1, n)
+    for g, key in enumerate(keys):
+        if ok[g].all():
+            buf["retired"].add(key)
+
+
+# verl 0.9.1's FSDP engine, wrapped in every process that loads this plugin (the actor workers among them); the
+# wrapper is verl's method unchanged while MIX_EXGRPO_SKIP_GRAD_BOUND is empty or unset
+from mix_src.cpu import after_import  # noqa: E402
+
+after_import("verl.workers.engine.fsdp.transformer_impl", _patch_engine, written_for={"verl": "0.9.1"}, required_in=())
