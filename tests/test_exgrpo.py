@@ -394,6 +394,8 @@ def test_exgrpo_plugin_trains_two_steps_and_saves_its_buffer(tiny_assets, tmp_pa
     # the replayed tokens are weighed by w = exp(l - l_recorded) ~ 1, f = w / (w + 0.1) ~ 0.91 (0.9105 on both bases,
     # commit 1e10684), not by LUFFY's w = p ~ off_policy_prob ~ 0.01 (f ~ 0.09): the recorded log-probs arrived
     assert result.metrics[1]["actor/off_ratio_mean"] > 0.5 > 10 * result.metrics[1]["actor/off_policy_prob"]
+    if base == "legacy":  # trajectory_metric=entropy: the actor scored the stored candidates (two+ per prompt here)
+        assert "[exgrpo] step 2: scored" in result.log_path.read_text(errors="replace"), result.log_tail()
     state = torch.load(ckpt / "global_step_2" / "mix_state.pt", weights_only=False)
     buf = state["rollout_policy"]["exgrpo"]
     assert buf["mixed"] and len(buf["pool"]) >= 1

@@ -263,6 +263,8 @@ def _choose(ctx: RolloutContext, entries: list, opts: dict) -> list:
         rows = ctx.generate(np.ones(len(cands)), targets=[_target_text(ctx.tokenizer, t["ids"]) for _, t in cands],
                             prompts=DataProto.concat(recs))
         ent = mean_entropy(ctx.entropy(rows), rows.batch["response_mask"])
+        print(f"[exgrpo] step {ctx.global_step}: scored {len(cands)} stored trajectories of "
+              f"{len({i for i, _ in cands})} prompts by their entropy under the current actor")
         for (i, _), value in zip(cands, ent.tolist()):
             metrics.setdefault(i, []).append(value)
     return [e["trajs"][choose_trajectory(metrics[i], mode) if i in metrics else 0] for i, e in enumerate(entries)]
