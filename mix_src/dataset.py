@@ -15,7 +15,9 @@ the row to the agent loop (which tokenises it, appends EOS and cuts the prefix):
 * ``mix.data.sample_target_ratio``: each row keeps its target with this probability, drawn once per row
   from a generator seeded with ``data.seed`` (reproducible; LUFFY drew again at every access);
 * a target longer than ``mix.data.max_target_length`` tokens drops its row (counted), or is truncated to
-  that length when ``mix.data.truncate_targets=true`` (also counted). Never silently.
+  that length when ``mix.data.truncate_targets=true`` (also counted). Never silently. A multi-turn expert
+  episode (the tool loop's JSON target, :func:`~mix_src.config.data_check.is_episode`) is measured by the
+  tool loop instead.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from verl.utils.dataset.rl_dataset import RLHFDataset
 # agent loop here registers "prefix_guided" in that process, on every node, wherever mix_src is installed.
 from mix_src import agent_loop  # noqa: F401
 from mix_src import agent_loop_tools  # noqa: F401  (registers prefix_guided_tool, the multi-turn tool loop)
-from mix_src.config.data_check import normalize_target, row_problem  # noqa: F401 (normalize_target re-exported)
+from mix_src.config.data_check import is_episode, normalize_target, row_problem  # noqa: F401 (normalize_target re-exported)
 from mix_src.mix_config import DataConfig
 
 logger = logging.getLogger(__name__)
@@ -121,7 +123,7 @@ class RLHFDatasetWithTarget(RLHFDataset):
 
         # length check under the policy's tokenizer
         max_len = self.target_cfg.target_limit(self.config.get("max_response_length"))  # default: response - 1
-        idx = [i for i, t in enumerate(texts) if t is not None]
+        idx = [i for i, t in enumerate(texts) if t is not None and not is_episode(t)]  # episodes: the tool loop's
         enc = {"input_ids": [], "offset_mapping": []}  # no target left (sample_target_ratio=0, all null): on-policy only
         if idx:
             enc = self.tokenizer([texts[i] for i in idx], add_special_tokens=False,

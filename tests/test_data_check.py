@@ -174,6 +174,10 @@ def test_targets_over_the_cap_leave_the_usable_rows_before_ray(tiny_assets, tmp_
     assert "6 rows have a target longer than mix.data.max_target_length=16 tokens (first: row 0)" in out
     with pytest.raises(MixConfigError, match=r"2 usable rows.*fewer than data.train_batch_size=4"):
         check_data(_config(tiny_assets, path, "mix.data.max_target_length=16", batch_size=4))
+    # a multi-turn expert episode (the tool loop's JSON target) is the tool loop's to measure: not counted
+    episode = json.dumps([{"role": "assistant", "content": "7" * 40}, {"role": "tool", "content": "1"}])
+    path_ep = _write(tmp_path / "episodes.parquet", [_row(i, target=episode) for i in range(4)])
+    check_data(_config(tiny_assets, path_ep, "mix.data.max_target_length=16", batch_size=4))
     # truncated instead of dropped, or a short cap's bytes bound: nothing counted
     check_data(_config(tiny_assets, path, "mix.data.max_target_length=16", "mix.data.truncate_targets=true", batch_size=8))
     check_data(_config(tiny_assets, path, "mix.data.max_target_length=64", batch_size=8))

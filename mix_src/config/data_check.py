@@ -71,6 +71,20 @@ def normalize_target(value: Any) -> Optional[str]:
     return value
 
 
+def is_episode(text: Optional[str]) -> bool:
+    """A multi-turn expert episode (the tool loop's target: a JSON list of ``{role, content}`` messages,
+    mix_src/agent_loop_tools.py ``parse_episode``). Its length is the tool loop's to measure (its assistant and tool
+    tokens as the loop lays them out; recipes/toy_calculator/prepare.py drops longer ones), not the JSON text's, so
+    the ``mix.data.max_target_length`` rule skips it."""
+    if not text or not text.lstrip().startswith("["):
+        return False
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
 def prompt_problem(prompt) -> Optional[str]:
     """Why a prompt is not a non-empty chat list of ``{role: str, content: str}`` messages, or ``None``."""
     prompt = _as_list(prompt)
@@ -264,7 +278,8 @@ def check_target_lengths(config: DictConfig, key: str, report: FileReport) -> se
     if cap is None or bool(target_cfg.get("truncate_targets", False)):
         return set()
     cap = int(cap)
-    longer = [j for j, t in enumerate(report.targets) if t and len(t.encode("utf-8")) > cap]  # may not fit
+    longer = [j for j, t in enumerate(report.targets)  # may not fit (a token covers at least one byte)
+              if t and len(t.encode("utf-8")) > cap and not is_episode(t)]
     if not longer:
         return set()
     exact = len(longer) <= EXACT_TARGETS
@@ -285,7 +300,8 @@ def check_target_lengths(config: DictConfig, key: str, report: FileReport) -> se
               f"mix.data.max_target_length={cap} tokens (first: row {over[0]}); the dataset drops them at load "
               "(mix.data.truncate_targets=true cuts them instead)", flush=True)
         return set(over) if ratio >= 1.0 else set()
-    share = len(over) / len(longer) * sum(1 for t in report.targets if t and len(t.encode("utf-8")) > cap)
+    share = len(over) / len(longer) * sum(1 for t in report.targets
+                                          if t and len(t.encode("utf-8")) > cap and not is_episode(t))
     print(f"[mix_src.data_check] {key} {report.path}: about {share:.0f} rows have a target longer than "
           f"mix.data.max_target_length={cap} tokens (estimated from {len(longer)} sampled); the dataset drops "
           "and counts them at load", flush=True)
