@@ -156,22 +156,41 @@ def read_columns(path: str, columns: Iterable[str], key: str) -> tuple[dict[str,
     return _read_json(path, columns, key)
 
 
-def _read_json(path: str, columns: Iterable[str], key: str) -> tuple[dict[str, list], dict[str, str]]:
+class JsonLinesError(ValueError):
+    """A file :func:`json_records` could not read: ``line`` is the JSONL line (1-based), or None when the file is
+    one JSON array (``error.lineno`` is then where it broke); ``error`` is json's own exception."""
+
+    def __init__(self, line: Optional[int], error: json.JSONDecodeError):
+        super().__init__(error.msg)
+        self.line, self.error = line, error
+
+
+def json_records(path: str) -> list:
+    """The records of a JSON array or JSON-lines file, values as written (no type inference), the way verl's
+    dataset reads ``.json``/``.jsonl``; raises :class:`JsonLinesError` naming the broken line."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
+    if text.lstrip()[:1] == "[":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise JsonLinesError(None, e) from e
+    records = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise JsonLinesError(n, e) from e
+    return records
+
+
+def _read_json(path: str, columns: Iterable[str], key: str) -> tuple[dict[str, list], dict[str, str]]:
     try:
-        if text.lstrip()[:1] == "[":
-            records = json.loads(text)
-        else:
-            records = []
-            for n, line in enumerate(text.splitlines(), 1):
-                if line.strip():
-                    try:
-                        records.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise _refuse(path, key, f"line {n} is not JSON ({e.msg})") from e
-    except json.JSONDecodeError as e:
-        raise _refuse(path, key, f"is not JSON ({e.msg}, line {e.lineno})") from e
+        records = json_records(path)
+    except JsonLinesError as e:
+        what = f"line {e.line} is not JSON ({e.error.msg})" if e.line else f"is not JSON ({e.error.msg}, line {e.error.lineno})"
+        raise _refuse(path, key, what) from e
     if not all(isinstance(r, dict) for r in records):
         raise _refuse(path, key, "holds something other than one JSON object per row")
     names = list(dict.fromkeys(k for r in records for k in r))

@@ -133,26 +133,17 @@ def _arrow_to_pandas(table):
 def read_json_rows(path: str):
     """A JSON array or one JSON object per line, values as written (no dtype inference: '0012' and
     12345678901234567890 stay as they are); a malformed line is named by file and line number."""
-    import json
-
     import pandas as pd
 
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if text.lstrip()[:1] == "[":
-        try:
-            records = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise SystemExit(f"error: {path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
-    else:
-        records = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise SystemExit(f"error: {path}: line {n} is not valid JSON ({exc.msg}); fix or delete "
-                                     "that line") from exc
+    from mix_src.config.data_check import JsonLinesError, json_records
+
+    try:
+        records = json_records(path)
+    except JsonLinesError as exc:
+        if exc.line is None:
+            raise SystemExit(f"error: {path}: not valid JSON ({exc.error.msg} at line {exc.error.lineno})") from exc
+        raise SystemExit(f"error: {path}: line {exc.line} is not valid JSON ({exc.error.msg}); fix or delete "
+                         "that line") from exc
     bad = next((i for i, r in enumerate(records) if not isinstance(r, dict)), None)
     if bad is not None:
         raise SystemExit(f"error: {path}: row {bad} is not a JSON object")
