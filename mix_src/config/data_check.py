@@ -297,15 +297,16 @@ def check_target_lengths(config: DictConfig, key: str, report: FileReport) -> se
     if cap is None or bool(target_cfg.get("truncate_targets", False)):
         return set()
     cap = int(cap)
-    longer = [j for j, t in enumerate(report.targets)  # may not fit (a token covers at least one byte)
-              if t and len(t.encode("utf-8")) > cap and not is_episode(t)]
-    if not longer:
+    candidates = [j for j, t in enumerate(report.targets)  # may not fit (a token covers at least one byte)
+                  if t and len(t.encode("utf-8")) > cap and not is_episode(t)]
+    if not candidates:
         return set()
-    exact = len(longer) <= EXACT_TARGETS
+    exact = len(candidates) <= EXACT_TARGETS
+    longer = candidates
     if not exact:
         import random
 
-        longer = random.Random(0).sample(longer, SAMPLED_TARGETS)
+        longer = random.Random(0).sample(candidates, SAMPLED_TARGETS)
     model = config.actor_rollout_ref.model
     tok = _tokenizer(os.path.expanduser(str(model.get("tokenizer_path") or model.path)),
                      bool(model.get("trust_remote_code", False)))
@@ -319,8 +320,7 @@ def check_target_lengths(config: DictConfig, key: str, report: FileReport) -> se
               f"mix.data.max_target_length={cap} tokens (first: row {over[0]}); the dataset drops them at load "
               "(mix.data.truncate_targets=true cuts them instead)", flush=True)
         return set(over) if ratio >= 1.0 else set()
-    share = len(over) / len(longer) * sum(1 for t in report.targets
-                                          if t and len(t.encode("utf-8")) > cap and not is_episode(t))
+    share = len(over) / len(longer) * len(candidates)
     print(f"[mix_src.data_check] {key} {report.path}: about {share:.0f} rows have a target longer than "
           f"mix.data.max_target_length={cap} tokens (estimated from {len(longer)} sampled); the dataset drops "
           "and counts them at load", flush=True)
