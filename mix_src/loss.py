@@ -19,10 +19,10 @@ Policy loss (from `mix.loss`):
                             With actor.policy_loss.loss_mode other than vanilla, verl's registered loss of that
                             name takes the on-policy tokens instead of PPO-clip (mix_src/onpolicy_losses.py: how
                             the two terms add up, sequence-level losses, which LUFFY knobs apply).
-    use_sft_multitask_loss  PPO-clip on the on-policy rows + sft_loss_coef * NLL of the prefix tokens;
-                            the NLL is aggregated exactly like the policy loss (same mode, same global
-                            normalisation), so the two terms share one scale (the original divides them
-                            differently) and the sum stays micro-batch invariant.
+    use_sft_multitask_loss  PPO-clip on the on-policy rows + sft_loss_coef * NLL of the prefix tokens,
+                            aggregated by mix.loss.sft_loss_agg (mix_src/row_loss.py SFT_AGGS): by default exactly
+                            like the policy loss (policy_loss_agg: one scale, micro-batch invariant); the
+                            original's per-micro-batch token mean is micro_batch_token_mean.
     off_policy_behaviour    the prefix tokens' shaping takes w = exp(l - l_b) with recorded behaviour log-probs
                             l_b (mix_src/off_policy_behaviour.py, e.g. ExGRPO's replayed samples) instead of p.
     row_loss                a per-row choice (mix_src/row_loss.py): the rows a rollout policy marked with
@@ -323,7 +323,7 @@ class MixPolicyLoss:
                 on_policy_reshape_pow_exp=mix.on_policy_reshape_pow_exp, **common,
             )  # fmt: skip
             out["off_policy_prob"] = masked_mean(log_prob.detach().exp(), prefix_mask)
-            sft_loss = agg_loss(-log_prob, prefix_mask, self.loss_agg_mode, **info)
+            sft_loss = SFT_AGGS.get(mix.sft_loss_agg)(log_prob, prefix_mask, self._sft_scale(data, info))
             pg_loss = out["pg_loss"] + mix.sft_loss_coef * sft_loss
             metrics["actor/sft_loss"] = Metric(value=sft_loss, aggregation=total_agg)
             metrics["actor/sft_nll"] = Metric(value=masked_mean(-log_prob.detach(), prefix_mask),
@@ -431,7 +431,12 @@ class MixPolicyLoss:
         micro_rows = tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=None)
         if not tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True) and micro_rows and info["global_batch_size"]:
             grad_accum = max(float(info["global_batch_size"]) / info["dp_size"] / float(micro_rows), 1.0)
-        return SftScale(self._sft_tokens(data), int(info["dp_size"]), grad_accum)
+        sft_tokens = self._sft_tokens(data) if SFT_TOKENS in data.keys() else None
+
+        def policy_agg(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return agg_loss(values, mask, self.loss_agg_mode, **info)
+
+        return SftScale(sft_tokens, int(info["dp_size"]), grad_accum, policy_agg)
 
     def _combined_policy_loss(self, data, batch, log_prob, response_mask, prefix_mask, info, common, metrics):
         """``mix.loss.combine``: PPO-clip on the on-policy rows, then the registered combination (its module

@@ -169,7 +169,7 @@ def translate_overrides(overrides: Sequence[str], log: Callable[[str], None] = p
                 f"with plain PPO, which mix_src does not do; use {A}use_sft_multitask_loss=True (SFT on prefix tokens) or "
                 "keep use_off_policy_loss=True (the shaped off-policy loss)"
             )
-    return _official_loss_scale(_fit_target_cap(out, log), log)
+    return _official_sft_agg(_official_loss_scale(_fit_target_cap(out, log), log), log)
 
 
 def _fit_target_cap(out: list[str], log: Callable[[str], None]) -> list[str]:
@@ -203,3 +203,14 @@ def _official_loss_scale(out: list[str], log: Callable[[str], None]) -> list[str
     log(f"[mix_src] LUFFY loss scale: loss_remove_token_mean divided each of {int(gpus) * int(nodes)} GPUs' token sum by "
         f"{width}, averaged over GPUs -> {A}loss_scale_factor={scale}")
     return [*out, f"{A}loss_scale_factor={scale}"]
+
+
+def _official_sft_agg(out: list[str], log: Callable[[str], None]) -> list[str]:
+    """LUFFY's ``use_sft_multitask_loss`` took the NLL's token mean per micro-batch (mix_actor.py:112-142,
+    mix_core_alg.py:7-10), summed over micro-batches and averaged over GPUs: ``mix.loss.sft_loss_agg`` =
+    micro_batch_token_mean (unless set already; mix_src's default aggregates it like the policy loss)."""
+    values = {key: value.strip().lower() for _, key, value in map(_split, out) if value is not None}
+    if values.get("mix.loss.use_sft_multitask_loss") != "true" or "mix.loss.sft_loss_agg" in values:
+        return out
+    log("[mix_src] LUFFY SFT term: a token mean per micro-batch -> mix.loss.sft_loss_agg=micro_batch_token_mean")
+    return [*out, "mix.loss.sft_loss_agg=micro_batch_token_mean"]

@@ -103,7 +103,8 @@ class LossConfig:
     combine_args: dict = field(default_factory=dict)  # its settings, checked by the entry
     sft_loss_coef: float = 1.0
     row_loss: Optional[str] = None  # a per-row SFT / policy-loss choice (mix_src/row_loss.py); None = off
-    sft_loss_agg: str = "global_token_mean"  # the row loss's SFT aggregation (mix_src/row_loss.py SFT_AGGS)
+    sft_loss_agg: Optional[str] = None  # the SFT term's aggregation (mix_src/row_loss.py SFT_AGGS); None: the
+    # row loss's global_token_mean, use_sft_multitask_loss's policy_loss_agg
     off_policy_behaviour: Optional[str] = None  # recorded behaviour log-probs of prefix tokens (mix_src/off_policy_behaviour.py); None = LUFFY
     use_adaptive_entropy: bool = False  # learn the entropy coefficient (starts at actor.entropy_coeff)
     adaptive_entropy_fixed: bool = False  # c = entropy_coeff * target_entropy / H (no learning)
@@ -112,6 +113,22 @@ class LossConfig:
     entropy_coeff_max: Optional[float] = None  # cap of the learned coefficient
     prefix_token_select: Optional[str] = None  # which prefix tokens keep their advantage: a name in mix_src.prefix_select
     prefix_token_select_ratio: float = 0.0  # the selection's one number (its meaning: the entry's docstring)
+
+    def _resolve_sft_loss_agg(self, p: str) -> None:
+        """sft_loss_agg aggregates the SFT term of row_loss or use_sft_multitask_loss; None picks each one's default
+        (the row loss: global_token_mean; the multitask term: policy_loss_agg, aggregated like the policy loss)."""
+        if self.row_loss is None and not self.use_sft_multitask_loss:
+            if self.sft_loss_agg is not None:
+                raise MixConfigError(f"{p}.sft_loss_agg={self.sft_loss_agg!r} aggregates the SFT term of {p}.row_loss or "
+                                     f"{p}.use_sft_multitask_loss, and neither is on; set one or leave sft_loss_agg null")
+            return
+        if self.sft_loss_agg is None:
+            self.sft_loss_agg = "global_token_mean" if self.row_loss is not None else "policy_loss_agg"
+        if self.sft_loss_agg not in SFT_AGGS:
+            raise MixConfigError(SFT_AGGS.unknown(self.sft_loss_agg))
+        if self.use_sft_multitask_loss and self.sft_loss_agg == "global_token_mean":
+            raise MixConfigError(f"{p}.sft_loss_agg=global_token_mean counts the SFT tokens of {p}.row_loss's rows; with "
+                                 f"{p}.use_sft_multitask_loss use policy_loss_agg (the default) or micro_batch_token_mean")
 
     def __post_init__(self):
         p = "mix.loss"
@@ -151,20 +168,16 @@ class LossConfig:
             if self.use_sft_multitask_loss:
                 raise MixConfigError(f"{p}.off_policy_behaviour={self.off_policy_behaviour!r} weighs the off-policy "
                                      f"loss, which {p}.use_sft_multitask_loss replaces by SFT; pick one")
-        if self.row_loss is None and self.sft_loss_agg != "global_token_mean":
-            raise MixConfigError(f"{p}.sft_loss_agg={self.sft_loss_agg!r} aggregates the SFT rows of {p}.row_loss, "
-                                 "which is null; set a row loss or leave sft_loss_agg at global_token_mean")
         if self.row_loss is not None:
             if self.row_loss not in ROW_LOSSES:
                 raise MixConfigError(ROW_LOSSES.unknown(self.row_loss))
             if self.use_sft_multitask_loss:
                 raise MixConfigError(f"{p}.row_loss={self.row_loss!r} and {p}.use_sft_multitask_loss both choose the "
                                      "SFT rows; pick one")
-            if self.sft_loss_agg not in SFT_AGGS:
-                raise MixConfigError(SFT_AGGS.unknown(self.sft_loss_agg))
             if self.all_max_clip is not None:
                 raise MixConfigError(f"{p}.row_loss={self.row_loss!r} with {p}.all_max_clip={self.all_max_clip} is not "
                                      "supported (its kept-token mean would count the SFT rows); set it to null")
+        self._resolve_sft_loss_agg(p)
         if self.prefix_token_select is not None and self.use_sft_multitask_loss:
             raise MixConfigError(f"{p}.prefix_token_select={self.prefix_token_select!r} with {p}.use_sft_multitask_loss: "
                                  "prefix rows take the SFT term there, so the selected advantages would be ignored; pick one")

@@ -18,7 +18,10 @@ entry of :data:`ROW_LOSSES`, which says which tokens take which loss; the worker
                    added by ``mix_src.loss.add_kept_token_counts``), so the sum stays micro-batch invariant;
                    ``micro_batch_token_mean``: HPT's official weighting, the token mean of each micro-batch
                    summed over micro-batches and averaged over DP ranks (:func:`sft_micro_batch_mean`): the
-                   SFT term then weighs M times more, M = the (rank, micro-batch) pairs holding an SFT token.
+                   SFT term then weighs M times more, M = the (rank, micro-batch) pairs holding an SFT token;
+                   ``policy_loss_agg``: like the policy loss (``mix.loss.use_sft_multitask_loss``'s default, which
+                   takes these entries too, its SFT tokens being the prefix tokens; LUFFY's official RL+SFT
+                   baseline weighs them as ``micro_batch_token_mean``, recipes/rl_with_sft_loss).
 
 Signature (one for all)::
 
@@ -33,7 +36,7 @@ Torch only (no verl): the maths is tested on its own (tests/test_hpt.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -74,15 +77,19 @@ def sft_token_mean(log_prob: torch.Tensor, sft_mask: torch.Tensor, sft_tokens: f
 class SftScale:
     """The numbers an SFT aggregation may read, for one micro-batch on one DP rank.
 
-    sft_tokens: the SFT tokens of the global mini-batch (all DP ranks; ``mix_sft_tokens``);
+    sft_tokens: the SFT tokens of the global mini-batch (all DP ranks; ``mix_sft_tokens``; None where the batch
+    has no such count: only a row loss's rows are counted);
     dp_size: the data-parallel size (FSDP averages the ranks' gradients);
     grad_accum: the official code's gradient-accumulation divisor of this micro-batch's loss
     (``ppo_mini_batch_size // ppo_micro_batch_size`` per GPU: the rank's rows / micro-batch rows with static
-    micro-batches, 1 with dynamic ones, as in the official runs where ppo_micro_batch_size = ppo_mini_batch_size)."""
+    micro-batches, 1 with dynamic ones, as in the official runs where ppo_micro_batch_size = ppo_mini_batch_size);
+    policy_agg: (values, mask) -> scalar, the policy loss's own aggregation (loss_agg_mode with the global batch
+    numbers), or None."""
 
-    sft_tokens: float
+    sft_tokens: Optional[float]
     dp_size: int
     grad_accum: float = 1.0
+    policy_agg: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
 
 
 SftAgg = Callable[[torch.Tensor, torch.Tensor, SftScale], torch.Tensor]
@@ -92,7 +99,19 @@ SFT_AGGS: Registry[SftAgg] = Registry("SFT aggregation", "mix.loss.sft_loss_agg"
 @SFT_AGGS.register("global_token_mean", reads=("mix.loss.row_loss",))
 def _global_token_mean(log_prob: torch.Tensor, sft_mask: torch.Tensor, scale: SftScale) -> torch.Tensor:
     """The global mini-batch's token mean (:func:`sft_token_mean`): independent of the micro-batch split."""
+    if scale.sft_tokens is None:
+        raise KeyError("mix.loss.sft_loss_agg=global_token_mean needs the SFT-token count 'mix_sft_tokens' of a row "
+                       "loss (mix.loss.row_loss; mix_src.loss.add_sft_token_counts)")
     return sft_token_mean(log_prob, sft_mask, scale.sft_tokens, scale.dp_size)
+
+
+@SFT_AGGS.register("policy_loss_agg", reads=("mix.loss.loss_agg_mode", "actor_rollout_ref.actor.loss_scale_factor"))
+def _policy_loss_agg(log_prob: torch.Tensor, sft_mask: torch.Tensor, scale: SftScale) -> torch.Tensor:
+    """Aggregated exactly like the policy loss (same mode, same global normalisation: e.g. token sum / W), so the two
+    terms share one scale and the sum stays micro-batch invariant. log_prob, sft_mask: (bsz, L) -> scalar."""
+    if scale.policy_agg is None:
+        raise ValueError("mix.loss.sft_loss_agg=policy_loss_agg needs the policy loss's aggregation (SftScale.policy_agg)")
+    return scale.policy_agg(-log_prob, sft_mask)
 
 
 @SFT_AGGS.register("micro_batch_token_mean", reads=("mix.loss.row_loss", "actor_rollout_ref.actor.use_dynamic_bsz"))

@@ -150,5 +150,6 @@ def test_rl_with_sft_loss_script_keys():
     out = translate_overrides(["algorithm.adv_estimator=grpo_split", "actor_rollout_ref.rollout.n_prefix=1",
                                "actor_rollout_ref.actor.use_off_policy_loss=False",
                                "actor_rollout_ref.actor.use_sft_multitask_loss=True"], log=lines.append)  # fmt: skip
-    assert out == ["algorithm.adv_estimator=grpo_split", "mix.n_prefix=1", "mix.loss.use_sft_multitask_loss=True"]
-    assert len(lines) == 3
+    assert out == ["algorithm.adv_estimator=grpo_split", "mix.n_prefix=1", "mix.loss.use_sft_multitask_loss=True",
+                   "mix.loss.sft_loss_agg=micro_batch_token_mean"]  # the official per-micro-batch token mean
+    assert len(lines) == 4

@@ -7,6 +7,7 @@ The official losses (transcriptions reused from the per-method tests):
              loss_remove_token_mean: token sum / W per micro-batch), mix_actor.py:201-244 (minus entropy_coeff x the
              micro-batch's token-mean entropy, / gradient_accumulation; exp_scripts/train.sh: micro = mini, so 1)
   HPT        tests/test_hpt.py official_sft_branch_loss (Unify-Post-Training ae332f5, mix_actor.py:135-170, :477)
+  RL+SFT     LUFFY's "RL w/ SFT loss" baseline (recipes/rl_with_sft_loss): mix_actor.py:112-142, official_rl_sft_loss
   CHORD      tests/test_chord.py mix_chord_loss (Trinity-RFT MIXCHORDPolicyLossFn) and Trinity's actor scaling
              (trinity/trainer/verl/dp_actor.py: loss / gradient_accumulation, or x rows / ppo_mini_batch_size)
   ExGRPO     the LUFFY loss with ExGRPO's per-step loss_remove_clip (LUFFY repo ExGRPO/exgrpo/verl/verl/mix_src/
@@ -241,6 +242,59 @@ def test_hpt_equals_official_on_n_ranks(ranks, kind):
         ours.mix = dataclasses.replace(ours.mix, sft_loss_agg="global_token_mean")
         (g_global,), _ = dp_gradient([model.w], ours_micro_losses(ours, model, padded, ours_split, **run))
         assert not torch.allclose(g_global, g_off, rtol=1e-2, atol=1e-6)
+
+
+# ---- RL w/ SFT loss (LUFFY's baseline) ---------------------------------------------------------------------
+
+
+def official_rl_sft_loss(sub, log_prob, entropy, sft_loss_coef=1.0):
+    """One micro-batch of LUFFY's RL+SFT baseline (ElliottYan/LUFFY 01f4ae0, luffy/verl/verl/mix_src/mix_actor.py:112-142,
+    train_rl_sft_loss.sh): compute_sft_pure_loss (mix_core_alg.py:7-10: the token mean of -log p over the response
+    tokens of the rows holding a prefix; 0 when none) x sft_loss_coef + core_algos.compute_policy_loss
+    (trainer/ppo/core_algos.py:247-286, loss_remove_clip and loss_remove_token_mean: token sum / W) on the other rows."""
+    eos = sub["response_mask"].float()
+    off = sub["prefix_mask"].bool().any(-1)
+    sft = official_masked_mean(-log_prob[off], eos[off]) if off.any() else torch.tensor(0.0)
+    on_eos = eos[~off]
+    ratio = torch.exp(log_prob[~off] - sub["old_log_probs"][~off])
+    pg = (-sub["advantages"][~off] * ratio * on_eos).sum() / on_eos.shape[-1]
+    return sft * sft_loss_coef + pg
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+@pytest.mark.parametrize("kind", SPLITS)
+def test_rl_with_sft_loss_equals_official_on_n_ranks(ranks, kind):
+    """The rl_with_sft_loss recipe (sft_loss_agg=micro_batch_token_mean, loss_scale_factor = N x W x GA) gives the
+    official gradient on N ranks: the NLL a token mean per micro-batch, like HPT's. The policy-loss aggregation
+    (policy_loss_agg, the recipe's weighting before: token sum / W) does not."""
+    model = BigramLM(seed=1)
+    padded = random_batch(model, 4, GROUPS, GROUP, vocab=VOCAB, prompt=PROMPT, response=RESPONSE, expert_rows=(0,))
+    split, ga, micro_rows = split_of(kind, padded, ranks)
+    ours = recipe_loss("rl_with_sft_loss", loss_scale_factor=ranks * RESPONSE * ga, entropy_coeff=0.0)
+    assert ours.mix.use_sft_multitask_loss and ours.mix.sft_loss_agg == "micro_batch_token_mean"
+    run = dict(use_dynamic_bsz=kind == "dynamic", micro_rows=micro_rows, drop_entropy=True)
+    official = official_micro_losses(official_rl_sft_loss, model, padded, split, ga)
+    g_ours, g_off = assert_same_gradient(ours_micro_losses(ours, model, padded, split, **run), official, model)
+    ours.mix = dataclasses.replace(ours.mix, sft_loss_agg="policy_loss_agg")
+    (g_policy,), _ = dp_gradient([model.w], ours_micro_losses(ours, model, padded, split, **run))
+    assert not torch.allclose(g_policy, g_off, rtol=1e-2, atol=1e-6)
+
+
+def test_sft_loss_agg_defaults_and_refusals():
+    """mix.loss.sft_loss_agg: null resolves per SFT term (row loss: global_token_mean; multitask: policy_loss_agg, the
+    weighting before); set without an SFT term, or global_token_mean on the multitask term (no count), refused."""
+    from mix_src.mix_config import MixConfigError, mix_config_from_dict
+
+    loss = lambda **kw: mix_config_from_dict({"loss": kw}).loss  # noqa: E731
+    assert loss(row_loss="sft_rows").sft_loss_agg == "global_token_mean"
+    assert loss(use_sft_multitask_loss=True).sft_loss_agg == "policy_loss_agg"
+    assert loss().sft_loss_agg is None
+    with pytest.raises(MixConfigError, match="sft_loss_agg='micro_batch_token_mean' aggregates the SFT term"):
+        loss(sft_loss_agg="micro_batch_token_mean")
+    with pytest.raises(MixConfigError, match="sft_loss_agg=global_token_mean counts"):
+        loss(use_sft_multitask_loss=True, sft_loss_agg="global_token_mean")
+    with pytest.raises(MixConfigError, match="nope"):
+        loss(use_sft_multitask_loss=True, sft_loss_agg="nope")
 
 
 # ---- ExGRPO -----------------------------------------------------------------------------------------------
