@@ -72,11 +72,36 @@ def test_7b_on_one_80gb_gpu_is_refused_naming_the_term():
     run = run_shape(cfg)
     assert run.fsdp_shards == 1
     assert states_bytes(count_params(Q7), run) == 16 * 7_615_616_512  # ~122 GB: 4 + 4 + 8 B/param
-    with pytest.raises(PlannerRefusal, match=r"fp32 params \+ grads \+ AdamW states alone need 121\.8 GB") as e:
+    with pytest.raises(PlannerRefusal, match=r"optimizer step alone needs 152\.3 GB .*AdamW states are 121\.8 GB") as e:
         check_memory(cfg)
     assert isinstance(e.value, MixConfigError)  # preflight's error type: the driver stops before Ray
     for fix in ("trainer.n_gpus_per_node", "offload_policy=true", "mix.planner.check=false"):
         assert fix in str(e.value)
+
+
+def test_7b_on_one_h200_is_refused_by_the_optimizer_step():
+    """Measured on an H200 (scripts/gpu/calibrate_memory.py, mix_src/planner/README.md): a random Qwen2.5-Math-7B ran
+    out of memory at AdamW's first step with a 1024-token micro-batch (61.2 GB held after the backward; the step
+    adds 8 B/param of moments and a 4 B/param foreach temporary). Its 121.8 GB of states fit the 150.8 GB card, so
+    a states-only check let it through."""
+    n = count_params(Q7)
+    run = run_shape(paper(*ONE_GPU_7B))
+    h200 = GPUS["h200-141gb"].memory_bytes
+    assert states_bytes(n, run) < h200  # the old check's term fits
+    why = refusal(n, run, h200)
+    assert why is not None and "AdamW step temporary (foreach) 30.5 GB" in why and "at least 2 GPUs" in why
+    step = plan_memory(Q7, run, GPUS["h200-141gb"]).phases["optimizer step"]
+    assert sum(t.bytes for t in step) == 20 * 7_615_616_512
+
+
+def test_no_flash_attn_keeps_the_log_softmax_for_the_backward():
+    """Without flash-attn verl's logprobs_from_logits_v2 saves each row's log_softmax (measured: 0.5B, 32768 tokens,
+    update peak 39.3 GB, planner 41.5 GB with the term, 31.5 GB without it)."""
+    sdpa = run_shape(paper("actor_rollout_ref.model.override_config.attn_implementation=sdpa"))
+    assert not sdpa.flash_ce and run_shape(paper()).flash_ce
+    t = sdpa.train_tokens
+    assert _logit_bytes(paper("actor_rollout_ref.model.override_config.attn_implementation=sdpa"), "actor update",
+                        "log_softmax kept for backward") == 2 * t * Q7["vocab_size"]
 
 
 def test_offload_flags_as_verl_uses_them():

@@ -10,7 +10,8 @@ import os
 from typing import Any, Mapping, Optional
 
 from mix_src.planner.estimate import (CUDA_CONTEXT_BYTES, ERROR_BOUND, GB, GIB, GPUS, Gpu, MemoryPlan, RunShape,
-                                      TimePlan, count_params, plan_memory, plan_time, state_terms, states_bytes)
+                                      TimePlan, count_params, plan_memory, plan_time, state_terms, states_bytes,
+                                      step_terms, PARAM_BYTES, GRAD_BYTES, ADAM_BYTES, ADAM_STEP_TEMP_BYTES)
 from mix_src.mix_config import MixConfigError
 from mix_src.planner.presets import PRESETS
 
@@ -70,7 +71,15 @@ def run_shape(config: Mapping, steps: Optional[int] = None) -> RunShape:
         max_num_seqs=int(rollout.get("max_num_seqs", 256) or 256), prompt_len=p, response_len=r, n=n,
         n_full_target=full_target, batch_size=bs, ppo_epochs=int(actor.get("ppo_epochs", 1)),
         steps=int(total) if total else 0,
+        flash_ce=_flash_ce(config),
     )
+
+
+def _flash_ce(config: Mapping) -> bool:
+    """Whether verl takes flash-attn's cross-entropy for log-probs: flash-attn is installed (the sdpa/eager
+    override is how recipes/common.sh's NO_FLASH_ATTN=1 runs without it) and VERL_DISABLE_FLASH_ATTN_CE is not 1."""
+    attn = _get(config, "actor_rollout_ref.model.override_config.attn_implementation", None)
+    return attn in (None, "flash_attention_2") and os.environ.get("VERL_DISABLE_FLASH_ATTN_CE", "0") != "1"
 
 
 def load_model_config(path: str) -> tuple[Optional[dict], str]:
@@ -126,14 +135,17 @@ def format_plan(mem: MemoryPlan, time: Optional[TimePlan], run: RunShape, n_para
 
 
 def refusal(n_params: int, run: RunShape, gpu_bytes: int) -> Optional[str]:
-    """The refusal message when fp32 params + grads + AdamW alone exceed the GPU, else None."""
-    states = states_bytes(n_params, run)
-    if states <= gpu_bytes:
+    """The refusal message when AdamW's step alone exceeds the GPU (fp32 params + grads + moments + the foreach
+    step's fp32 temporary: 20 B/param per shard, measured on an H200, mix_src/planner/README.md), else None."""
+    terms = step_terms(n_params, run)
+    step = sum(t.bytes for t in terms)
+    if step <= gpu_bytes:
         return None
-    need = -(-16 * n_params // gpu_bytes)
-    terms = ", ".join(f"{t.name} {gb(t.bytes)}" for t in state_terms(n_params, run))
-    return (f"the actor's fp32 params + grads + AdamW states alone need {gb(states)} per GPU ({terms}: 16 B/param x "
-            f"{n_params / 1e9:.2f}B / {run.fsdp_shards} FSDP shards) > the GPU's {gb(gpu_bytes)}. Fix: shard over "
+    need = -(-(PARAM_BYTES + GRAD_BYTES + ADAM_BYTES + ADAM_STEP_TEMP_BYTES) * n_params // gpu_bytes)
+    listed = ", ".join(f"{t.name} {gb(t.bytes)}" for t in terms)
+    return (f"the actor's optimizer step alone needs {gb(step)} per GPU ({listed}: 20 B/param x "
+            f"{n_params / 1e9:.2f}B / {run.fsdp_shards} FSDP shards; fp32 params + grads + AdamW states are "
+            f"{gb(states_bytes(n_params, run))} of it) > the GPU's {gb(gpu_bytes)}. Fix: shard over "
             f"at least {need} GPUs (trainer.n_gpus_per_node / trainer.nnodes; actor_rollout_ref.actor.fsdp_config."
             "fsdp_size=-1), or keep the states on the CPU through the update (actor_rollout_ref.actor.strategy=fsdp2 "
             "actor_rollout_ref.actor.fsdp_config.offload_policy=true). fsdp_config.param_offload / optimizer_offload "

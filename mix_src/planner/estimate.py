@@ -20,6 +20,10 @@ GB = 10**9
 PARAM_BYTES = 4  # fp32 parameter
 GRAD_BYTES = 4  # fp32 gradient
 ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32 each
+# torch.optim.AdamW's step on CUDA (foreach, the default verl's FSDP engine gets) holds one fp32 temporary per
+# parameter (the denominator) on top of params, grads and moments: measured on an H200 by
+# scripts/gpu/calibrate_memory.py (1.5B: 30.95 GB peak at the step = 20.05 B/param; mix_src/planner/README.md)
+ADAM_STEP_TEMP_BYTES = 4
 # A checkpoint's extra_state (lr scheduler + RNG states) and the huggingface/ config + tokenizer files: a few MB.
 CHECKPOINT_EXTRA_BYTES = 64 * 2**20
 
@@ -68,6 +72,9 @@ class Gpu:
 GPUS: dict[str, Gpu] = {
     "a100-80gb": Gpu("A100-SXM4-80GB", 80 * GIB, 312e12, 2.039e12),
     "h100-80gb": Gpu("H100-SXM5-80GB", 80 * GIB, 989e12, 3.35e12),
+    # "NVIDIA H200 Tensor Core GPU" datasheet (SXM): 141 GB HBM3e, 4.8 TB/s; dense bf16 as the H100's. The memory is
+    # what torch.cuda.get_device_properties read on the H200 the calibration ran on: 143771 MiB
+    "h200-141gb": Gpu("H200-SXM-141GB", 143771 * 2**20, 989e12, 4.8e12),
 }
 
 
@@ -99,6 +106,9 @@ class RunShape:
     batch_size: int  # data.train_batch_size, prompts per step
     ppo_epochs: int
     steps: int  # training steps of the run
+    # verl's log-probs through flash-attn's cross-entropy (verl/utils/torch_functional.py logprobs_from_logits);
+    # without flash-attn (NO_FLASH_ATTN=1) logprobs_from_logits_v2 keeps each row's log_softmax for the backward
+    flash_ce: bool = True
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -182,8 +192,22 @@ def update_terms(shape: ModelShape, n_params: int, run: RunShape) -> list[Term]:
     terms.append(Term("activations", activation_bytes(shape, t, run.gradient_checkpointing),
                       f"{t} tokens, checkpointing={'on' if run.gradient_checkpointing else 'off'}"))
     terms.append(Term("logits + their gradient", 4 * tv, f"2 x bf16 [{t}, {shape.vocab}]"))
+    if not run.flash_ce:
+        terms.append(Term("log_softmax kept for backward", 2 * tv, "no flash-attn: logprobs_from_logits_v2"))
     if run.entropy_in_update:
         terms.append(Term("entropy (with gradient)", entropy_bytes(shape, run, t, grad=True), _entropy_basis(run)))
+    return terms
+
+
+def step_terms(n_params: int, run: RunShape) -> list[Term]:
+    """AdamW's step, per GPU: the states (logits and activations are gone by then) and the foreach step's fp32
+    temporary. Alone it decides whether a whole model fits one GPU: 7B on one H200 (150 GB) ran out of memory at
+    any micro-batch size while the update's other terms fit (mix_src/planner/README.md, calibration)."""
+    terms = state_terms(n_params, run)
+    if not run.offload_policy:
+        s = run.fsdp_shards
+        terms.append(Term("AdamW step temporary (foreach)", ADAM_STEP_TEMP_BYTES * n_params // s,
+                          f"4 B/param / {s} shards, measured"))
     return terms
 
 
@@ -277,6 +301,7 @@ def plan_memory(hf_config: Mapping, run: RunShape, gpu: Gpu) -> MemoryPlan:
         phases["ref log-prob"] = [*resident, Term("FSDP gathered bf16 weights", gather_bytes(shape, run), "ref"),
                                   Term("logits", 2 * t * shape.vocab, f"bf16 [{t}, {shape.vocab}]")]
     phases["actor update"] = update_terms(shape, n, run)
+    phases["optimizer step"] = step_terms(n, run)
     return MemoryPlan(phases=phases, kv_sequences=seqs, gpu=gpu)
 
 

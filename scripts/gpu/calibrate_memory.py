@@ -48,7 +48,8 @@ def build_model(hf: dict, device: str):
     cfg = AutoConfig.for_model(hf.get("model_type", "qwen2"), **keys)
     cfg.use_cache = False
     attn = "sdpa"
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn).to(device)
+    with torch.device(device):  # initialise on the GPU: a 7B fp32 model is 30 GB of host memory and minutes on the CPU
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn)
     model.gradient_checkpointing_enable()
     return model
 
@@ -59,8 +60,27 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - torch.sum(pd * logits, dim=-1)
 
 
-def log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def log_probs_naive(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """gather - logsumexp over the whole [T, V] at once (no row loop): the memory-hungry way."""
     return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def log_probs_verl(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """verl/utils/torch_functional.py logprobs_from_logits_v2 (verl 0.9.1), the path verl takes when flash-attn's
+    cross-entropy does not import: row by row, log_softmax for bf16 (with remove-padding a row is one token)."""
+    if logits.dtype in (torch.float32, torch.float64):
+        lab = torch.gather(logits, dim=-1, index=labels.unsqueeze(-1)).squeeze(-1)
+        return lab - torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
+    rows = [torch.log_softmax(r, dim=-1).gather(-1, l.unsqueeze(-1)).squeeze(-1) for r, l in zip(logits, labels)]
+    return torch.stack(rows)
+
+
+# How a pass turns logits into log-probs and entropy. "verl": verl 0.9.1's FSDP engine without flash-attn
+# (verl/workers/engine/fsdp/transformer_impl.py ~183-187: entropy_from_logits under torch.compile(dynamic=True),
+# use_torch_compile's default; ~1428: logprobs_from_logits -> logprobs_from_logits_v2). "eager": both eager and
+# whole-tensor (this script's first version; what the planner's "eager, unchunked" terms describe).
+PATHS = ("verl", "eager")
+STAGES_REACHED: dict = {}  # stage -> (peak, held) of the update in progress, printed when it runs out of memory
 
 
 def peak(device: str) -> int | None:
@@ -73,45 +93,68 @@ def reset(device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def measure(hf: dict, tokens: int, device: str, entropy_coeff: float = 0.001) -> dict:
-    """Peak bytes of the update (after a first step, so AdamW's states exist) and of the log-prob pass."""
+def measure(hf: dict, tokens: int, device: str, entropy_coeff: float = 0.001, path: str = "verl") -> dict:
+    """Peak bytes of the update (after a first step, so AdamW's states exist) and of the log-prob pass, with the
+    peak of each stage of the update (forward, log-prob + entropy, backward, optimizer step) and the logits' dtype."""
     torch.manual_seed(0)
     model = build_model(hf, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     ids = torch.randint(0, hf["vocab_size"], (1, tokens + 1), device=device)
     inputs, labels = ids[:, :-1], ids[:, 1:]
     dtype = torch.bfloat16
+    ent_fn = torch.compile(entropy, dynamic=True) if (path == "verl" and device == "cuda") else entropy
+    lp_fn = log_probs_verl if path == "verl" else log_probs_naive
+    stages = STAGES_REACHED
+    stages.clear()
+
+    def mark(name):
+        if device == "cuda":
+            torch.cuda.synchronize()
+            stages[name] = (torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
 
     def update():
         model.train()
-        with torch.autocast(device_type=device, dtype=dtype):
+        # cache_enabled=False: autocast would otherwise keep a bf16 copy of every weight for the whole forward;
+        # FSDP's mixed precision gathers one layer's bf16 weights at a time (the planner's "gathered" term)
+        with torch.autocast(device_type=device, dtype=dtype, cache_enabled=False):
             logits = model(input_ids=inputs).logits[0]
-        loss = -log_probs(logits, labels[0]).mean() - entropy_coeff * entropy(logits).mean()
+        stages["logits dtype"] = str(logits.dtype)
+        mark("forward")
+        loss = -lp_fn(logits, labels[0]).mean() - entropy_coeff * ent_fn(logits).mean()
+        mark("log-prob + entropy")
+        del logits
         loss.backward()
+        mark("backward")
         opt.step()
         opt.zero_grad(set_to_none=True)
+        mark("optimizer step")
 
     update()  # AdamW allocates its states at the first step
     reset(device)
+    stages.clear()
     update()
-    out = {"update": peak(device)}
+    out = {"update": max((v[0] for k, v in stages.items() if k not in ("logits dtype", "optimizer step")),
+                         default=None),
+           "step": stages["optimizer step"][0] if "optimizer step" in stages else None, "stages": dict(stages)}
     reset(device)
     model.eval()
-    with torch.no_grad(), torch.autocast(device_type=device, dtype=dtype):
+    with torch.no_grad(), torch.autocast(device_type=device, dtype=dtype, cache_enabled=False):
         logits = model(input_ids=inputs).logits[0]
-        log_probs(logits, labels[0]), entropy(logits)
+        lp_fn(logits, labels[0]), ent_fn(logits)
     out["log-prob"] = peak(device)
     out["params"] = count_params(hf)
     return out
 
 
-def planner_terms(hf: dict, tokens: int, gpu: Gpu) -> dict:
-    """The planner's update and log-prob phases for this measurement: 1 GPU, 1 shard, eager unchunked entropy."""
+def planner_terms(hf: dict, tokens: int, gpu: Gpu, path: str = "verl") -> dict:
+    """The planner's phases for this measurement: 1 GPU, 1 shard, unchunked entropy, compiled on the verl path."""
     run = RunShape(world_size=1, fsdp_shards=1, offload_policy=False, param_offload=False, optimizer_offload=False,
                    train_tokens=tokens, logprob_tokens=tokens, gradient_checkpointing=True, entropy_in_update=True,
-                   entropy_chunking=False, entropy_chunk=2048, entropy_compiled=False, reference=False,
+                   entropy_chunking=False, entropy_chunk=2048, entropy_compiled=path == "verl", reference=False,
                    gpu_memory_utilization=0.5, rollout_tp=1, max_num_seqs=256, prompt_len=tokens // 2,
-                   response_len=tokens - tokens // 2, n=1, n_full_target=0, batch_size=1, ppo_epochs=1, steps=0)
+                   response_len=tokens - tokens // 2, n=1, n_full_target=0, batch_size=1, ppo_epochs=1, steps=0,
+                   flash_ce=path != "verl")  # the verl path measures v2
     return plan_memory(hf, run, gpu).phases
 
 
@@ -120,6 +163,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="Qwen/Qwen2.5-1.5B", help="config.json path, model dir or preset id")
     ap.add_argument("--tokens", type=int, default=16384, help="tokens of the micro-batch (ppo_max_token_len_per_gpu)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--path", choices=PATHS, default="verl", help="how log-probs and entropy are computed (PATHS)")
     a = ap.parse_args(argv)
     hf = load_config(a.config)
     gpu = GPUS["h100-80gb"]
@@ -127,10 +171,24 @@ def main(argv=None) -> int:
         props = torch.cuda.get_device_properties(0)
         gpu = Gpu(props.name, int(props.total_memory), 0.0, 0.0)
         print(f"GPU: {props.name}, {props.total_memory / GB:.1f} GB; torch {torch.__version__}")
-    measured = measure(hf, a.tokens, a.device)
-    phases = planner_terms(hf, a.tokens, gpu)
-    print(f"model {a.config}: {measured['params'] / 1e9:.3f}B parameters; micro-batch {a.tokens} tokens; {a.device}")
-    for phase, key in (("actor update", "update"), ("old log-prob", "log-prob")):
+    phases = planner_terms(hf, a.tokens, gpu, a.path)
+    try:
+        measured = measure(hf, a.tokens, a.device, path=a.path)
+    except torch.OutOfMemoryError as e:  # a finding too: the planner should have said "does not fit"
+        totals = {p: sum(t.bytes for t in terms) / GB for p, terms in phases.items()}
+        print(f"model {a.config}: OUT OF MEMORY with a {a.tokens}-token micro-batch on {gpu.name} "
+              f"({torch.cuda.max_memory_allocated() / GB:.1f} GB allocated at the peak); planner phases (GB): "
+              + ", ".join(f"{p} {v:.1f}" for p, v in totals.items()) + f"\n    {str(e).splitlines()[0]}")
+        for name, v in STAGES_REACHED.items():
+            if name != "logits dtype":
+                print(f"    stage {name:<20} passed: peak {v[0] / GB:8.3f} GB, held after {v[1] / GB:8.3f} GB")
+        return 3
+    print(f"model {a.config}: {measured['params'] / 1e9:.3f}B parameters; micro-batch {a.tokens} tokens; {a.device};"
+          f" path {a.path}; logits {measured['stages'].get('logits dtype', '?')}")
+    for name, v in measured["stages"].items():
+        if name != "logits dtype":
+            print(f"    update stage {name:<20} peak {v[0] / GB:8.3f} GB, held after {v[1] / GB:8.3f} GB")
+    for phase, key in (("actor update", "update"), ("optimizer step", "step"), ("old log-prob", "log-prob")):
         terms = phases[phase]
         print(f"{phase}:")
         for t in terms:
