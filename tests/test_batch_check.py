@@ -1,19 +1,22 @@
 """Batch arithmetic and the target cap refused before Ray (mix_src/config/batch_check.py, mix_src/mix_config.py):
-each case is one the pre-Ray stage passed before issue #41 and verl failed on inside Ray (or trained nothing)."""
+each case is one the pre-Ray stage passed before issue #41 and verl failed on inside Ray (or trained nothing).
+The tiny e2e setup is composed once per module (scripts/probe_bad_inputs.py ``Composer``)."""
 
 import pyarrow.parquet as pq
 import pytest
-from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from e2e import MIX_CPU, tiny_overrides
 from mix_src.config.batch_check import check_batch_arithmetic, parquet_rows
 from mix_src.mix_config import MixConfigError, validate_mix_config
+from scripts.probe_bad_inputs import Composer
 
-
-def _compose(assets, *overrides):
-    with initialize_config_module(config_module="mix_src.config", version_base=None):
-        return compose(config_name="mix_ppo", overrides=[*MIX_CPU, *tiny_overrides(assets), *overrides])
+@pytest.fixture(scope="module")
+def compose(tiny_assets):
+    """``compose(*overrides)``: the tiny e2e setup with ``overrides``."""
+    base = [*MIX_CPU, *tiny_overrides(tiny_assets)]
+    composer = Composer(base)
+    return lambda *overrides: composer([*base, *overrides])
 
 
 A = "actor_rollout_ref.actor."
@@ -33,29 +36,29 @@ A = "actor_rollout_ref.actor."
      r"data\.train_files has 32 rows, fewer than one batch \(data\.train_batch_size=64\)"),
     (["data.train_max_samples=3"], r"has 3 rows \(data\.train_max_samples=3\), fewer than one batch"),
 ])
-def test_batch_arithmetic_refused_naming_keys_and_numbers(tiny_assets, overrides, pattern):
-    cfg = _compose(tiny_assets, *overrides)
+def test_batch_arithmetic_refused_naming_keys_and_numbers(compose, overrides, pattern):
+    cfg = compose(*overrides)
     with pytest.raises(MixConfigError, match=pattern):
         check_batch_arithmetic(cfg)
 
 
-def test_settings_that_train_pass(tiny_assets):
-    check_batch_arithmetic(_compose(tiny_assets))  # the tiny e2e settings
-    check_batch_arithmetic(_compose(tiny_assets, "trainer.use_v1=true", A + "ppo_mini_batch_size=3"))  # V1 pads
-    check_batch_arithmetic(_compose(tiny_assets, "trainer.total_epochs=0", "trainer.val_only=true"))  # evaluation only
+def test_settings_that_train_pass(compose, tiny_assets):
+    check_batch_arithmetic(compose())  # the tiny e2e settings
+    check_batch_arithmetic(compose("trainer.use_v1=true", A + "ppo_mini_batch_size=3"))  # V1 pads
+    check_batch_arithmetic(compose("trainer.total_epochs=0", "trainer.val_only=true"))  # evaluation only
     assert parquet_rows(tiny_assets["train"]) == pq.ParquetFile(tiny_assets["train"]).metadata.num_rows == 32
 
 
-def test_target_cap_follows_the_response_length(tiny_assets):
-    cfg = _compose(tiny_assets)  # data.max_response_length=16, mix.data.max_target_length unset (null)
+def test_target_cap_follows_the_response_length(compose):
+    cfg = compose()  # data.max_response_length=16, mix.data.max_target_length unset (null)
     assert OmegaConf.select(cfg, "mix.data.max_target_length") is None
     assert validate_mix_config(cfg).data.max_target_length == 15
     assert cfg.mix.data.max_target_length == 15  # written back: the datasets built in Ray read the same number
-    assert validate_mix_config(_compose(tiny_assets, "mix.data.max_target_length=15")).data.max_target_length == 15
+    assert validate_mix_config(compose("mix.data.max_target_length=15")).data.max_target_length == 15
 
 
 @pytest.mark.parametrize("cap", [16, 8192])
-def test_target_cap_that_cannot_fit_is_refused(tiny_assets, cap):
+def test_target_cap_that_cannot_fit_is_refused(compose, cap):
     with pytest.raises(MixConfigError, match=rf"mix\.data\.max_target_length={cap} cannot fit data\.max_response_length=16"
                                               r".* <= 15"):
-        validate_mix_config(_compose(tiny_assets, f"mix.data.max_target_length={cap}"))
+        validate_mix_config(compose(f"mix.data.max_target_length={cap}"))
