@@ -202,6 +202,11 @@ def test_learned_entropy_coefficient_is_checkpointed_and_restored(tmp_path):
     from hydra import compose, initialize_config_module
     from torchdata.stateful_dataloader import StatefulDataLoader
 
+    # a real trainer process imports verl's checkpoint engines while it builds its workers, and the CPU backend's
+    # hook on them is checked when the loss is installed (mix_src/loss.py install_loss); this fake trainer builds
+    # no workers, so import them as the real one would (alone, this test failed with HookNotFired)
+    import verl.checkpoint_engine  # noqa: F401
+
     with initialize_config_module(config_module="mix_src.config", version_base=None):
         actor = compose(config_name="mix_ppo", overrides=["actor_rollout_ref.actor.entropy_coeff=0.01"])
     actor = OmegaConf.to_container(actor.actor_rollout_ref.actor, resolve=True)
