@@ -8,14 +8,15 @@ so the trainer replaces the whole worker loss after `init_workers()`:
 
 `MixPolicyLoss.__call__(model_output, data, dp_group=None) -> (loss, metrics)` has the signature of
 verl's `workers/utils/losses.py::ppo_loss` (with `config` bound at construction) and mirrors it step by
-step: log-probs and entropy back to padded (bsz, response_len); the policy loss; minus the entropy
-bonus; plus the KL loss; every term aggregated by `agg_loss` with the global batch numbers the engine
+step: log-probs and entropy back to padded (bsz, response_len); then the scalar terms of
+mix_src/loss_terms.py's LOSS_TERMS, summed in their order (the policy loss; the SFT term; minus the entropy
+bonus; plus the KL loss: each term is one registry entry stating its inputs and config checks); every term aggregated by `agg_loss` with the global batch numbers the engine
 puts in `data` (dp_size, batch_num_tokens, global_batch_size), so the gradient of a mini-batch does not
 depend on how it is split into micro-batches. With an all-zero prefix_mask it equals verl's ppo_loss.
 
 Policy loss (from `mix.loss`):
-    default                 core_alg.compute_token_on_off_policy_loss: PPO-clip on on-policy tokens,
-                            -A * f(p) on prefix tokens (reshapes, clips, aggregation: see core_alg).
+    default                 loss_terms.token_loss: PPO-clip on on-policy tokens, -A * f(p) on prefix tokens
+                            (the token terms ppo_clip and shaped_off_policy; reshapes, clips: see loss_terms).
                             With actor.policy_loss.loss_mode other than vanilla, verl's registered loss of that
                             name takes the on-policy tokens instead of PPO-clip (mix_src/onpolicy_losses.py: how
                             the two terms add up, sequence-level losses, which LUFFY knobs apply).
@@ -51,9 +52,7 @@ Prefix token selection (mix.loss.prefix_token_select, a registry in mix_src.pref
     the prefix tokens the entry does not keep get advantage 0 before the policy loss (they stay in its token
     count); an entry with option prefix_tokens_on_policy=True also makes the prefix tokens on-policy tokens of
     the loss (PPO-clip on exp(l - l_old)). Metric actor/prefix_kept_frac.
-KL loss (actor.use_kl_loss): kl_loss_coef * agg(kl_penalty(log_prob, ref_log_prob, kl_loss_type)) over
-    every valid token, prefix tokens included; it works together with the off-policy loss (the original
-    crashes there).
+KL loss (actor.use_kl_loss): loss_terms.kl_term, over every valid token (the original crashes with the off-policy loss).
 
 Metrics: verl's names (actor/pg_loss, actor/pg_clipfrac, actor/ppo_kl, actor/pg_clipfrac_lower,
 actor/entropy_loss, kl_loss, kl_coef; the trainer prefixes "actor/" to keys without it) plus LUFFY's
@@ -65,7 +64,9 @@ actor/alpha_loss, actor/log_alpha when those features are on.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from tensordict import TensorDict
@@ -74,13 +75,12 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.padding import no_padding_2_padding
 
-from mix_src.core_alg import (
-    AdaptiveEntropyCoef,
-    agg_loss,
-    compute_token_on_off_policy_loss,
-    kept_tokens_per_mini_batch,
-    masked_mean,
-)
+from mix_src.core_alg import AdaptiveEntropyCoef, agg_loss, masked_mean
+from mix_src.loss_inputs import (  # noqa: F401 (re-exported: the trainers' and plugins' import path)
+    COMBINE_FIELDS, ENTROPY_STATE, EXPERT_ROWS, EXPERT_TOKENS, GLOBAL_STEP, KEPT_TOKENS, ON_ROWS, ON_TOKENS, REMOVE_CLIP,
+    add_combine_inputs, add_kept_token_counts, add_sft_token_counts, pop_entropy_state, uses_kept_token_counts,
+)  # fmt: skip
+from mix_src.loss_terms import LOSS_TERMS, TermInputs, TokenBatch, TokenLossConfig, token_loss
 from mix_src.loss_combine import LOSS_COMBINES, CombineInputs
 from mix_src.onpolicy_losses import knob_refusals, mode_entry, on_policy_config, on_policy_term
 from mix_src.mix_config import LossConfig as MixLossConfig  # the `mix.loss` section, checked when built
@@ -91,84 +91,9 @@ from mix_src.row_loss import ROW_LOSSES, SFT_AGGS, SFT_ROW, SFT_TOKENS, SftScale
 __all__ = ["COMBINE_FIELDS", "ENTROPY_STATE", "KEPT_TOKENS", "MixLossConfig", "MixPolicyLoss", "REMOVE_CLIP",
            "add_combine_inputs", "add_kept_token_counts", "add_sft_token_counts", "pop_entropy_state"]
 
-KEPT_TOKENS = "mix_kept_tokens"  # (bsz,) float: all_max_clip's kept tokens in the row's global mini-batch
-# mix.loss.combine's per-row inputs, (bsz,) float each (add_combine_inputs): the on-policy / expert tokens and
-# rows of the row's global mini-batch, and the trainer's global step
-ON_TOKENS, ON_ROWS = "mix_on_tokens", "mix_on_rows"
-EXPERT_TOKENS, EXPERT_ROWS = "mix_expert_tokens", "mix_expert_rows"
-GLOBAL_STEP = "mix_global_step"
-COMBINE_FIELDS = (ON_TOKENS, ON_ROWS, EXPERT_TOKENS, EXPERT_ROWS, GLOBAL_STEP)
-# (bsz,) float 0/1 set by a rollout policy: the row's on-policy tokens take no PPO clip (1) or the clip (0), in place
-# of mix.loss.loss_remove_clip (e.g. recipes/exgrpo: clipped during its warm-up, as the official trainer)
-REMOVE_CLIP = "mix_loss_remove_clip"
-ENTROPY_STATE = "mix_entropy_state/"  # metric keys carrying the learned entropy coefficient's state
-
-
-def pop_entropy_state(metrics: dict) -> dict[str, float] | None:
-    """Remove the `mix_entropy_state/*` entries (with or without the trainer's "actor/" prefix) from the
-    update's metrics and return the latest state, or None when there is none."""
-    state = {}
-    for key in [k for k in metrics if ENTROPY_STATE in k]:
-        values = metrics.pop(key)
-        while isinstance(values, (list, tuple)):  # per mini-batch / micro-batch / DP-rank lists
-            if not values:
-                break
-            values = values[-1]
-        if not isinstance(values, (list, tuple)):
-            state[key.split(ENTROPY_STATE, 1)[1]] = float(values)
-    return state or None
-
-
-def _uses_kept_token_counts(mix: MixLossConfig, loss_agg_mode: str) -> bool:
-    return mix.all_max_clip is not None and loss_agg_mode == "token-mean" and not mix.use_sft_multitask_loss
-
-
-def add_kept_token_counts(batch, config, mix: MixLossConfig, dp_size: Callable[[], int]) -> None:
-    """Driver side, before update_actor: put `mix_kept_tokens` (bsz,) into the DataProto ``batch`` when
-    all_max_clip is on with token-mean, and `mix_sft_tokens` when mix.loss.row_loss is set
-    (add_sft_token_counts); a no-op otherwise. ``config`` is the whole trainer config, ``dp_size()`` the
-    actor's data-parallel size (only asked when needed)."""
-    if mix.row_loss is not None:
-        add_sft_token_counts(batch, config, mix, dp_size)
-    if mix.all_max_clip is None:
-        return
-    actor = config.actor_rollout_ref.actor
-    if not _uses_kept_token_counts(mix, mix.loss_agg_mode or actor.get("loss_agg_mode", "token-mean")):
-        return
-    kept = batch.batch["response_mask"].bool() & (batch.batch["old_log_probs"] <= math.log(mix.all_max_clip))
-    mini_batch_rows = int(actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n)
-    batch.batch[KEPT_TOKENS] = kept_tokens_per_mini_batch(kept, dp_size(), mini_batch_rows).to(torch.float32)
-
-
-def add_sft_token_counts(batch, config, mix: MixLossConfig, dp_size: Callable[[], int]) -> None:
-    """Driver side, before update_actor, with ``mix.loss.row_loss`` set: put `mix_sft_tokens` (bsz,) into the
-    DataProto ``batch``: the SFT tokens (the row loss's sft_mask) of each row's global mini-batch, under the
-    same layout as `mix_kept_tokens`. The batch must carry the rollout policy's `sft_row` (bsz,)."""
-    if SFT_ROW not in batch.batch.keys():
-        raise KeyError(f"mix.loss.row_loss={mix.row_loss!r} needs the per-row field '{SFT_ROW}' in the batch; it is "
-                       "set by a rollout policy that marks SFT rows (e.g. recipes/hpt: mix.rollout_policy=hpt)")
-    response_mask = batch.batch["response_mask"].bool()
-    _, sft_mask = ROW_LOSSES.get(mix.row_loss)(response_mask, batch.batch["prefix_mask"].bool() & response_mask,
-                                               batch.batch[SFT_ROW].bool())  # fmt: skip
-    mini_batch_rows = int(config.actor_rollout_ref.actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n)
-    batch.batch[SFT_TOKENS] = kept_tokens_per_mini_batch(sft_mask, dp_size(), mini_batch_rows).to(torch.float32)
-
-
-def add_combine_inputs(batch, config, mix: MixLossConfig, dp_size: Callable[[], int], global_step: int) -> None:
-    """Driver side, before update_actor: with ``mix.loss.combine`` set, put COMBINE_FIELDS into the DataProto
-    ``batch`` (rows with a prefix token are expert rows; counts per global mini-batch under verl's layout,
-    see core_alg.kept_tokens_per_mini_batch); a no-op otherwise."""
-    if mix.combine is None:
-        return
-    response_mask = batch.batch["response_mask"].bool()
-    expert = batch.batch["prefix_mask"].bool() & response_mask
-    on = response_mask & ~expert.any(dim=-1, keepdim=True)
-    dp = dp_size()
-    mini_batch_rows = int(config.actor_rollout_ref.actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n)
-    for key, mask in ((ON_TOKENS, on), (ON_ROWS, on.any(-1, keepdim=True)), (EXPERT_TOKENS, expert),
-                      (EXPERT_ROWS, expert.any(-1, keepdim=True))):  # fmt: skip
-        batch.batch[key] = kept_tokens_per_mini_batch(mask, dp, mini_batch_rows).to(torch.float32)
-    batch.batch[GLOBAL_STEP] = torch.full((len(response_mask),), float(global_step))
+_ON_KEYS = ("on_policy_reshape", "on_policy_reshape_gamma", "on_policy_reshape_weight", "on_policy_reshape_pow_exp")
+_OFF_KEYS = ("off_policy_reshape", "off_policy_reshape_gamma", "off_policy_reshape_weight", "off_policy_reshape_pow_exp",
+             "off_max_clip", "off_min_clip", "all_max_clip")  # mix.loss keys of TokenLossConfig, by side
 
 
 def _row_values(data: TensorDict, keys, feature: str, helper: str) -> dict[str, float]:
@@ -194,6 +119,23 @@ def install_loss(worker_group: Any, loss: "MixPolicyLoss") -> None:
 
     worker_group.set_loss_fn(loss)
     check_hooks_fired("trainer")
+
+
+@dataclass
+class _LossContext:
+    """One micro-batch as the terms see it: padded fields (bsz, response_len), verl's global numbers, the metrics."""
+
+    data: TensorDict
+    batch: TensorDict
+    log_prob: torch.Tensor
+    response_mask: torch.Tensor
+    prefix_mask: torch.Tensor
+    advantages: torch.Tensor
+    info: dict
+    total_agg: Any
+    metrics: dict
+    rl_mask: Optional[torch.Tensor] = None
+    terms: Optional[TermInputs] = field(default=None, repr=False)
 
 
 class MixPolicyLoss:
@@ -239,7 +181,12 @@ class MixPolicyLoss:
                 f"the adaptive entropy coefficient starts from / scales actor.entropy_coeff, which must be > 0 "
                 f"(got {config.entropy_coeff})"
             )
-        self.kept_token_counts = _uses_kept_token_counts(self.mix, self.loss_agg_mode)
+        self.kept_token_counts = uses_kept_token_counts(self.mix, self.loss_agg_mode)
+        # the kernel's options, built (and checked) once: PPO-clip alone, and with the prefix tokens' term
+        ppo = dict(cliprange=self.cliprange, clip_upper_bound=self.clip_upper_bound, clip_ratio_c=self.clip_ratio_c,
+                   loss_agg_mode=self.loss_agg_mode, **{k: getattr(self.mix, k) for k in _ON_KEYS})  # fmt: skip
+        self.ppo_clip_config = TokenLossConfig(**ppo)
+        self.token_config = TokenLossConfig(**ppo, **{k: getattr(self.mix, k) for k in _OFF_KEYS})
         self._entropy_coef: AdaptiveEntropyCoef | None = None  # built on the worker, at the first call
         self._entropy_state = dict(entropy_state) if entropy_state else None
         self._pending_entropy = [0.0, 0.0]  # [sum of token entropies, tokens] of the current mini-batch
@@ -257,11 +204,29 @@ class MixPolicyLoss:
     # ---- the loss --------------------------------------------------------------------------------
 
     def __call__(self, model_output: Mapping[str, Any], data: TensorDict, dp_group=None):
+        """The loss of one micro-batch: the scalar terms of LOSS_TERMS (mix_src/loss_terms.py: policy, sft, entropy,
+        kl), summed left to right in registration order; actor/pg_loss is the sum of the terms marked pg_loss."""
+        ctx = self._context(model_output, data, dp_group)
+        loss = pg_loss = None
+        for name in LOSS_TERMS.names():
+            options = LOSS_TERMS.options(name)
+            term = LOSS_TERMS.get(name)(ctx.terms) if options["stage"] == "scalar" else None
+            if term is not None:
+                loss = term if loss is None else loss + term
+            if options.get("pg_loss"):
+                pg_loss = loss
+        ctx.metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=ctx.total_agg)
+        return loss, ctx.metrics
+
+    def _context(self, model_output: Mapping[str, Any], data: TensorDict, dp_group) -> "_LossContext":
+        """The micro-batch padded to (bsz, response_len), verl's global numbers, the masks and the terms' inputs."""
         config, mix = self.config, self.mix
         log_prob = no_padding_2_padding(model_output["log_probs"], data)  # (bsz, response_len)
         entropy = model_output.get("entropy", None)
         if entropy is not None:
             entropy = no_padding_2_padding(entropy, data)
+        elif mix.use_adaptive_entropy or mix.adaptive_entropy_fixed:
+            raise ValueError("adaptive entropy needs the entropy in model_output (calculate_entropy)")
 
         info = dict(dp_size=data["dp_size"], batch_num_tokens=data["batch_num_tokens"],
                     global_batch_size=data["global_batch_size"], loss_scale_factor=config.loss_scale_factor)  # fmt: skip
@@ -270,90 +235,88 @@ class MixPolicyLoss:
         total_agg = AggregationType.SUM if global_norm else AggregationType.MEAN  # as verl's ppo_loss
 
         if "prefix_mask" not in data.keys():
-            raise KeyError(
-                "the batch has no 'prefix_mask' (bsz, response_len); the MIX trainer must add it (all zeros for "
-                "on-policy rows) before update_actor"
-            )
+            raise KeyError("the batch has no 'prefix_mask' (bsz, response_len); the MIX trainer must add it (all zeros "
+                           "for on-policy rows) before update_actor")
         fields = ["response_mask", "old_log_probs", "advantages", "prefix_mask"]
         fields += [k for k in ("rollout_is_weights", "ref_log_prob", BEHAVIOUR_LOG_PROB) if k in data.keys()]
         batch = data.select(*fields).to_padded_tensor()
         response_mask = batch["response_mask"].to(bool)
         if batch["prefix_mask"].shape != response_mask.shape:
-            raise ValueError(
-                f"prefix_mask has shape {tuple(batch['prefix_mask'].shape)}; it must match response_mask "
-                f"{tuple(response_mask.shape)} (bsz, response_len)"
-            )
-        prefix_mask = batch["prefix_mask"].to(bool) & response_mask
-        advantages = batch["advantages"]
-        metrics: dict[str, Any] = {}
+            raise ValueError(f"prefix_mask has shape {tuple(batch['prefix_mask'].shape)}; it must match response_mask "
+                             f"{tuple(response_mask.shape)} (bsz, response_len)")
+        ctx = _LossContext(data, batch, log_prob, response_mask, batch["prefix_mask"].to(bool) & response_mask,
+                           batch["advantages"], info, total_agg, {})  # fmt: skip
         if mix.prefix_token_select is not None:  # which prefix tokens keep their advantage (mix_src.prefix_select)
             view = PrefixTokenView(
                 entropy=None if entropy is None else entropy.detach(), log_prob=log_prob.detach(),
-                old_log_prob=batch["old_log_probs"], advantages=advantages, response_mask=response_mask,
-                prefix_mask=prefix_mask, ratio=mix.prefix_token_select_ratio,
+                old_log_prob=batch["old_log_probs"], advantages=ctx.advantages, response_mask=response_mask,
+                prefix_mask=ctx.prefix_mask, ratio=mix.prefix_token_select_ratio,
             )  # fmt: skip
-            advantages, kept, prefix_on_policy = select_prefix_tokens(mix.prefix_token_select, view)
-            metrics["actor/prefix_kept_frac"] = Metric(value=float(masked_mean(kept.float(), prefix_mask)),
-                                                       aggregation=AggregationType.MEAN)  # fmt: skip
+            ctx.advantages, kept, prefix_on_policy = select_prefix_tokens(mix.prefix_token_select, view)
+            ctx.metrics["actor/prefix_kept_frac"] = Metric(value=float(masked_mean(kept.float(), ctx.prefix_mask)),
+                                                           aggregation=AggregationType.MEAN)  # fmt: skip
             if prefix_on_policy:  # the entry's option: prefix tokens get the on-policy PPO-clip loss
-                prefix_mask = torch.zeros_like(prefix_mask)
-
-        # ---- policy loss -------------------------------------------------------------------------
-        policy_info = info
-        if self.kept_token_counts:
-            policy_info = dict(info, batch_num_tokens=self._kept_tokens(data))
-        common = dict(
-            cliprange=self.cliprange, clip_upper_bound=self.clip_upper_bound, clip_ratio_c=self.clip_ratio_c,
-            loss_remove_clip=self._remove_clip(data, response_mask), loss_agg_mode=self.loss_agg_mode,
-            rollout_is_weights=batch.get("rollout_is_weights", None), **policy_info,
-        )  # fmt: skip
-        rl_mask, sft_mask = response_mask, None
+                ctx.prefix_mask = torch.zeros_like(ctx.prefix_mask)
+        ctx.rl_mask, sft_mask = response_mask, None
         if mix.row_loss is not None:  # the rows' own choice (mix_src/row_loss.py)
-            rl_mask, sft_mask = self._row_masks(data, response_mask, prefix_mask)
+            ctx.rl_mask, sft_mask = self._row_masks(data, response_mask, ctx.prefix_mask)
+        elif mix.use_sft_multitask_loss:  # the prefix tokens take the SFT term, the on-policy rows PPO-clip
+            sft_mask = ctx.prefix_mask
+
+        def agg(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return agg_loss(values, mask, self.loss_agg_mode, **info)
+
+        def log(key: str, value: Any, total: bool | None = None) -> None:
+            ctx.metrics[key] = value if total is None else Metric(
+                value=value, aggregation=total_agg if total else AggregationType.MEAN)
+
+        def kld() -> torch.Tensor:
+            if "ref_log_prob" not in batch.keys():
+                raise KeyError("actor.use_kl_loss is on but the batch has no 'ref_log_prob'")
+            return kl_penalty(logprob=log_prob, ref_logprob=batch["ref_log_prob"], kl_penalty=config.kl_loss_type)
+
+        ctx.terms = TermInputs(
+            log_prob=log_prob, response_mask=response_mask, agg=agg, policy=lambda: self._policy_loss(ctx),
+            entropy=entropy, entropy_coef=lambda: self._entropy_coefficient(entropy, response_mask, info, dp_group,
+                                                                            ctx.metrics),
+            sft_mask=sft_mask, sft_agg=lambda lp, mask: SFT_AGGS.get(mix.sft_loss_agg)(lp, mask, self._sft_scale(data, info)),
+            sft_coef=mix.sft_loss_coef, kld=kld if config.use_kl_loss else None, kl_coef=config.kl_loss_coef, log=log,
+        )  # fmt: skip
+        return ctx
+
+    def _policy_loss(self, ctx: "_LossContext") -> torch.Tensor:
+        """The policy loss: a loss combination (mix.loss.combine), PPO-clip on the on-policy rows (the SFT multitask
+        loss; its SFT term is the sft term), or the LUFFY kernel over rl_mask (+ verl's loss_mode on the on-policy
+        tokens). Logs the kernel's metrics under verl's and LUFFY's names."""
+        mix, batch, prefix_mask = self.mix, ctx.batch, ctx.prefix_mask
+        policy_info = ctx.info
+        if self.kept_token_counts:
+            policy_info = dict(ctx.info, batch_num_tokens=self._kept_tokens(ctx.data))
+        token_batch = partial(TokenBatch, batch["old_log_probs"], ctx.log_prob,
+                              loss_remove_clip=self._remove_clip(ctx.data, ctx.response_mask),
+                              rollout_is_weights=batch.get("rollout_is_weights", None), **policy_info)  # fmt: skip
         if mix.combine is not None:  # a registered loss combination (mix_src.loss_combine)
-            pg_loss, out = self._combined_policy_loss(data, batch, log_prob, response_mask, prefix_mask, info,
-                                                      common, metrics)  # fmt: skip
+            pg_loss, out = self._combined_policy_loss(ctx, token_batch)
         elif mix.use_sft_multitask_loss:
             off_rows = prefix_mask.any(dim=-1, keepdim=True)  # rows with a prefix are off-policy rows
-            out = compute_token_on_off_policy_loss(
-                batch["old_log_probs"], log_prob, advantages, response_mask & ~off_rows,
-                torch.zeros_like(prefix_mask), on_policy_reshape=mix.on_policy_reshape,
-                on_policy_reshape_gamma=mix.on_policy_reshape_gamma,
-                on_policy_reshape_weight=mix.on_policy_reshape_weight,
-                on_policy_reshape_pow_exp=mix.on_policy_reshape_pow_exp, **common,
-            )  # fmt: skip
-            out["off_policy_prob"] = masked_mean(log_prob.detach().exp(), prefix_mask)
-            sft_loss = SFT_AGGS.get(mix.sft_loss_agg)(log_prob, prefix_mask, self._sft_scale(data, info))
-            pg_loss = out["pg_loss"] + mix.sft_loss_coef * sft_loss
-            metrics["actor/sft_loss"] = Metric(value=sft_loss, aggregation=total_agg)
-            metrics["actor/sft_nll"] = Metric(value=masked_mean(-log_prob.detach(), prefix_mask),
-                                              aggregation=AggregationType.MEAN)  # fmt: skip
+            out = token_loss(token_batch(ctx.advantages, ctx.response_mask & ~off_rows, torch.zeros_like(prefix_mask)),
+                             self.ppo_clip_config)  # fmt: skip
+            out["off_policy_prob"] = masked_mean(ctx.log_prob.detach().exp(), prefix_mask)
+            pg_loss = out["pg_loss"]
         else:
+            rl_mask = ctx.rl_mask
             behaviour = None  # the prefix tokens' recorded behaviour log-probs (mix_src/off_policy_behaviour.py)
             if mix.off_policy_behaviour is not None:
                 behaviour = OFF_POLICY_BEHAVIOURS.get(mix.off_policy_behaviour)(prefix_mask & rl_mask, batch)
-            kernel_advantages = advantages  # a verl loss on the on-policy tokens: the kernel gives them A = 0
+            kernel_advantages = ctx.advantages  # a verl loss on the on-policy tokens: the kernel gives them A = 0
             if self.on_policy_config is not None:
-                kernel_advantages = torch.where(prefix_mask & rl_mask, advantages, 0.0)
-            out = compute_token_on_off_policy_loss(
-                batch["old_log_probs"], log_prob, kernel_advantages, rl_mask, prefix_mask & rl_mask,
-                off_policy_reshape=mix.off_policy_reshape, off_policy_reshape_gamma=mix.off_policy_reshape_gamma,
-                off_policy_reshape_weight=mix.off_policy_reshape_weight,
-                off_policy_reshape_pow_exp=mix.off_policy_reshape_pow_exp, on_policy_reshape=mix.on_policy_reshape,
-                on_policy_reshape_weight=mix.on_policy_reshape_weight, on_policy_reshape_gamma=mix.on_policy_reshape_gamma,
-                on_policy_reshape_pow_exp=mix.on_policy_reshape_pow_exp, off_max_clip=mix.off_max_clip,
-                off_min_clip=mix.off_min_clip, all_max_clip=mix.all_max_clip, behaviour_log_prob=behaviour, **common,
-            )  # fmt: skip
+                kernel_advantages = torch.where(prefix_mask & rl_mask, ctx.advantages, 0.0)
+            out = token_loss(token_batch(kernel_advantages, rl_mask, prefix_mask & rl_mask, behaviour_log_prob=behaviour),
+                             self.token_config)  # fmt: skip
             pg_loss = out["pg_loss"]
             if self.on_policy_config is not None:
-                pg_loss = pg_loss + self._verl_on_policy_term(batch, log_prob, advantages, rl_mask, prefix_mask,
+                pg_loss = pg_loss + self._verl_on_policy_term(batch, ctx.log_prob, ctx.advantages, rl_mask, prefix_mask,
                                                               policy_info, out)  # fmt: skip
-            if sft_mask is not None:
-                sft_loss = SFT_AGGS.get(mix.sft_loss_agg)(log_prob, sft_mask, self._sft_scale(data, info))
-                pg_loss = pg_loss + mix.sft_loss_coef * sft_loss
-                metrics["actor/sft_loss"] = Metric(value=sft_loss, aggregation=total_agg)
-                metrics["actor/sft_nll"] = Metric(value=masked_mean(-log_prob.detach(), sft_mask),
-                                                  aggregation=AggregationType.MEAN)  # fmt: skip
         mean_metrics = {
             "actor/pg_clipfrac": out["on_pg_clipfrac"], "actor/ppo_kl": out["ppo_kl"],
             "actor/pg_clipfrac_lower": out["on_pg_clipfrac_lower"],
@@ -361,29 +324,8 @@ class MixPolicyLoss:
                                                "off_ratio_mean", "off_ratio_max_clip_frac", "off_ratio_min_clip_frac")},
         }  # fmt: skip
         values = torch.stack([v.float() for v in mean_metrics.values()]).tolist()  # one host sync
-        metrics.update(Metric.from_dict(dict(zip(mean_metrics, values)), aggregation=AggregationType.MEAN))
-        metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=total_agg)
-        policy_loss = pg_loss
-
-        # ---- entropy bonus -----------------------------------------------------------------------
-        if entropy is not None:
-            entropy_loss = agg_loss(entropy, response_mask, self.loss_agg_mode, **info)
-            coef = self._entropy_coefficient(entropy, response_mask, info, dp_group, metrics)
-            policy_loss = policy_loss - coef * entropy_loss
-            metrics["actor/entropy_loss"] = Metric(value=entropy_loss, aggregation=total_agg)
-        elif mix.use_adaptive_entropy or mix.adaptive_entropy_fixed:
-            raise ValueError("adaptive entropy needs the entropy in model_output (calculate_entropy)")
-
-        # ---- KL loss -----------------------------------------------------------------------------
-        if config.use_kl_loss:
-            if "ref_log_prob" not in batch.keys():
-                raise KeyError("actor.use_kl_loss is on but the batch has no 'ref_log_prob'")
-            kld = kl_penalty(logprob=log_prob, ref_logprob=batch["ref_log_prob"], kl_penalty=config.kl_loss_type)
-            kl_loss = agg_loss(kld, response_mask, self.loss_agg_mode, **info)
-            policy_loss = policy_loss + kl_loss * config.kl_loss_coef
-            metrics["kl_loss"] = Metric(value=kl_loss, aggregation=total_agg)
-            metrics["kl_coef"] = config.kl_loss_coef
-        return policy_loss, metrics
+        ctx.metrics.update(Metric.from_dict(dict(zip(mean_metrics, values)), aggregation=AggregationType.MEAN))
+        return pg_loss
 
     def _verl_on_policy_term(self, batch, log_prob, advantages, rl_mask, prefix_mask, policy_info, out):
         """verl's registered ``policy_loss.loss_mode`` on the on-policy tokens of ``rl_mask``, aggregated to add to
@@ -438,24 +380,20 @@ class MixPolicyLoss:
 
         return SftScale(sft_tokens, int(info["dp_size"]), grad_accum, policy_agg)
 
-    def _combined_policy_loss(self, data, batch, log_prob, response_mask, prefix_mask, info, common, metrics):
+    def _combined_policy_loss(self, ctx: "_LossContext", token_batch: Callable[..., TokenBatch]):
         """``mix.loss.combine``: PPO-clip on the on-policy rows, then the registered combination (its module
         docstring: mix_src/loss_combine.py) makes the policy loss from it and the expert tokens."""
-        mix = self.mix
-        counts = _row_values(data, COMBINE_FIELDS, "mix.loss.combine", "add_combine_inputs")
+        mix, log_prob, prefix_mask = self.mix, ctx.log_prob, ctx.prefix_mask
+        counts = _row_values(ctx.data, COMBINE_FIELDS, "mix.loss.combine", "add_combine_inputs")
         expert_rows = prefix_mask.any(dim=-1, keepdim=True)  # rows with a prefix are expert rows
-        on_mask = response_mask & ~expert_rows
+        on_mask = ctx.response_mask & ~expert_rows
 
         def numbers(tokens: str, rows: str) -> dict:  # the population's global mini-batch size (>= 1: 0/0 -> 0)
-            return dict(info, batch_num_tokens=max(counts[tokens], 1.0), global_batch_size=max(counts[rows], 1.0))
+            return dict(ctx.info, batch_num_tokens=max(counts[tokens], 1.0), global_batch_size=max(counts[rows], 1.0))
 
         on_info, expert_info = numbers(ON_TOKENS, ON_ROWS), numbers(EXPERT_TOKENS, EXPERT_ROWS)
-        out = compute_token_on_off_policy_loss(
-            batch["old_log_probs"], log_prob, batch["advantages"], on_mask, torch.zeros_like(prefix_mask),
-            on_policy_reshape=mix.on_policy_reshape, on_policy_reshape_gamma=mix.on_policy_reshape_gamma,
-            on_policy_reshape_weight=mix.on_policy_reshape_weight,
-            on_policy_reshape_pow_exp=mix.on_policy_reshape_pow_exp, **{**common, **on_info},
-        )  # fmt: skip
+        out = token_loss(token_batch(ctx.batch["advantages"], on_mask, torch.zeros_like(prefix_mask), **on_info),
+                         self.ppo_clip_config)  # fmt: skip
         out["off_policy_prob"] = masked_mean(log_prob.detach().exp(), prefix_mask)
         inputs = CombineInputs(
             log_prob=log_prob, on_mask=on_mask, expert_mask=prefix_mask, rl_loss=out["pg_loss"],
@@ -464,8 +402,8 @@ class MixPolicyLoss:
             global_step=int(counts[GLOBAL_STEP]),
         )  # fmt: skip
         loss, extra = LOSS_COMBINES.get(mix.combine)(inputs, dict(mix.combine_args))
-        metrics.update(Metric.from_dict({f"actor/{k}": float(v) for k, v in extra.items()},
-                                        aggregation=AggregationType.MEAN))  # fmt: skip
+        ctx.metrics.update(Metric.from_dict({f"actor/{k}": float(v) for k, v in extra.items()},
+                                            aggregation=AggregationType.MEAN))  # fmt: skip
         return loss, out
 
     @staticmethod

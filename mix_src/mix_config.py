@@ -21,16 +21,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, get_args, get_origin, get_type_hints
 
 # The original LUFFY baked gamma into the option name (p_div_p_0.1 ...): accepted as p_div_p + the gamma key.
-from mix_src.core_alg import LOSS_AGG_MODES, OFF_POLICY_RESHAPES, ON_POLICY_RESHAPES
 from mix_src.core_alg import P_DIV_P_ALIASES as RESHAPE_ALIASES
 from mix_src.filter_groups import GROUP_FILTERS
 from mix_src.loss_combine import LOSS_COMBINES
+from mix_src.loss_terms import check_loss_terms
 from mix_src.flops import COUNTS as FLOPS_COUNTS
 from mix_src.prefix import PREFIX_STRATEGIES
 from mix_src.prefix_select import PREFIX_TOKEN_SELECTS
 from mix_src.registry import _REGISTRIES, load_plugins
 from mix_src.rollout_policy import ROLLOUT_POLICIES
-from mix_src.off_policy_behaviour import OFF_POLICY_BEHAVIOURS
 from mix_src.row_loss import ROW_LOSSES, SFT_AGGS
 
 
@@ -134,40 +133,21 @@ class LossConfig:
         p = "mix.loss"
         if self.prefix_token_select is not None and self.prefix_token_select not in PREFIX_TOKEN_SELECTS:
             raise MixConfigError(PREFIX_TOKEN_SELECTS.unknown(self.prefix_token_select))
-        for key, registry in (("off_policy_reshape", OFF_POLICY_RESHAPES), ("on_policy_reshape", ON_POLICY_RESHAPES)):
+        for key in ("off_policy_reshape", "on_policy_reshape"):
             value = getattr(self, key)
             if value in RESHAPE_ALIASES:  # the original's names: keep the number in its own key
                 setattr(self, key, "p_div_p")
                 setattr(self, key + "_gamma", RESHAPE_ALIASES[value])
-            elif value not in registry:
-                raise MixConfigError(f"{registry.unknown(value)}; the original's aliases: {list(RESHAPE_ALIASES)}")
-        if self.loss_agg_mode is not None and self.loss_agg_mode not in LOSS_AGG_MODES:
-            raise MixConfigError(f"{p}.loss_agg_mode={self.loss_agg_mode!r} is not one of {[None, *LOSS_AGG_MODES]}")
-        for key in ("off_policy_reshape_gamma", "on_policy_reshape_gamma", "off_policy_reshape_pow_exp",
-                    "on_policy_reshape_pow_exp", "alpha_lr"):  # fmt: skip
-            if not getattr(self, key) > 0:
-                raise MixConfigError(f"{p}.{key}={getattr(self, key)!r} must be > 0")
         for key in ("off_max_clip", "off_min_clip", "all_max_clip", "entropy_coeff_max"):
             value = getattr(self, key)
             if value is not None and value == -1:  # the original's "off"
                 setattr(self, key, None)
             elif value is not None and not value > 0:
                 raise MixConfigError(f"{p}.{key}={value!r} must be > 0, or null/-1 to switch it off")
-        if self.all_max_clip is not None:
-            _in_range(f"{p}.all_max_clip", self.all_max_clip, 0.0, 1.0)
-        if self.off_max_clip is not None and self.off_min_clip is not None and self.off_min_clip > self.off_max_clip:
-            raise MixConfigError(f"{p}.off_min_clip={self.off_min_clip} > {p}.off_max_clip={self.off_max_clip}")
-        _in_range(f"{p}.clip_upper_bound", self.clip_upper_bound, 0.0, None)
-        _in_range(f"{p}.sft_loss_coef", self.sft_loss_coef, 0.0, None)
-        _in_range(f"{p}.target_entropy", self.target_entropy, 0.0, None)
-        if self.use_adaptive_entropy and self.adaptive_entropy_fixed:
-            raise MixConfigError(f"{p}.use_adaptive_entropy and {p}.adaptive_entropy_fixed exclude each other; pick one")
-        if self.off_policy_behaviour is not None:
-            if self.off_policy_behaviour not in OFF_POLICY_BEHAVIOURS:
-                raise MixConfigError(OFF_POLICY_BEHAVIOURS.unknown(self.off_policy_behaviour))
-            if self.use_sft_multitask_loss:
-                raise MixConfigError(f"{p}.off_policy_behaviour={self.off_policy_behaviour!r} weighs the off-policy "
-                                     f"loss, which {p}.use_sft_multitask_loss replaces by SFT; pick one")
+        try:  # each loss term's own checks (mix_src/loss_terms.py)
+            check_loss_terms(self, p)
+        except ValueError as e:
+            raise e if isinstance(e, MixConfigError) else MixConfigError(str(e)) from e
         if self.row_loss is not None:
             if self.row_loss not in ROW_LOSSES:
                 raise MixConfigError(ROW_LOSSES.unknown(self.row_loss))

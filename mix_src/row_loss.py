@@ -7,7 +7,7 @@ entry of :data:`ROW_LOSSES`, which says which tokens take which loss; the worker
 
     loss = PG(rl_mask)  +  sft_loss_coef * NLL(sft_mask)
 
-    PG(rl_mask)    the mixed on/off-policy loss (core_alg.compute_token_on_off_policy_loss) over the tokens of
+    PG(rl_mask)    the mixed on/off-policy loss (loss_terms.token_loss) over the tokens of
                    ``rl_mask`` (prefix tokens inside it keep LUFFY's off-policy loss), aggregated with
                    ``mix.loss.loss_agg_mode`` like every other policy loss (its normaliser is the whole
                    mini-batch's: with token-mean, all response tokens, the SFT rows' included; with
