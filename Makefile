@@ -40,10 +40,11 @@ install-torch:
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The inner loop: every test that starts no Ray cluster (tests/conftest.py marks those `ray` automatically).
+# The inner loop: every test that starts no Ray cluster (tests/conftest.py marks those `ray` automatically) and
+# is not in tests/conftest.py's SLOW list (fresh interpreters, model builds; `make test` runs them).
 # scripts/check_tests_alone.py (not in CI) runs each test file in its own process.
 test-fast: install
-	$(PY) -m pytest -m "not ray" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not ray and not slow" $(PYTEST_ARGS)
 
 # LUFFY vs on-policy GRPO on the toy-addition demo variant, side by side (scripts/experiments/demo.py)
 demo: install

@@ -28,11 +28,23 @@ def tiny_assets(tmp_path_factory) -> dict:
     return load_make_tiny_assets().build(str(out), seed=0)
 
 
+@pytest.fixture(scope="session")
+def legacy_batch(request, tiny_assets, tmp_path_factory) -> dict:
+    """The legacy-base runs registered with ``e2e.batch_run("legacy", ...)`` that the selected tests read, trained
+    once in one process and one Ray cluster (tests/e2e.py ``run_batch``). Returns {run name: RunResult}."""
+    from e2e import run_batch
+
+    selected = {f"{item.path.name}::{item.function.__name__}" for item in request.session.items
+                if getattr(item, "function", None)}  # fmt: skip
+    return run_batch("legacy", selected, tiny_assets, tmp_path_factory.mktemp("legacy_batch"), timeout_per_run=480)
+
+
 # ---- test tiers -----------------------------------------------------------------------------------------------
-# `make test` runs everything; `make test-fast` runs `-m "not ray"`. A test is marked `ray` automatically when it
-# can start a Ray cluster: its body, a fixture it requests or a function of its module that it calls (transitively)
-# names one of RAY_ENTRY_POINTS (tests/e2e.py's job runner, ray.init). Nothing to remember when adding an e2e test.
-RAY_ENTRY_POINTS = frozenset({"run_verl", "run_command", "ray.init"})
+# `make test` runs everything; `make test-fast` runs `-m "not ray and not slow"` (SLOW below). A test is marked
+# `ray` automatically when it can start a Ray cluster: its body, a fixture it requests (of its module or of this
+# file) or a function of its module that it calls (transitively) names one of RAY_ENTRY_POINTS (tests/e2e.py's job
+# runners, ray.init). Nothing to remember when adding an e2e test.
+RAY_ENTRY_POINTS = frozenset({"run_verl", "run_command", "run_batch", "ray.init"})
 
 
 def _names_in(node) -> set[str]:
@@ -69,11 +81,46 @@ def _ray_functions(path: str) -> frozenset:
 _RAY_FUNCTIONS: dict[str, frozenset] = {}
 
 
+# `slow`: tests that start no Ray cluster but spawn fresh Python interpreters (each imports torch and verl) or build
+# and measure models; `make test` runs them, `make test-fast` leaves them out (`-m "not ray and not slow"`). Each
+# entry is "file::test function" (every parametrisation) with its seconds in `make test-fast` on the shared 2-core
+# machine under load (about 5 agents at once; 25 min for the whole tier, 1,058 tests), the reason it is slow.
+# tests/test_tiers.py checks that every entry still names a test.
+SLOW = {
+    "test_toy_addition.py::test_shipped_demo_base_is_checked_installed_and_measured": "62 s: trains, measures a base",
+    "test_luffy_keys.py::test_train_sh_runs_through_the_config_stage": "53 s: runs train.sh's config stage",
+    "test_vllm_cpu.py::test_cpu_linear_layers_keep_reloadable_weights": "51 s: a fresh interpreter imports vLLM",
+    "test_packaging.py::test_verl_modules_on_our_path_import_in_a_fresh_interpreter": "44 s: fresh interpreters",
+    "test_cpu_checkpoint_engine.py::test_cpu_gloo_registers_whichever_module_a_process_imports_first": "2 x 36 s: "
+    "fresh interpreters",
+    "test_determinism.py::test_rows_do_not_depend_on_their_batch": "38 s + 21 s: generation in fresh processes",
+    "test_packaging.py::test_cpu_path_never_imports_gpu_only_packages": "34 s: a fresh interpreter",
+    "test_toy_addition.py::test_check_base_continues_until_the_bound_holds": "33 s: trains a base",
+    "test_vllm_cpu.py::test_vllm_distribution_alias_lets_verl_import_and_keeps_vllm_on_cpu": "31 s: imports vLLM",
+    "test_verl_key_parity.py::test_agent_loop_worker_registers_prefix_guided_through_the_dataset_class": "30 s",
+    "test_cpu_backend.py::test_process_group_init_uses_plain_gloo": "23 s + 20 s: process groups in subprocesses",
+    "test_cpu_workers.py::test_critic_is_verls_token_classification_model_with_a_cpu_attention": "23 s: verl's engine",
+    "test_cpu_workers.py::test_reference_engine_offload_policy_shards_on_cpu": "20 s: verl's engine",
+    "test_plugins.py::test_worker_process_loads_plugins_at_import_verl": "19 s: a fresh interpreter",
+    "test_recipes.py::test_gpu_recipe_one_gpu_variant": "8 x 9-17 s: each composes and checks a GPU recipe",
+    "test_cpu_activation.py::test_plugin_in_a_fresh_process_follows_the_rule": "16 s: a fresh interpreter",
+    "test_rewards.py::test_bench_smoke": "16 s: the reward benchmark",
+    "test_onpolicy_losses.py::test_preflight_accepts_a_verl_loss_and_refuses_its_knob_conflicts_before_ray": "14 s",
+    "test_mix_trainer_v1.py::test_v1_accepts_the_loss_extensions_whose_inputs_it_writes": "14 s",
+    "test_verl_key_parity.py::test_lora_layered_summon_needs_a_preloaded_base": "13 s",
+    "test_patches.py::test_a_worker_process_with_a_patch_for_another_verl_stops_at_import_verl": "12 s: a fresh "
+    "interpreter",
+    "test_plugins.py::test_config_stage_loads_a_plugin_by_relative_path_and_exports_it": "11 s: a fresh interpreter",
+}  # fmt: skip
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         fn = getattr(item, "function", None)
+        if fn is not None and f"{item.path.name}::{fn.__name__}" in SLOW:
+            item.add_marker(pytest.mark.slow)
         if fn is None or item.get_closest_marker("ray"):
             continue
-        reach = _ray_functions(str(item.path))
+        reach = _ray_functions(str(item.path)) | _ray_functions(__file__)  # this file's fixtures too
         if {fn.__name__, *getattr(item, "fixturenames", ())} & reach:
             item.add_marker(pytest.mark.ray)

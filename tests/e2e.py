@@ -15,19 +15,24 @@ Typical use (see tests/test_cpu_backend.py)::
 * A non-zero exit or a timeout fails the test with the command, the log path and the log tail.
 * The result carries per-step metrics (``list[dict]``, one merged dict per logged step, ``"step"``
   included), wall time and the peak summed RSS of the whole process tree.
+* The suite's time table: with ``MIX_E2E_TIMES=<file>`` set, every job (``run_verl`` and ``run_command``) appends
+  one JSON line: the test id, the command's module, wall seconds, the CPU seconds of its process tree, and the
+  seconds until the log first shows ``ray.init`` being called, Ray up and step 1 logged (see ``LOG_MARKS``).
+  ``python tests/e2e.py <file>`` prints the table per test file.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import psutil
 import pytest
@@ -40,6 +45,20 @@ MIX_CPU = ["+backend=cpu"]
 
 REWARD_FN = ["reward.custom_reward_function.path=pkg://mix_src.rewards.math_verify_reward",
              "reward.custom_reward_function.name=compute_score"]
+MIX = "mix_src.main_mix_ppo"
+
+# LUFFY with partial prefixes on the tiny assets: 2 of 4 samples with a prefix whose ratio is drawn in [0.3, 0.7],
+# seeded; the learned entropy coefficient and all_max_clip on. Its legacy run is one job that two test files
+# assert on (tests/conftest.py's ``legacy_partial_prefix_run``): tests/test_bases_equivalence.py (legacy == V1
+# sync) and tests/test_mix_trainer_e2e.py (a resumed run draws the same ratios).
+PARTIAL_PREFIX_LUFFY = [
+    "mix.n_prefix=2", "mix.min_prefix_ratio=0.3", "mix.max_prefix_ratio=0.7", "mix.seed=7",
+    "algorithm.adv_estimator=grpo_split", "actor_rollout_ref.rollout.calculate_log_probs=true",
+    # formerly refused on V1, on in every run here: the learned entropy coefficient (checkpointed), and
+    # all_max_clip with token-mean (its kept-token counts per mini-batch)
+    "mix.loss.use_adaptive_entropy=true", "actor_rollout_ref.actor.entropy_coeff=0.01", "mix.loss.alpha_lr=0.5",
+    "mix.loss.all_max_clip=0.999",
+]  # fmt: skip
 
 
 def tiny_overrides(
@@ -81,6 +100,22 @@ def tiny_overrides(
         "trainer.project_name=e2e",
         "trainer.experiment_name=tiny",
     ]
+
+
+def partial_prefix_overrides(assets: dict, *extra: str, steps: int = 2) -> list[str]:
+    """``python -m mix_src.main_mix_ppo`` overrides of a ``PARTIAL_PREFIX_LUFFY`` run (4 prompts x 4 samples,
+    responses of 24 tokens) on the CPU backend, then ``extra``."""
+    sizes = tiny_overrides(assets, steps=steps, n=4, batch_size=4, response_length=24)
+    return [*MIX_CPU, *sizes, *PARTIAL_PREFIX_LUFFY, *extra]
+
+
+PARTIAL_PREFIX_CKPT = "partial_prefix_ckpt"  # in the legacy batch's directory
+
+
+def partial_prefix_saved(assets: dict, batch_dir: Path) -> list[str]:
+    """The legacy batch's run ``partial_prefix``: ``PARTIAL_PREFIX_LUFFY``, 2 steps, a checkpoint after each."""
+    return partial_prefix_overrides(assets, f"trainer.default_local_dir={batch_dir / PARTIAL_PREFIX_CKPT}",
+                                    "trainer.save_freq=1")  # fmt: skip
 
 
 @dataclass
@@ -168,15 +203,73 @@ def cpu_env(extra: Optional[dict] = None) -> dict:
     return env
 
 
+# What the time table reads from a job's log: the first line that says the driver calls ray.init (verl's
+# main_ppo.py prints its kwargs just before), that Ray is up (Ray's worker.py), that step 1 is done (verl's console
+# logger). Seconds from the job's start, to the poll (0.5 s) that first saw the line.
+LOG_MARKS = {
+    "ray_init_s": re.compile(r"ray init kwargs"),
+    "ray_up_s": re.compile(r"Started a local Ray instance"),
+    "step1_s": re.compile(r"\bstep:1 - "),
+}
+TIMES_ENV = "MIX_E2E_TIMES"
+
+
+class _LogWatch:
+    """Reads what a job appended to its log since the last poll and notes when each of ``LOG_MARKS`` first
+    appears (only while ``MIX_E2E_TIMES`` is set)."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self.path, self.enabled, self.offset, self.rest, self.seen = path, enabled, 0, "", {}
+
+    def poll(self, elapsed: float) -> None:
+        if not self.enabled or len(self.seen) == len(LOG_MARKS):
+            return
+        try:
+            with open(self.path, errors="replace") as f:
+                f.seek(self.offset)
+                text = f.read()
+                self.offset = f.tell()
+        except OSError:
+            return
+        lines = (self.rest + text).split("\n")
+        self.rest = lines.pop()  # an unfinished line waits for the next poll
+        for line in lines:
+            for key, pattern in LOG_MARKS.items():
+                if key not in self.seen and pattern.search(line):
+                    self.seen[key] = round(elapsed, 1)
+
+
+def _cpu_seconds(p: psutil.Process) -> float:
+    try:
+        t = p.cpu_times()
+        return t.user + t.system
+    except psutil.Error:
+        return 0.0
+
+
+def _record_time(cmd: Sequence[str], returncode: int, wall: float, cpu: dict, marks: dict) -> None:
+    """Append one job's line to ``$MIX_E2E_TIMES``: test id, module, wall and CPU seconds, ``LOG_MARKS`` times."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]  # "tests/test_x.py::test_y[p] (call)"
+    args = list(cmd)
+    module = args[args.index("-m") + 1] if "-m" in args[:-1] else " ".join(Path(a).name for a in args[:2])
+    rec = {"test": test, "module": module, "returncode": returncode, "wall_s": round(wall, 1),
+           "cpu_s": round(sum(cpu.values()), 1), **marks}  # fmt: skip
+    with open(os.environ[TIMES_ENV], "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
 def run_command(
     cmd: Sequence[str], env: dict, log_path: Path, timeout: float, *, cwd: Path
 ) -> tuple[int, float, float, bool, list[str]]:
     """Run ``cmd`` in its own session with output to ``log_path``; on timeout and afterwards kill its whole
-    process tree (by pid: the Ray cluster the job started included).
+    process tree (by pid: the Ray cluster the job started included). With ``MIX_E2E_TIMES`` set, the job's
+    times go to the time table (module docstring).
 
     Returns (returncode, wall seconds, peak summed RSS in MB, timed_out, descriptions of killed leftovers).
     """
     seen: dict[int, psutil.Process] = {}
+    cpu: dict[int, float] = {}  # CPU seconds per process of the tree, as last seen alive
+    watch = _LogWatch(Path(log_path), enabled=bool(os.environ.get(TIMES_ENV)))
     peak_rss = 0
     timed_out = False
     start = time.monotonic()
@@ -196,7 +289,10 @@ def run_command(
                         rss += p.memory_info().rss
                     except psutil.Error:
                         pass
+                    if watch.enabled:
+                        cpu[p.pid] = max(cpu.get(p.pid, 0.0), _cpu_seconds(p))
                 peak_rss = max(peak_rss, rss)
+                watch.poll(time.monotonic() - start)
                 if time.monotonic() - start > timeout:
                     timed_out = True
                     break
@@ -209,7 +305,11 @@ def run_command(
                     pass
             proc.wait()
             killed = _kill(seen)  # Ray daemons and workers of this job that are still alive
-    return proc.returncode, time.monotonic() - start, peak_rss / 2**20, timed_out, killed
+    wall = time.monotonic() - start
+    if watch.enabled:
+        watch.poll(wall)
+        _record_time(cmd, proc.returncode, wall, cpu, watch.seen)
+    return proc.returncode, wall, peak_rss / 2**20, timed_out, killed
 
 
 def run_verl(
@@ -264,3 +364,108 @@ def run_verl(
             pytrace=False,
         )
     return result
+
+
+# ---- several runs in one process ----------------------------------------------------------------------------
+# Start-up dominates a tiny run (``MIX_E2E_TIMES``: on the shared 2-core machine the driver reaches ray.init after
+# 15-40 s of imports and checks, and Ray is up 8-16 s later). Runs that need no process of their own (no failure
+# path, no environment or log of their own: the tests assert on the metrics) join a batch: a session fixture trains
+# the batch's runs one after another in ONE process and ONE Ray cluster (tests/mix_modes_run.py) and each test
+# asserts on its run's result. Runs are registered at import (``batch_run``) with the tests that read them; the
+# fixture trains only the runs of the selected tests, in registration order.
+# The first run's ray.init fixes the cluster and its job's environment for every later run of the batch: what the
+# entry point passes to Ray processes per run (mix.plugins as MIX_PLUGINS, the rollout's name as MIX_CPU_ROLLOUT:
+# mix_src/config/preflight.py export_plugins; ray_kwargs) would not reach a later run's workers, so a batch run
+# sets none of them.
+NOT_IN_A_BATCH = ("mix.plugins", "+mix.plugins", "actor_rollout_ref.rollout.name", "ray_kwargs", "+ray_kwargs")
+OverridesFn = Callable[[dict, Path], list]  # (tiny assets, the batch's directory) -> Hydra overrides
+BATCHES: dict[str, dict[str, tuple[OverridesFn, tuple[str, ...]]]] = {}
+
+
+def batch_run(batch: str, name: str, overrides: OverridesFn, tests: Sequence[str]) -> str:
+    """Register the run ``name`` of ``batch``: ``overrides(assets, batch_dir)`` gives its ``python -m
+    mix_src.main_mix_ppo`` overrides; ``tests`` are the "file::test function" names that read it. Returns ``name``."""
+    runs = BATCHES.setdefault(batch, {})
+    if name in runs:  # a run several test files read: each registers it, with the same function
+        if runs[name][0] is not overrides:
+            raise ValueError(f"batch {batch!r}: run {name!r} registered twice with different overrides")
+        tests = (*runs[name][1], *tests)
+    runs[name] = (overrides, tuple(tests))
+    return name
+
+
+def batch_overrides(batch: str, selected: set, assets: dict, batch_dir: Path) -> dict[str, list]:
+    """{name: overrides} of the runs of ``batch`` that a test of ``selected`` ("file::function") reads, in
+    registration order; refuses a run that sets one of ``NOT_IN_A_BATCH``."""
+    runs = {name: make(assets, batch_dir) for name, (make, tests) in BATCHES[batch].items() if selected & set(tests)}
+    for name, overrides in runs.items():
+        own = [o for o in overrides if o.split("=", 1)[0].startswith(NOT_IN_A_BATCH)]
+        if own:
+            raise ValueError(f"batch {batch!r}, run {name!r}: {own} must reach the run's own Ray processes; give the "
+                             "test its own run (run_verl) instead of a batch run")  # fmt: skip
+    return runs
+
+
+def run_batch(batch: str, selected: set, assets: dict, tmp_path: Path, timeout_per_run: float = 420) -> dict:
+    """Train the runs of ``batch`` that a selected test (``selected``: "file::function" names) needs, in one process
+    (tests/mix_modes_run.py; a failing run is reported and the next still runs). Returns {name: RunResult}; the log
+    is the batch's (a run's part ends at its ``MIX_MODES_RUN`` line)."""
+    tmp_path = Path(tmp_path)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    runs = batch_overrides(batch, selected, assets, tmp_path)
+    spec = tmp_path / "runs.json"
+    spec.write_text(json.dumps(runs))
+    env = cpu_env({"VERL_FILE_LOGGER_ROOT": str(tmp_path)})  # metrics: <root>/<trainer.project_name>/<name>.jsonl
+    env.pop("VERL_FILE_LOGGER_PATH", None)
+    log = tmp_path / f"{batch}.log"
+    cmd = [sys.executable, str(Path(__file__).with_name("mix_modes_run.py")), str(spec)]
+    code, wall, peak_mb, timed_out, killed = run_command(cmd, env, log, timeout_per_run * len(runs), cwd=tmp_path)
+    text = log.read_text(errors="replace")
+    results = {}
+    for name, overrides in runs.items():
+        done = re.search(rf"^MIX_MODES_RUN {re.escape(name)} (ok|FAILED) ([0-9.]+)s$", text, re.M)
+        projects = [o.split("=", 1)[1] for o in overrides if o.startswith("trainer.project_name=")]
+        project = projects[-1] if projects else "e2e"
+        ok = done is not None and done.group(1) == "ok"
+        results[name] = RunResult(
+            cmd=[*cmd, name], returncode=0 if ok else (code or 1), log_path=log,
+            metrics=read_metrics(tmp_path / project / f"{name}.jsonl"), wall_s=float(done.group(2)) if done else wall,
+            peak_rss_mb=peak_mb, killed=killed,
+        )  # fmt: skip
+    if timed_out:
+        print(f"batch {batch!r} timed out after {wall:.0f}s (killed); log {log}")
+    return results
+
+
+def batch_result(results: dict, name: str) -> RunResult:
+    """The result of run ``name`` of a batch; fails the test (with the log's tail) when that run failed."""
+    result = results[name]
+    if result.returncode != 0:
+        pytest.fail(f"run {name!r} of the batch failed (exit {result.returncode}). Log: {result.log_path}\n"
+                    f"--- last lines ---\n{result.log_tail(120)}", pytrace=False)  # fmt: skip
+    return result
+
+
+def time_table(path: str) -> str:
+    """The ``MIX_E2E_TIMES`` file as a table: per test file, its jobs, their summed wall and CPU seconds, and the
+    median seconds to Ray up and to step 1 (the start-up) of its jobs that logged them."""
+    from collections import defaultdict
+    from statistics import median
+
+    by_file: dict[str, list[dict]] = defaultdict(list)
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            by_file[rec["test"].split("::")[0] or "?"].append(rec)
+    rows = ["| file | jobs | wall s | CPU s | Ray up s (median) | step 1 s (median) |", "|---|---|---|---|---|---|"]
+    for name, recs in sorted(by_file.items(), key=lambda kv: -sum(r["wall_s"] for r in kv[1])):
+        up = [r["ray_up_s"] for r in recs if "ray_up_s" in r]
+        step1 = [r["step1_s"] for r in recs if "step1_s" in r]
+        wall, cpu = sum(r["wall_s"] for r in recs), sum(r["cpu_s"] for r in recs)
+        rows.append(f"| {name} | {len(recs)} | {wall:.0f} | {cpu:.0f} | {median(up) if up else '-'} "
+                    f"| {median(step1) if step1 else '-'} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(time_table(sys.argv[1]))

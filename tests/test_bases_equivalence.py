@@ -8,24 +8,21 @@ step 2 and continues the learned entropy coefficient saved with the V1 checkpoin
 ``flops/*`` (mix_src/flops.py) for the same batches; the resumed run, of 3 steps with ``mix.flops_budget`` at the
 uninterrupted run's FLOPs after step 2, continues the count saved with step 1 and stops at step 2, saving and
 validating there (verl's own loop would have done neither: save_freq and test_freq are 5).
-Three runs, each ``python -m mix_src.main_mix_ppo +backend=cpu`` in its own Ray cluster (tests/e2e.py).
+Three runs of ``python -m mix_src.main_mix_ppo +backend=cpu`` (tests/e2e.py): the V1 ones each in its own Ray
+cluster; the legacy one (it checkpoints each step, as the V1 run does) is the run ``partial_prefix`` of the legacy
+batch (tests/conftest.py ``legacy_batch``: one process for several tests' runs), which
+tests/test_mix_trainer_e2e.py's legacy resume test reads too.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from e2e import MIX_CPU, run_verl, tiny_overrides
+from e2e import MIX, batch_result, batch_run, partial_prefix_overrides, partial_prefix_saved, run_verl
 
 pytestmark = pytest.mark.ray
-
-MIX = "mix_src.main_mix_ppo"
-COMMON = ["mix.n_prefix=2", "mix.min_prefix_ratio=0.3", "mix.max_prefix_ratio=0.7", "mix.seed=7",
-          "algorithm.adv_estimator=grpo_split", "actor_rollout_ref.rollout.calculate_log_probs=true",
-          # formerly refused on V1, on in every run here: the learned entropy coefficient (checkpointed), and
-          # all_max_clip with token-mean (its kept-token counts per mini-batch)
-          "mix.loss.use_adaptive_entropy=true", "actor_rollout_ref.actor.entropy_coeff=0.01", "mix.loss.alpha_lr=0.5",
-          "mix.loss.all_max_clip=0.999"]  # fmt: skip
+TEST = "test_bases_equivalence.py::test_legacy_and_v1_sync_train_the_same_luffy_steps_and_v1_resumes_them"
+LEGACY = batch_run("legacy", "partial_prefix", partial_prefix_saved, [TEST])
 
 # Every metric both bases log is compared (below); these are not: wall-clock timings and what follows from them
 # (throughput, MFU) and memory counters, which differ between any two runs.
@@ -43,8 +40,8 @@ V1_ONLY: dict[str, str] = {
 
 
 def _run(tiny_assets, tmp_path, *extra, steps=2, name="run"):
-    overrides = MIX_CPU + tiny_overrides(tiny_assets, steps=steps, n=4, batch_size=4, response_length=24)
-    return run_verl(MIX, overrides + COMMON + list(extra), tmp_path, timeout=420, name=name)
+    overrides = partial_prefix_overrides(tiny_assets, *extra, steps=steps)  # e2e.PARTIAL_PREFIX_LUFFY
+    return run_verl(MIX, overrides, tmp_path, timeout=420, name=name)
 
 
 # The only tolerance, and why. The data side is compared bit for bit: prompts, prefix ratios, samples, scores,
@@ -67,8 +64,8 @@ def _compared(m: dict) -> dict:
     return {k: v for k, v in m.items() if not k.startswith(UNCOMPARED)}
 
 
-def test_legacy_and_v1_sync_train_the_same_luffy_steps_and_v1_resumes_them(tiny_assets, tmp_path):
-    legacy = _run(tiny_assets, tmp_path / "legacy", name="legacy")
+def test_legacy_and_v1_sync_train_the_same_luffy_steps_and_v1_resumes_them(tiny_assets, tmp_path, legacy_batch):
+    legacy = batch_result(legacy_batch, LEGACY)
     ckpt = tmp_path / "ckpt"
     v1_args = ["trainer.use_v1=true", "trainer.v1.trainer_mode=sync", f"trainer.default_local_dir={ckpt}"]
     v1 = _run(tiny_assets, tmp_path / "v1", *v1_args, "trainer.save_freq=1", name="v1")

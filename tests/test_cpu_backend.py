@@ -7,11 +7,12 @@ Unit tests load the tiny random Qwen2 in-process (no Ray). The integration test 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import torch
 
-from e2e import STOCK_VERL_CPU, run_verl, tiny_overrides
+from e2e import STOCK_VERL_CPU, run_command, run_verl, tiny_overrides
 from mix_src.cpu.sampling import SamplingSpec, filter_top_k_top_p, generate_batch
 
 
@@ -328,6 +329,68 @@ def test_run_verl_fails_clearly_and_leaves_nothing_running(tmp_path):
         run_verl("crash_job", ["x=1"], tmp_path, timeout=60, env=env, name="crash")
     result = run_verl("crash_job", [], tmp_path, timeout=60, env=env, name="crash", check=False)
     assert result.returncode == 1 and result.metrics == [] and "boom" in result.log_tail()
+
+
+def test_time_table_records_every_job(tmp_path, monkeypatch):
+    """MIX_E2E_TIMES: each job appends its test id, module, wall and CPU seconds and when its log first showed
+    ray.init being called, Ray up and step 1; ``python tests/e2e.py <file>`` sums them per test file. (~4 s)"""
+    from e2e import time_table
+
+    (tmp_path / "fake_job.py").write_text(
+        "import time\n"
+        "def line(text, wait):\n"
+        "    time.sleep(wait); print(text, flush=True)\n"
+        "line('ray init kwargs: {}', 0.6)\n"
+        "line('INFO worker.py:2038 -- Started a local Ray instance.', 0.6)\n"
+        "t = time.process_time()\n"
+        "while time.process_time() - t < 0.5: pass\n"  # half a second of CPU
+        "line('(TaskRunner pid=1) step:1 - actor/pg_loss:0.1', 0.6)\n"
+    )
+    times = tmp_path / "times.jsonl"
+    monkeypatch.setenv("MIX_E2E_TIMES", str(times))
+    run_verl("fake_job", [], tmp_path, timeout=60, env={"PYTHONPATH": str(tmp_path)}, name="fake")
+    run_verl("fake_job", [], tmp_path, timeout=60, env={"PYTHONPATH": str(tmp_path)}, name="fake2")
+    first, second = (json.loads(line) for line in times.read_text().splitlines())
+    assert first["test"] == "tests/test_cpu_backend.py::test_time_table_records_every_job"
+    assert first["module"] == "fake_job" and first["returncode"] == 0
+    assert 0.5 <= first["ray_init_s"] < first["ray_up_s"] < first["step1_s"] <= first["wall_s"]
+    assert first["cpu_s"] >= 0.4  # the job's busy loop
+    table = time_table(str(times)).splitlines()
+    assert table[2].startswith("| tests/test_cpu_backend.py | 2 | ")
+    assert f"{first['wall_s'] + second['wall_s']:.0f}" == table[2].split(" | ")[2]
+
+
+def test_run_batch_gives_each_test_its_own_runs_result(tmp_path, monkeypatch):
+    """A batch (tests/e2e.py run_batch) trains the selected tests' runs in one process and hands each its own
+    metrics and status: a failed run fails only the test that reads it. The process is stood in for by a script
+    that prints mix_modes_run.py's lines and writes verl's file-logger lines. (<1 s)"""
+    import e2e
+
+    fake = tmp_path / "fake_modes_run.py"
+    fake.write_text(
+        "import json, os, sys\n"
+        "runs = json.load(open(sys.argv[1]))\n"
+        "for i, (name, overrides) in enumerate(runs.items()):\n"
+        "    if 'fail=1' in overrides:\n"
+        "        print(f'MIX_MODES_RUN {name} FAILED 0.5s'); continue\n"
+        "    os.makedirs(os.path.join(os.environ['VERL_FILE_LOGGER_ROOT'], 'e2e'), exist_ok=True)\n"
+        "    with open(os.path.join(os.environ['VERL_FILE_LOGGER_ROOT'], 'e2e', name + '.jsonl'), 'w') as f:\n"
+        "        f.write(json.dumps({'step': 1, 'data': {'x': i}}) + '\\n')\n"
+        "    print(f'MIX_MODES_RUN {name} ok 1.5s')\n"
+        "sys.exit(1)\n"  # as mix_modes_run: the number of failed runs
+    )
+    monkeypatch.setattr(e2e, "BATCHES", {})
+    monkeypatch.setattr(e2e, "run_command", lambda cmd, *a, **kw: run_command([cmd[0], str(fake), *cmd[2:]], *a, **kw))
+    e2e.batch_run("b", "one", lambda assets, d: ["trainer.project_name=e2e"], ["f.py::test_one"])
+    e2e.batch_run("b", "bad", lambda assets, d: ["fail=1"], ["f.py::test_bad"])
+    e2e.batch_run("b", "two", lambda assets, d: [f"dir={d}"], ["f.py::test_two"])
+    e2e.batch_run("b", "unread", lambda assets, d: [], ["f.py::test_deselected"])
+    results = e2e.run_batch("b", {"f.py::test_one", "f.py::test_bad", "f.py::test_two"}, {}, tmp_path / "b")
+    assert list(results) == ["one", "bad", "two"]  # the selected tests' runs, in registration order
+    assert e2e.batch_result(results, "one").metrics == [{"step": 1, "x": 0}] and results["one"].wall_s == 1.5
+    assert e2e.batch_result(results, "two").metrics == [{"step": 1, "x": 2}]
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)run 'bad' of the batch failed \(exit 1\).*bad FAILED"):
+        e2e.batch_result(results, "bad")
 
 
 def test_server_takes_verls_lora_base_sync_then_adapter_sync(tiny_assets, tiny):

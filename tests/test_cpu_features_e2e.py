@@ -1,6 +1,7 @@
 """The features verl's GPU recipes use, with LUFFY on, trained end to end on the CPU backend (the feature matrix).
 
-Two Ray runs carry them all (the CI budget: one start-up each):
+Two runs carry them all (the CI budget): the legacy one in the legacy batch (tests/e2e.py ``batch_run``: one
+process and one Ray cluster for several tests' runs), the V1 one in its own process (its test reads its log):
 
 * legacy trainer: reference policy for the KL loss (``actor.use_kl_loss``) and the KL in the reward
   (``algorithm.use_kl_in_reward``) + GAE with verl's critic (``AutoModelForTokenClassification``);
@@ -20,7 +21,7 @@ import re
 
 import pytest
 
-from e2e import MIX_CPU, run_verl, tiny_overrides
+from e2e import MIX_CPU, batch_result, batch_run, run_verl, tiny_overrides
 
 pytestmark = pytest.mark.ray
 
@@ -38,9 +39,22 @@ def critic(tiny_assets) -> list[str]:
     ]
 
 
+def overrides(tiny_assets, *extra) -> list[str]:
+    return MIX_CPU + tiny_overrides(tiny_assets, steps=2, n=4, batch_size=4, response_length=24) + LUFFY + list(extra)
+
+
 def run(tiny_assets, tmp_path, *extra):
-    overrides = MIX_CPU + tiny_overrides(tiny_assets, steps=2, n=4, batch_size=4, response_length=24)
-    return run_verl(MIX, overrides + LUFFY + list(extra), tmp_path, timeout=480)
+    return run_verl(MIX, overrides(tiny_assets, *extra), tmp_path, timeout=480)
+
+
+def legacy_kl_gae(assets, batch_dir) -> list[str]:
+    return overrides(assets, *critic(assets),
+                     "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.1",
+                     "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.1")  # fmt: skip
+
+
+KL_GAE = batch_run("legacy", "kl_gae", legacy_kl_gae,
+                   ["test_cpu_features_e2e.py::test_legacy_kl_loss_kl_in_reward_and_gae"])  # fmt: skip
 
 
 def assert_luffy_and_critic_step(m: dict) -> None:
@@ -54,12 +68,8 @@ def assert_luffy_and_critic_step(m: dict) -> None:
     assert m["actor/grad_norm"] > 0
 
 
-def test_legacy_kl_loss_kl_in_reward_and_gae(tiny_assets, tmp_path):
-    result = run(
-        tiny_assets, tmp_path, *critic(tiny_assets),
-        "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.1",
-        "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.1",
-    )  # fmt: skip
+def test_legacy_kl_loss_kl_in_reward_and_gae(legacy_batch):
+    result = batch_result(legacy_batch, KL_GAE)
     assert [m["step"] for m in result.metrics] == [1, 2]
     for m in result.metrics:
         assert_luffy_and_critic_step(m)
