@@ -10,8 +10,8 @@ so the trainer replaces the whole worker loss after `init_workers()`:
 verl's `workers/utils/losses.py::ppo_loss` (with `config` bound at construction) and mirrors it step by
 step: log-probs and entropy back to padded (bsz, response_len); then the scalar terms of
 mix_src/loss_terms.py's LOSS_TERMS, summed in their order (the policy loss; the SFT term; minus the entropy
-bonus; plus the KL loss: each term is one registry entry stating its inputs and config checks); every term aggregated by `agg_loss` with the global batch numbers the engine
-puts in `data` (dp_size, batch_num_tokens, global_batch_size), so the gradient of a mini-batch does not
+bonus; plus the KL loss: each one registry entry stating its inputs and config checks); every term aggregated
+by `agg_loss` with the global batch numbers the engine puts in `data` (dp_size, batch_num_tokens, global_batch_size), so the gradient of a mini-batch does not
 depend on how it is split into micro-batches. With an all-zero prefix_mask it equals verl's ppo_loss.
 
 Policy loss (from `mix.loss`):
@@ -279,7 +279,8 @@ class MixPolicyLoss:
             log_prob=log_prob, response_mask=response_mask, agg=agg, policy=lambda: self._policy_loss(ctx),
             entropy=entropy, entropy_coef=lambda: self._entropy_coefficient(entropy, response_mask, info, dp_group,
                                                                             ctx.metrics),
-            sft_mask=sft_mask, sft_agg=lambda lp, mask: SFT_AGGS.get(mix.sft_loss_agg)(lp, mask, self._sft_scale(data, info)),
+            sft_mask=sft_mask,
+            sft_agg=lambda lp, mask: SFT_AGGS.get(mix.sft_loss_agg)(lp, mask, self._sft_scale(data, info)),
             sft_coef=mix.sft_loss_coef, kld=kld if config.use_kl_loss else None, kl_coef=config.kl_loss_coef, log=log,
         )  # fmt: skip
         return ctx

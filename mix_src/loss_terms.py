@@ -7,13 +7,14 @@ config checks (``check_loss(loss_config, "mix.loss")``, run once when the ``mix.
 
     ppo_clip          token   on-policy tokens: J = min(A r, A clip(r)) (+ dual clip), r from the on-policy reshape
     shaped_off_policy token   prefix (demonstration) tokens: J = A f(p), f = p/(p+gamma) in LUFFY's recipe
+    policy            scalar  the token terms aggregated (or verl's loss_mode on on-policy tokens, or mix.loss.combine)
     sft               scalar  sft_loss_coef * NLL over the SFT tokens (mix_src/loss.py: multitask or row loss)
     entropy           scalar  - c * entropy bonus (c fixed or adaptive, mix_src/loss.py)
     kl                scalar  kl_loss_coef * KL(log_prob, ref_log_prob) (verl's kl_penalty, mix_src/loss.py)
 
 Token terms write a per-token objective J and its derivative dJ/dl into one (B, L) matrix; :func:`token_loss` (the
 successor of the original's ``compute_token_on_off_policy_loss``, luffy/verl/verl/mix_src/mix_core_alg.py:69-240,
-arXiv 2504.14945 eq. 5-6) aggregates -J once with ``agg_loss``, so the on- and off-policy tokens share one sum, as in
+arXiv 2504.14945 section 3) aggregates -J once with ``agg_loss``, so the on- and off-policy tokens share one sum, as in
 the original. Scalar terms are added by the worker loss in registration order (mix_src/loss.py). The departures from
 the original are listed in mix_src/core_alg.py's docstring.
 
@@ -31,13 +32,14 @@ import torch
 
 from mix_src.token_maths import (
     LOG_RATIO_CLAMP, LOSS_AGG_MODES, OFF_POLICY_RESHAPES, ON_POLICY_RESHAPES, P_DIV_P_ALIASES, ReshapeParams,
-    _bool_mask, _check_choice, _check_same_shape, _count, _nonzero, agg_loss, masked_mean,
+    _bool_mask, _check_choice, _check_same_shape, _count, _nonzero, agg_loss, masked_mean, off_policy_shape,
+    on_policy_ratio,
 )  # fmt: skip
 from mix_src.off_policy_behaviour import OFF_POLICY_BEHAVIOURS
 from mix_src.registry import Registry
 
-__all__ = ["LOSS_TERMS", "TOKEN_METRICS", "TermInputs", "TokenBatch", "TokenLossConfig", "check_loss_terms", "register_loss_term",
-           "token_loss"]  # fmt: skip
+__all__ = ["LOSS_TERMS", "TOKEN_METRICS", "TermInputs", "TokenBatch", "TokenLossConfig", "check_loss_terms",
+           "register_loss_term", "token_loss"]  # fmt: skip
 
 TOKEN_METRICS = ("off_pg_loss", "on_pg_loss", "on_pg_clipfrac", "on_pg_clipfrac_lower", "ppo_kl", "off_policy_prob",
                  "on_policy_prob", "off_ratio_mean", "off_ratio_max_clip_frac", "off_ratio_min_clip_frac")  # fmt: skip
@@ -205,7 +207,7 @@ class TokenSets:
 
 
 @dataclass
-class TokenObjective:
+class TokenAccumulator:
     """What the token terms accumulate: J and dJ/dl (B, L), sum of d over their tokens, and their metrics."""
 
     obj: torch.Tensor
@@ -243,7 +245,8 @@ def token_loss(batch: TokenBatch, cfg: TokenLossConfig) -> dict[str, torch.Tenso
     with torch.no_grad():
         sets = TokenSets.of(batch)
         zero = sets.lp.new_zeros(())
-        acc = TokenObjective(torch.zeros_like(sets.lp), torch.zeros_like(sets.lp), zero, dict.fromkeys(TOKEN_METRICS, zero))
+        acc = TokenAccumulator(torch.zeros_like(sets.lp), torch.zeros_like(sets.lp), zero,
+                               dict.fromkeys(TOKEN_METRICS, zero))
         for name in LOSS_TERMS.names():
             if LOSS_TERMS.options(name)["stage"] == "token":
                 LOSS_TERMS.get(name)(batch, cfg, sets, acc)
@@ -286,14 +289,14 @@ def _check_on_policy(loss: Any, p: str) -> None:
     reads=("mix.loss.on_policy_reshape*", "mix.loss.loss_remove_clip", "mix.loss.clip_upper_bound",
            "actor_rollout_ref.actor.clip_ratio*"), check_loss=_check_on_policy,
 )  # fmt: skip
-def ppo_clip_term(batch: TokenBatch, cfg: TokenLossConfig, sets: TokenSets, acc: TokenObjective) -> None:
+def ppo_clip_term(batch: TokenBatch, cfg: TokenLossConfig, sets: TokenSets, acc: TokenAccumulator) -> None:
     """On-policy tokens: J = min(A r, A clip(r, 1 - eps, U)), dJ/dl = A dr/dl where the unclipped branch wins; with
     clip_ratio_c, J = max(J, A c) where A < 0 (verl's dual clip). Writes J over all (B, L) (prefix tokens are
     overwritten by the off-policy term)."""
     if not bool(sets.n_on > 0):
         return
     adv, m = batch.advantages, acc.metrics
-    r, dr = _on_policy_ratio(cfg.on_policy_reshape, sets.log_ratio, sets.lp, batch.old_log_prob, cfg.on_params,
+    r, dr = on_policy_ratio(cfg.on_policy_reshape, sets.log_ratio, sets.lp, batch.old_log_prob, cfg.on_params,
                              sets.in_clamp)  # fmt: skip
     obj = adv * r
     dobj = obj if dr is r else adv * dr
@@ -343,7 +346,7 @@ def _check_off_policy(loss: Any, p: str) -> None:
     reads=("mix.loss.off_policy_reshape*", "mix.loss.off_max_clip", "mix.loss.off_min_clip",
            "mix.loss.off_policy_behaviour"), check_loss=_check_off_policy,
 )  # fmt: skip
-def shaped_off_policy_term(batch: TokenBatch, cfg: TokenLossConfig, sets: TokenSets, acc: TokenObjective) -> None:
+def shaped_off_policy_term(batch: TokenBatch, cfg: TokenLossConfig, sets: TokenSets, acc: TokenAccumulator) -> None:
     """Prefix tokens: J = A f(p) (LUFFY's policy shaping, f = p/(p+gamma) in its recipe), computed on the prefix
     tokens only (gathered, 1-D); f clamped to [off_min_clip, off_max_clip] where set (derivative 0 there)."""
     if not bool(sets.n_off > 0):
@@ -361,7 +364,7 @@ def shaped_off_policy_term(batch: TokenBatch, cfg: TokenLossConfig, sets: TokenS
         f = p_o / (batch.target_probs.reshape(-1)[idx] + 1e-6)
         df = f
     else:
-        f, df = _off_policy_shape(cfg.off_policy_reshape, lp_o, p_o, cfg.off_params)
+        f, df = off_policy_shape(cfg.off_policy_reshape, lp_o, p_o, cfg.off_params)
     if cfg.off_max_clip is not None:
         over = f > cfg.off_max_clip
         m["off_ratio_max_clip_frac"] = _count(over) / n_off
@@ -377,35 +380,6 @@ def shaped_off_policy_term(batch: TokenBatch, cfg: TokenLossConfig, sets: TokenS
         acc.dobj = acc.obj.clone()
     acc.obj.view(-1)[idx] = obj_off
     acc.dobj.view(-1)[idx] = adv_o * df
-
-
-def _on_policy_ratio(mode, log_ratio, lp, old, params, in_clamp):
-    """On-policy 'ratio' r and dr/dl from the registered reshape (autograd when it gives no derivative).
-    in_clamp: None, or (B, L) bool, False where log_ratio was clamped (its derivative is 0 there)."""
-    fn = ON_POLICY_RESHAPES.get(mode)
-    r, dr = fn(log_ratio, lp, old, params)
-    if dr is None:
-        with torch.enable_grad():
-            x = lp.detach().requires_grad_(True)
-            r = fn((x - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), x, old, params)[0]
-            (dr,) = torch.autograd.grad(r, x, torch.ones_like(r))
-        r = r.detach()
-    elif in_clamp is not None and ON_POLICY_RESHAPES.options(mode).get("through_log_ratio", True):
-        dr = torch.where(in_clamp, dr, 0.0)
-    return r, dr
-
-
-def _off_policy_shape(mode, lp, p, params):
-    """Off-policy shaped probability f(p) and df/dl from the registered reshape (autograd when needed)."""
-    fn = OFF_POLICY_RESHAPES.get(mode)
-    f, df = fn(lp, p, params)
-    if df is None:
-        with torch.enable_grad():
-            x = lp.detach().requires_grad_(True)
-            f = fn(x, torch.exp(x), params)[0]
-            (df,) = torch.autograd.grad(f, x, torch.ones_like(f))
-        f = f.detach()
-    return f, df
 
 
 def _clip_rows(loss_remove_clip: bool | torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:

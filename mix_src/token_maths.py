@@ -16,8 +16,8 @@ import torch
 from mix_src.registry import Registry
 
 __all__ = ["LOG_RATIO_CLAMP", "LOSS_AGG_MODES", "OFF_POLICY_RESHAPES", "ON_POLICY_RESHAPES", "P_DIV_P_ALIASES",
-           "ReshapeParams", "agg_loss", "masked_mean", "masked_sum", "register_off_policy_reshape",
-           "register_on_policy_reshape"]  # fmt: skip
+           "ReshapeParams", "agg_loss", "masked_mean", "masked_sum", "off_policy_shape", "on_policy_ratio",
+           "register_off_policy_reshape", "register_on_policy_reshape"]  # fmt: skip
 
 LOSS_AGG_MODES = (
     "token-mean",
@@ -246,3 +246,32 @@ def _off_pow(lp, p, params):  # p^k
 def _off_p_div_p(lp, p, params):  # f = p/(p+gamma); df/dl = gamma*p/(p+gamma)^2 = f * (1 - f)
     f = p / (p + params.gamma)
     return f, torch.addcmul(f, f, f, value=-1.0)
+
+
+def on_policy_ratio(mode, log_ratio, lp, old, params, in_clamp):
+    """On-policy 'ratio' r and dr/dl from the registered reshape (autograd when it gives no derivative).
+    in_clamp: None, or (B, L) bool, False where log_ratio was clamped (its derivative is 0 there)."""
+    fn = ON_POLICY_RESHAPES.get(mode)
+    r, dr = fn(log_ratio, lp, old, params)
+    if dr is None:
+        with torch.enable_grad():
+            x = lp.detach().requires_grad_(True)
+            r = fn((x - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), x, old, params)[0]
+            (dr,) = torch.autograd.grad(r, x, torch.ones_like(r))
+        r = r.detach()
+    elif in_clamp is not None and ON_POLICY_RESHAPES.options(mode).get("through_log_ratio", True):
+        dr = torch.where(in_clamp, dr, 0.0)
+    return r, dr
+
+
+def off_policy_shape(mode, lp, p, params):
+    """Off-policy shaped probability f(p) and df/dl from the registered reshape (autograd when needed)."""
+    fn = OFF_POLICY_RESHAPES.get(mode)
+    f, df = fn(lp, p, params)
+    if df is None:
+        with torch.enable_grad():
+            x = lp.detach().requires_grad_(True)
+            f = fn(x, torch.exp(x), params)[0]
+            (df,) = torch.autograd.grad(f, x, torch.ones_like(f))
+        f = f.detach()
+    return f, df
