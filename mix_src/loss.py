@@ -210,7 +210,7 @@ class MixPolicyLoss:
         loss = pg_loss = None
         for name in LOSS_TERMS.names():
             options = LOSS_TERMS.options(name)
-            term = LOSS_TERMS.get(name)(ctx.terms) if options["stage"] == "scalar" else None
+            term = LOSS_TERMS.get(name)(ctx.terms) if options.get("stage") == "scalar" else None
             if term is not None:
                 loss = term if loss is None else loss + term
             if options.get("pg_loss"):

@@ -59,7 +59,7 @@ def register_loss_term(name: str, *, stage: str, inputs: tuple[str, ...], writes
 def check_loss_terms(loss_config: Any, prefix: str = "mix.loss") -> None:
     """Every registered term's config checks on the ``mix.loss`` section (once, when the section is built)."""
     for name in LOSS_TERMS.names():
-        check = LOSS_TERMS.options(name)["check_loss"]
+        check = LOSS_TERMS.options(name).get("check_loss")
         if check is not None:
             check(loss_config, prefix)
 
@@ -248,7 +248,7 @@ def token_loss(batch: TokenBatch, cfg: TokenLossConfig) -> dict[str, torch.Tenso
         acc = TokenAccumulator(torch.zeros_like(sets.lp), torch.zeros_like(sets.lp), zero,
                                dict.fromkeys(TOKEN_METRICS, zero))
         for name in LOSS_TERMS.names():
-            if LOSS_TERMS.options(name)["stage"] == "token":
+            if LOSS_TERMS.options(name).get("stage") == "token":
                 LOSS_TERMS.get(name)(batch, cfg, sets, acc)
         acc.metrics["ppo_kl"] = -acc.kl_sum / _nonzero(sets.n_valid)
         loss_mask = sets.valid

@@ -18,7 +18,7 @@ from verl.workers.engine.utils import prepare_micro_batches
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
-from mix_src.core_alg import agg_loss, compute_token_on_off_policy_loss, kept_tokens_per_mini_batch
+from mix_src.core_alg import agg_loss, compute_token_on_off_policy_loss, kept_tokens_per_mini_batch, masked_mean
 from mix_src.loss import KEPT_TOKENS, MixLossConfig, MixPolicyLoss
 
 VOCAB, PROMPT, RESPONSE = 13, 4, 6
@@ -415,3 +415,39 @@ def test_adaptive_entropy_state_round_trips_through_the_metrics():
     for data in batches[1:]:
         run(fresh, data)
     assert fresh._entropy_coef.coef != straight._entropy_coef.coef
+
+
+def test_a_registered_loss_term_is_checked_at_config_time_and_added_to_the_loss():
+    """One decorator adds a term (mix_src/loss_terms.py): its config check runs when mix.loss is built, and the worker
+    loss adds its value after the built-in terms (policy, sft, entropy, kl), outside actor/pg_loss. ~1 s."""
+    from mix_src.loss_terms import LOSS_TERMS, register_loss_term
+    from mix_src.mix_config import MixConfigError
+
+    def check(loss, p):
+        if loss.sft_loss_coef == 0.125:
+            raise ValueError(f"{p}.sft_loss_coef=0.125 is refused by the test term")
+
+    @register_loss_term("test_mean_logp", stage="scalar", inputs=("response_mask",), writes="0.5 * mean log p",
+                        check_loss=check)  # fmt: skip
+    def mean_logp(t):
+        t.log("actor/test_term", float(masked_mean(t.log_prob.detach(), t.response_mask)))
+        return 0.5 * masked_mean(t.log_prob, t.response_mask)
+
+    try:
+        with pytest.raises(MixConfigError, match=r"mix\.loss\.sft_loss_coef=0\.125 is refused by the test term"):
+            MixLossConfig(sft_loss_coef=0.125)
+        model = BigramLM(seed=1)
+        data = make_batch(seed=2, model=model)
+        tu.assign_non_tensor(data, micro_batch_size_per_gpu=6)
+        (micro,), _ = prepare_micro_batches(data)
+        out = model(micro)
+        with_term, metrics = MixPolicyLoss(actor_config())(model_output=out, data=micro)
+    finally:
+        LOSS_TERMS._entries.pop("test_mean_logp")
+        LOSS_TERMS._described.pop("test_mean_logp")
+    without, base_metrics = MixPolicyLoss(actor_config())(model_output=out, data=micro)
+    log_prob = no_padding_2_padding(out["log_probs"], micro)
+    mask = micro.select("response_mask").to_padded_tensor()["response_mask"].bool()
+    assert torch.equal(with_term, without + 0.5 * masked_mean(log_prob, mask))
+    assert "actor/test_term" in metrics and "actor/test_term" not in base_metrics
+    assert metrics["actor/pg_loss"].values == base_metrics["actor/pg_loss"].values
