@@ -99,7 +99,7 @@ TASKS = {
                      ta.MAX_NEW_TOKENS, 16, env={"VARIANT": "demo", "SKIP_PREPARE": "1"}),
     "sort": Task("sort", _prepare_sort, sort_task.DATA_SOURCE, sort_task.OOD_SOURCE, sort_task.compute_score,
                  ts.MAX_NEW_TOKENS, 24, env={"SKIP_PREPARE": "1"},
-                 overrides=["reward.custom_reward_function.path=pkg://mix_src.toy_sort", "data.max_response_length=24"]),
+                 overrides=["+task=sort"]),  # recipes/toy_addition/task/sort.yaml: reward, response length, RL lr
 }
 
 
