@@ -26,6 +26,7 @@ import torch
 
 from verl.trainer.ppo import core_algos
 
+from mix_src.compat import checked
 from mix_src.core_alg import compute_grpo_outcome_advantage_split, group_ids
 from mix_src.registry import Registry
 
@@ -49,6 +50,7 @@ def register_adv_estimator(name: str, **entry) -> Callable[[AdvEstimator], AdvEs
 
         verl_signature.__name__ = verl_signature.__qualname__ = f"{name}_verl_signature"
         verl_signature.mix_estimator = fn
+        checked("adv_estimators.registry")
         old = core_algos.ADV_ESTIMATOR_REGISTRY.get(name)
         if old is not None and _same_function(getattr(old, "mix_estimator", None), fn):
             core_algos.ADV_ESTIMATOR_REGISTRY[name] = verl_signature  # the same module imported again

@@ -109,6 +109,9 @@ def pin_single_server(client, get=ray.get) -> bool:
     async def acquire(request_id, **extra):
         return server_id, handle
 
+    from mix_src.compat import checked
+
+    checked("agent_loop.pin_server")
     client._acquire_server = acquire
     client._release_server = lambda server_id, request_id=None: None
     return True

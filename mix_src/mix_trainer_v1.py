@@ -71,6 +71,7 @@ from verl.workers.utils.padding import response_to_nested
 
 from mix_src import adv_estimators  # noqa: F401  (registers grpo_split with verl)
 from mix_src.dataset import TARGET_FIELD
+from mix_src.compat import checked, swapped
 from mix_src.loss import pop_entropy_state
 from mix_src.mix_config import MixConfig, validate_mix_config
 from mix_src.mix_trainer import MIX_STATE_FILE, FilterGroupsExhausted, MIXRayPPOTrainer
@@ -130,11 +131,8 @@ class MixV1Mixin:
             return build(data_paths, train_data_cfg if is_train else data_config, tokenizer, processor,
                          is_train=is_train, max_samples=max_samples)  # fmt: skip
 
-        trainer_base.create_rl_dataset = create_rl_dataset
-        try:
+        with swapped(trainer_base, "create_rl_dataset", create_rl_dataset, patch="v1.create_rl_dataset"):
             super()._init_dataloader()
-        finally:
-            trainer_base.create_rl_dataset = build
 
     def on_init_end(self):
         """Install the MIX worker loss (after verl's ``_setup``, which restored a checkpoint: a learned entropy
@@ -159,11 +157,8 @@ class MixV1Mixin:
             return verl_reduce(output)
 
         batch = self._add_update_inputs(batch)
-        trainer_base.reduce_metrics = reduce
-        try:
+        with swapped(trainer_base, "reduce_metrics", reduce, patch="v1.reduce_metrics"):
             return super()._update_actor(batch, metrics)
-        finally:
-            trainer_base.reduce_metrics = verl_reduce
 
     def _add_update_inputs(self, batch):
         """The per-row inputs the worker loss reads next to verl's fields, computed on the driver as the legacy base
@@ -237,6 +232,7 @@ class MixV1Mixin:
                 trainer._count_generated_rows(new, [rows[k] for k in new])
                 trainer._counted_rows.update(new)
 
+        checked("v1.replay_buffer.sync_metadata")
         buffer._sync_metadata_from_transfer_queue = types.MethodType(_sync_metadata_from_transfer_queue, buffer)
         self._counts_generation = True
 
@@ -442,6 +438,7 @@ class MixV1Mixin:
         self._install_generation_count(buffer)
         if getattr(buffer, "filter_groups_metric", None) is None or not hasattr(buffer, "_dapo_filtered_keys"):
             return buffer
+        checked("v1.replay_buffer.dapo_filter")
         buffer._dapo_filtered_keys = types.MethodType(
             make_dapo_filtered_keys(self.mix.filter_groups.rule, self.mix.filter_groups.on_policy_only), buffer
         )
@@ -472,6 +469,7 @@ class MixV1Mixin:
                 return None  # carried: they stay finished in TransferQueue for the next step
             return verl_clear(partition_id, uids)
 
+        checked("v1.replay_buffer.sync_steps")
         buffer._wait_for_next_poll = types.MethodType(_wait_for_next_poll, buffer)
         buffer._select_prompt_uids = types.MethodType(_select_prompt_uids, buffer)
         buffer._clear_groups = types.MethodType(_clear_groups, buffer)
@@ -618,13 +616,10 @@ class MixV1Mixin:
         def correction(data, rc):
             return on_policy_rollout_correction(data, prefix_mask, rc, verl_correction)
 
-        trainer_base.compute_advantage_for_multi_trajectories = advantages
-        trainer_base.compute_rollout_correction_and_add_to_batch = correction
-        try:
+        with (swapped(trainer_base, "compute_advantage_for_multi_trajectories", advantages, patch="v1.advantage"),
+              swapped(trainer_base, "compute_rollout_correction_and_add_to_batch", correction,
+                      patch="v1.rollout_correction")):
             batch = super()._compute_advantage(batch, metrics)
-        finally:
-            trainer_base.compute_advantage_for_multi_trajectories = verl_advantage
-            trainer_base.compute_rollout_correction_and_add_to_batch = verl_correction
         out = {"prefix_mask": response_to_nested(prefix_mask.to(nested_response_mask.dtype), nested_response_mask)}
         return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=TensorDict(out, batch_size=len(batch)))
 
@@ -777,12 +772,9 @@ class MixPPOTrainerSeparateAsync(MixV1Mixin, PPOTrainerSeparateAsync):
         ``flush``."""
         from verl.trainer.ppo.v1 import trainer_separate_async
 
-        verl_logger = trainer_separate_async.logger
-        trainer_separate_async.logger = _DropFlush(verl_logger, {})
-        try:
+        drop_flush = _DropFlush(trainer_separate_async.logger, {})
+        with swapped(trainer_separate_async, "logger", drop_flush, patch="v1.separate_async.logger"):
             super()._setup()
-        finally:
-            trainer_separate_async.logger = verl_logger
 
 
 class MixTaskRunnerV1(TaskRunnerV1.__ray_actor_class__):

