@@ -77,3 +77,21 @@ def test_sort_rl_runs_use_the_sort_learning_rate(sort_cfg):
     assert float(sort_cfg.actor_rollout_ref.actor.optim.lr) == pytest.approx(1e-4)
     assert float(_compose("addition").actor_rollout_ref.actor.optim.lr) == pytest.approx(5e-4)
     assert sort_cfg.reward.custom_reward_function.path == "pkg://mix_src.toy_sort"
+
+
+def test_a_sort_run_made_at_the_old_learning_rate_is_not_reused():
+    """`make evidence` reuses finished runs: one recorded before the sort setting (no overrides in its
+    done.json, or the old ones) is run again; one with this grid's overrides is reused."""
+    from types import SimpleNamespace
+
+    grid = SimpleNamespace(budget=4e11, count="full", evals=4)
+    grpo = cmp.load_method("grpo")
+    now = cmp.run_overrides(cmp.TASKS["sort"], grpo)
+    assert now == ["+task=sort"]
+    old = {"budget": 4e11, "count": "full", "evals_asked": 4}
+    assert not cmp.reusable(old, grid, now)
+    assert not cmp.reusable({**old, "overrides": ["reward.custom_reward_function.path=pkg://mix_src.toy_sort",
+                                                  "data.max_response_length=24"]}, grid, now)
+    assert cmp.reusable({**old, "overrides": now}, grid, now)
+    assert cmp.run_overrides(cmp.TASKS["sort"], cmp.load_method("sft_rl")) == now  # its RL phase is grpo's
+    assert cmp.run_overrides(cmp.TASKS["sort"], cmp.load_method("sft")) == []

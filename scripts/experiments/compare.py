@@ -7,7 +7,8 @@
 (``python -m mix_src.main_mix_ppo`` with the toy task's ``on_policy_grpo`` config = the task's base settings),
 SFT through the same script's ``sft`` path (verl's own ``verl.trainer.sft_trainer`` under torchrun). ``--jobs N``
 runs N at a time (threads over the runs' subprocesses; SFT->RL after the SFT runs it starts from). A finished run has ``done.json`` in
-its folder and is never re-run; an unfinished folder is deleted and the run starts again. ``--wrap CMD`` (or env
+its folder and is not re-run while the grid's budget and evaluations and the run's Hydra overrides stay the same
+(:func:`reusable`); an unfinished folder is deleted and the run starts again. ``--wrap CMD`` (or env
 ``COMPARE_RUN_WRAPPER``) prefixes each run's command, e.g. ``--wrap "flock /tmp/my.lock"`` takes a lock per run.
 
 **Methods plug in by name.** A method ``X`` is runnable when ``recipes/X/compare.yaml`` exists with
@@ -147,6 +148,21 @@ def load_method(name: str, recipes_dir: str = os.path.join(REPO_ROOT, "recipes")
         if not 0.0 < m.sft_fraction < 1.0:
             raise SystemExit(f"{path}: sft_fraction={m.sft_fraction} must be in (0, 1)")
     return m
+
+
+def run_overrides(task: Task, method: Method, rl_overrides=()) -> list[str]:
+    """The Hydra overrides a run's RL part is launched with (SFT: none), recorded in its ``done.json``."""
+    if method.kind == "sft":
+        return []
+    rl = load_method(method.rl_method) if method.kind == "sft_rl" else method
+    return [*task.overrides, *rl_overrides, *rl_args(rl)]
+
+
+def reusable(rec: dict, a, overrides: list[str]) -> bool:
+    """A finished run is reused when its budget, count, evaluations and RL overrides are this grid's (a run
+    recorded before the overrides were, e.g. the sort runs at addition's lr before #40, is run again)."""
+    return (rec.get("budget"), rec.get("count"), rec.get("evals_asked"), rec.get("overrides")) == (
+        a.budget, a.count, a.evals, overrides)
 
 
 def rl_args(method: Method) -> list[str]:
@@ -538,7 +554,7 @@ def main(argv=None) -> int:
                     done = os.path.join(rdir, "done.json")
                     if os.path.exists(done):
                         rec = json.load(open(done))
-                        if rec.get("budget") == a.budget and rec.get("count") == a.count and rec.get("evals_asked") == a.evals:
+                        if reusable(rec, a, run_overrides(task, methods[mname], a.rl_overrides)):
                             results[tname].setdefault(mname, {})[seed] = rec
                             continue
                     todo.append((mname, seed, rdir, done))
@@ -556,7 +572,8 @@ def main(argv=None) -> int:
                     rec = run_sft_rl(task, assets, m, seed, a, sft_steps, save_freq, step_fl, rdir, wrap, test_freq,
                                      plans[tname]["sft_tokens_per_step"])
                 rec.update({"budget": a.budget, "count": a.count, "evals_asked": a.evals, "method": mname, "seed": seed,
-                            "task": tname, "jobs": a.jobs, "commit": launched_on})
+                            "task": tname, "jobs": a.jobs, "commit": launched_on,
+                            "overrides": run_overrides(task, m, a.rl_overrides)})
                 with open(done, "w") as f:
                     json.dump(rec, f, indent=1)
                 results[tname].setdefault(mname, {})[seed] = rec
