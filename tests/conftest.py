@@ -83,9 +83,10 @@ _RAY_FUNCTIONS: dict[str, frozenset] = {}
 
 # `slow`: tests that start no Ray cluster but spawn fresh Python interpreters (each imports torch and verl) or build
 # and measure models; `make test` runs them, `make test-fast` leaves them out (`-m "not ray and not slow"`). Each
-# entry is "file::test function" (every parametrisation) with its seconds in `make test-fast` on the shared 2-core
-# machine under load (about 5 agents at once; 25 min for the whole tier, 1,058 tests), the reason it is slow.
-# tests/test_tiers.py checks that every entry still names a test.
+# entry is "file::test function" (every parametrisation) with its seconds in a `-m "not ray"` run on the shared
+# 2-core machine under load (25 min for the 1,058 tests of that tier), the reason it is slow; the two
+# test_multirank entries are from `make test-fast` at 6811d4b (load 6.5-8). tests/test_tiers.py checks that every
+# entry still names a test.
 SLOW = {
     "test_toy_addition.py::test_shipped_demo_base_is_checked_installed_and_measured": "62 s: trains, measures a base",
     "test_luffy_keys.py::test_train_sh_runs_through_the_config_stage": "53 s: runs train.sh's config stage",
@@ -111,6 +112,8 @@ SLOW = {
     "test_patches.py::test_a_worker_process_with_a_patch_for_another_verl_stops_at_import_verl": "12 s: a fresh "
     "interpreter",
     "test_plugins.py::test_config_stage_loads_a_plugin_by_relative_path_and_exports_it": "11 s: a fresh interpreter",
+    "test_multirank.py::test_simulation_equals_gloo_averaging": "24 s: gloo ranks in subprocesses",
+    "test_multirank.py::test_luffy_paper_defaults_are_the_official_8_gpu_weights": "12 s",
 }  # fmt: skip
 
 
