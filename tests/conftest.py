@@ -36,7 +36,8 @@ def legacy_batch(request, tiny_assets, tmp_path_factory) -> dict:
 
     selected = {f"{item.path.name}::{item.function.__name__}" for item in request.session.items
                 if getattr(item, "function", None)}  # fmt: skip
-    return run_batch("legacy", selected, tiny_assets, tmp_path_factory.mktemp("legacy_batch"), timeout_per_run=480)
+    batch, per_run = BATCH_FIXTURES["legacy_batch"]
+    return run_batch(batch, selected, tiny_assets, tmp_path_factory.mktemp("legacy_batch"), timeout_per_run=per_run)
 
 
 # ---- test tiers -----------------------------------------------------------------------------------------------
@@ -117,9 +118,17 @@ SLOW = {
 }  # fmt: skip
 
 
+BATCH_FIXTURES = {"legacy_batch": ("legacy", 480)}  # fixture -> (e2e batch, timeout per run, s)
+
+
 def pytest_collection_modifyitems(config, items):
+    from e2e import BATCHES
+
     for item in items:
         fn = getattr(item, "function", None)
+        for fixture, (batch, per_run) in BATCH_FIXTURES.items():
+            if fixture in getattr(item, "fixturenames", ()):  # the batch may train in its setup: pytest.ini's 900 s
+                item.add_marker(pytest.mark.timeout(900 + per_run * len(BATCHES.get(batch, {}))))  # + the batch's
         if fn is not None and f"{item.path.name}::{fn.__name__}" in SLOW:
             item.add_marker(pytest.mark.slow)
         if fn is None or item.get_closest_marker("ray"):

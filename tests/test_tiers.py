@@ -43,3 +43,23 @@ def test_a_batch_refuses_what_must_reach_a_runs_own_ray_processes(monkeypatch, t
     assert list(e2e.batch_overrides("b", {"test_c.py::test_c"}, {}, tmp_path)) == ["plain"]  # the selected tests' runs
     with pytest.raises(ValueError, match=r"run 'plugin': \['mix.plugins=\[p.py\]'\] must reach"):
         e2e.batch_overrides("b", {"test_b.py::test_b"}, {}, tmp_path)
+
+
+def test_a_test_reading_a_batch_gets_the_batchs_time_on_top_of_its_own(monkeypatch):
+    """The batch trains in the setup of the first test that reads it, inside that test's pytest-timeout budget:
+    such a test gets pytest.ini's 900 s plus the batch's runs' time."""
+    import e2e
+
+    class Item:  # what pytest_collection_modifyitems reads of a collected test
+        function, fixturenames = None, ("tmp_path", "legacy_batch")
+
+        def __init__(self):
+            self.markers = []
+
+        def add_marker(self, marker):
+            self.markers.append(marker)
+
+    monkeypatch.setattr(e2e, "BATCHES", {"legacy": {"a": None, "b": None}})
+    item = Item()
+    conftest.pytest_collection_modifyitems(None, [item])
+    assert [(m.name, m.args) for m in item.markers] == [("timeout", (900 + 2 * 480,))]
