@@ -53,7 +53,7 @@ demo: install
 # The comparison harness (scripts/experiments/compare.py): launch methods x seeds x both toy tasks at matched
 # training FLOPs. `make compare` is the smoke grid (seeds 0 1); `make evidence` the grid behind the Evidence
 # section of scripts/experiments/README.md: the same runs with seeds 0-4, in the same folder, so the smoke grid's runs are reused (a
-# finished run is never re-run). 4e11 FLOPs is about 10 LUFFY steps on the addition task: what 2 CPU cores can
+# finished run is not re-run while its overrides are the same). 4e11 FLOPs is about 10 LUFFY steps on the addition task: what 2 CPU cores can
 # run 50 times in about an hour. COMPARE_WRAP prefixes every run (e.g. a lock); COMPARE_JOBS runs at a time.
 COMPARE_METHODS ?= luffy grpo sft sft_rl guide_on_failure
 COMPARE_WRAP    ?=
@@ -65,6 +65,14 @@ compare: install
 
 evidence: install
 	$(PY) -m scripts.experiments.compare $(COMPARE_ARGS) --seeds 0 1 2 3 4
+
+# Issue #40: the sort half of `make evidence` after the sort RL runs got their own lr
+# (recipes/toy_addition/task/sort.yaml); same methods, seeds and budget, into its own folder. The old grid's
+# 25 sort runs took 2,916 s of their own wall time on this 2-core machine (contended).
+.PHONY: evidence-sort
+evidence-sort: install
+	$(PY) -m scripts.experiments.compare --methods $(COMPARE_METHODS) --tasks sort --budget 4e11 --evals 4 --last-k 2 \
+		--out outputs/compare_sort --wrap "$(COMPARE_WRAP)" --jobs $(COMPARE_JOBS) --seeds 0 1 2 3 4
 
 bench: install
 	$(PY) -m scripts.bench all
