@@ -1,6 +1,7 @@
 """The digit-sorting task as its RL runs see it (issue #40: why RL lowered accuracy on sort). The reward, the
 length caps and the sampling settings were checked and are kept here as tests; the cause was the learning
-rate, now a per-task setting (recipes/toy_addition/task/sort.yaml). No Ray; a few seconds."""
+rate, now a per-task setting (recipes/toy_addition/task/sort.yaml). No Ray; 42-50 s on the shared 2-core
+machine under load, most of it the first Hydra compose (verl's imports)."""
 
 import os
 import random
