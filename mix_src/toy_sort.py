@@ -18,7 +18,10 @@ short, so its pass rate on the training / held-out class is about 0.
   appears in training; 7,200 strings).
 
 Reward: :func:`compute_score` (verl's custom-reward signature): 1 when the characters right after the first
-``>`` are exactly the sorted string. Standard library only.
+``>`` are exactly the sorted string (the histogram before it is not graded). Standard library only.
+
+RL runs on this task add ``+task=sort`` to the toy recipes (``recipes/toy_addition/task/sort.yaml``: this
+reward, 24-token responses, lr 1e-4; at addition's 5e-4 every RL run lost accuracy, scripts/experiments/README.md).
 """
 
 from __future__ import annotations
