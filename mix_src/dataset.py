@@ -37,6 +37,7 @@ from mix_src import agent_loop  # noqa: F401
 from mix_src import agent_loop_tools  # noqa: F401  (registers prefix_guided_tool, the multi-turn tool loop)
 from mix_src.config.data_check import is_episode, normalize_target, row_problem  # noqa: F401 (normalize_target re-exported)
 from mix_src.mix_config import DataConfig
+from mix_src.stages import prompt_data_key
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
@@ -59,7 +60,24 @@ class RLHFDatasetWithTarget(RLHFDataset):
         self.target_cfg = DataConfig(**data_cfg)
         self.require_target = bool(mix) and int(mix.get("n_prefix", 0)) != 0
         self.target_stats: dict[str, int] = {}
+        self._rows: Optional[list[int]] = None  # the rows trained on this epoch (leave_out); None = all
+        self._data_keys: Optional[list[str]] = None  # prompt_data_key of every row, made on the first leave_out
         super().__init__(data_files, tokenizer, config, processor=processor, max_samples=max_samples)
+
+    # -- prompts left out of an epoch (mix_src.stages.start_data_epoch) ----------------------------------------
+    def leave_out(self, keys: set) -> int:
+        """Train only on the rows whose prompt (``mix_src.stages.prompt_data_key``) is not in ``keys`` (an empty
+        set: every row again). Returns the number of rows left."""
+        if self._data_keys is None:
+            self._data_keys = [prompt_data_key(m) for m in self.dataframe[self.prompt_key]]
+        self._rows = [i for i, k in enumerate(self._data_keys) if k not in keys] if keys else None
+        return len(self)
+
+    def __len__(self):
+        return super().__len__() if self._rows is None else len(self._rows)
+
+    def __getitem__(self, item):
+        return super().__getitem__(item if self._rows is None else self._rows[item])
 
     def _read_files_and_tokenize(self):
         super()._read_files_and_tokenize()

@@ -76,7 +76,7 @@ from mix_src.rollout_policy import ROLLOUT_POLICIES, RolloutContext
 from mix_src.rollout_policy import solved as rows_solved
 from mix_src.stages import (draw_prefix_ratios, filter_metric_values, length_clip_metrics, luffy_advantages,
                             on_policy_rollout_correction, on_policy_rollout_metrics, prefix_mask_tensor,
-                            prefix_step_metrics, solve_metrics)  # fmt: skip
+                            prefix_step_metrics, solve_metrics, start_data_epoch)  # fmt: skip
 
 MIX_STATE_FILE = "mix_state.pt"
 
@@ -253,6 +253,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         """Batches of ``data.train_batch_size`` prompts across epochs (resumes mid-epoch via the dataloader)."""
         for epoch in range(self._epoch, self.config.trainer.total_epochs):
             self._epoch = epoch
+            start_data_epoch(self.train_dataloader, self.train_dataset, self._policy_state())  # retired prompts leave
             yield from self.train_dataloader
 
     def _step(self, batches: Iterator[dict]) -> Optional[dict[str, Any]]:

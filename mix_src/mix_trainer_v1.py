@@ -78,7 +78,8 @@ from mix_src.mix_trainer import MIX_STATE_FILE, FilterGroupsExhausted, MIXRayPPO
 from mix_src.seeding import request_seeds
 from mix_src.stages import (SUMMED_REWARD_METRICS, draw_prefix_ratios, filter_metric_values, length_clip_metrics,
                             luffy_advantages, on_policy_rollout_correction, on_policy_rollout_metrics,
-                            prefix_mask_tensor, prefix_step_metrics, solve_metrics, solved_rows)  # fmt: skip
+                            prefix_mask_tensor, prefix_step_metrics, solve_metrics, solved_rows,
+                            start_data_epoch)  # fmt: skip
 
 __all__ = [
     "MixTaskRunnerV1",
@@ -520,6 +521,16 @@ class MixV1Mixin:
             f"rule={self.mix.filter_groups.rule!r}). Raise algorithm.filter_groups.max_num_gen_batches (0 = no limit), "
             "lower data.train_batch_size, or use prompts of a difficulty where some but not all samples succeed."
         )
+
+    # ---- the data: each pass over it starts with mix_src's epoch stage ---------------------------------------
+    def _fetch_one_gen_batch(self):
+        """verl's (``trainer_base.py`` ``_fetch_one_gen_batch``: a new iterator once the last is exhausted), with
+        :func:`mix_src.stages.start_data_epoch` (prompts a rollout policy retired leave the data) before each new one."""
+        it = self.train_dataloader_it
+        if it is None or it._num_yielded >= len(it):  # torch's _BaseDataLoaderIter: batches yielded / per pass
+            start_data_epoch(self.train_dataloader, self.train_dataset, self._policy_state())
+            self.train_dataloader_it = iter(self.train_dataloader)
+        return super()._fetch_one_gen_batch()
 
     # ---- generate: per-row prefix ratios ------------------------------------------------------------
     def _next_train_batch(self, num_prompts: Optional[int] = None):

@@ -8,6 +8,8 @@ advantages (``grpo_split`` + the alpha/beta prefix weights) and LUFFY's metrics.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from typing import Any, Callable, Optional, Sequence
 
@@ -23,6 +25,8 @@ from mix_src.prefix import compute_prefix_ratios
 # module does not import the config schema, which imports the rollout policies, which import this module.
 
 __all__ = [
+    "DATA_DROP",
+    "DATA_EPOCH",
     "SUMMED_REWARD_METRICS",
     "draw_prefix_ratios",
     "filter_metric_values",
@@ -33,7 +37,9 @@ __all__ = [
     "on_policy_rollout_correction",
     "prefix_mask_tensor",
     "prefix_step_metrics",
+    "prompt_data_key",
     "solve_metrics",
+    "start_data_epoch",
 ]
 
 
@@ -256,3 +262,44 @@ def on_policy_rollout_correction(data: Any, prefix_mask: torch.Tensor, rc: Any, 
         weights = data.batch["rollout_is_weights"]
         data.batch["rollout_is_weights"] = torch.where(prefix, torch.ones_like(weights), weights)
     return data, metrics
+
+
+# ---- the data of each epoch: prompts a rollout policy retired ---------------------------------------------------
+
+DATA_DROP = "mix_data_drop"  # RolloutContext.state key a rollout policy may fill: {"keys": set of prompt_data_key
+#                              (the prompts to leave out of the data from the next epoch on), "min_left": int}
+DATA_EPOCH = "mix_data_epoch"  # the state key start_data_epoch writes: the keys left out of the current epoch
+
+
+def prompt_data_key(messages: Sequence) -> str:
+    """A prompt's identity in the data: a hash of its chat messages' (role, content), the same for a dataset row's
+    prompt column and for a batch row's ``raw_prompt`` (verl's RLHFDataset passes the messages through)."""
+    norm = [[str(m["role"]), str(m["content"])] for m in messages]
+    return hashlib.sha1(json.dumps(norm, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+def start_data_epoch(dataloader: Any, dataset: Any, state: dict) -> Optional[int]:
+    """Called by both trainer bases just before each pass over the training data (before ``iter(dataloader)``):
+    the prompts a rollout policy listed in ``state[DATA_DROP]`` leave the dataset for this epoch.
+
+    ExGRPO's official ``fit`` (LUFFY repo 01f4ae0, ``ExGRPO/exgrpo/verl/verl/mix_src/mix_trainer_experience.py:245-250``
+    with ``experience/rl_dataset_with_experience.py:40-45`` ``set_skip_uid_set``): at each epoch start, if the data
+    left holds more than ``batch + 20`` prompts (``min_left``), it becomes the full data minus every retired prompt;
+    otherwise the previous epoch's choice stays. The choice is recorded in ``state[DATA_EPOCH]`` (saved with the
+    rollout policy's state), and a run resumed mid-epoch (the dataloader holds a loaded state: torchdata's
+    ``StatefulDataLoader.next_iter_state``) applies the recorded choice again instead of making a new one, so the
+    restored sampler walks the same rows. No-op (None) when no policy filled ``DATA_DROP``; else the rows left."""
+    drop = state.get(DATA_DROP)
+    if drop is None and DATA_EPOCH not in state:
+        return None
+    fresh = getattr(dataloader, "next_iter_state", None) is None
+    if fresh and drop is not None and len(dataset) > int(drop["min_left"]):
+        state[DATA_EPOCH] = sorted(drop["keys"])
+    if DATA_EPOCH not in state:
+        return None
+    leave_out = getattr(dataset, "leave_out", None)
+    if leave_out is None:
+        raise TypeError(f"the rollout policy retires prompts from the data ({DATA_DROP!r} in its state), which the "
+                        f"dataset {type(dataset).__name__} cannot do: use mix_src.dataset.RLHFDatasetWithTarget "
+                        "(data.custom_cls, set by mix_src's configs)")
+    return leave_out(set(state[DATA_EPOCH]))

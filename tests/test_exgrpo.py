@@ -315,9 +315,15 @@ def recipe_config(*overrides):
 def test_config_checks_refuse_before_ray():
     check_selected_entries(recipe_config())
     check_selected_entries(recipe_config("trainer.use_v1=true", "+mix.plugin_options.exgrpo.trajectory_metric="
-                                         "recorded_nll"))  # both bases (V1: mix_src/rollout_policy_v1.py)
+                                         "recorded_nll", "+mix.plugin_options.exgrpo.retire_from_data=false"))  # both
+    # bases (V1: mix_src/rollout_policy_v1.py)
     with pytest.raises(EntryConfigError, match="trajectory_metric=recorded_nll there"):
         check_selected_entries(recipe_config("trainer.use_v1=true"))
+    with pytest.raises(EntryConfigError, match="retire_from_data=false there"):
+        check_selected_entries(recipe_config("trainer.use_v1=true", "+mix.plugin_options.exgrpo.trajectory_metric="
+                                             "recorded_nll"))
+    with pytest.raises(EntryConfigError, match="retire_from_data='yes' must be true or false"):
+        check_selected_entries(recipe_config("+mix.plugin_options.exgrpo.retire_from_data='yes'"))
     with pytest.raises(EntryConfigError, match="trajectory_metric='ppl'"):
         check_selected_entries(recipe_config("+mix.plugin_options.exgrpo.trajectory_metric=ppl"))
     with pytest.raises(EntryConfigError, match="skip_grad_bound=-1"):
@@ -363,7 +369,8 @@ N = 4
 
 
 BASES = {"legacy": [], "v1": ["trainer.use_v1=true", "trainer.v1.trainer_mode=sync",
-                              "++mix.plugin_options.exgrpo.trajectory_metric=recorded_nll"]}  # no actor entropy on V1
+                              "++mix.plugin_options.exgrpo.trajectory_metric=recorded_nll",  # no actor entropy on V1
+                              "++mix.plugin_options.exgrpo.retire_from_data=false"]}  # no raw_prompt in V1's view
 
 
 @pytest.mark.ray
@@ -399,6 +406,11 @@ def test_exgrpo_plugin_trains_two_steps_and_saves_its_buffer(tiny_assets, tmp_pa
     state = torch.load(ckpt / "global_step_2" / "mix_state.pt", weights_only=False)
     buf = state["rollout_policy"]["exgrpo"]
     assert buf["mixed"] and len(buf["pool"]) >= 1
+    if base == "legacy":  # retire_from_data: every retired prompt is listed for the data by its messages
+        from mix_src.stages import DATA_DROP
+
+        drop = state["rollout_policy"].get(DATA_DROP, {"keys": set()})
+        assert len(drop["keys"]) == len(buf["retired"]), (len(drop["keys"]), len(buf["retired"]))
     for key, entry in buf["pool"].items():
         assert 1 <= buf["bucket"][key] <= N - 1 and entry["trajs"]
         for t in entry["trajs"]:
@@ -428,8 +440,11 @@ def _fake_ctx(step, state, prompt_ids, solved_fn, mix, n=N, L=6, P=3, entropy=No
     from mix_src.rollout_policy import RolloutContext
 
     g = torch.Generator().manual_seed(step)
+    raw_prompt = np.empty(len(prompt_ids) * n, dtype=object)  # chat messages: only the trainer's records carry them
+    pid = np.repeat(np.arange(len(prompt_ids)), n)
+    raw_prompt[:] = [[{"role": "user", "content": f"question {int(p)}"}] for p in pid]
     batch = DataProto.from_single_dict({"dummy_tensor": torch.zeros(len(prompt_ids) * n, 1),
-                                        "pid": np.repeat(np.arange(len(prompt_ids)), n).astype(object)})
+                                        "pid": pid.astype(object), "raw_prompt": raw_prompt})
 
     def make(pids, ratios, targets):
         rows = len(pids)
@@ -590,3 +605,140 @@ def test_warm_up_retires_prompts_solved_by_every_sample():
     ctx, _ = _fake_ctx(3, state, [0, 1, 2], lambda p, ids: len(ids) % 2 == 0, mix)  # mixed groups everywhere
     ROLLOUT(ctx)
     assert not set(buf["pool"]) & buf["retired"]  # the retired prompts 0 and 1 recorded nothing
+    # ... and they leave the data at the next epoch start (retire_from_data, official): keyed by their messages,
+    # left out while more than one batch + 20 prompts remain
+    from mix_src.stages import DATA_DROP, prompt_data_key
+
+    assert state[DATA_DROP] == {"keys": {prompt_data_key([{"role": "user", "content": f"question {p}"}]) for p in (0, 1)},
+                                "min_left": 3 + 20}  # fmt: skip
+    off = mix_config_from_dict({"rollout_policy": "exgrpo", "loss": {"off_policy_behaviour": "stored_log_prob"},
+                                "plugin_options": {"exgrpo": {"retire_from_data": False}}})
+    state = {}
+    ROLLOUT(_fake_ctx(1, state, [0, 1, 2], lambda p, ids: p == 0, off)[0])
+    assert len(state["exgrpo"]["retired"]) == 1 and DATA_DROP not in state
+
+
+# ---- retired prompts leave the data at each epoch start (no Ray) ---------------------------------------------
+
+
+class OfficialExperienceData:
+    """Transcription of the official data side (LUFFY repo 01f4ae0, ExGRPO/exgrpo/verl/verl/mix_src/
+    experience/rl_dataset_with_experience.py:31-48 RLHFDatasetWithTargetExperience: skip_uid_set, valid_indices,
+    set_skip_uid_set, __len__) and of the epoch loop's gate (mix_trainer_experience.py:245-250)."""
+
+    def __init__(self, uids):
+        self.uids = list(uids)
+        self.skip_uid_set = set()
+        self.valid_indices = list(range(len(self.uids)))
+
+    def set_skip_uid_set(self):
+        self.valid_indices = [i for i in range(len(self.uids)) if self.uids[i] not in self.skip_uid_set]
+
+    def __len__(self):
+        return len(self.valid_indices)
+
+    def start_epoch(self, train_batch_size):
+        BATCH_TOLERANCE = 20
+        if len(self) > train_batch_size + BATCH_TOLERANCE:
+            self.set_skip_uid_set()
+
+
+def _question_dataset(tmp_path, tokenizer_path, rows=30):
+    import pandas as pd
+    from transformers import AutoTokenizer
+
+    from mix_src.dataset import RLHFDatasetWithTarget
+
+    path = tmp_path / "q.parquet"
+    pd.DataFrame([{"data_source": "t", "prompt": [{"role": "user", "content": f"q{i}"}], "ability": "math",
+                   "reward_model": {"style": "rule", "ground_truth": str(i)}, "target": f"{i}",
+                   "extra_info": {"split": "train", "index": i}} for i in range(rows)]).to_parquet(path)  # fmt: skip
+    cfg = OmegaConf.create({"prompt_key": "prompt", "max_prompt_length": 256, "filter_overlong_prompts": False,
+                            "cache_dir": str(tmp_path / "cache"), "mix": {"n_prefix": 1}})  # fmt: skip
+    return RLHFDatasetWithTarget(str(path), AutoTokenizer.from_pretrained(tokenizer_path), cfg)
+
+
+class _Loader:  # what start_data_epoch reads of torchdata's StatefulDataLoader
+    def __init__(self, next_iter_state=None):
+        self.next_iter_state = next_iter_state
+
+
+def test_retired_prompts_leave_the_data_as_the_official_epoch_loop(tmp_path, tiny_assets):
+    """mix_src.stages.start_data_epoch on RLHFDatasetWithTarget against the official epoch gate + set_skip_uid_set
+    over 4 epochs of a growing retired set (batch 4, 30 prompts: dropped while > 24 are left, then frozen); a run
+    resumed mid-epoch (the loader holds a loaded state) re-applies the epoch's recorded choice even though more
+    prompts were retired since; a batch row's raw_prompt gives the same key as the data row."""
+    import pickle
+
+    from mix_src.stages import DATA_DROP, DATA_EPOCH, prompt_data_key, start_data_epoch
+
+    ds = _question_dataset(tmp_path, tiny_assets["tokenizer"])
+    official = OfficialExperienceData(range(30))
+    state: dict = {}
+    assert start_data_epoch(_Loader(), ds, state) is None and len(ds) == 30  # no policy retires: untouched
+    batch = 4
+    for epoch, retire in enumerate([[3, 7, 11], [0, 1, 2, 4], [5, 6], [8]]):
+        for i in retire:  # retired during the previous epoch
+            official.skip_uid_set.add(i)
+            drop = state.setdefault(DATA_DROP, {"keys": set(), "min_left": batch + 20})
+            drop["keys"].add(prompt_data_key(ds.dataframe[i]["prompt"]))
+        official.start_epoch(batch)
+        start_data_epoch(_Loader(), ds, state)
+        ours = [ds[j]["raw_prompt"][0]["content"] for j in range(len(ds))]
+        assert ours == [f"q{i}" for i in official.valid_indices], epoch
+    assert len(ds) == 23  # 30 - 7: epoch 3 and 4 found 23 <= 24 left and kept epoch 2's data
+    assert prompt_data_key(ds[0]["raw_prompt"]) == prompt_data_key(ds.dataframe[ds._rows[0]]["prompt"])
+    state = pickle.loads(pickle.dumps(state))  # as mix_state.pt
+    state[DATA_DROP]["keys"] = set()  # a fresh epoch would now bring every prompt back ...
+    start_data_epoch(_Loader(next_iter_state={"resumed": True}), ds, state)  # ... a resumed one keeps its data
+    assert len(ds) == 23 and len(state[DATA_EPOCH]) == 7
+    official.skip_uid_set = set()
+    official.start_epoch(batch)  # the gate holds (23 <= 24 left): the official data keeps its 23 rows too
+    start_data_epoch(_Loader(), ds, state)
+    assert len(ds) == len(official) == 23
+
+
+def test_both_trainer_bases_drop_retired_prompts_at_each_new_pass(tmp_path, tiny_assets):
+    """The epoch stage runs where each base starts a pass over the data: the legacy _train_batches and the V1
+    _fetch_one_gen_batch (verl's own method under the mixin, with verl's StatefulDataLoader): prompts retired
+    during epoch 1 are absent from epoch 2, whose length shrinks accordingly."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from verl.utils.dataset.rl_dataset import collate_fn
+
+    from mix_src.mix_trainer import MIXRayPPOTrainer
+    from mix_src.mix_trainer_v1 import MixPPOTrainerSync
+    from mix_src.stages import DATA_DROP, prompt_data_key
+
+    rows, batch, retired = 40, 4, [2, 5, 9, 30]
+
+    def loader(ds):
+        return StatefulDataLoader(ds, batch_size=batch, drop_last=True, collate_fn=collate_fn, shuffle=False)
+
+    def retire(state, ds):
+        state[DATA_DROP] = {"keys": {prompt_data_key(ds.dataframe[i]["prompt"]) for i in retired},
+                            "min_left": batch + 20}  # fmt: skip
+
+    def prompts(batches):
+        return [m[0]["content"] for b in batches for m in b["raw_prompt"]]
+
+    legacy = object.__new__(MIXRayPPOTrainer)
+    legacy.train_dataset = _question_dataset(tmp_path, tiny_assets["tokenizer"], rows)
+    legacy.train_dataloader, legacy._epoch = loader(legacy.train_dataset), 0
+    legacy.config = OmegaConf.create({"trainer": {"total_epochs": 2}})
+    it = legacy._train_batches()
+    first = [next(it) for _ in range(rows // batch)]
+    retire(legacy._policy_state(), legacy.train_dataset)
+    second = list(it)
+    assert prompts(first) == [f"q{i}" for i in range(rows)]
+    assert prompts(second) == [f"q{i}" for i in range(rows) if i not in retired]
+
+    v1 = object.__new__(MixPPOTrainerSync)  # MixV1Mixin on verl's PPOTrainerSync
+    v1.train_dataset = _question_dataset(tmp_path, tiny_assets["tokenizer"], rows)
+    v1.train_dataloader, v1.train_dataloader_it, v1._rollout_state = loader(v1.train_dataset), None, {}
+    first = [v1._fetch_one_gen_batch() for _ in range(rows // batch)]
+    retire(v1._policy_state(), v1.train_dataset)
+    second = [v1._fetch_one_gen_batch() for _ in range((rows - len(retired)) // batch)]
+    assert prompts([{"raw_prompt": list(b["raw_prompt"])} for b in first]) == [f"q{i}" for i in range(rows)]
+    assert prompts([{"raw_prompt": list(b["raw_prompt"])} for b in second]) == [
+        f"q{i}" for i in range(rows) if i not in retired]
+    assert v1._fetch_one_gen_batch() is not None and len(v1.train_dataset) == rows - len(retired)

@@ -68,8 +68,10 @@ def stale_references(cell: str, recipe: str) -> list[str]:
         if not 1 <= first <= last <= len(lines):
             problems.append(f"{current.relative_to(REPO_ROOT)}:{first}-{last} is past its {len(lines)} lines")
         elif m["name"] and m["name"].split(".")[-1] not in lines[first - 1]:
+            name = m["name"].split(".")[-1]
+            now = [i for i, line in enumerate(lines, 1) if re.search(rf"\b(def|class) {re.escape(name)}\b", line)]
             problems.append(f"{current.relative_to(REPO_ROOT)}:{first} does not hold `{m['name']}` "
-                            f"(it reads {lines[first - 1].strip()[:60]!r})")  # fmt: skip
+                            f"(it reads {lines[first - 1].strip()[:60]!r}; defined at {now or 'no line'})")  # fmt: skip
     return problems
 
 

@@ -23,7 +23,8 @@ Per generation batch (P prompts x n samples), rollout policy ``exgrpo``:
 3. when mixed, every group with 0 < k <= rbound (official 0 < k <= 7 of 8) records its solved on-policy
    samples (token ids, the rollout's log-probs = the behaviour policy's, mean token NLL), deduplicated,
    and moves its prompt to bucket k; a group solved n/n is retired (removed, never recorded again), on
-   warm-up steps too.
+   warm-up steps too; with ``retire_from_data`` (official) it also leaves the training data at the next epoch start
+   (``mix_src.stages.start_data_epoch``, run by both trainers: :data:`mix_src.stages.DATA_DROP` in ``ctx.state``).
 
 ``skip_grad_bound`` (official 500): an optimiser step whose gradient norm before clipping exceeds it is skipped
 (verl 0.9.1's ``FSDPEngine.optimizer_step`` wrapped in each process that loads this plugin, :func:`_patch_engine`).
@@ -55,6 +56,7 @@ from mix_src.loss import REMOVE_CLIP
 from mix_src.off_policy_behaviour import BEHAVIOUR_LOG_PROB
 from mix_src.registry import EntryConfigError, trainer_base
 from mix_src.rollout_policy import RolloutContext, register_rollout_policy, solved
+from mix_src.stages import DATA_DROP, prompt_data_key
 
 NAME = "exgrpo"
 WEIGHTINGS = ("linear", "normal", "sqrt", "linear_clip")
@@ -68,7 +70,9 @@ DEFAULTS = {
     "select_mode": "argmin",  # official trainer.exp_select_mode=argmin
     "trajectory_metric": "entropy",  # official trainer.exp_metric=ent (under the current policy); or recorded_nll
     "skip_grad_bound": 500.0,  # official actor.skip_grad_bound=500 (run_exgrpo.sh:99); null = take every step
+    "retire_from_data": True,  # official: retired prompts leave the data at each epoch start (fit :245-250)
 }
+DATA_TOLERANCE = 20  # official BATCH_TOLERANCE (mix_trainer_experience.py:247): drop only while > batch + 20 are left
 SKIP_GRAD_BOUND_ENV = "MIX_EXGRPO_SKIP_GRAD_BOUND"  # carries skip_grad_bound to the actor workers (set by _check)
 
 
@@ -217,6 +221,8 @@ def _record(ctx: RolloutContext, buf: dict, out, keys: list, records_of, opts: d
     for g, key in enumerate(keys):
         k = int(ok[g].sum())
         if k == n:  # solved by every sample: retired (official skip_uid_set)
+            if key not in buf["retired"]:  # (a prompt both drawn from the data and replayed is retired once)
+                _retire_from_data(ctx, buf["pool"][key]["record"] if key in buf["pool"] else records_of(g), opts)
             buf["pool"].pop(key, None), buf["bucket"].pop(key, None)
             buf["retired"].add(key)
             continue
@@ -347,6 +353,12 @@ def _check(config) -> None:
         raise EntryConfigError(f"{p}.trajectory_metric=entropy scores the stored trajectories with the actor "
                                "(RolloutContext.entropy), which the V1 trainer base (trainer.use_v1=true) does not "
                                f"offer yet: set {p}.trajectory_metric=recorded_nll there")
+    if not isinstance(o["retire_from_data"], bool):
+        raise EntryConfigError(f"{p}.retire_from_data={o['retire_from_data']!r} must be true or false")
+    if o["retire_from_data"] and trainer_base(config) == "v1":
+        raise EntryConfigError(f"{p}.retire_from_data=true drops retired prompts from the data by their chat messages "
+                               "(raw_prompt), which the V1 trainer base (trainer.use_v1=true) does not show a rollout "
+                               f"policy: set {p}.retire_from_data=false there (retired prompts then stay in the data)")
     if o["select_mode"] not in ("argmin", "argmax"):
         raise EntryConfigError(f"{p}.select_mode={o['select_mode']!r} is not one of ['argmin', 'argmax']")
     rb = n - 1 if o["rbound"] is None else o["rbound"]
@@ -424,6 +436,8 @@ def exgrpo(ctx: RolloutContext):
         _record(ctx, buf, out, all_keys, records_of, opts)
     else:
         _retire_solved(buf, out, [_prompt_key(out, g * n) for g in range(n_keep)], n)
+        for g in np.flatnonzero(solved(out).reshape(-1, n).all(axis=1)):  # warm-up: every group is a batch prompt
+            _retire_from_data(ctx, ctx.records([int(g) * n]), opts)
         if float(solved(out).mean()) > float(opts["start_solved_ratio"]):
             buf["mixed"] = True  # official: switch after the step whose batch/solved exceeds the ratio
     return out
@@ -436,6 +450,21 @@ def _retire_solved(buf: dict, out, keys: list, n: int) -> None:
     for g, key in enumerate(keys):
         if ok[g].all():
             buf["retired"].add(key)
+
+
+def _retire_from_data(ctx: RolloutContext, record, opts: dict) -> None:
+    """The prompt of ``record`` (its ``ctx.records`` row) leaves the data from the next epoch start on (official
+    ``skip_uid_set.add``, mix_trainer_experience.py:388, applied by ``set_skip_uid_set`` at :250; here
+    mix_src.stages.start_data_epoch), while more than one generation batch + DATA_TOLERANCE prompts are left.
+    Keyed by the prompt's chat messages (``raw_prompt``, verl's RLHFDataset field)."""
+    if not opts["retire_from_data"]:
+        return
+    if "raw_prompt" not in record.non_tensor_batch:
+        raise KeyError("exgrpo retire_from_data: the prompt record carries no 'raw_prompt' (verl's RLHFDataset "
+                       "messages); set mix.plugin_options.exgrpo.retire_from_data=false")
+    drop = ctx.state.setdefault(DATA_DROP, {"keys": set(), "min_left": 0})
+    drop["keys"].add(prompt_data_key(record.non_tensor_batch["raw_prompt"][0]))
+    drop["min_left"] = len(ctx.batch) // ctx.n + DATA_TOLERANCE
 
 
 # verl 0.9.1's FSDP engine, wrapped in every process that loads this plugin (the actor workers among them); the
