@@ -68,22 +68,16 @@ from verl.utils.skip.skip_manager import SkipManager
 from mix_src.dataset import TARGET_FIELD
 from mix_src.filter_groups import filter_groups, plan_train_batch
 from mix_src.flops import COUNTS as FLOPS_COUNTS
-from mix_src.flops import ModelShape, add_step_flops, lengths_from_masks, rollout_flops, shape_unreadable
+from mix_src.flops import add_step_flops, lengths_from_masks, rollout_flops, shape_unreadable
 from mix_src.loss import add_combine_inputs, add_kept_token_counts, install_loss, pop_entropy_state
 from mix_src.mix_config import MixConfig
 from mix_src.seeding import pass_seeds, request_seeds
 from mix_src.rollout_policy import ROLLOUT_POLICIES, RolloutContext
 from mix_src.rollout_policy import solved as rows_solved
+from mix_src.stages import MIX_STATE_FILE, FilterGroupsExhausted, model_shape  # noqa: F401  (re-exported)
 from mix_src.stages import (draw_prefix_ratios, filter_metric_values, length_clip_metrics, luffy_advantages,
                             on_policy_rollout_correction, on_policy_rollout_metrics, prefix_mask_tensor,
                             prefix_step_metrics, solve_metrics, start_data_epoch)  # fmt: skip
-
-MIX_STATE_FILE = "mix_state.pt"
-
-
-class FilterGroupsExhausted(RuntimeError):
-    """Filter groups could not fill a training batch within ``algorithm.filter_groups.max_num_gen_batches``."""
-
 
 class MIXRayPPOTrainer(RayPPOTrainer):
     """RayPPOTrainer with prefix-guided rollouts, the mixed on/off-policy loss and filter groups."""
@@ -283,20 +277,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             self.train_dataset.on_batch_end(batch=batch)
         return metrics
 
-    def _model_shape(self):
-        """The actor's :class:`~mix_src.flops.ModelShape` (read once; a failure is kept and raised again)."""
-        if self._flops_shape is None:
-            from transformers import AutoConfig
-
-            model_cfg = self.config.actor_rollout_ref.model
-            try:
-                cfg = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.get("trust_remote_code", False))
-                self._flops_shape = ModelShape.from_hf_config(cfg.to_dict())
-            except Exception as e:  # noqa: BLE001 - kept, and raised to the caller on every use
-                self._flops_shape = e
-        if isinstance(self._flops_shape, Exception):
-            raise self._flops_shape
-        return self._flops_shape
+    _model_shape = model_shape  # mix_src/stages.py: the actor's ModelShape, read once
 
     def _count_rollout_flops(self, part: DataProto) -> None:
         """Generation FLOPs of one rollout pass (every row it generated, kept or not)."""

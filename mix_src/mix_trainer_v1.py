@@ -74,8 +74,8 @@ from mix_src.dataset import TARGET_FIELD
 from mix_src.compat import checked, swapped
 from mix_src.loss import pop_entropy_state
 from mix_src.mix_config import MixConfig, validate_mix_config
-from mix_src.mix_trainer import MIX_STATE_FILE, FilterGroupsExhausted, MIXRayPPOTrainer
 from mix_src.seeding import request_seeds
+from mix_src.stages import MIX_STATE_FILE, FilterGroupsExhausted, model_shape
 from mix_src.stages import (SUMMED_REWARD_METRICS, draw_prefix_ratios, filter_metric_values, length_clip_metrics,
                             luffy_advantages, on_policy_rollout_correction, on_policy_rollout_metrics,
                             prefix_mask_tensor, prefix_step_metrics, solve_metrics, solved_rows,
@@ -202,7 +202,7 @@ class MixV1Mixin:
 
     # ---- mix.flops_budget: the step's FLOPs (mix_src/flops.py), counted as the legacy base counts them ----------
     _flops_shape: Any = None  # the actor's ModelShape, read on first use (or the read error)
-    _model_shape = MIXRayPPOTrainer._model_shape
+    _model_shape = model_shape  # mix_src/stages.py, as the legacy base
 
     def step(self, metrics: dict, timing_raw: dict):
         """verl's step (sample, log-probs, advantages, update); then the step's FLOPs (:meth:`_count_flops`)."""

@@ -25,6 +25,9 @@ from mix_src.prefix import compute_prefix_ratios
 # module does not import the config schema, which imports the rollout policies, which import this module.
 
 __all__ = [
+    "MIX_STATE_FILE",
+    "FilterGroupsExhausted",
+    "model_shape",
     "DATA_DROP",
     "DATA_EPOCH",
     "SUMMED_REWARD_METRICS",
@@ -41,6 +44,34 @@ __all__ = [
     "solve_metrics",
     "start_data_epoch",
 ]
+
+
+# ---- shared by both trainer bases (mix_src/mix_trainer.py, mix_src/mix_trainer_v1.py: neither imports the other)
+MIX_STATE_FILE = "mix_state.pt"  # the MIX loop's own state, saved beside verl's checkpoint of each step
+
+
+class FilterGroupsExhausted(RuntimeError):
+    """Filter groups could not fill a training batch within ``algorithm.filter_groups.max_num_gen_batches``."""
+
+
+def model_shape(trainer: Any):
+    """The actor's :class:`~mix_src.flops.ModelShape`, read once from its ``config.json`` and cached on the trainer
+    (``_flops_shape``; a read failure is kept and raised again on every use). Both bases take it as their
+    ``_model_shape`` method."""
+    if trainer._flops_shape is None:
+        from transformers import AutoConfig
+
+        from mix_src.flops import ModelShape
+
+        model_cfg = trainer.config.actor_rollout_ref.model
+        try:
+            cfg = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.get("trust_remote_code", False))
+            trainer._flops_shape = ModelShape.from_hf_config(cfg.to_dict())
+        except Exception as e:  # noqa: BLE001 - kept, and raised to the caller on every use
+            trainer._flops_shape = e
+    if isinstance(trainer._flops_shape, Exception):
+        raise trainer._flops_shape
+    return trainer._flops_shape
 
 
 def group_ids(uids: Sequence) -> np.ndarray:
