@@ -169,7 +169,8 @@ def translate_overrides(overrides: Sequence[str], log: Callable[[str], None] = p
                 f"with plain PPO, which mix_src does not do; use {A}use_sft_multitask_loss=True (SFT on prefix tokens) or "
                 "keep use_off_policy_loss=True (the shaped off-policy loss)"
             )
-    return _official_sft_agg(_official_loss_scale(_fit_target_cap(out, log), log), log)
+    out = _official_loss_scale(_fit_target_cap(out, log), log)
+    return _official_sft_agg(out, log) if A + "use_sft_multitask_loss" in seen else out  # LUFFY's key, not ours
 
 
 def _fit_target_cap(out: list[str], log: Callable[[str], None]) -> list[str]:
@@ -208,7 +209,9 @@ def _official_loss_scale(out: list[str], log: Callable[[str], None]) -> list[str
 def _official_sft_agg(out: list[str], log: Callable[[str], None]) -> list[str]:
     """LUFFY's ``use_sft_multitask_loss`` took the NLL's token mean per micro-batch (mix_actor.py:112-142,
     mix_core_alg.py:7-10), summed over micro-batches and averaged over GPUs: ``mix.loss.sft_loss_agg`` =
-    micro_batch_token_mean (unless set already; mix_src's default aggregates it like the policy loss)."""
+    micro_batch_token_mean (unless set already; mix_src's default aggregates it like the policy loss). Only for
+    LUFFY's own key (``actor_rollout_ref.actor.use_sft_multitask_loss``): ``mix.loss.use_sft_multitask_loss`` on a
+    command line is mix_src's key with mix_src's default weighting."""
     values = {key: value.strip().lower() for _, key, value in map(_split, out) if value is not None}
     if values.get("mix.loss.use_sft_multitask_loss") != "true" or "mix.loss.sft_loss_agg" in values:
         return out

@@ -153,3 +153,10 @@ def test_rl_with_sft_loss_script_keys():
     assert out == ["algorithm.adv_estimator=grpo_split", "mix.n_prefix=1", "mix.loss.use_sft_multitask_loss=True",
                    "mix.loss.sft_loss_agg=micro_batch_token_mean"]  # the official per-micro-batch token mean
     assert len(lines) == 4
+
+
+def test_our_own_sft_key_keeps_our_weighting():
+    """Only LUFFY's key brings LUFFY's per-micro-batch SFT mean; ``mix.loss.use_sft_multitask_loss=true`` is ours
+    (the guard's recorded runs set it and were re-weighted when the translation read it too)."""
+    out = translate_overrides(["mix.loss.use_sft_multitask_loss=true"], log=lambda _: None)
+    assert out == ["mix.loss.use_sft_multitask_loss=true"]
