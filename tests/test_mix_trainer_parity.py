@@ -56,6 +56,7 @@ def make_trainer(tmp_path=None, **config):
     trainer._rollout_awake, trainer.max_steps_duration = True, 0.0
     trainer.events = []
     trainer.checkpoint_manager = Recorder(trainer.events)
+    trainer.train_dataset = None  # verl's __init__ sets it; no rollout policy here retires prompts from it
     return trainer
 
 
