@@ -42,6 +42,19 @@ UNGUARDED = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/", "agent
              "rollout_corr/", "training/rollout_probs_diff_", "training/rollout_actor_probs_")  # (V1: pearson 1 - 6e-8)
 
 
+# Compared within a relative 1e-6 instead of bit for bit. V1's actor/on_policy_prob (mean p_old over on-policy
+# tokens, one float32 torch.dot per micro-batch, mix_src/loss_terms.py) came out one float32 ulp apart in 3 of 3
+# re-runs after 28dec26 (step 1 in one run, step 2 in the others: 0.0094722555950284 vs 0.009472256526350975)
+# while every other metric of those steps, the losses and grad norm included, was identical: not a change of
+# what trains. The legacy base compares it bit for bit.
+NEAR = {"v1_sync": {"actor/on_policy_prob": 1e-6}}
+
+
+def _near(base: str, key: str, want, got) -> bool:
+    tol = NEAR.get(base, {}).get(key)
+    return tol is not None and abs(got - want) <= tol * abs(want)
+
+
 def guarded(m: dict) -> dict:
     return {k: v for k, v in m.items() if not k.startswith(UNGUARDED)}
 
@@ -70,5 +83,6 @@ def test_guard_runs_log_the_recorded_metrics_bit_for_bit(tiny_assets, tmp_path, 
     for got, want in zip(steps, recorded, strict=True):
         missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
         assert not missing and not extra, f"step {want['step']}: metrics no longer logged {missing}, new {extra}"
-        diff = {k: (want[k], got[k]) for k in want if want[k] != got[k] and not (want[k] != want[k] and got[k] != got[k])}
+        diff = {k: (want[k], got[k]) for k in want if want[k] != got[k] and not (want[k] != want[k] and got[k] != got[k])
+                and not _near(base, k, want[k], got[k])}
         assert not diff, f"{base} step {want['step']} differs from the record (recorded, now): {diff}"
