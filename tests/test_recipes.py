@@ -96,7 +96,7 @@ EXPECTED = {
         "mix.plugin_options": {"exgrpo": {"experience_ratio": 0.5, "start_solved_ratio": 0.35,
                                           "bucket_weighting": "normal", "lbound": 0, "rbound": 7,
                                           "select_mode": "argmin", "trajectory_metric": "entropy",
-                                          "skip_grad_bound": 500}},
+                                          "skip_grad_bound": 500, "retire_from_data": True}},
         "actor_rollout_ref.actor.optim.lr": 1e-6, "algorithm.norm_adv_by_std_in_grpo": False,
         "mix.loss.loss_remove_clip": True, "mix.loss.off_policy_reshape": "p_div_p",
         "mix.loss.off_policy_reshape_gamma": 0.1, "mix.loss.loss_agg_mode": "luffy-token-sum-norm",
