@@ -33,7 +33,6 @@ by zero.
 
 from __future__ import annotations
 
-import os
 import uuid
 from pprint import pprint
 from typing import Any, Iterator, Optional
@@ -60,31 +59,27 @@ from verl.trainer.ppo.ray_trainer import (
 )
 from verl.trainer.ppo.reward import extract_reward
 from verl.utils.checkpoint.checkpoint_manager import should_save_ckpt_esi
-from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.debug import marked_timer
 from verl.utils.metric import reduce_metrics
 from verl.utils.skip.skip_manager import SkipManager
 
 from mix_src.dataset import TARGET_FIELD
 from mix_src.filter_groups import filter_groups, plan_train_batch
-from mix_src.flops import COUNTS as FLOPS_COUNTS
-from mix_src.flops import add_step_flops, lengths_from_masks, rollout_flops, shape_unreadable
-from mix_src.loss import add_combine_inputs, add_kept_token_counts, install_loss, pop_entropy_state
+from mix_src.flops import lengths_from_masks
+from mix_src.loss import add_combine_inputs, add_kept_token_counts
 from mix_src.mix_config import MixConfig
 from mix_src.seeding import pass_seeds, request_seeds
 from mix_src.rollout_policy import ROLLOUT_POLICIES, RolloutContext
 from mix_src.rollout_policy import solved as rows_solved
 from mix_src.stages import MIX_STATE_FILE, FilterGroupsExhausted, model_shape  # noqa: F401  (re-exported)
-from mix_src.stages import (draw_prefix_ratios, filter_metric_values, length_clip_metrics, luffy_advantages,
+from mix_src.trainer.common import MixTrainerCommon
+from mix_src.stages import (draw_prefix_ratios, filter_metric_values, length_clip_metrics, luffy_advantage_stage,
                             on_policy_rollout_correction, on_policy_rollout_metrics, prefix_mask_tensor,
                             prefix_step_metrics, solve_metrics, start_data_epoch)  # fmt: skip
 
-class MIXRayPPOTrainer(RayPPOTrainer):
+class MIXRayPPOTrainer(MixTrainerCommon, RayPPOTrainer):
     """RayPPOTrainer with prefix-guided rollouts, the mixed on/off-policy loss and filter groups."""
 
-    _flops: Optional[dict] = None  # training FLOPs so far per count (set in __init__)
-    _step_rollout_flops: Optional[dict] = None  # this step's generation FLOPs per count
-    _flops_shape: Any = None  # the actor's ModelShape, read from its config.json on first use (or the read error)
     _budget_reached = False
 
     def __init__(self, *args, mix_config: MixConfig, **kwargs):
@@ -96,10 +91,9 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         self.filter_cfg = self.config.algorithm.filter_groups
         self._carry: Optional[DataProto] = None  # kept groups left over from the last step (carry_over)
         self._epoch = 0
-        self._rollout_state: dict = {}  # the rollout policy's own state (RolloutContext.state), in mix_state.pt
         self._rollout_awake = False  # whether the rollout replicas hold their weights (see _wake_rollout)
         self.max_steps_duration = 0.0  # longest step so far (seconds), for verl's ESI expiry checkpoint
-        self._flops = {c: 0.0 for c in FLOPS_COUNTS}  # training FLOPs so far, both counts (mix_src/flops.py)
+        self._flops_totals()  # training FLOPs so far, both counts (mix_src/flops.py)
 
     # ------------------------------------------------------------------------------------------------
     # worker calls: verl's own, on the batch's tensors plus the per-row fields the workers read
@@ -128,14 +122,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             with open_dict(agent_cfg):
                 agent_cfg.agent_loop_manager_class = MANAGER_FQN
         super().init_workers()
-        install_loss(self.actor_rollout_wg, self._make_loss_fn())
-
-    def _make_loss_fn(self):
-        """The worker loss (mix_src.loss), pickled once to every actor worker by set_loss_fn."""
-        from mix_src.loss import MixPolicyLoss
-
-        actor_cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
-        return MixPolicyLoss(actor_cfg, self.mix.loss, entropy_state=getattr(self, "_entropy_state", None))
+        self._install_mix_loss()  # pickled once to every actor worker by set_loss_fn
 
     # ------------------------------------------------------------------------------------------------
     # the loop
@@ -178,8 +165,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
                 tracker.log(data=metrics, step=self.global_steps)
                 progress_bar.update(1)
                 if self._budget_reached:
-                    print(f"[mix_src] mix.flops_budget={self.mix.flops_budget:.4g} reached at step {self.global_steps} "
-                          f"({self.mix.flops_count} count: {self._flops[self.mix.flops_count]:.4g} FLOPs): training ends")
+                    print(self._budget_message())
                     break
                 self.global_steps += 1
                 SkipManager.set_step(self.global_steps)
@@ -254,7 +240,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         metrics: dict[str, Any] = {}
         timing: dict[str, float] = {}
         is_last_step = self.global_steps >= self.total_training_steps
-        self._step_rollout_flops = {c: 0.0 for c in FLOPS_COUNTS}
+        self._pending_rollout_flops()  # this step's generation FLOPs count from zero
         with marked_timer("step", timing):
             batch = self._collect_batch(batches, metrics, timing)  # stages 1-3
             if batch is None:
@@ -277,37 +263,19 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             self.train_dataset.on_batch_end(batch=batch)
         return metrics
 
-    _model_shape = model_shape  # mix_src/stages.py: the actor's ModelShape, read once
-
     def _count_rollout_flops(self, part: DataProto) -> None:
         """Generation FLOPs of one rollout pass (every row it generated, kept or not)."""
-        if "attention_mask" not in part.batch.keys() or "responses" not in part.batch.keys():
-            return
-        if self.mix.flops_budget is None:
-            try:
-                self._model_shape()
-            except Exception:  # noqa: BLE001 - reported by _count_flops
-                return
-        if self._step_rollout_flops is None:
-            self._step_rollout_flops = {c: 0.0 for c in FLOPS_COUNTS}
-        p, r, g = lengths_from_masks(part.batch["attention_mask"], part.batch["responses"], part.batch["prefix_mask"])
-        for c in FLOPS_COUNTS:
-            self._step_rollout_flops[c] += rollout_flops(self._model_shape(), p, r, g, c)
+        if "attention_mask" in part.batch.keys() and "responses" in part.batch.keys():
+            self.add_rollout_flops(*lengths_from_masks(part.batch["attention_mask"], part.batch["responses"],
+                                                       part.batch["prefix_mask"]))  # fmt: skip
 
     def _count_flops(self, batch: DataProto, metrics: dict) -> bool:
-        """The step's FLOPs (mix_src/flops.py: rollout passes + old/ref log-probs + ppo_epochs updates) into
-        ``flops/*`` metrics and the running totals; True when ``mix.flops_budget`` is reached with this step."""
-        if self.mix.flops_budget is None and shape_unreadable(self._model_shape, metrics):
+        """The step's FLOPs (rollout passes + old/ref log-probs + ppo_epochs updates) into ``flops/*`` and the
+        totals; True when ``mix.flops_budget`` is reached with this step."""
+        if self._flops_off(metrics):
             return False
-        if self._flops is None:
-            self._flops = {c: 0.0 for c in FLOPS_COUNTS}
-        rollout = self._step_rollout_flops or {c: 0.0 for c in FLOPS_COUNTS}
         p, r, _ = lengths_from_masks(batch.batch["attention_mask"], batch.batch["responses"])
-        add_step_flops(self._model_shape(), p, r, rollout, self._flops, metrics,
-                       ppo_epochs=int(self.config.actor_rollout_ref.actor.get("ppo_epochs", 1)),
-                       ref_policy=self.use_reference_policy)  # fmt: skip
-        budget = self.mix.flops_budget
-        self._budget_reached = budget is not None and self._flops[self.mix.flops_count] >= budget
+        self._budget_reached = self._count_step_flops(p, r, self._pending_rollout_flops(), metrics)
         return self._budget_reached
 
     def _dump_rollouts(self, batch: DataProto, timing: dict, rollout_data_dir: str) -> None:
@@ -552,22 +520,9 @@ class MIXRayPPOTrainer(RayPPOTrainer):
             else:
                 batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
 
-            def verl_estimator():
-                out = compute_advantage(
-                    batch,
-                    adv_estimator=algo.adv_estimator,
-                    gamma=algo.gamma,
-                    lam=algo.lam,
-                    num_repeat=self.n,
-                    norm_adv_by_std_in_grpo=algo.get("norm_adv_by_std_in_grpo", True),
-                    config=algo,
-                )
-                return out.batch["advantages"], out.batch["returns"]
-
-            batch.batch["advantages"], batch.batch["returns"] = luffy_advantages(
-                batch.batch["token_level_rewards"], batch.batch["response_mask"], batch.non_tensor_batch["uid"],
-                batch.batch["prefix_mask"], algo, self.mix, verl_estimator,
-            )  # fmt: skip
+            stage = luffy_advantage_stage(compute_advantage, batch.batch["prefix_mask"], algo, self.mix)
+            batch = stage(batch, adv_estimator=algo.adv_estimator, gamma=algo.gamma, lam=algo.lam, num_repeat=self.n,
+                          norm_adv_by_std_in_grpo=algo.get("norm_adv_by_std_in_grpo", True), config=algo)
         return batch
 
     # ------------------------------------------------------------------------------------------------
@@ -584,9 +539,7 @@ class MIXRayPPOTrainer(RayPPOTrainer):
                            self.global_steps)  # fmt: skip
         with marked_timer("update_actor", timing):
             actor_output = self._update_actor(batch)
-        entropy_state = pop_entropy_state(actor_output.meta_info["metrics"])  # the learned entropy coefficient
-        if entropy_state is not None:
-            self._entropy_state = entropy_state
+        self._keep_entropy_state(actor_output.meta_info["metrics"])  # the learned entropy coefficient
         save_freq = self.config.trainer.save_freq
         # verl's ESI rule: save early when the capacity block / training plan expires before another step
         esi_expiring = should_save_ckpt_esi(
@@ -602,21 +555,10 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         metrics.update(reduce_metrics(actor_output.meta_info["metrics"]))
 
     def _save_checkpoint(self):
-        """verl's checkpoint plus ``mix_state.pt``: the epoch, the carried groups and the dataloader position."""
+        """verl's checkpoint plus ``mix_state.pt`` (mix_src/trainer/common.py) with the epoch, the carried groups and
+        the dataloader position."""
         super()._save_checkpoint()
-        folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
-        state = {"epoch": self._epoch, "carry": self._carry, "dataloader": self.train_dataloader.state_dict(),
-                 "entropy_coef": getattr(self, "_entropy_state", None),  # the learned entropy coefficient
-                 "flops": dict(self._flops or {}),  # the FLOPs so far: a resumed run's budget counts them
-                 "rollout_policy": self._policy_state()}  # the rollout policy's own state (RolloutContext.state)
-        torch.save(state, os.path.join(folder, MIX_STATE_FILE))
-
-    def _policy_state(self) -> dict:
-        """The rollout policy's own state (RolloutContext.state), one dict for the run, saved in mix_state.pt
-        (a trainer built without __init__, as in the stage tests, gets it on first use)."""
-        if getattr(self, "_rollout_state", None) is None:
-            self._rollout_state = {}
-        return self._rollout_state
+        self._save_mix_state(epoch=self._epoch, carry=self._carry, dataloader=self.train_dataloader.state_dict())
 
     def _load_checkpoint(self):
         """verl's loader, then the data position from ``mix_state.pt``. verl's own restore assumes one batch
@@ -626,24 +568,13 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         epoch and dataloader state are restored as they were: a state saved at the end of an epoch yields
         nothing, and ``_train_batches`` moves on to the next epoch."""
         result = super()._load_checkpoint()
-        if self.global_steps > 0:
-            folder = self.config.trainer.default_local_dir
-            if not os.path.isabs(folder):
-                folder = os.path.join(os.getcwd(), folder)
-            path = os.path.join(folder, f"global_step_{self.global_steps}", MIX_STATE_FILE)
-            if self.config.trainer.resume_mode == "resume_path":
-                path = os.path.join(self.config.trainer.resume_from_path, MIX_STATE_FILE)
-            if os.path.exists(path):
-                state = torch.load(path, weights_only=False)
-                self._epoch, self._carry = state["epoch"], state["carry"]
-                if state.get("dataloader") is not None:
-                    self.train_dataloader.load_state_dict(state["dataloader"])
-                self._entropy_state = state.get("entropy_coef")
-                self._flops = {**{c: 0.0 for c in FLOPS_COUNTS}, **(state.get("flops") or {})}  # the budget counts the run so far
-                self._policy_state().clear()  # the policy's RolloutContext.state: the same dict object, refilled
-                self._policy_state().update(state.get("rollout_policy") or {})
-                if self._entropy_state is not None:  # the workers' loss continues the learned coefficient
-                    install_loss(self.actor_rollout_wg, self._make_loss_fn())
+        state = self._load_mix_state() if self.global_steps > 0 else None
+        if state is not None:
+            self._epoch, self._carry = state["epoch"], state["carry"]
+            if state.get("dataloader") is not None:
+                self.train_dataloader.load_state_dict(state["dataloader"])
+            if self._entropy_state is not None:  # the workers' loss continues the learned coefficient
+                self._install_mix_loss()
         return result
 
     # ------------------------------------------------------------------------------------------------
@@ -672,7 +603,10 @@ class MIXRayPPOTrainer(RayPPOTrainer):
         metrics.update(length_clip_metrics(mask[:, :-width].sum(-1), mask[:, -width:].sum(-1), rollout.prompt_length,
                                            rollout.response_length))  # fmt: skip
         gdpo_keys = self.config.algorithm.get("gdpo_reward_keys", None)
-        if gdpo_keys and self.config.algorithm.adv_estimator == "gdpo":  # verl's per-component GDPO metrics
+        # verl's per-component GDPO metrics (ray_trainer.py 1774-1782), for the estimator verl registered as GDPO's
+        name = self.config.algorithm.adv_estimator
+        estimator = core_algos.ADV_ESTIMATOR_REGISTRY.get(getattr(name, "value", name))
+        if gdpo_keys and estimator is core_algos.compute_gdpo_outcome_advantage:
             for key in (k for k in gdpo_keys if k in batch.non_tensor_batch):
                 values = np.asarray(batch.non_tensor_batch[key], dtype=np.float32)
                 for stat, fn in (("mean", np.mean), ("std", np.std), ("max", np.max), ("min", np.min)):

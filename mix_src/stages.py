@@ -35,6 +35,7 @@ __all__ = [
     "filter_metric_values",
     "group_ids",
     "length_clip_metrics",
+    "luffy_advantage_stage",
     "luffy_advantages",
     "on_policy_rollout_metrics",
     "on_policy_rollout_correction",
@@ -155,6 +156,27 @@ def luffy_advantages(
     if alpha != 1.0 or beta != 1.0:
         advantages = apply_prefix_advantage_weights(advantages, prefix_mask, alpha, beta)
     return advantages, returns
+
+
+def luffy_advantage_stage(verl_advantage: Callable, prefix_mask: torch.Tensor, algorithm: Any, mix: Any) -> Callable:
+    """A stand-in for verl's advantage call ``verl_advantage(data, **kwargs) -> data`` (legacy: ``ray_trainer.py``
+    ``compute_advantage``; V1: ``trainer_base.compute_advantage_for_multi_trajectories``) that writes LUFFY's
+    advantages and returns (:func:`luffy_advantages`) into ``data.batch``: a prefix-aware estimator (``grpo_split``)
+    is called once, with ``prefix_mask`` (bsz, L); verl's function only for other estimators. Both bases call it."""
+
+    def advantages(data, **kwargs):
+        def verl_estimator():
+            out = verl_advantage(data, **kwargs)
+            return out.batch["advantages"], out.batch["returns"]
+
+        adv, ret = luffy_advantages(
+            data.batch["token_level_rewards"], data.batch["response_mask"], data.non_tensor_batch["uid"],
+            prefix_mask, algorithm, mix, verl_estimator=verl_estimator,
+        )  # fmt: skip
+        data.batch["advantages"], data.batch["returns"] = adv, ret
+        return data
+
+    return advantages
 
 
 def solved_rows(acc: Optional[Sequence], scores: Callable[[], np.ndarray]) -> np.ndarray:

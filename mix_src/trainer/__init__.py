@@ -1,0 +1,1 @@
+"""The two trainer bases' shared pieces: per-step stages and the state both keep across steps."""

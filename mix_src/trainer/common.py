@@ -1,0 +1,127 @@
+"""What both trainer bases (legacy :class:`mix_src.mix_trainer.MIXRayPPOTrainer`, V1 :class:`mix_src.mix_trainer_v1.
+MixV1Mixin`) keep across steps, written once: the FLOPs meter (``flops/*``, ``mix.flops_budget``), the checkpointed
+``mix_state.pt`` (learned entropy coefficient, rollout-policy state, FLOPs so far) and the MIX worker loss.
+
+:class:`MixTrainerCommon` is a mixin of both bases; every attribute has a class default, so the stage tests' trainers
+built without ``__init__`` work. The file format of ``mix_state.pt`` is unchanged (a dict; each base adds its own keys).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+
+from mix_src.flops import COUNTS, add_step_flops, rollout_flops, shape_unreadable
+from mix_src.loss import MixPolicyLoss, install_loss, pop_entropy_state
+from mix_src.stages import MIX_STATE_FILE, model_shape
+
+__all__ = ["MixTrainerCommon"]
+
+
+class MixTrainerCommon:
+    """FLOPs meter, ``mix_state.pt`` and the worker loss, shared by both bases (needs ``config``, ``mix``,
+    ``global_steps``, ``actor_rollout_wg``, ``use_reference_policy`` from verl's trainer)."""
+
+    _flops_shape: Any = None  # the actor's ModelShape, read from its config.json on first use (or the read error)
+    _flops: Optional[dict] = None  # the run's training FLOPs so far per count (saved: a resumed budget counts them)
+    _rollout_flops: Optional[dict] = None  # generation FLOPs since the last step's count
+    _entropy_state: Optional[dict] = None  # the learned entropy coefficient's state (mix.loss.use_adaptive_entropy)
+    _rollout_state: Optional[dict] = None  # the rollout policy's own state (RolloutContext.state)
+
+    _model_shape = model_shape  # mix_src/stages.py
+
+    # ---- FLOPs (mix_src/flops.py) ----------------------------------------------------------------------------
+    def _flops_totals(self) -> dict:
+        """The run's FLOPs so far per count."""
+        if self._flops is None:
+            self._flops = {c: 0.0 for c in COUNTS}
+        return self._flops
+
+    def add_rollout_flops(self, prompt_lens, response_lens, generated_lens) -> None:
+        """Generation FLOPs of rows a rollout pass generated, counted at the next step's :meth:`_count_step_flops`.
+        An unreadable model shape counts nothing here (reported, or fatal with a budget, at the step's count)."""
+        try:
+            shape = self._model_shape()
+        except Exception:  # noqa: BLE001 - see the docstring
+            return
+        if self._rollout_flops is None:
+            self._rollout_flops = {c: 0.0 for c in COUNTS}
+        for c in COUNTS:
+            self._rollout_flops[c] += rollout_flops(shape, prompt_lens, response_lens, generated_lens, c)
+
+    def _pending_rollout_flops(self) -> dict:
+        """The generation FLOPs added since the last count (then reset)."""
+        pending = self._rollout_flops or {}
+        self._rollout_flops = {c: 0.0 for c in COUNTS}
+        return {c: float(pending.get(c, 0.0)) for c in COUNTS}
+
+    def _flops_off(self, metrics: dict) -> bool:
+        """No FLOPs this run: no ``mix.flops_budget`` and the model's shape unreadable (logged once in ``metrics``)."""
+        return self.mix.flops_budget is None and shape_unreadable(self._model_shape, metrics)
+
+    def _count_step_flops(self, prompt_lens, response_lens, rollout: dict, metrics: dict) -> bool:
+        """The step's ``flops/*`` (old/ref log-probs and ``ppo_epochs`` updates over the trained rows' lengths, plus
+        ``rollout``) into ``metrics`` and the totals; True when ``mix.flops_budget`` is reached with this step."""
+        totals = self._flops_totals()
+        add_step_flops(self._model_shape(), prompt_lens, response_lens, rollout, totals, metrics,
+                       ppo_epochs=int(self.config.actor_rollout_ref.actor.get("ppo_epochs", 1)),
+                       ref_policy=self.use_reference_policy)  # fmt: skip
+        budget = self.mix.flops_budget
+        return budget is not None and totals[self.mix.flops_count] >= budget
+
+    def _budget_message(self) -> str:
+        return (f"[mix_src] mix.flops_budget={self.mix.flops_budget:.4g} reached at step {self.global_steps} "
+                f"({self.mix.flops_count} count: {self._flops_totals()[self.mix.flops_count]:.4g} FLOPs): training ends")
+
+    # ---- the worker loss and its learned entropy coefficient -------------------------------------------------
+    def _install_mix_loss(self) -> None:
+        """The MIX worker loss (mix_src/loss.py) on every actor worker, continuing a restored entropy state."""
+        from verl.utils.config import omega_conf_to_dataclass
+
+        actor_cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
+        install_loss(self.actor_rollout_wg, MixPolicyLoss(actor_cfg, self.mix.loss, entropy_state=self._entropy_state))
+
+    def _keep_entropy_state(self, update_metrics: dict) -> None:
+        """Take the coefficient's state out of the workers' update metrics (before verl averages them)."""
+        state = pop_entropy_state(update_metrics)
+        if state is not None:
+            self._entropy_state = state
+
+    # ---- mix_state.pt --------------------------------------------------------------------------------------
+    def _policy_state(self) -> dict:
+        """The rollout policy's own state (RolloutContext.state), one dict for the run, saved in mix_state.pt."""
+        if self._rollout_state is None:
+            self._rollout_state = {}
+        return self._rollout_state
+
+    def _step_folder(self) -> str:
+        """This step's checkpoint folder (verl's ``global_step_<n>`` under ``trainer.default_local_dir``)."""
+        return os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
+
+    def _resumed_folder(self) -> str:
+        """The folder verl's ``_load_checkpoint`` resumed from (``resume_from_path`` or the step's), absolute."""
+        trainer = self.config.trainer
+        folder = trainer.resume_from_path if trainer.resume_mode == "resume_path" else self._step_folder()
+        return folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder)
+
+    def _save_mix_state(self, **own) -> None:
+        """``mix_state.pt`` in this step's folder: the shared state plus the base's ``own`` keys."""
+        state = {"entropy_coef": self._entropy_state, "rollout_policy": self._policy_state(),
+                 "flops": dict(self._flops or {}), **own}  # fmt: skip
+        torch.save(state, os.path.join(self._step_folder(), MIX_STATE_FILE))
+
+    def _load_mix_state(self) -> Optional[dict]:
+        """Restore the shared state from the resumed folder's ``mix_state.pt`` (None when there is none; a file
+        written before this module, by either base, loads the same) and return the whole dict."""
+        path = os.path.join(self._resumed_folder(), MIX_STATE_FILE)
+        if not os.path.exists(path):
+            return None
+        state = torch.load(path, weights_only=False)
+        self._entropy_state = state.get("entropy_coef")
+        if state.get("flops"):
+            self._flops = {**{c: 0.0 for c in COUNTS}, **state["flops"]}
+        self._policy_state().clear()  # the policy's RolloutContext.state: the same dict object, refilled
+        self._policy_state().update(state.get("rollout_policy") or {})
+        return state
