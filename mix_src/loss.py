@@ -84,7 +84,7 @@ from mix_src.loss_terms import LOSS_TERMS, TermInputs, TokenBatch, TokenLossConf
 from mix_src.loss_combine import LOSS_COMBINES, CombineInputs
 from mix_src.onpolicy_losses import knob_refusals, mode_entry, on_policy_config, on_policy_term
 from mix_src.mix_config import LossConfig as MixLossConfig  # the `mix.loss` section, checked when built
-from mix_src.prefix_select import PrefixTokenView, select_prefix_tokens
+from mix_src.prefix_select import PREFIX_TOKEN_SELECTS, PrefixTokenView, select_prefix_tokens
 from mix_src.off_policy_behaviour import BEHAVIOUR_LOG_PROB, OFF_POLICY_BEHAVIOURS
 from mix_src.row_loss import ROW_LOSSES, SFT_AGGS, SFT_ROW, SFT_TOKENS, SftScale
 
@@ -250,7 +250,8 @@ class MixPolicyLoss:
             view = PrefixTokenView(
                 entropy=None if entropy is None else entropy.detach(), log_prob=log_prob.detach(),
                 old_log_prob=batch["old_log_probs"], advantages=ctx.advantages, response_mask=response_mask,
-                prefix_mask=ctx.prefix_mask, ratio=mix.prefix_token_select_ratio,
+                prefix_mask=ctx.prefix_mask, ratio=PREFIX_TOKEN_SELECTS.settings(mix.prefix_token_select, {} if
+                mix.prefix_token_select_ratio is None else {"ratio": mix.prefix_token_select_ratio})["ratio"],
             )  # fmt: skip
             ctx.advantages, kept, prefix_on_policy = select_prefix_tokens(mix.prefix_token_select, view)
             ctx.metrics["actor/prefix_kept_frac"] = Metric(value=float(masked_mean(kept.float(), ctx.prefix_mask)),
@@ -402,7 +403,7 @@ class MixPolicyLoss:
             agg_expert=lambda m: agg_loss(m, prefix_mask, self.loss_agg_mode, **expert_info),
             global_step=int(counts[GLOBAL_STEP]),
         )  # fmt: skip
-        loss, extra = LOSS_COMBINES.get(mix.combine)(inputs, dict(mix.combine_args))
+        loss, extra = LOSS_COMBINES.get(mix.combine)(inputs, LOSS_COMBINES.settings(mix.combine, mix.combine_args))
         ctx.metrics.update(Metric.from_dict({f"actor/{k}": float(v) for k, v in extra.items()},
                                             aggregation=AggregationType.MEAN))  # fmt: skip
         return loss, out

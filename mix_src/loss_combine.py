@@ -1,8 +1,8 @@
 """Loss combinations: how the on-policy rows' RL loss and the expert rows' loss make the policy loss.
 
 An extension point of the worker loss (:class:`mix_src.loss.MixPolicyLoss`), picked by
-``mix.loss.combine=<name>`` with the entry's own settings in ``mix.loss.combine_args`` (a mapping the entry
-checks). Unset (the default), the worker loss is LUFFY's (``mix.loss.*``) and this module is not used.
+``mix.loss.combine=<name>`` with the entry's declared settings in ``mix.plugin_options.<name>`` (older spelling:
+``mix.loss.combine_args``; mix_src/registry.py ``resolve_settings``). Unset (the default), the worker loss is LUFFY's (``mix.loss.*``) and this module is not used.
 
 With a combination selected, a row with any prefix token is an *expert row* (e.g. ``mix.n_prefix`` rows at
 prefix ratio 1.0: the whole target, never sent to the inference server) and every other row is an
@@ -19,7 +19,7 @@ clip settings, dual clip ``clip_ratio_c``) and hands it, with the expert tokens'
     inputs.agg_on        (B, L) loss matrix -> (): aggregate over ``on_mask`` (actor.loss_agg_mode)
     inputs.agg_expert    (B, L) loss matrix -> (): aggregate over ``expert_mask``, the same mode
     inputs.global_step   int: the trainer's step (verl's ``global_steps``, counts from 1)
-    args                 ``mix.loss.combine_args`` as a plain dict
+    args                 the entry's settings, defaults filled in (``LOSS_COMBINES.settings``)
     returns              the policy loss () (with grad) and scalar metrics (logged as ``actor/<key>``, averaged
                          over micro-batches: report means, e.g. a micro-batch's token mean, not shares of a sum)
 
@@ -58,10 +58,11 @@ class CombineInputs:
 
 
 LossCombine = Callable[[CombineInputs, Mapping[str, Any]], "tuple[torch.Tensor, dict[str, float]]"]
-LOSS_COMBINES: Registry[LossCombine] = Registry("loss combination", "mix.loss.combine")
+LOSS_COMBINES: Registry[LossCombine] = Registry("loss combination", "mix.loss.combine",
+                                                old_settings={"*": "mix.loss.combine_args"})
 
 
 def register_loss_combine(name: str, **entry) -> Callable[[LossCombine], LossCombine]:
     """Register ``fn(inputs: CombineInputs, args) -> (loss, metrics)`` under ``name``. ``entry``: the
-    self-description of :meth:`mix_src.registry.Registry.register` (bases, why_not, check, reads)."""
+    self-description of :meth:`mix_src.registry.Registry.register` (bases, why_not, settings, check, reads)."""
     return LOSS_COMBINES.register(name, **entry)

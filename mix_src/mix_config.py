@@ -15,7 +15,6 @@ This module imports no verl (torch only through the pure core_alg, for its optio
 
 from __future__ import annotations
 
-import collections.abc
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, get_args, get_origin, get_type_hints
@@ -99,7 +98,7 @@ class LossConfig:
     loss_agg_mode: Optional[str] = None  # None: actor.loss_agg_mode; "luffy-token-sum-norm" only here
     use_sft_multitask_loss: bool = False  # PPO on on-policy rows + sft_loss_coef * NLL of prefix tokens
     combine: Optional[str] = None  # a registered loss combination (mix_src/loss_combine.py); None: LUFFY's loss
-    combine_args: dict = field(default_factory=dict)  # its settings, checked by the entry
+    combine_args: dict = field(default_factory=dict)  # older spelling of mix.plugin_options.<combine> (registry.py)
     sft_loss_coef: float = 1.0
     row_loss: Optional[str] = None  # a per-row SFT / policy-loss choice (mix_src/row_loss.py); None = off
     sft_loss_agg: Optional[str] = None  # the SFT term's aggregation (mix_src/row_loss.py SFT_AGGS); None: the
@@ -111,7 +110,7 @@ class LossConfig:
     alpha_lr: float = 1e-2  # AdamW learning rate of log(c)
     entropy_coeff_max: Optional[float] = None  # cap of the learned coefficient
     prefix_token_select: Optional[str] = None  # which prefix tokens keep their advantage: a name in mix_src.prefix_select
-    prefix_token_select_ratio: float = 0.0  # the selection's one number (its meaning: the entry's docstring)
+    prefix_token_select_ratio: Optional[float] = None  # older spelling of mix.plugin_options.<select>.ratio; None: unset
 
     def _resolve_sft_loss_agg(self, p: str) -> None:
         """sft_loss_agg aggregates the SFT term of row_loss or use_sft_multitask_loss; None picks each one's default
@@ -179,8 +178,6 @@ class LossConfig:
         if self.combine is not None:
             if self.combine not in LOSS_COMBINES:
                 raise MixConfigError(LOSS_COMBINES.unknown(self.combine))
-            if not isinstance(self.combine_args, collections.abc.Mapping):
-                raise MixConfigError(f"{p}.combine_args={self.combine_args!r} must be a mapping")
             ignored = sorted(f.name for f in dataclasses.fields(self) if (f.name.startswith("off_")
                              or f.name in ("all_max_clip", "use_sft_multitask_loss")) and getattr(self, f.name) != f.default)  # fmt: skip
             if ignored:
@@ -249,7 +246,7 @@ class MixConfig:
     seed: Optional[int] = None  # seed of the prefix-ratio generator (None = data.seed or 0)
     rollout_policy: str = "prefix_guided"  # how the generate stage makes a batch: a name in mix_src.rollout_policy
     plugins: list = field(default_factory=list)  # modules / .py files that register extensions (mix_src/registry.py)
-    plugin_options: dict = field(default_factory=dict)  # settings of plugin entries, {entry name: {key: value}}; each entry's check validates its own
+    plugin_options: dict = field(default_factory=dict)  # {entry name: {setting: value}}: the one channel (registry.py)
     flops_budget: Optional[float] = None  # stop training at the first step whose cumulative FLOPs reach this (mix_src/flops.py)
     flops_count: str = "full"  # which count the budget uses: "6n" (6N rule) or "full" (+ attention, LM head)
     data: DataConfig = field(default_factory=DataConfig)
@@ -271,9 +268,6 @@ class MixConfig:
             )
         _in_range(f"{p}.prefix_steps", self.prefix_steps, 1, None)
         _in_range(f"{p}.prefix_linear_max_ratio", self.prefix_linear_max_ratio, 0.0, 1.0)
-        if self.prefix_strategy == "fixed":
-            if not self.prefix_fix_ratios:
-                raise MixConfigError(f"{p}.prefix_strategy=fixed needs {p}.prefix_fix_ratios (a list of ratios)")
         if self.prefix_fix_ratios is not None:
             self.prefix_fix_ratios = [float(r) for r in self.prefix_fix_ratios]
             for i, r in enumerate(self.prefix_fix_ratios):
@@ -284,7 +278,7 @@ class MixConfig:
             if not isinstance(settings, dict):
                 raise MixConfigError(f"{p}.plugin_options.{name}={settings!r} must be a mapping {{key: value}} (the "
                                      f"settings of the entry {name!r})")
-        for name in self.plugin_options:  # an entry's own check validates its settings; a stray name is an error
+        for name in self.plugin_options:  # registry.resolve_settings checks the values; a stray name is an error
             if not any(name in registry for registry in _REGISTRIES):
                 raise MixConfigError(f"{p}.plugin_options.{name}: no registered entry is called {name!r} (load its "
                                      f"plugin with {p}.plugins)")
@@ -398,8 +392,17 @@ def _check_adv_estimator(name: str) -> None:
     from mix_src.adv_estimators import ADV_ESTIMATORS
 
     verl_names = [n for n in core_algos.ADV_ESTIMATOR_REGISTRY if n not in ADV_ESTIMATORS]
-    if name not in ADV_ESTIMATORS and name not in core_algos.ADV_ESTIMATOR_REGISTRY and name != "gae":
-        raise MixConfigError(f"{ADV_ESTIMATORS.unknown(name)}; or one of verl's: {sorted({'gae', *verl_names})}")
+    if name not in ADV_ESTIMATORS and name not in core_algos.ADV_ESTIMATOR_REGISTRY:
+        raise MixConfigError(f"{ADV_ESTIMATORS.unknown(name)}; or one of verl's: {sorted(verl_names)}")
+
+
+def uses_critic(config: Any) -> bool:
+    """verl's rule (``need_critic``, verl/trainer/ppo/utils.py 96-107; without its warning, and with no
+    ``critic`` section read as unset): ``critic.enable`` if set, else whether the estimator is verl's GAE."""
+    from verl.trainer.ppo.core_algos import AdvantageEstimator
+
+    enable = (config.get("critic") or {}).get("enable")
+    return bool(enable) if enable is not None else str(config.algorithm.get("adv_estimator")) == AdvantageEstimator.GAE
 
 
 def validate_mix_config(config: Any) -> MixConfig:
@@ -416,13 +419,6 @@ def validate_mix_config(config: Any) -> MixConfig:
     n = int(config.actor_rollout_ref.rollout.n)
     if mix.n_prefix > n:
         raise MixConfigError(f"mix.n_prefix={mix.n_prefix} > actor_rollout_ref.rollout.n={n}; use 0..{n} or -1 (all)")
-    if mix.prefix_strategy == "fixed":
-        want = n if mix.n_prefix == -1 else mix.n_prefix
-        if not mix.prefix_share_across_samples and len(mix.prefix_fix_ratios) not in (1, want):
-            raise MixConfigError(
-                f"mix.prefix_fix_ratios has {len(mix.prefix_fix_ratios)} ratios; give 1 or one per prefixed row "
-                f"({want} = {'rollout.n' if mix.n_prefix == -1 else 'mix.n_prefix'})"
-            )
     if mix.n_prefix != 0:
         rc = config.algorithm.get("rollout_correction") or {}
         # decoupled rollout_is / rollout_rs run over on-policy tokens only (stages.on_policy_rollout_correction)
@@ -455,11 +451,11 @@ def validate_mix_config(config: Any) -> MixConfig:
             "the update, which needs verl's unshuffled mini-batches: set actor_rollout_ref.actor.shuffle=false"
         )
     fg = config.algorithm.get("filter_groups") or {}
-    if (mix.filter_groups.carry_over or mix.filter_groups.on_policy_only or mix.filter_groups.rule != "nonzero_std") and not fg.get("enable", False):
+    if mix.filter_groups != FilterGroupsConfig() and not fg.get("enable", False):  # any mix.filter_groups key set
         raise MixConfigError(
             "mix.filter_groups.* is set but algorithm.filter_groups.enable=false; set algorithm.filter_groups.enable=true"
         )
-    if mix.flops_budget is not None and (config.algorithm.adv_estimator == "gae" or config.get("critic", {}).get("enable")):
+    if mix.flops_budget is not None and uses_critic(config):
         raise MixConfigError(
             "mix.flops_budget counts the actor's compute only (mix_src/flops.py); a critic (algorithm.adv_estimator=gae "
             "or critic.enable=true) would go uncounted: unset mix.flops_budget or use a critic-free estimator"

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from mix_src.mix_config import MixConfigError
+from mix_src.mix_config import MixConfigError, uses_critic
 
 
 def _get(cfg: Any, key: str, default=None):
@@ -122,10 +122,8 @@ def check_attention(config, *, cuda: Optional[bool] = None) -> None:
       Checked on the driver, in the driver's environment (``cuda``: default ``torch.cuda.is_available()``).
     """
     sections = [("actor_rollout_ref.model", config.actor_rollout_ref.model)]
-    critic = config.get("critic") or {}
-    if critic.get("enable") or (critic.get("enable") is None and config.algorithm.get("adv_estimator") == "gae"):
-        if critic.get("model") is not None:
-            sections.append(("critic.model", critic.model))
+    if uses_critic(config) and (config.get("critic") or {}).get("model") is not None:
+        sections.append(("critic.model", config.critic.model))
     for key, model in sections:
         impl = str((model.get("override_config") or {}).get("attn_implementation") or VERL_DEFAULT_ATTN)
         varlen = impl.startswith("flash_attention")

@@ -106,7 +106,20 @@ def _reverse_linear(d: PrefixDraw) -> np.ndarray:
     return d.rng.uniform(0.0, (window + 1) * d.prefix_linear_max_ratio / NUM_WINDOWS, size=d.shape)
 
 
-@register_prefix_strategy("fixed")
+def _check_fixed(config) -> None:
+    """mix.prefix_fix_ratios: given, and 1 ratio or one per prefixed row of a group (unless shared per prompt)."""
+    mix, n = config.mix, int(config.actor_rollout_ref.rollout.n)
+    ratios, n_prefix = mix.get("prefix_fix_ratios"), int(mix.get("n_prefix", 0))
+    if not ratios:
+        raise ValueError("mix.prefix_strategy=fixed needs mix.prefix_fix_ratios (a list of ratios)")
+    want = n if n_prefix == -1 else n_prefix
+    if not mix.get("prefix_share_across_samples", False) and len(ratios) not in (1, want):
+        raise ValueError(f"mix.prefix_fix_ratios has {len(ratios)} ratios; give 1 or one per prefixed row "
+                         f"({want} = {'rollout.n' if n_prefix == -1 else 'mix.n_prefix'})")
+
+
+@register_prefix_strategy("fixed", check=_check_fixed, reads=("mix.prefix_fix_ratios", "mix.n_prefix",
+                          "mix.prefix_share_across_samples", "actor_rollout_ref.rollout.n"))  # fmt: skip
 def _fixed(d: PrefixDraw) -> np.ndarray:
     if d.prefix_fix_ratios is None:
         if d.num_prefixed == 1:
@@ -114,16 +127,7 @@ def _fixed(d: PrefixDraw) -> np.ndarray:
         else:
             fixed = np.linspace(d.min_prefix_ratio, d.max_prefix_ratio, d.num_prefixed)
     else:
-        fixed = np.asarray(d.prefix_fix_ratios, dtype=np.float64).reshape(-1)
-        if np.any((fixed < 0.0) | (fixed > 1.0)):
-            raise ValueError(f"prefix_fix_ratios entries must be in [0, 1], got {fixed.tolist()}")
-        if d.share_across_samples and fixed.size == 0:
-            raise ValueError("prefix_fix_ratios must not be empty")
-        if not d.share_across_samples and fixed.size not in (1, d.num_prefixed):
-            raise ValueError(
-                f"prefix_fix_ratios needs one value for all prefixed samples or one per prefixed sample "
-                f"({d.num_prefixed}), got {fixed.size}"
-            )
+        fixed = np.asarray(d.prefix_fix_ratios, dtype=np.float64).reshape(-1)  # checked: _check_fixed, mix_config
         if not d.share_across_samples and fixed.size == 1:
             fixed = np.repeat(fixed, d.num_prefixed)
     if d.share_across_samples:  # prompt i gets value (i mod N)
@@ -163,6 +167,9 @@ def compute_prefix_ratios(
 
     Returns:
         (num_prompts * n,) float64 array of ratios in [0, 1].
+
+    The config values (n_prefix, the ratios, prefix_steps, prefix_fix_ratios) are checked once, before Ray, by
+    mix_src/mix_config.py and the strategy's entry check; not again at each step.
     """
     if strategy not in PREFIX_STRATEGIES:
         raise ValueError(PREFIX_STRATEGIES.unknown(strategy))
@@ -170,15 +177,6 @@ def compute_prefix_ratios(
         raise ValueError(f"n must be >= 1, got {n}")
     if num_prompts < 0:
         raise ValueError(f"num_prompts must be >= 0, got {num_prompts}")
-    if not -1 <= n_prefix <= n:
-        raise ValueError(f"n_prefix must be -1 (all samples) or in [0, n={n}], got {n_prefix}")
-    _check_ratio("min_prefix_ratio", min_prefix_ratio)
-    _check_ratio("max_prefix_ratio", max_prefix_ratio)
-    if min_prefix_ratio > max_prefix_ratio:
-        raise ValueError(f"min_prefix_ratio ({min_prefix_ratio}) must be <= max_prefix_ratio ({max_prefix_ratio})")
-    _check_ratio("prefix_linear_max_ratio", prefix_linear_max_ratio)
-    if prefix_steps < 1:
-        raise ValueError(f"prefix_steps must be >= 1, got {prefix_steps}")
     if global_step < 1:
         raise ValueError(f"global_step counts from 1 (verl's global_steps), got {global_step}")
 

@@ -40,8 +40,9 @@ class PrefixTokenView:
     entropy: float, the current policy's token entropy (None when the worker computed none: the entry's
         check should require ``actor.calculate_entropy=true``); log_prob: float, the current policy's
         log-probs; old_log_prob: float, ``old_log_probs``; advantages: float; response_mask: bool;
-    prefix_mask: bool, the prefix tokens (a subset of response_mask); ratio: ``mix.loss.prefix_token_select_ratio``
-        (the entry's one number; its meaning is the entry's)."""
+    prefix_mask: bool, the prefix tokens (a subset of response_mask); ratio: the entry's setting ``ratio``
+        (``mix.plugin_options.<name>.ratio``, older spelling ``mix.loss.prefix_token_select_ratio``; its meaning is
+        the entry's)."""
 
     entropy: Optional[torch.Tensor]
     log_prob: torch.Tensor
@@ -53,7 +54,8 @@ class PrefixTokenView:
 
 
 PrefixTokenSelect = Callable[[PrefixTokenView], torch.Tensor]
-PREFIX_TOKEN_SELECTS: Registry[PrefixTokenSelect] = Registry("prefix token selection", "mix.loss.prefix_token_select")
+PREFIX_TOKEN_SELECTS: Registry[PrefixTokenSelect] = Registry(
+    "prefix token selection", "mix.loss.prefix_token_select", old_settings={"ratio": "mix.loss.prefix_token_select_ratio"})
 """Prefix token selections. Signature: ``fn(view: PrefixTokenView) -> keep`` with keep a (B, L) bool tensor
 (only its values on prefix tokens matter). Register with ``@register_prefix_token_select("name")``; pick with
 ``mix.loss.prefix_token_select=name``. Entry option ``prefix_tokens_on_policy`` (bool): see the module docstring."""

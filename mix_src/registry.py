@@ -16,12 +16,19 @@ that uses it:
 
 Every entry describes itself (:class:`Entry`): the trainer bases it supports (``"legacy"`` =
 :class:`~mix_src.mix_trainer.MIXRayPPOTrainer`, ``"v1"`` = ``trainer.use_v1=true``) and, for each base it does
-not support, why; its own config checks; and the config keys it reads. :func:`check_selected_entries`, run
-by the entry point before Ray starts, looks up the entry each registry's key selects, refuses it on a base it
-does not support (with its reason) and runs its checks, so no caller special-cases a name:
+not support, why; its settings (:class:`Setting`: default and check); its own config checks; and the config keys
+it reads. :func:`check_selected_entries`, run by the entry point before Ray starts, looks up the entry each
+registry's key selects, refuses it on a base it does not support (with its reason), validates its settings
+(:func:`resolve_settings`) and runs its checks, so no caller special-cases a name:
 
     @REG.register("mine", bases=("legacy",), why_not={"v1": "needs a second generation pass"},
-                  check=lambda cfg: ..., reads=("mix.my_key",))
+                  settings={"k": Setting(3, integer(1))}, check=lambda cfg: ..., reads=("mix.my_key",))
+
+Settings travel one way: ``mix.plugin_options.<entry name>.<setting>``. Each is checked once, on the driver, by
+:func:`resolve_settings`, which writes the full settings (defaults filled in) back into the config, so every
+process reads checked values; the entry reads them with ``REG.settings(name, given)``. A registry may keep an
+older spelling (``Registry(..., old_settings=...)``: ``mix.loss.combine_args``, ``mix.loss.prefix_token_select_ratio``),
+read into the same channel and written back there too.
 
 A plugin is a Python module or a ``.py`` file that registers with these decorators (or verl's own,
 e.g. ``register_policy_loss``); ``mix.plugins=[my_pkg.my_mod, /abs/or/relative/plugin.py]`` loads it.
@@ -42,8 +49,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Iterator, Mapping, Optional, TypeVar
 
 __all__ = [
-    "BASES", "PLUGINS_ENV", "Entry", "EntryConfigError", "PluginImportError", "Registry", "check_selected_entries",
-    "load_plugins", "load_plugins_from_env", "load_verl_plugins", "trainer_base",
+    "BASES", "PLUGINS_ENV", "Entry", "EntryConfigError", "PluginImportError", "Registry", "Setting",
+    "check_selected_entries", "flag", "integer", "load_plugins", "load_plugins_from_env", "load_verl_plugins",
+    "number", "one_of", "resolve_settings", "trainer_base",
 ]  # fmt: skip
 
 BASES = ("legacy", "v1")  # the trainer bases: MIXRayPPOTrainer, and verl's V1 trainer (trainer.use_v1=true)
@@ -55,7 +63,46 @@ _REGISTRIES: list["Registry"] = []  # every Registry made, in creation order (ch
 
 
 class EntryConfigError(ValueError):
-    """A registry entry refuses the config (unsupported trainer base, or its own check failed)."""
+    """A registry entry refuses the config (unsupported trainer base, a bad setting, or its own check failed)."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting an entry declares: its ``default``; ``ok(value) -> bool`` and ``want`` (what a good value is,
+    the error's text). ``nullable``: null is a good value too."""
+
+    default: Any
+    ok: Callable[[Any], bool] = lambda v: True
+    want: str = "any value"
+    nullable: bool = False
+
+    def error(self, key: str, value: Any) -> Optional[str]:
+        if (value is None and self.nullable) or self.ok(value):
+            return None
+        return f"{key}={value!r} must be {self.want}{' or null' if self.nullable else ''}"
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def number(default: Any, lo: float = float("-inf"), hi: float = float("inf"), nullable: bool = False) -> Setting:
+    """A number in [lo, hi]."""
+    return Setting(default, lambda v: _num(v) and lo <= v <= hi, f"a number in [{lo}, {hi}]", nullable)
+
+
+def integer(default: Any, lo: float = float("-inf"), hi: float = float("inf"), nullable: bool = False) -> Setting:
+    """An integer in [lo, hi]."""
+    return Setting(default, lambda v: _num(v) and int(v) == v and isinstance(v, int) and lo <= v <= hi,
+                   f"an integer in [{lo}, {hi}]", nullable)  # fmt: skip
+
+
+def flag(default: bool) -> Setting:
+    return Setting(default, lambda v: isinstance(v, bool), "true or false")
+
+
+def one_of(default: Any, *values: Any) -> Setting:
+    return Setting(default, lambda v: v in values, f"one of {list(values)}")
 
 
 @dataclass(frozen=True)
@@ -63,9 +110,10 @@ class Entry:
     """What a registry entry says of itself.
 
     ``bases``: the trainer bases it supports; ``why_not``: for every other base, why (the refusal's text);
-    ``check(config)``: its own config checks on the whole composed config, raising :class:`EntryConfigError`
-    (or any ValueError) naming the key and value; ``reads``: the config keys (full dotted paths) it reads;
-    ``options``: free-form settings documented by the registry that owns the entry."""
+    ``settings``: what it takes from ``mix.plugin_options.<name>`` (:class:`Setting` per key, checked by
+    :func:`resolve_settings`); ``check(config)``: its own checks across keys on the whole composed config (settings
+    already resolved), raising :class:`EntryConfigError` (or any ValueError) naming the key and value; ``reads``: the
+    config keys (full dotted paths) it reads; ``options``: fixed traits documented by the registry that owns it."""
 
     name: str
     fn: Callable
@@ -74,6 +122,7 @@ class Entry:
     check: Optional[Callable[[Any], None]] = None
     reads: tuple[str, ...] = ()
     options: Mapping[str, Any] = field(default_factory=dict)
+    settings: Mapping[str, Setting] = field(default_factory=dict)
 
     def refusal(self, registry: "Registry", base: str) -> Optional[str]:
         """The error text if this entry cannot run on ``base``, else None."""
@@ -92,11 +141,15 @@ class Registry(Generic[F]):
     """Name -> function. ``kind`` names the extension point in errors; ``config_key`` the key that picks
     from it. Iterating yields the registered names (built-ins first, then plugins, in order)."""
 
-    def __init__(self, kind: str, config_key: str, selected: Optional[Callable[[Any], list[str]]] = None):
+    def __init__(self, kind: str, config_key: str, selected: Optional[Callable[[Any], list[str]]] = None,
+                 old_settings: Optional[Mapping[str, str]] = None):
         """``selected(config)`` returns the names the config picks from this registry (default: the value
-        at ``config_key``, if set); :func:`check_selected_entries` checks exactly those entries."""
+        at ``config_key``, if set); :func:`check_selected_entries` checks exactly those entries.
+        ``old_settings``: an older spelling of the selected entry's settings, {setting: dotted key}, or
+        {"*": key of a mapping holding them all}."""
         self.kind, self.config_key = kind, config_key
         self._selected = selected
+        self.old_settings = dict(old_settings or {})
         self._entries: dict[str, F] = {}
         self._described: dict[str, Entry] = {}
         _REGISTRIES.append(self)
@@ -109,6 +162,7 @@ class Registry(Generic[F]):
         why_not: Optional[Mapping[str, str]] = None,
         check: Optional[Callable[[Any], None]] = None,
         reads: tuple[str, ...] = (),
+        settings: Optional[Mapping[str, Setting]] = None,
         **options,
     ) -> Callable[[F], F]:
         """Decorator: ``@REG.register("name", ...)`` adds the function under ``name`` with its self-description
@@ -129,7 +183,7 @@ class Registry(Generic[F]):
             if old is not None and _qualname(old) != _qualname(fn):
                 raise ValueError(f"{self.kind} {name!r} is already registered (by {_qualname(old)})")
             self._entries[name] = fn
-            self._described[name] = Entry(name, fn, bases, why_not, check, tuple(reads), dict(options))
+            self._described[name] = Entry(name, fn, bases, why_not, check, tuple(reads), dict(options), dict(settings or {}))
             return fn
 
         return deco
@@ -158,6 +212,11 @@ class Registry(Generic[F]):
 
     def options(self, name: str) -> dict:
         return dict(self.describe(name).options)
+
+    def settings(self, name: str, given: Optional[Mapping] = None) -> dict:
+        """The entry's settings: its declared defaults, overridden by ``given`` (checked on the driver already)."""
+        declared = self.describe(name).settings
+        return {**{k: s.default for k, s in declared.items()}, **dict(given or {})}
 
     def unknown(self, name: str) -> str:
         """The error text for an unknown name: the key, the value and every registered name."""
@@ -194,6 +253,7 @@ def check_selected_entries(config: Any) -> None:
     registry knows is left to the caller's own error (e.g. verl's estimators are not in ours)."""
     load_plugins_from_env()
     base = trainer_base(config)
+    resolve_settings(config)
     for registry in list(_REGISTRIES):
         for name in registry.selected(config):
             if name not in registry._entries:
@@ -209,6 +269,66 @@ def check_selected_entries(config: Any) -> None:
                     raise
                 except ValueError as e:
                     raise EntryConfigError(f"{registry.config_key}={name!r}: {e}") from e
+
+
+def resolve_settings(config: Any) -> None:
+    """The one check of every selected entry's settings: ``mix.plugin_options.<name>`` (and the registry's older
+    spelling, if any) against what the entry declared; unknown keys and bad values raise
+    :class:`EntryConfigError` naming the key as the user wrote it. The full settings (defaults filled in) are
+    written back to ``mix.plugin_options.<name>`` and to the older spelling."""
+    from omegaconf import OmegaConf, open_dict
+
+    for registry in list(_REGISTRIES):
+        for name in registry.selected(config):
+            if name not in registry._entries:
+                continue
+            given, where = _given_settings(config, registry, name)
+            declared = registry._described[name].settings
+            unknown = sorted(set(given) - set(declared))
+            if unknown:
+                raise EntryConfigError(f"{registry.config_key}={name!r}: unknown key(s) {[where[k] for k in unknown]}; "
+                                       f"valid: {sorted(declared)}")  # fmt: skip
+            for key, value in given.items():
+                why = declared[key].error(where[key], value)
+                if why:
+                    raise EntryConfigError(why)
+            if not declared:
+                continue
+            full = registry.settings(name, given)
+            with open_dict(config):
+                OmegaConf.update(config, f"mix.plugin_options.{name}", full, merge=False, force_add=True)
+                for key, old in registry.old_settings.items():
+                    OmegaConf.update(config, old, full if key == "*" else full[key], merge=False, force_add=True)
+
+
+def _given_settings(config: Any, registry: "Registry", name: str) -> tuple[dict, dict]:
+    """The settings the config gives entry ``name`` -> (values, the key each was given under). A setting given
+    in both spellings must agree; an older single-value spelling left null is not given."""
+    from omegaconf import OmegaConf
+
+    def plain(key):
+        value = OmegaConf.select(config, key, default=None)
+        return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+    channel = f"mix.plugin_options.{name}"
+    sources = [(channel, plain(channel) or {}, None)]  # (key, its value, the one setting it spells or None)
+    for key, old in registry.old_settings.items():
+        value = plain(old)
+        if key == "*":
+            sources.append((old, value or {}, None))
+        elif value is not None:
+            sources.append((old, {key: value}, key))
+    values, where = {}, {}
+    for source, given, single in sources:
+        if not isinstance(given, Mapping):
+            raise EntryConfigError(f"{source}={given!r} must be a mapping {{setting: value}} (the settings of {name!r})")
+        for key, value in given.items():
+            if key in values and values[key] != value:
+                raise EntryConfigError(f"{where[key]}={values[key]!r} and {source}={value!r} disagree; set it once, "
+                                       f"in {channel}.{key}")  # fmt: skip
+            values[key] = value
+            where.setdefault(key, source if single else f"{source}.{key}")
+    return values, where
 
 
 def _qualname(fn: Callable) -> str:

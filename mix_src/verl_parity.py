@@ -156,14 +156,18 @@ def _get(config: Any, dotted: str, default: Any = None) -> Any:
     return default if node is None else node
 
 
-def _refuse_remax(config: Any, mix: Any) -> Optional[str]:
-    if str(_get(config, "algorithm.adv_estimator")) == "remax":
-        return (
-            "algorithm.adv_estimator=remax needs a greedy baseline rollout per prompt (verl's fit generates it "
-            "with the sampled rollouts, ray_trainer.py `__do_sample__`); the MIX loop does not generate one. "
-            "Use grpo, grpo_split, rloo, reinforce_plus_plus, or gae (with a critic)."
-        )
-    return None
+# verl's estimators whose inputs only verl's own fit makes: name -> why the MIX loop refuses it.
+VERL_ESTIMATORS_REFUSED = {
+    "remax": "needs a greedy baseline rollout per prompt (verl's fit generates it with the sampled rollouts, "
+             "ray_trainer.py `__do_sample__`); the MIX loop does not generate one. Use grpo, grpo_split, rloo, "
+             "reinforce_plus_plus, or gae (with a critic).",
+}  # fmt: skip
+
+
+def _refuse_estimator(config: Any, mix: Any) -> Optional[str]:
+    name = str(_get(config, "algorithm.adv_estimator"))
+    why = VERL_ESTIMATORS_REFUSED.get(name)
+    return f"algorithm.adv_estimator={name} {why}" if why else None
 
 
 def _refuse_bypass_mode(config: Any, mix: Any) -> Optional[str]:
@@ -241,7 +245,7 @@ def _refuse_layered_summon_base_sync(config: Any, mix: Any) -> Optional[str]:
 
 
 CHECKS: list[Callable[[Any, Any], Optional[str]]] = [
-    _refuse_remax,
+    _refuse_estimator,
     _refuse_bypass_mode,
     _refuse_correction_without_logprobs,
     _refuse_profiler,
@@ -252,7 +256,7 @@ CHECKS: list[Callable[[Any, Any], Optional[str]]] = [
 
 # The settings refused (for the README and the guard test): key=value that triggers it -> check.
 REFUSED_SETTINGS: dict[str, Callable] = {
-    "algorithm.adv_estimator=remax": _refuse_remax,
+    "algorithm.adv_estimator=remax": _refuse_estimator,
     "algorithm.rollout_correction.bypass_mode=true": _refuse_bypass_mode,
     "global_profiler.steps=[1]": _refuse_profiler,
     "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode": _refuse_policy_loss_mode,

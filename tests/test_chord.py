@@ -386,3 +386,15 @@ def test_compare_yaml_composes_on_the_toy_task():
     mix = validate_mix_config(cfg)
     check_selected_entries(cfg)
     assert mix.loss.combine == "chord" and mix.n_prefix == 1 and cfg.actor_rollout_ref.rollout.n == 9
+
+
+def test_settings_reach_the_worker_loss_through_the_one_channel():
+    """mix.plugin_options.chord (the one channel) and mix.loss.combine_args (its older spelling) are checked once on
+    the driver and written back, so the worker loss's LossConfig hands CHORD the checked settings. < 0.1 s."""
+    cfg = recipe_config(**{"mix.plugin_options": {"chord": {"mu_peak": 0.5}}})
+    check_selected_entries(cfg)
+    args = MixLossConfig.from_dict(OmegaConf.to_container(cfg.mix.loss)).combine_args
+    assert LOSS_COMBINES.settings("chord", args) == {"mu_warmup_steps": 0, "mu_decay_steps": 0, "mu_peak": 0.5,
+                                                     "mu_valley": 0.1, "enable_phi_function": True}  # fmt: skip
+    with pytest.raises(EntryConfigError, match=r"mix\.plugin_options\.chord\.mu_peak=1\.5 must be a number in \[0\.0, 1\.0\]"):
+        check_selected_entries(recipe_config(**{"mix.plugin_options": {"chord": {"mu_peak": 1.5}}}))

@@ -4,6 +4,7 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from mix_src.mix_config import MixConfigError, mix_config_from_dict, validate_mix_config
+from mix_src.registry import EntryConfigError, check_selected_entries
 
 
 def compose_mix(*overrides):
@@ -37,7 +38,8 @@ def test_unknown_key_lists_valid_keys():
         (["mix.min_prefix_ratio=1.5"], r"mix\.min_prefix_ratio=1\.5 is out of range \[0\.0, 1\.0\]"),
         (["mix.min_prefix_ratio=0.8", "mix.max_prefix_ratio=0.5"], r"min_prefix_ratio=0\.8 > mix\.max_prefix_ratio=0\.5"),
         (["mix.prefix_strategy=linear_variance"], r"mix\.prefix_strategy='linear_variance' is not a registered prefix strategy; registered: random, linear"),
-        (["mix.prefix_strategy=fixed"], r"needs mix\.prefix_fix_ratios"),
+        (["mix.prefix_fix_ratios=[0.1,1.2]"], r"mix\.prefix_fix_ratios\[1\]=1\.2 is out of range \[0\.0, 1\.0\]"),
+        (["mix.prefix_steps=0"], r"mix\.prefix_steps=0 is out of range \[1, inf\]"),
         (["mix.loss.off_policy_reshape=p_div_p_0.2"], r"mix\.loss\.off_policy_reshape='p_div_p_0\.2' is not a registered off-policy reshape; registered: no_reshape"),
         (["mix.loss.off_policy_reshape_gamma=0"], r"off_policy_reshape_gamma=0\.0 must be > 0"),
         (["mix.loss.off_max_clip=0.5", "mix.loss.off_min_clip=0.9"], r"off_min_clip=0\.9 > mix\.loss\.off_max_clip=0\.5"),
@@ -66,12 +68,17 @@ def test_minus_one_switches_clips_off_like_luffy():
 
 
 def test_fixed_ratio_count_must_match_prefixed_rows():
+    """The fixed strategy's entry check (mix_src/prefix.py _check_fixed), not a name special case in mix_config."""
     cfg = compose_mix("mix.n_prefix=2", "actor_rollout_ref.rollout.n=4", "mix.prefix_strategy=fixed",
                       "mix.prefix_fix_ratios=[0.2,0.5,0.8]")  # fmt: skip
-    with pytest.raises(MixConfigError, match=r"3 ratios; give 1 or one per prefixed row \(2"):
-        validate_mix_config(cfg)
+    validate_mix_config(cfg)
+    with pytest.raises(EntryConfigError, match=r"3 ratios; give 1 or one per prefixed row \(2"):
+        check_selected_entries(cfg)
+    with pytest.raises(EntryConfigError, match=r"needs mix\.prefix_fix_ratios"):
+        check_selected_entries(compose_mix("mix.prefix_strategy=fixed"))
     ok = compose_mix("mix.n_prefix=2", "actor_rollout_ref.rollout.n=4", "mix.prefix_strategy=fixed",
                      "mix.prefix_fix_ratios=[0.2,0.5]")  # fmt: skip
+    check_selected_entries(ok)
     assert validate_mix_config(ok).prefix_fix_ratios == [0.2, 0.5]
 
 

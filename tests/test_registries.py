@@ -180,3 +180,41 @@ def test_entry_without_reason_for_a_missing_base_is_refused_at_registration():
         reg.register("x", bases=("legacy",))
     with pytest.raises(ValueError, match="unknown trainer base"):
         reg.register("y", bases=("legacy", "v2"))
+
+
+def test_declared_setting_is_checked_once_and_reaches_the_entry(monkeypatch):
+    """One settings channel (mix_src/registry.py resolve_settings): an entry declares its settings; the driver
+    checks each value once, names the key as the user wrote it (mix.plugin_options.<entry>, or the registry's
+    older spelling), and writes the full settings back, which the entry then reads. < 0.1 s."""
+    from mix_src import registry as registry_module
+    from mix_src.registry import EntryConfigError, Setting, check_selected_entries, flag
+
+    reg = Registry("test pick", "mix.test_pick", old_settings={"k": "mix.old_k"})
+    monkeypatch.setattr(registry_module, "_REGISTRIES", [reg])
+    seen = []
+
+    @reg.register("mine", settings={"k": Setting(3, lambda v: seen.append(v) or (isinstance(v, int) and v >= 1),
+                                                 "an integer >= 1"), "on": flag(True)})  # fmt: skip
+    def mine(settings):
+        return settings
+
+    def config(**mix):
+        return OmegaConf.create({"trainer": {}, "mix": {"test_pick": "mine", **mix}})
+
+    cfg = config(plugin_options={"mine": {"k": 5}})
+    check_selected_entries(cfg)
+    assert seen == [5]  # checked once
+    assert reg.get("mine")(reg.settings("mine", cfg.mix.plugin_options.mine)) == {"k": 5, "on": True}
+    assert cfg.mix.old_k == 5  # the older spelling carries the checked value too
+    old = config(old_k=2)
+    check_selected_entries(old)
+    assert dict(old.mix.plugin_options.mine) == {"k": 2, "on": True}
+    for mix, message in [
+        ({"plugin_options": {"mine": {"k": 0}}}, r"mix\.plugin_options\.mine\.k=0 must be an integer >= 1"),
+        ({"old_k": 0}, r"^mix\.old_k=0 must be an integer >= 1"),
+        ({"plugin_options": {"mine": {"on": "yes"}}}, r"mix\.plugin_options\.mine\.on='yes' must be true or false"),
+        ({"plugin_options": {"mine": {"x": 1}}}, r"unknown key\(s\) \['mix\.plugin_options\.mine\.x'\]; valid: \['k', 'on'\]"),
+        ({"plugin_options": {"mine": {"k": 5}}, "old_k": 2}, "disagree; set it once, in mix.plugin_options.mine.k"),
+    ]:  # fmt: skip
+        with pytest.raises(EntryConfigError, match=message):
+            check_selected_entries(config(**mix))

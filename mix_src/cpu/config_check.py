@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from mix_src.mix_config import MixConfigError
+from mix_src.mix_config import MixConfigError, uses_critic
 from mix_src.verl_parity import _get
 
 # Model sections the FSDP workers build (actor/rollout/ref share one model config; the critic has its own).
@@ -22,21 +22,13 @@ STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.stra
 CPU_ATTENTION = ("eager", "sdpa", "flex_attention")
 
 
-
-
-def _uses_critic(config: Any) -> bool:
-    """verl's ``need_critic`` (``verl/trainer/ppo/utils.py`` 96): ``critic.enable``, else GAE."""
-    enable = _get(config, "critic.enable")
-    return bool(enable) if enable is not None else str(_get(config, "algorithm.adv_estimator")) == "gae"
-
-
 def _sections(config: Any) -> list[str]:
-    return [s for s in MODEL_SECTIONS if s == "actor_rollout_ref.model" or _uses_critic(config)]
+    return [s for s in MODEL_SECTIONS if s == "actor_rollout_ref.model" or uses_critic(config)]
 
 
 def refuse_strategy(config: Any) -> Optional[str]:
     for key in STRATEGY_KEYS:
-        if key.startswith("critic.") and not _uses_critic(config):
+        if key.startswith("critic.") and not uses_critic(config):
             continue
         value = _get(config, key)
         if value is not None and str(value) != "fsdp2":

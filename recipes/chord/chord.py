@@ -18,7 +18,7 @@ In mix_src the expert rows are ``mix.n_prefix`` rows per prompt at prefix ratio 
 never sent to the server); ``algorithm.adv_estimator=grpo_split`` takes the group baseline from the on-policy
 rows only, and the loss combination below leaves the expert rows out of the RL term, so they act as SFT samples
 outside the GRPO groups. Load with ``mix.plugins=[recipes/chord/chord.py] mix.loss.combine=chord``; settings in
-``mix.loss.combine_args`` (keys: CHORD_DEFAULTS). Metrics: actor/chord_mu, actor/chord_sft_loss (token mean of
+``mix.plugin_options.chord`` or its older spelling ``mix.loss.combine_args`` (keys: CHORD_SETTINGS). Metrics: actor/chord_mu, actor/chord_sft_loss (token mean of
 -w log p over the expert tokens), actor/chord_phi_mean; the RL term is the worker loss's actor/on_pg_loss.
 """
 
@@ -30,9 +30,11 @@ from typing import Any, Mapping
 import torch
 
 from mix_src.loss_combine import CombineInputs, register_loss_combine
+from mix_src.registry import flag, integer, number
 
 # Trinity-RFT's MIXCHORDPolicyLossFn.default_args() / __init__ defaults (CHORD-phi with a constant mu = 0.1)
-CHORD_DEFAULTS = dict(mu_warmup_steps=0, mu_decay_steps=0, mu_peak=0.1, mu_valley=0.1, enable_phi_function=True)
+CHORD_SETTINGS = dict(mu_warmup_steps=integer(0, 0), mu_decay_steps=integer(0, 0), mu_peak=number(0.1, 0.0, 1.0),
+                      mu_valley=number(0.1, 0.0, 1.0), enable_phi_function=flag(True))  # checked by mix_src/registry.py
 
 
 def mu_schedule(global_step: float, warmup_steps: int, decay_steps: int, peak: float, valley: float) -> float:
@@ -62,19 +64,6 @@ def sft_token_loss(log_prob: torch.Tensor, use_phi: bool) -> torch.Tensor:
 def _check(config: Any) -> None:
     """mix.loss.combine=chord: the expert rows must be whole targets outside the GRPO baseline."""
     mix, actor = config.mix, config.actor_rollout_ref.actor
-    args = dict(mix.loss.get("combine_args") or {})
-    unknown = sorted(set(args) - set(CHORD_DEFAULTS))
-    if unknown:
-        raise ValueError(f"mix.loss.combine_args has unknown key(s) {unknown}; CHORD's keys: {sorted(CHORD_DEFAULTS)}")
-    a = {**CHORD_DEFAULTS, **args}
-    for key in ("mu_warmup_steps", "mu_decay_steps"):
-        if isinstance(a[key], bool) or not isinstance(a[key], int) or a[key] < 0:
-            raise ValueError(f"mix.loss.combine_args.{key}={a[key]!r} must be an integer >= 0")
-    for key in ("mu_peak", "mu_valley"):
-        if isinstance(a[key], bool) or not isinstance(a[key], (int, float)) or not 0.0 <= a[key] <= 1.0:
-            raise ValueError(f"mix.loss.combine_args.{key}={a[key]!r} must be a number in [0, 1]")
-    if not isinstance(a["enable_phi_function"], bool):
-        raise ValueError(f"mix.loss.combine_args.enable_phi_function={a['enable_phi_function']!r} must be true or false")
     if int(mix.get("n_prefix", 0)) == 0:
         raise ValueError("mix.n_prefix=0: CHORD needs expert rows (mix.n_prefix >= 1 rows per prompt at ratio 1.0)")
     if float(mix.get("min_prefix_ratio", 1.0)) != 1.0 or float(mix.get("max_prefix_ratio", 1.0)) != 1.0 \
@@ -95,13 +84,14 @@ def _check(config: Any) -> None:
 @register_loss_combine(
     "chord",
     check=_check,
-    reads=("mix.loss.combine_args", "mix.n_prefix", "mix.min_prefix_ratio", "mix.max_prefix_ratio",
-           "mix.prefix_strategy", "mix.loss.loss_remove_clip", "mix.loss.loss_agg_mode",
+    settings=CHORD_SETTINGS,
+    reads=("mix.plugin_options.chord", "mix.loss.combine_args", "mix.n_prefix", "mix.min_prefix_ratio",
+           "mix.max_prefix_ratio", "mix.prefix_strategy", "mix.loss.loss_remove_clip", "mix.loss.loss_agg_mode",
            "actor_rollout_ref.actor.loss_agg_mode", "algorithm.adv_estimator"),
 )
-def chord(inputs: CombineInputs, args: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-    """(1 - mu) * RL loss of the on-policy rows + mu * (phi-weighted) SFT loss of the expert tokens."""
-    a = {**CHORD_DEFAULTS, **args}
+def chord(inputs: CombineInputs, a: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+    """(1 - mu) * RL loss of the on-policy rows + mu * (phi-weighted) SFT loss of the expert tokens; ``a``: the
+    settings (CHORD_SETTINGS, defaults filled in)."""
     mu = mu_schedule(inputs.global_step, a["mu_warmup_steps"], a["mu_decay_steps"], a["mu_peak"], a["mu_valley"])
     sft = inputs.agg_expert(sft_token_loss(inputs.log_prob, a["enable_phi_function"]))
     loss = (1.0 - mu) * inputs.rl_loss + mu * sft

@@ -34,7 +34,7 @@ The replayed rows carry their recorded log-probs in ``behaviour_log_prob``; with
 w = exp(l - l_recorded) (official ``exp_is_correct=True`` + ``off_policy_reshape=p_div_p_0.1``).
 
 The buffer is this policy's ``ctx.state`` (kept by the trainer, saved in ``mix_state.pt`` with each
-checkpoint and restored on resume). Settings: ``mix.plugin_options.exgrpo`` (:data:`DEFAULTS`).
+checkpoint and restored on resume). Settings: ``mix.plugin_options.exgrpo`` (:data:`SETTINGS`).
 Load with ``mix.plugins=[recipes/exgrpo/exgrpo.py] mix.rollout_policy=exgrpo
 mix.loss.off_policy_behaviour=stored_log_prob``. Every difference from the official code: README.md.
 """
@@ -54,31 +54,33 @@ from omegaconf import OmegaConf, open_dict
 
 from mix_src.loss import REMOVE_CLIP
 from mix_src.off_policy_behaviour import BEHAVIOUR_LOG_PROB
-from mix_src.registry import EntryConfigError, trainer_base
-from mix_src.rollout_policy import RolloutContext, register_rollout_policy, solved
+from mix_src.registry import EntryConfigError, Setting, flag, integer, number, one_of, trainer_base
+from mix_src.rollout_policy import ROLLOUT_POLICIES, RolloutContext, register_rollout_policy, solved
 from mix_src.stages import DATA_DROP, prompt_data_key
 
 NAME = "exgrpo"
 WEIGHTINGS = ("linear", "normal", "sqrt", "linear_clip")
 METRICS = ("entropy", "recorded_nll")
-DEFAULTS = {
-    "experience_ratio": 0.5,  # official trainer.experience_ratio=0.5
-    "start_solved_ratio": 0.35,  # official trainer.experience_start_sratio=0.35 (< 0: mixed from step 1)
-    "bucket_weighting": "normal",  # official trainer.exp_bucket_manager=normal
-    "lbound": 0,  # official trainer.experience_lbound=0: record groups with lbound < k
-    "rbound": None,  # official trainer.experience_rbound=7 (n=8): ... and k <= rbound; None = n - 1
-    "select_mode": "argmin",  # official trainer.exp_select_mode=argmin
-    "trajectory_metric": "entropy",  # official trainer.exp_metric=ent (under the current policy); or recorded_nll
-    "skip_grad_bound": 500.0,  # official actor.skip_grad_bound=500 (run_exgrpo.sh:99); null = take every step
-    "retire_from_data": True,  # official: retired prompts leave the data at each epoch start (fit :245-250)
+SETTINGS = {  # each checked by mix_src/registry.py resolve_settings; the rules across keys are _check's
+    "experience_ratio": number(0.5, 0.0, 1.0),  # official trainer.experience_ratio=0.5
+    "start_solved_ratio": Setting(0.35, lambda v: number(0).ok(v) and v < 1, "a number < 1 (the switch needs a batch "
+                                  "solve rate above it; < 0 = mixed from the first step)"),  # official experience_start_sratio
+    "bucket_weighting": one_of("normal", *WEIGHTINGS),  # official trainer.exp_bucket_manager=normal
+    "lbound": integer(0, 0),  # official trainer.experience_lbound=0: record groups with lbound < k
+    "rbound": integer(None, 1, nullable=True),  # official trainer.experience_rbound=7 (n=8): ... k <= rbound; None = n - 1
+    "select_mode": one_of("argmin", "argmin", "argmax"),  # official trainer.exp_select_mode=argmin
+    "trajectory_metric": one_of("entropy", *METRICS),  # official exp_metric=ent (under the current policy); or recorded_nll
+    "skip_grad_bound": Setting(500.0, lambda v: number(0).ok(v) and v > 0, "a number > 0 (official 500)",
+                               nullable=True),  # official actor.skip_grad_bound=500 (run_exgrpo.sh:99); null = every step
+    "retire_from_data": flag(True),  # official: retired prompts leave the data at each epoch start (fit :245-250)
 }
 DATA_TOLERANCE = 20  # official BATCH_TOLERANCE (mix_trainer_experience.py:247): drop only while > batch + 20 are left
 SKIP_GRAD_BOUND_ENV = "MIX_EXGRPO_SKIP_GRAD_BOUND"  # carries skip_grad_bound to the actor workers (set by _check)
 
 
 def options(mix) -> dict:
-    """The plugin's settings from ``mix.plugin_options.exgrpo`` over :data:`DEFAULTS`."""
-    return {**DEFAULTS, **dict(mix.plugin_options.get(NAME) or {})}
+    """The plugin's settings, ``mix.plugin_options.exgrpo`` over the defaults of :data:`SETTINGS`."""
+    return ROLLOUT_POLICIES.settings(NAME, mix.plugin_options.get(NAME))
 
 
 # ---- the method's maths (tested against the official code in tests/test_exgrpo.py) --------------------------
@@ -329,45 +331,26 @@ def _export_bound(config, bound) -> None:
 
 def _check(config) -> None:
     mix, n = config.mix, int(config.actor_rollout_ref.rollout.n)
-    opts = dict((mix.get("plugin_options") or {}).get(NAME) or {})
-    unknown = sorted(set(opts) - set(DEFAULTS))
-    if unknown:
-        raise EntryConfigError(f"mix.plugin_options.{NAME}: unknown key(s) {unknown}; valid: {sorted(DEFAULTS)}")
-    o = {**DEFAULTS, **opts}
+    o = dict(mix.plugin_options[NAME])  # resolved (defaults filled in) by mix_src/registry.py resolve_settings
     p = f"mix.plugin_options.{NAME}"
     loop = OmegaConf.select(config, "actor_rollout_ref.rollout.agent.default_agent_loop", default=None)
     if loop == "prefix_guided_tool":
         raise EntryConfigError("mix.rollout_policy=exgrpo with actor_rollout_ref.rollout.agent.default_agent_loop="
                                "prefix_guided_tool: ExGRPO replays decoded single-turn samples as plain-text targets, "
                                "and the tool loop's targets are JSON episodes; use the prefix_guided agent loop")
-    if not 0.0 <= float(o["experience_ratio"]) <= 1.0:
-        raise EntryConfigError(f"{p}.experience_ratio={o['experience_ratio']!r} must be in [0, 1]")
-    if not float(o["start_solved_ratio"]) < 1.0:
-        raise EntryConfigError(f"{p}.start_solved_ratio={o['start_solved_ratio']!r} must be < 1 (the switch needs a "
-                               "batch solve rate above it; < 0 = mixed from the first step)")
-    if o["bucket_weighting"] not in WEIGHTINGS:
-        raise EntryConfigError(f"{p}.bucket_weighting={o['bucket_weighting']!r} is not one of {list(WEIGHTINGS)}")
-    if o["trajectory_metric"] not in METRICS:
-        raise EntryConfigError(f"{p}.trajectory_metric={o['trajectory_metric']!r} is not one of {list(METRICS)}")
     if o["trajectory_metric"] == "entropy" and trainer_base(config) == "v1":
         raise EntryConfigError(f"{p}.trajectory_metric=entropy scores the stored trajectories with the actor "
                                "(RolloutContext.entropy), which the V1 trainer base (trainer.use_v1=true) does not "
                                f"offer yet: set {p}.trajectory_metric=recorded_nll there")
-    if not isinstance(o["retire_from_data"], bool):
-        raise EntryConfigError(f"{p}.retire_from_data={o['retire_from_data']!r} must be true or false")
     if o["retire_from_data"] and trainer_base(config) == "v1":
         raise EntryConfigError(f"{p}.retire_from_data=true drops retired prompts from the data by their chat messages "
                                "(raw_prompt), which the V1 trainer base (trainer.use_v1=true) does not show a rollout "
                                f"policy: set {p}.retire_from_data=false there (retired prompts then stay in the data)")
-    if o["select_mode"] not in ("argmin", "argmax"):
-        raise EntryConfigError(f"{p}.select_mode={o['select_mode']!r} is not one of ['argmin', 'argmax']")
     rb = n - 1 if o["rbound"] is None else o["rbound"]
-    if not (isinstance(o["lbound"], int) and isinstance(rb, int) and 0 <= o["lbound"] < rb <= n - 1):
+    if not o["lbound"] < rb <= n - 1:
         raise EntryConfigError(f"{p}: need integers 0 <= lbound < rbound <= rollout.n - 1 = {n - 1} (got lbound="
                                f"{o['lbound']!r}, rbound={o['rbound']!r})")
     bound = o["skip_grad_bound"]
-    if bound is not None and not (isinstance(bound, (int, float)) and not isinstance(bound, bool) and bound > 0):
-        raise EntryConfigError(f"{p}.skip_grad_bound={bound!r} must be a number > 0 (official 500) or null")
     strategy = OmegaConf.select(config, "actor_rollout_ref.actor.strategy", default="fsdp")
     if bound is not None and strategy not in ("fsdp", "fsdp2"):
         raise EntryConfigError(f"{p}.skip_grad_bound={bound!r} wraps verl's FSDP engine's optimizer_step, and "
@@ -388,7 +371,8 @@ def _check(config) -> None:
 @register_rollout_policy(
     NAME,
     check=_check,
-    reads=tuple(f"mix.plugin_options.{NAME}.{k}" for k in DEFAULTS) + (
+    settings=SETTINGS,
+    reads=tuple(f"mix.plugin_options.{NAME}.{k}" for k in SETTINGS) + (
         "mix.loss.off_policy_behaviour", "actor_rollout_ref.rollout.n",
         "actor_rollout_ref.rollout.calculate_log_probs"),
 )  # fmt: skip

@@ -25,17 +25,17 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mix_src.registry import EntryConfigError
-from mix_src.rollout_policy import RolloutContext, register_rollout_policy, replace_rows, solved
+from mix_src.registry import EntryConfigError, integer
+from mix_src.rollout_policy import ROLLOUT_POLICIES, RolloutContext, register_rollout_policy, replace_rows, solved
 from mix_src.row_loss import SFT_ROW
 
 NAME = "hpt"
-DEFAULTS = {"switch_gate": 0}  # the official exp_scripts/train.sh (Qwen2.5-Math): SWITCH_GATE=0
+SETTINGS = {"switch_gate": integer(0, -1)}  # the official exp_scripts/train.sh (Qwen2.5-Math): SWITCH_GATE=0
 
 
 def options(mix) -> dict:
-    """The plugin's settings from ``mix.plugin_options.hpt`` over :data:`DEFAULTS`."""
-    return {**DEFAULTS, **dict(mix.plugin_options.get(NAME) or {})}
+    """The plugin's settings, ``mix.plugin_options.hpt`` over the defaults of :data:`SETTINGS`."""
+    return ROLLOUT_POLICIES.settings(NAME, mix.plugin_options.get(NAME))
 
 
 def switch_to_sft(solved_counts: np.ndarray, has_target: np.ndarray, switch_gate: int) -> np.ndarray:
@@ -46,13 +46,8 @@ def switch_to_sft(solved_counts: np.ndarray, has_target: np.ndarray, switch_gate
 
 def _check(config) -> None:
     mix = config.mix
-    opts = dict((mix.get("plugin_options") or {}).get(NAME) or {})
-    unknown = sorted(set(opts) - set(DEFAULTS))
-    if unknown:
-        raise EntryConfigError(f"mix.plugin_options.{NAME}: unknown key(s) {unknown}; valid: {sorted(DEFAULTS)}")
-    gate = opts.get("switch_gate", DEFAULTS["switch_gate"])
-    n = int(config.actor_rollout_ref.rollout.n)
-    if isinstance(gate, bool) or not isinstance(gate, int) or not -1 <= gate <= n:
+    gate, n = mix.plugin_options[NAME]["switch_gate"], int(config.actor_rollout_ref.rollout.n)  # resolved: registry.py
+    if gate > n:
         raise EntryConfigError(f"mix.plugin_options.{NAME}.switch_gate={gate!r} must be an integer in [-1, "
                                f"rollout.n={n}] (-1: never SFT, i.e. GRPO; n: always SFT)")
     if mix.loss.get("row_loss") != "sft_rows":
@@ -71,6 +66,7 @@ def _check(config) -> None:
 @register_rollout_policy(
     NAME,
     check=_check,
+    settings=SETTINGS,
     reads=("mix.plugin_options.hpt.switch_gate", "mix.loss.row_loss", "mix.n_prefix", "mix.prefix_strategy",
            "mix.min_prefix_ratio", "mix.max_prefix_ratio", "actor_rollout_ref.rollout.n"),
 )  # fmt: skip

@@ -13,8 +13,8 @@ Load with ``mix.plugins=[recipes/prefix_rft/prefix_rft.py]``; it registers three
   core_algos.py compute_dr_grpo_prefix(_v2)_outcome_advantage, each prefixed row being its own prefix group
   and the prompt's on-policy rows the empty-prefix group;
 * prefix token selection ``prefix_rft_entropy`` (``mix.loss.prefix_token_select``): in each micro-batch, the
-  ``mix.loss.prefix_token_select_ratio`` fraction of prefix tokens with the lowest entropy (current policy)
-  get advantage 0 (dp_actor.py reshape_func ``entropy``); prefix tokens then get the on-policy PPO-clip loss
+  ``mix.plugin_options.prefix_rft_entropy.ratio`` (older spelling ``mix.loss.prefix_token_select_ratio``) fraction
+  of prefix tokens with the lowest entropy (current policy) get advantage 0 (dp_actor.py reshape_func ``entropy``); prefix tokens then get the on-policy PPO-clip loss
   (core_algos.py compute_policy_loss with enable_clip=True), through the entry option
   ``prefix_tokens_on_policy=True``.
 
@@ -34,7 +34,7 @@ import torch
 from mix_src.adv_estimators import register_adv_estimator
 from mix_src.prefix import PrefixDraw, register_prefix_strategy
 from mix_src.prefix_select import PrefixTokenView, register_prefix_token_select
-from mix_src.registry import EntryConfigError
+from mix_src.registry import EntryConfigError, number
 
 EMPTY_PREFIX = "0000-0000-0000-0000"  # the official prefix_uid of rows without a prefix
 
@@ -189,9 +189,6 @@ def _check_entropy_select(config: Any) -> None:
             "mix.loss.prefix_token_select=prefix_rft_entropy ranks prefix tokens by the policy's entropy, which the "
             "worker computes only with actor_rollout_ref.actor.calculate_entropy=true (or entropy_coeff != 0)"
         )
-    ratio = float(loss.get("prefix_token_select_ratio", 0.0))
-    if not 0.0 <= ratio <= 1.0:
-        raise EntryConfigError(f"mix.loss.prefix_token_select_ratio={ratio} (fraction of prefix tokens masked) must be in [0, 1]")
     if bool(loss.get("use_sft_multitask_loss", False)):
         raise EntryConfigError("mix.loss.prefix_token_select=prefix_rft_entropy needs the policy loss on prefix tokens: "
                                "set mix.loss.use_sft_multitask_loss=false")  # fmt: skip
@@ -199,7 +196,9 @@ def _check_entropy_select(config: Any) -> None:
 
 @register_prefix_token_select(
     "prefix_rft_entropy", check=_check_entropy_select, prefix_tokens_on_policy=True,
-    reads=("mix.loss.prefix_token_select_ratio", "actor_rollout_ref.actor.calculate_entropy",
+    settings={"ratio": number(0.0, 0.0, 1.0)},  # the fraction of prefix tokens masked (official mask ratio)
+    reads=("mix.plugin_options.prefix_rft_entropy.ratio", "mix.loss.prefix_token_select_ratio",
+           "actor_rollout_ref.actor.calculate_entropy",
            "actor_rollout_ref.actor.entropy_coeff", "mix.loss.use_sft_multitask_loss"),
 )  # fmt: skip
 def prefix_rft_entropy(view: PrefixTokenView) -> torch.Tensor:
