@@ -66,16 +66,15 @@ from verl.utils.skip.skip_manager import SkipManager
 from mix_src.dataset import TARGET_FIELD
 from mix_src.filter_groups import filter_groups, plan_train_batch
 from mix_src.flops import lengths_from_masks
-from mix_src.loss import add_combine_inputs, add_kept_token_counts
 from mix_src.mix_config import MixConfig
-from mix_src.seeding import pass_seeds, request_seeds
+from mix_src.seeding import pass_seeds
 from mix_src.rollout_policy import ROLLOUT_POLICIES, RolloutContext
 from mix_src.rollout_policy import solved as rows_solved
 from mix_src.stages import MIX_STATE_FILE, FilterGroupsExhausted, model_shape  # noqa: F401  (re-exported)
 from mix_src.trainer.common import MixTrainerCommon
-from mix_src.stages import (draw_prefix_ratios, filter_metric_values, length_clip_metrics, luffy_advantage_stage,
-                            on_policy_rollout_correction, on_policy_rollout_metrics, prefix_mask_tensor,
-                            prefix_step_metrics, solve_metrics, start_data_epoch)  # fmt: skip
+from mix_src.stages import (filter_metric_values, length_clip_metrics, luffy_advantage_stage, luffy_metrics,
+                            on_policy_rollout_correction, on_policy_rollout_metrics, pass_arguments, prefix_mask_tensor,
+                            start_data_epoch)  # fmt: skip
 
 class MIXRayPPOTrainer(MixTrainerCommon, RayPPOTrainer):
     """RayPPOTrainer with prefix-guided rollouts, the mixed on/off-policy loss and filter groups."""
@@ -363,7 +362,7 @@ class MIXRayPPOTrainer(MixTrainerCommon, RayPPOTrainer):
         gen_batch = self._get_gen_batch(batch)
         gen_batch.meta_info["global_steps"] = self.global_steps
         gen_batch = gen_batch.repeat(repeat_times=self.n, interleave=True)
-        gen_batch.non_tensor_batch["rollout_seed"] = self._rollout_seeds(len(batch), gen_index)
+        gen_batch.non_tensor_batch["rollout_seed"] = self._row_seeds(len(batch), gen_index)
         batch = batch.repeat(repeat_times=self.n, interleave=True)
         passes: list[tuple[dict, int]] = []  # (timing, rows) of each pass the rollout policy makes
 
@@ -375,8 +374,6 @@ class MIXRayPPOTrainer(MixTrainerCommon, RayPPOTrainer):
 
         def generate(ratios: np.ndarray, rows: Optional[np.ndarray] = None, targets=None, prompts=None) -> DataProto:
             if prompts is not None:  # prompt rows kept from an earlier batch (records)
-                if rows is not None:
-                    raise ValueError("rollout policy: generate(prompts=...) takes no rows")
                 src = prompts[np.arange(len(prompts))]
                 sub = self._get_gen_batch(src)  # pops the generation keys off the copy `src`
                 sub.meta_info = dict(gen_batch.meta_info)
@@ -385,16 +382,11 @@ class MIXRayPPOTrainer(MixTrainerCommon, RayPPOTrainer):
                 idx = np.arange(len(batch)) if rows is None else np.asarray(rows, dtype=np.int64)
                 sub = gen_batch if rows is None else gen_batch[idx]
                 src = None
-            ratios = np.asarray(ratios, dtype=np.float64).reshape(-1)
-            if ratios.shape != idx.shape:
-                raise ValueError(f"rollout policy: {ratios.size} ratios for {idx.size} rows")
+            ratios, targets = pass_arguments(ratios, targets, len(idx), rows is not None, prompts is not None)
             sub = DataProto(batch=sub.batch, non_tensor_batch=dict(sub.non_tensor_batch), meta_info=dict(sub.meta_info))
             sub.non_tensor_batch["prefix_ratio"] = ratios
             if targets is not None:
-                targets = np.asarray(list(targets), dtype=object)
-                if targets.shape != idx.shape:
-                    raise ValueError(f"rollout policy: {targets.size} targets for {idx.size} rows")
-                sub.non_tensor_batch[TARGET_FIELD] = targets
+                sub.non_tensor_batch[TARGET_FIELD] = np.asarray(targets, dtype=object)
             # a later pass over the same rows draws new samples (seeded per pass, so runs still reproduce);
             # kept prompt rows take seeds of this step and pass
             pass_index = len(passes) if src is None else (int(self.global_steps) << 16) + len(passes) + 1
@@ -415,7 +407,8 @@ class MIXRayPPOTrainer(MixTrainerCommon, RayPPOTrainer):
         seed = [self.prefix_seed, self.global_steps, gen_index]
         ctx = RolloutContext(
             batch=batch, n=self.n, global_step=self.global_steps, mix=self.mix, generate=generate,
-            prefix_ratios=lambda: self._prefix_ratios(gen_batch, gen_index), rng=np.random.default_rng([*seed, 1]),
+            prefix_ratios=lambda: self._row_ratios(len(batch) // self.n, gen_index, gen_batch.non_tensor_batch.get(TARGET_FIELD)),
+            rng=np.random.default_rng([*seed, 1]),
             records=records, state=self._policy_state(), tokenizer=getattr(self, "tokenizer", None),
             entropy=self._actor_entropy,
         )  # fmt: skip
@@ -424,20 +417,6 @@ class MIXRayPPOTrainer(MixTrainerCommon, RayPPOTrainer):
         if len(out) != len(batch):
             raise ValueError(f"rollout policy {self.mix.rollout_policy!r} returned {len(out)} rows for {len(batch)}")
         return out
-
-    def _rollout_seeds(self, num_prompts: int, gen_index: int) -> np.ndarray:
-        """Per-row sampling seeds from ``(rollout.seed, global_step, gen_index, prompt, sample)``: a sample's
-        tokens never depend on arrival order at the server (mix_src.seeding)."""
-        seed = int(self.config.actor_rollout_ref.rollout.get("seed") or 0)
-        return request_seeds(seed, self.global_steps, gen_index, num_prompts, self.n)
-
-    def _prefix_ratios(self, gen_batch: DataProto, gen_index: int) -> np.ndarray:
-        """One ratio per row (float64, rows ``i*n + j``), drawn from a generator seeded with
-        ``(seed, global_step, gen_index)`` so a resumed run draws the same; rows without a target get 0."""
-        return draw_prefix_ratios(
-            self.mix, len(gen_batch) // self.n, self.n, seed=self.prefix_seed, global_step=self.global_steps,
-            gen_index=gen_index, targets=gen_batch.non_tensor_batch.get(TARGET_FIELD),
-        )  # fmt: skip
 
     def _extract_reward(self, batch: DataProto) -> DataProto:
         """Stage 2: the rule reward was computed in the agent loop (``rm_scores``); move it into place. A reward
@@ -520,9 +499,12 @@ class MIXRayPPOTrainer(MixTrainerCommon, RayPPOTrainer):
             else:
                 batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
 
-            stage = luffy_advantage_stage(compute_advantage, batch.batch["prefix_mask"], algo, self.mix)
-            batch = stage(batch, adv_estimator=algo.adv_estimator, gamma=algo.gamma, lam=algo.lam, num_repeat=self.n,
-                          norm_adv_by_std_in_grpo=algo.get("norm_adv_by_std_in_grpo", True), config=algo)
+            def verl_advantage(data: DataProto) -> DataProto:  # read only for an estimator that is verl's
+                return compute_advantage(data, adv_estimator=algo.adv_estimator, gamma=algo.gamma, lam=algo.lam,
+                                         num_repeat=self.n, norm_adv_by_std_in_grpo=algo.get("norm_adv_by_std_in_grpo", True),
+                                         config=algo)  # fmt: skip
+
+            batch = luffy_advantage_stage(verl_advantage, batch.batch["prefix_mask"], algo, self.mix)(batch)
         return batch
 
     # ------------------------------------------------------------------------------------------------
@@ -534,9 +516,7 @@ class MIXRayPPOTrainer(MixTrainerCommon, RayPPOTrainer):
         if self.config.trainer.critic_warmup > self.global_steps:
             self._wake_rollout()
             return
-        add_kept_token_counts(batch, self.config, self.mix.loss, lambda: self._get_dp_size(self.actor_rollout_wg, "actor"))
-        add_combine_inputs(batch, self.config, self.mix.loss, lambda: self._get_dp_size(self.actor_rollout_wg, "actor"),
-                           self.global_steps)  # fmt: skip
+        self._add_loss_inputs(batch, lambda: self._get_dp_size(self.actor_rollout_wg, "actor"))
         with marked_timer("update_actor", timing):
             actor_output = self._update_actor(batch)
         self._keep_entropy_state(actor_output.meta_info["metrics"])  # the learned entropy coefficient
@@ -581,20 +561,11 @@ class MIXRayPPOTrainer(MixTrainerCommon, RayPPOTrainer):
     # stage 7: metrics
     def _add_rollout_metrics(self, batch: DataProto, metrics: dict) -> None:
         """LUFFY's solve metrics over the rows the step trains on (after filtering), as on V1 (stages.solve_metrics)."""
-        off = batch.batch["prefix_mask"].any(-1).numpy()
-        solved = rows_solved(batch)
-        metrics.update(solve_metrics(solved, off, batch.non_tensor_batch["uid"]))
-        ungradable = batch.non_tensor_batch.get("ungradable")  # rows the reward could not grade (scored wrong)
-        if ungradable is not None:
-            metrics["reward/ungradable"] = int(np.count_nonzero(np.asarray(ungradable, dtype=bool)))
-        truncated = batch.non_tensor_batch.get("prefix_truncated")
-        if truncated is not None:
-            metrics["batch/prefix_truncated"] = int(sum(bool(t) for t in truncated))
+        rows = batch.non_tensor_batch
+        metrics.update(luffy_metrics(rows_solved(batch), batch.batch["prefix_mask"], batch.batch["response_mask"],
+                                     rows["uid"], rows["prefix_ratio"], rows.get("prefix_truncated"), rows.get("ungradable")))
 
     def _add_step_metrics(self, batch: DataProto, metrics: dict, timing: dict) -> None:
-        metrics.update(
-            prefix_step_metrics(batch.non_tensor_batch["prefix_ratio"], batch.batch["prefix_mask"], batch.batch["response_mask"])
-        )
         metrics["training/global_step"] = self.global_steps
         metrics["training/epoch"] = self._epoch
         metrics.update(compute_data_metrics(batch=batch, use_critic=self.use_critic))

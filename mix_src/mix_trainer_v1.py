@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -40,24 +40,16 @@ from verl.workers.utils.padding import response_to_nested
 
 from mix_src import adv_estimators  # noqa: F401  (registers grpo_split with verl)
 from mix_src.dataset import TARGET_FIELD
-from mix_src.compat import checked, swapped
+from mix_src.compat import swapped
 from mix_src.mix_config import MixConfig, validate_mix_config
-from mix_src.seeding import request_seeds
-from mix_src.stages import FilterGroupsExhausted
-from mix_src.stages import (SUMMED_REWARD_METRICS, draw_prefix_ratios, filter_metric_values, length_clip_metrics,
-                            luffy_advantage_stage, on_policy_rollout_correction, on_policy_rollout_metrics,
-                            prefix_mask_tensor, prefix_step_metrics, solve_metrics, solved_rows,
-                            start_data_epoch)  # fmt: skip
+from mix_src.stages import (length_clip_metrics, luffy_advantage_stage, luffy_metrics, on_policy_rollout_correction,
+                            on_policy_rollout_metrics, prefix_mask_tensor, solved_rows, start_data_epoch)  # fmt: skip
 from mix_src.trainer.common import MixTrainerCommon
+from mix_src.trainer.v1_replay import V1ReplayBufferRules, make_dapo_filtered_keys  # noqa: F401  (re-exported)
+from mix_src.trainer.v1_replay import extra_fields as _extra_fields
 
-__all__ = [
-    "MixTaskRunnerV1",
-    "MixV1Mixin",
-    "MixPPOTrainerSync",
-    "MixPPOTrainerColocateAsync",
-    "MixPPOTrainerSeparateAsync",
-    "mix_trainer_name",
-]
+__all__ = ["MixTaskRunnerV1", "MixV1Mixin", "MixPPOTrainerSync", "MixPPOTrainerColocateAsync", "MixPPOTrainerSeparateAsync",
+           "mix_trainer_name"]  # fmt: skip
 
 
 def mix_trainer_name(trainer_mode: str) -> str:
@@ -65,7 +57,7 @@ def mix_trainer_name(trainer_mode: str) -> str:
     return f"mix_{trainer_mode}"
 
 
-class MixV1Mixin(MixTrainerCommon):
+class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
     """LUFFY's stages in verl's V1 trainer hooks; put it before verl's mode trainer (see the module docstring)."""
 
     mix: MixConfig
@@ -83,19 +75,10 @@ class MixV1Mixin(MixTrainerCommon):
         self._carry_metrics: dict = {}  # carry_over counts of the step (train/num_*carried*)
         super().__init__(config, **kwargs)
 
-    @property
-    def _steps_in_sync(self) -> bool:
-        """verl's synchronous trainer (``PPOTrainerSync``, with its sync ``ReplayBuffer``): each step dispatches its
-        own generation batches, which the step's generation budget and the carried groups hook into."""
-        return isinstance(self, PPOTrainerSync)
-
     # ---- set-up ------------------------------------------------------------------------------------
     def _init_dataloader(self):
-        """verl's dataloaders; the training set is built with the ``mix:`` settings (targets), validation without.
-
-        verl builds both sets from ``config.data`` (``trainer_base.py`` ``_init_dataloader`` 708-724, through the
-        module's ``create_rl_dataset``); for this one call its training-set builder gets ``data.mix``.
-        """
+        """verl's dataloaders (``trainer_base.py`` ``_init_dataloader`` 708-724, through the module's
+        ``create_rl_dataset``); for this one call the training set's builder also gets ``data.mix`` (targets)."""
         build = trainer_base.create_rl_dataset
         train_data_cfg = OmegaConf.create(OmegaConf.to_container(self.config.data, resolve=True))
         with open_dict(train_data_cfg):
@@ -130,20 +113,12 @@ class MixV1Mixin(MixTrainerCommon):
             return super()._update_actor(batch, metrics)
 
     def _add_update_inputs(self, batch):
-        """The per-row inputs the worker loss reads next to verl's fields, computed on the driver as the legacy base
-        computes them before its update (``MIXRayPPOTrainer._update``), from the rows' TransferQueue fields, and
-        written back to TransferQueue as fields of the same rows:
-
-        * ``mix.loss.all_max_clip`` with token-mean: ``mix_kept_tokens`` (:func:`mix_src.loss.add_kept_token_counts`);
-        * ``mix.loss.row_loss``: ``mix_sft_tokens``, the SFT tokens of each row's global mini-batch, from the
-          ``sft_row`` field the rollout policy's rows carry (:func:`mix_src.loss.add_sft_token_counts`);
-        * ``mix.loss.combine``: the per-population token/row counts and the global step
-          (:func:`mix_src.loss.add_combine_inputs`, ``mix_src.loss.COMBINE_FIELDS``).
-
-        The rows' order is the order verl's ``update_actor`` splits into mini-batches (``batch.keys``;
-        ``actor.shuffle`` is refused with these). Returns the batch's meta with the new fields (the worker loads
-        only the fields its meta names)."""
-        from mix_src.loss import COMBINE_FIELDS, KEPT_TOKENS, add_combine_inputs, add_kept_token_counts
+        """The per-row loss inputs the legacy base adds before its update (``MIXRayPPOTrainer._update``): with
+        ``mix.loss.all_max_clip`` (token-mean) ``mix_kept_tokens``, with ``mix.loss.row_loss`` ``mix_sft_tokens``
+        (from the rows' ``sft_row``), with ``mix.loss.combine`` the population counts (mix_src/loss.py), computed from
+        the rows' TransferQueue fields in verl's mini-batch order (``batch.keys``; ``actor.shuffle`` is refused with
+        these) and written back as fields of the same rows. Returns the meta naming them."""
+        from mix_src.loss import COMBINE_FIELDS, KEPT_TOKENS
         from mix_src.row_loss import SFT_ROW, SFT_TOKENS
 
         loss = self.mix.loss
@@ -159,9 +134,7 @@ class MixV1Mixin(MixTrainerCommon):
                            "set by a rollout policy that marks SFT rows (e.g. recipes/hpt: mix.rollout_policy=hpt) "
                            f"(TransferQueue: {e})") from e
         proto = DataProto(batch=data.to_padded_tensor())
-        dp_size = lambda: _actor_dp_size(self.actor_rollout_wg)  # noqa: E731
-        add_kept_token_counts(proto, self.config, loss, dp_size)  # with row_loss: the SFT-token counts too
-        add_combine_inputs(proto, self.config, loss, dp_size, self.global_steps)
+        self._add_loss_inputs(proto, lambda: _actor_dp_size(self.actor_rollout_wg))
         new = [k for k in (KEPT_TOKENS, SFT_TOKENS, *COMBINE_FIELDS) if k in proto.batch.keys()]
         if new:
             out = TensorDict({k: proto.batch[k] for k in new}, batch_size=len(batch))
@@ -175,57 +148,11 @@ class MixV1Mixin(MixTrainerCommon):
         self._count_flops(batch, metrics)
         return batch
 
-    def _install_generation_count(self, buffer) -> None:
-        """With a streamed rollout policy, wrap the replay buffer's metadata sync so that each new ``train``
-        trajectory's generation is counted once (see :meth:`_build_replay_buffer`)."""
-        from mix_src.rollout_policy import streams_on_v1
-
-        self._counts_generation = False
-        verl_sync = getattr(buffer, "_sync_metadata_from_transfer_queue", None)
-        if verl_sync is None or not streams_on_v1(self.mix.rollout_policy):
-            return  # a policy with several passes: V1PolicyRunner counts its passes
-        import types
-
-        trainer = self
-        trainer._counted_rows = set()
-
-        def _sync_metadata_from_transfer_queue(buf):
-            verl_sync()
-            rows = buf.partitions.get("train", {})
-            trainer._counted_rows &= rows.keys()  # cleared rows are gone for good
-            new = [k for k, tag in rows.items() if k not in trainer._counted_rows and "response_len" in tag]
-            if new:
-                trainer._count_generated_rows(new, [rows[k] for k in new])
-                trainer._counted_rows.update(new)
-
-        checked("v1.replay_buffer.sync_metadata")
-        buffer._sync_metadata_from_transfer_queue = types.MethodType(_sync_metadata_from_transfer_queue, buffer)
-        self._counts_generation = True
-
-    def _count_generated_rows(self, keys: list[str], tags: list[dict]) -> None:
-        """Generation FLOPs of newly generated ``train`` trajectories: ``F(P + R)`` for each that generated a token
-        (R minus its prefix tokens), as the legacy base counts every row of a rollout pass."""
-        try:
-            self._model_shape()
-        except Exception:  # noqa: BLE001 - reported by _count_flops (and fatal there with a budget)
-            return
-        data = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["response_mask", "extra_fields"])
-        extra = _extra_fields(data.pop("extra_fields"))
-        prefix = prefix_mask_tensor([e.get("prefix_token_mask") for e in extra], data.to_padded_tensor()["response_mask"])
-        p = np.array([int(t["prompt_len"]) for t in tags], dtype=np.int64)
-        r = np.array([int(t["response_len"]) for t in tags], dtype=np.int64)
-        self.add_rollout_flops(p, r, r - prefix.long().sum(-1).numpy())
-
     def _count_flops(self, batch, metrics: dict) -> None:
-        """``flops/*`` of the step, as the legacy ``MIXRayPPOTrainer._count_flops`` counts them (mix_src/flops.py):
-        old (and reference) log-probs and ``ppo_epochs`` training passes over the rows the step trained on (verl's
-        padding rows excluded), plus the generation of every row generated since the last count, trained or not
-        (a streamed policy: :meth:`_count_generated_rows` from the replay buffer's metadata sync; a policy with
-        several passes: :class:`mix_src.rollout_policy_v1.V1PolicyRunner`, per pass). Lengths are the rows'
-        TransferQueue tags (``prompt_len``, ``response_len``: verl's agent loop writes them unpadded), a row's
-        generated tokens its response minus its prefix. Sets ``_budget_step`` when ``mix.flops_budget`` is reached
-        with this step."""
-        from mix_src.flops import COUNTS, rollout_flops
+        """``flops/*`` of the step (:class:`~mix_src.trainer.common.MixTrainerCommon`, as on the legacy base) over the
+        rows the step trained on (verl's padding rows excluded; lengths from their TransferQueue tags), plus every row
+        generated since the last count (the replay buffer's metadata sync, or V1PolicyRunner per pass). Sets
+        ``_budget_step`` when ``mix.flops_budget`` is reached with this step."""
         from mix_src.rollout_policy import streams_on_v1
 
         if self._flops_off(metrics):
@@ -234,24 +161,18 @@ class MixV1Mixin(MixTrainerCommon):
         tags = [batch.tags[i] for i in keep]
         p = np.array([int(t["prompt_len"]) for t in tags], dtype=np.int64)
         r = np.array([int(t["response_len"]) for t in tags], dtype=np.int64)
-        rollout = self._pending_rollout_flops()
         if streams_on_v1(self.mix.rollout_policy) and not getattr(self, "_counts_generation", False):
             # a custom sampler without verl's metadata sync: generation counted over the trained rows
             data = tq.kv_batch_get(keys=[batch.keys[i] for i in keep], partition_id=batch.partition_id,
                                    select_fields=["prefix_mask"])  # fmt: skip
-            g = r - data.to_padded_tensor()["prefix_mask"].long().sum(-1).numpy()
-            for c in COUNTS:
-                rollout[c] += rollout_flops(self._model_shape(), p, r, g, c)
-        if self._count_step_flops(p, r, rollout, metrics):
+            self.add_rollout_flops(p, r, r - data.to_padded_tensor()["prefix_mask"].long().sum(-1).numpy())
+        if self._count_step_flops(p, r, self._pending_rollout_flops(), metrics):
             self._budget_step = self.global_steps
 
     def on_step_end(self):
-        """verl's (weight sync). When ``mix.flops_budget`` was reached in this step, the step is the run's last, as on
-        the legacy base: verl's ``fit`` (``trainer_base.py`` 467-523) fixed its ``is_last_step`` before the step ran,
-        so the step's checkpoint (``trainer.save_freq`` > 0) is saved here unless verl's loop just saved it, the
-        validation (``trainer.test_freq`` > 0) runs here after the weight sync unless verl's loop will run it, its
-        metrics join the step's (:meth:`_consume_sync_metrics`), and ``total_training_steps`` becomes this step, so
-        verl's loop ends after logging it."""
+        """verl's (weight sync). A step that reached ``mix.flops_budget`` is the run's last, as on the legacy base: verl's
+        ``fit`` (``trainer_base.py`` 467-523) fixed ``is_last_step`` before the step ran, so its checkpoint and
+        validation run here unless verl's loop runs them, and ``total_training_steps`` becomes this step."""
         step, cfg = self.global_steps, self.config.trainer
         last = getattr(self, "_budget_step", None) == step and step < self.total_training_steps
         if last and cfg.save_freq > 0 and step % cfg.save_freq != 0:
@@ -277,28 +198,12 @@ class MixV1Mixin(MixTrainerCommon):
 
     def _save_checkpoint(self):
         super()._save_checkpoint()
-        folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
+        folder = self._step_folder()
         if self._carries_in_tq():  # the carried groups live in TransferQueue: saved as verl saves it in async modes
             tq.save_checkpoint(os.path.join(folder, "transfer_queue"), metadata={"global_steps": self.global_steps})
         if self._entropy_state is not None or self._policy_state() or self._flops:
             # the trajectories whose generation is counted: those TransferQueue's checkpoint restores are not again
             self._save_mix_state(flops_counted_rows=sorted(getattr(self, "_counted_rows", None) or ()))
-
-    def _carries_in_tq(self) -> bool:
-        """sync mode with mix.filter_groups.carry_over: carried groups are kept in TransferQueue between steps."""
-        return self._steps_in_sync and bool(self.mix.filter_groups.carry_over) and getattr(
-            self.replay_buffer, "filter_groups_metric", None) is not None  # fmt: skip
-
-    def _restore_carried_groups(self, path: str) -> None:
-        """Load the checkpoint's TransferQueue state and keep only whole carried groups (their prompt key and rows);
-        the rows of the batch the step trained on, whose prompt keys verl's sample had already removed, go."""
-        tq.load_checkpoint(path)
-        tags = (tq.kv_list("train") or {}).get("train", {})
-        prompts = {k for k, t in tags.items() if t.get("is_prompt", False)}
-        orphans = [k for k, t in tags.items() if not t.get("is_prompt", False) and k.split("_")[0] not in prompts]
-        if orphans:
-            tq.kv_clear(keys=orphans, partition_id="train")
-        print(f"[mix_src] restored {len(prompts)} carried prompt groups from {path}")
 
     def _load_checkpoint(self):
         super()._load_checkpoint()
@@ -321,80 +226,9 @@ class MixV1Mixin(MixTrainerCommon):
         return super()._resolve_filter_groups_metric()
 
     def _build_replay_buffer(self):
-        """verl's replay buffer with mix_src's filter-group settings, on this instance only (a custom sampler,
-        ``trainer.v1.sampler.custom_sampler``, owns its filtering and is left alone):
-
-        * its DAPO classification (``ReplayBuffer._dapo_filtered_keys``, ``verl/trainer/ppo/v1/replay_buffer.py``
-          261-315: evict a finished group whose metric has std 0) is :func:`mix_src.filter_groups.filter_groups` with
-          ``mix.filter_groups.rule`` and, with ``on_policy_only``, only the group's on-policy rows deciding;
-        * sync mode, ``algorithm.filter_groups.max_num_gen_batches`` (:meth:`_add_prompts_to_generate`, the buffer's
-          ``refill_fn``): a step dispatches at most that many generation batches of ``data.gen_batch_size``
-          (default ``data.train_batch_size``) prompts; once they are spent and nothing is in flight, the buffer's
-          wait (``_wait_for_next_poll``, reached only while too few groups are sampleable) raises
-          :class:`~mix_src.mix_trainer.FilterGroupsExhausted`, as the legacy loop does;
-        * sync mode, ``mix.filter_groups.carry_over``: the surplus groups verl's ``sample`` discards once it has
-          selected the batch (``self._clear_groups(partition_id, surplus_uids)``, replay_buffer.py 502-507) stay
-          in TransferQueue as finished groups; the next step's ``sample`` takes them first (oldest prompt step
-          first, ``_select_prompt_uids``), as the legacy loop puts carried groups first. They are saved with the
-          checkpoint (verl's ``tq.save_checkpoint``, which verl itself calls in the async modes only);
-        * a streamed rollout policy: every trajectory the buffer's metadata sync (``_sync_metadata_from_transfer_queue``,
-          replay_buffer.py 201-235) sees for the first time has its generation FLOPs counted
-          (:meth:`_count_generated_rows`), whether it is later trained, evicted by the group filter or discarded."""
-        import types
-
-        buffer = super()._build_replay_buffer()
-        self._install_generation_count(buffer)
-        if getattr(buffer, "filter_groups_metric", None) is None or not hasattr(buffer, "_dapo_filtered_keys"):
-            return buffer
-        checked("v1.replay_buffer.dapo_filter")
-        buffer._dapo_filtered_keys = types.MethodType(
-            make_dapo_filtered_keys(self.mix.filter_groups.rule, self.mix.filter_groups.on_policy_only), buffer
-        )
-        if not self._steps_in_sync:
-            return buffer
-        trainer = self
-        verl_wait, verl_select, verl_clear = buffer._wait_for_next_poll, buffer._select_prompt_uids, buffer._clear_groups
-
-        def _wait_for_next_poll(buf, partition_id, last_debug_time):
-            if (partition_id == "train" and trainer._gen_budget_spent == trainer.global_steps
-                    and not buf.pending_keys[partition_id] and not buf.running_keys[partition_id]):  # fmt: skip
-                raise FilterGroupsExhausted(trainer._exhausted_message(len(buf.finished_keys[partition_id])))
-            return verl_wait(partition_id, last_debug_time)
-
-        def _select_prompt_uids(buf, partition_id, sampleable_keys, batch_size):
-            selected, partition_snapshot, steps = verl_select(partition_id, sampleable_keys, batch_size)
-            buf._mix_surplus = set(sampleable_keys) - set(selected) if partition_id == "train" else None
-            if partition_id == "train" and trainer.mix.filter_groups.carry_over:
-                trainer._carry_metrics["train/num_carried_prompts"] = sum(
-                    int(steps.get(u, trainer.global_steps) < trainer.global_steps) for u in selected)
-            return selected, partition_snapshot, steps
-
-        def _clear_groups(buf, partition_id, uids):
-            surplus = getattr(buf, "_mix_surplus", None)
-            if trainer.mix.filter_groups.carry_over and surplus and set(uids) == surplus:
-                buf._mix_surplus = None
-                trainer._carry_metrics["train/num_surplus_carried"] = len(surplus)
-                return None  # carried: they stay finished in TransferQueue for the next step
-            return verl_clear(partition_id, uids)
-
-        checked("v1.replay_buffer.sync_steps")
-        buffer._wait_for_next_poll = types.MethodType(_wait_for_next_poll, buffer)
-        buffer._select_prompt_uids = types.MethodType(_select_prompt_uids, buffer)
-        buffer._clear_groups = types.MethodType(_clear_groups, buffer)
-        return buffer
-
-    # ---- filter groups, sync mode: the generation budget of a step (algorithm.filter_groups.max_num_gen_batches) ---
-    def _gen_batch_prompts(self) -> int:
-        data = self.config.data
-        return int(data.get("gen_batch_size", None) or data.train_batch_size)
-
-    def _gen_budget(self) -> Optional[int]:
-        """Prompts one step may dispatch (max_num_gen_batches x gen batch size), or None for no limit."""
-        fg = self.config.algorithm.get("filter_groups") or {}
-        max_gen = int(fg.get("max_num_gen_batches", 0) or 0)
-        if not self._steps_in_sync or not fg.get("enable", False) or max_gen <= 0:
-            return None
-        return max_gen * self._gen_batch_prompts()
+        """verl's replay buffer with mix_src's rules (the group-filter registry; sync mode: the generation budget and the
+        carried groups; a streamed policy's generation FLOPs), listed in :mod:`mix_src.trainer.v1_replay`."""
+        return self._mix_replay_buffer(super()._build_replay_buffer())
 
     def _add_prompts_to_generate(self, num_prompts: int) -> int:
         """verl's refill (the replay buffer's ``refill_fn``) in whole generation batches of ``data.gen_batch_size``
@@ -415,20 +249,6 @@ class MixV1Mixin(MixTrainerCommon):
                 return 0
         return super()._add_prompts_to_generate(num_prompts)
 
-    def _step_prompts(self) -> int:
-        """Prompts fetched for generation in the current global step."""
-        return self._fetch_prompts if self._fetch_step == self.global_steps else 0
-
-    def _exhausted_message(self, kept: int) -> str:
-        fg, prompts, gen_bs = self.config.algorithm.filter_groups, self._step_prompts(), self._gen_batch_prompts()
-        return (
-            f"filter groups: after {prompts // gen_bs} generation batches of {gen_bs} prompts (algorithm.filter_groups."
-            f"max_num_gen_batches={fg.max_num_gen_batches}) only {kept} of data.train_batch_size="
-            f"{self.config.data.train_batch_size} prompt groups had a non-zero std of '{fg.metric}' (mix.filter_groups."
-            f"rule={self.mix.filter_groups.rule!r}). Raise algorithm.filter_groups.max_num_gen_batches (0 = no limit), "
-            "lower data.train_batch_size, or use prompts of a difficulty where some but not all samples succeed."
-        )
-
     # ---- the data: each pass over it starts with mix_src's epoch stage ---------------------------------------
     def _fetch_one_gen_batch(self):
         """verl's (``trainer_base.py`` ``_fetch_one_gen_batch``: a new iterator once the last is exhausted), with
@@ -439,7 +259,7 @@ class MixV1Mixin(MixTrainerCommon):
             self.train_dataloader_it = iter(self.train_dataloader)
         return super()._fetch_one_gen_batch()
 
-    # ---- generate: per-row prefix ratios ------------------------------------------------------------
+    # ---- generate: per-row prefix ratios and seeds; a rollout policy with several passes -------------
     def _next_train_batch(self, num_prompts: Optional[int] = None):
         batch = super()._next_train_batch(num_prompts)
         if self._fetch_step != self.global_steps:
@@ -447,23 +267,17 @@ class MixV1Mixin(MixTrainerCommon):
         self._fetch_prompts += len(batch)
         targets = batch.get(TARGET_FIELD, None) if TARGET_FIELD in batch.keys() else None  # the dataset's normalised target
         targets = None if targets is None else [t for t in targets.tolist() for _ in range(self.n)]
-        ratios = draw_prefix_ratios(
-            self.mix, len(batch), self.n, seed=self.prefix_seed, global_step=self.global_steps,
-            gen_index=self._fetch_index, targets=targets,
-        )  # fmt: skip
-        rollout_seed = int(self.config.actor_rollout_ref.rollout.get("seed") or 0)
-        seeds = request_seeds(rollout_seed, self.global_steps, self._fetch_index, len(batch), self.n)
+        ratios = self._row_ratios(len(batch), self._fetch_index, targets)
+        seeds = self._row_seeds(len(batch), self._fetch_index)
         self._batch_fetch_index = self._fetch_index
         self._fetch_index += 1
         tu.assign_non_tensor_stack(batch, "prefix_ratios", ratios.reshape(len(batch), self.n).tolist())
         tu.assign_non_tensor_stack(batch, "rollout_seeds", seeds.reshape(len(batch), self.n).tolist())
         return batch
 
-    # ---- generate: a rollout policy with several passes (mix.rollout_policy other than a streamed one) -------
     def _submit_batch_to_rollout(self, batch):
-        """verl's stage (the prompts registered in TransferQueue, ``trainer_base.py`` ``_submit_batch_to_rollout``);
-        a rollout policy that V1 does not stream (:func:`mix_src.rollout_policy.streams_on_v1`) generates the
-        groups pass by pass through :class:`mix_src.rollout_policy_v1.V1PolicyRunner`, which stands in for the
+        """verl's stage; a rollout policy that V1 does not stream (:func:`mix_src.rollout_policy.streams_on_v1`)
+        generates pass by pass through :class:`mix_src.rollout_policy_v1.V1PolicyRunner`, which stands in for the
         agent-loop manager for this call and drives verl's own."""
         from mix_src.rollout_policy import streams_on_v1
         from mix_src.rollout_policy_v1 import V1PolicyRunner
@@ -477,17 +291,13 @@ class MixV1Mixin(MixTrainerCommon):
         finally:
             self.agent_loop_manager = manager
 
-    # ---- values: the reference's adapter switch must not reach the critic ----------------------------
     def _compute_values(self, batch, metrics: dict):
-        """verl 0.9.1's V1 ``_compute_ref_log_prob`` puts ``no_lora_adapter=True`` into ``batch.extra_info`` for a
-        LoRA actor's reference (``verl/trainer/ppo/v1/trainer_base.py`` 1703-1705) and leaves it there;
-        ``_compute_values`` (1724-1730) sends the same extra_info to the critic, whose ``infer_batch`` then calls
-        ``disable_adapter()`` on a model without adapters (``verl/workers/engine_workers.py`` 403, 425):
-        AttributeError with LoRA + a critic + a reference policy. The flag belongs to the reference call only."""
+        """verl 0.9.1's ``_compute_ref_log_prob`` leaves a LoRA reference's ``no_lora_adapter=True`` in
+        ``batch.extra_info`` (``trainer_base.py`` 1703-1705); ``_compute_values`` (1724-1730) would send it to the critic,
+        whose model has no adapter to disable (``engine_workers.py`` 403, 425: AttributeError). Dropped here."""
         batch.extra_info.pop("no_lora_adapter", None)
         return super()._compute_values(batch, metrics)
 
-    # ---- advantages: prefix_mask, grpo_split, alpha/beta --------------------------------------------
     def _prefix_mask(self, batch) -> tuple[torch.Tensor, Any]:
         """(bsz, L) bool prefix mask of ``batch``'s rows (from each row's ``prefix_token_mask``), and the rows'
         nested response mask."""
@@ -496,7 +306,6 @@ class MixV1Mixin(MixTrainerCommon):
         nested = data["response_mask"]
         return prefix_mask_tensor([e.get("prefix_token_mask") for e in extra], data.to_padded_tensor()["response_mask"]), nested
 
-    # ---- old log-probs: the rollout-vs-actor metrics over on-policy tokens ---------------------------
     def _compute_old_log_prob(self, batch, metrics: dict):
         """verl's stage; its ``training/rollout_*`` metrics (over the whole response mask, where prefix tokens
         carry rollout log-prob 0) are replaced by the same metrics over the on-policy tokens, as on the legacy base
@@ -513,17 +322,11 @@ class MixV1Mixin(MixTrainerCommon):
         metrics.update(on_policy_rollout_metrics(DataProto(batch=data.to_padded_tensor()), prefix_mask))
         return batch
 
-    # ---- advantages: LUFFY's, in verl's stage ----------------------------------------------------------
     def _compute_advantage(self, batch, metrics: dict):
-        """verl's stage (KL-in-reward, rollout correction, advantages, the TransferQueue write) with two of its
-        calls replaced for this call (``trainer_base`` module names, verl 0.9.1 ``_compute_advantage`` 1743-1802):
-
-        * ``compute_advantage_for_multi_trajectories`` -> :func:`mix_src.stages.luffy_advantages`: a prefix-aware
-          estimator (``grpo_split``) runs once, with the rows' prefix mask; verl's estimator only for other names;
-        * ``compute_rollout_correction_and_add_to_batch`` -> the same over on-policy tokens
-          (:func:`mix_src.stages.on_policy_rollout_correction`), as on the legacy base.
-
-        Then the rows' ``prefix_mask`` is written to TransferQueue (nested like ``response_mask``) for the loss."""
+        """verl's stage (KL-in-reward, rollout correction, advantages, the TransferQueue write; ``trainer_base.py``
+        1743-1802) with, for this call, its advantage call replaced by :func:`mix_src.stages.luffy_advantage_stage` and
+        its rollout correction by :func:`mix_src.stages.on_policy_rollout_correction`, as on the legacy base; then the
+        rows' ``prefix_mask`` is written to TransferQueue (nested like ``response_mask``) for the loss."""
         prefix_mask, nested_response_mask = self._prefix_mask(batch)
         algo, mix = self.config.algorithm, self.mix
         verl_advantage = trainer_base.compute_advantage_for_multi_trajectories
@@ -565,68 +368,12 @@ class MixV1Mixin(MixTrainerCommon):
         rollout = self.config.actor_rollout_ref.rollout  # verl's clip ratios measure the step's longest row (stages)
         out = length_clip_metrics(data.pop("prompts").offsets().diff(), data.pop("responses").offsets().diff(),
                                   rollout.prompt_length, rollout.response_length)  # fmt: skip
-        padded = data.to_padded_tensor()
-        prefix_mask = padded["prefix_mask"].bool()
-        acc = [e.get("reward_extra_info", {}).get("acc") for e in extra]
-        solved = solved_rows(acc, lambda: padded["rm_scores"].sum(-1).numpy())
-        out.update(solve_metrics(solved, prefix_mask.any(-1).numpy(), uids))
-        out.update(prefix_step_metrics([e.get("prefix_ratio", 0.0) for e in extra], prefix_mask, padded["response_mask"]))
-        out["batch/prefix_truncated"] = int(sum(bool(e.get("prefix_truncated", False)) for e in extra))
-        # rows the reward could not grade (scored wrong), as the legacy trainer counts them
-        out["reward/ungradable"] = int(sum(bool(e.get("reward_extra_info", {}).get("ungradable")) for e in extra))
+        padded, info = data.to_padded_tensor(), [e.get("reward_extra_info", {}) for e in extra]
+        solved = solved_rows([i.get("acc") for i in info], lambda: padded["rm_scores"].sum(-1).numpy())
+        out.update(luffy_metrics(solved, padded["prefix_mask"].bool(), padded["response_mask"], uids,
+                                 [e.get("prefix_ratio", 0.0) for e in extra],
+                                 [e.get("prefix_truncated", False) for e in extra], [i.get("ungradable") for i in info]))
         return out
-
-
-def make_dapo_filtered_keys(rule: str, on_policy_only: bool) -> Callable:
-    """A ``ReplayBuffer._dapo_filtered_keys(partition_id) -> (evicted uids, Counter)`` (verl 0.9.1 contract: the
-    finished groups to evict and a ``{shared metric value: group count}`` breakdown of them) whose decision is
-    :func:`mix_src.filter_groups.filter_groups` (``rule``; ``on_policy_only``: rows without a prefix token decide).
-    Each finished group is classified once (verl's cache), from its rows' values of the metric as the legacy base
-    reads it (:func:`mix_src.stages.filter_metric_values`: ``reward``/``seq_reward`` the summed ``rm_scores``,
-    another name ``reward_extra_info[metric]``), and ``prefix_token_mask``."""
-    from collections import Counter
-
-    from mix_src.filter_groups import filter_groups
-
-    def _dapo_filtered_keys(self, partition_id: str):
-        if partition_id == "val" or self.filter_groups_metric is None:
-            return set(), Counter()
-        finished = self.finished_keys[partition_id]
-        cache = self._dapo_classification_cache[partition_id]
-        for uid in cache.keys() - finished:
-            del cache[uid]
-        new = finished - cache.keys()
-        keys = [k for k in self.partitions[partition_id] if k.split("_")[0] in new]
-        if not keys:
-            return {u for u, v in cache.items() if v is not None}, Counter(v for v in cache.values() if v is not None)
-        summed = self.filter_groups_metric in SUMMED_REWARD_METRICS
-        fields = ["extra_fields", "rm_scores"] if summed else ["extra_fields"]
-        data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=fields)
-        extra = _extra_fields(data["extra_fields"])
-        infos = [e.get("reward_extra_info", {}) for e in extra]
-
-        def extra_values(name):
-            return [float(i[name]) for i in infos] if all(name in i for i in infos) else None
-
-        values = filter_metric_values(
-            self.filter_groups_metric, lambda: [float(v.sum().item()) for v in data["rm_scores"]], extra_values,
-            sorted(set().union(*infos)) if infos else [],
-        ).tolist()  # fmt: skip
-        uids = [k.split("_")[0] for k in keys]
-        row_mask = None
-        if on_policy_only:
-            row_mask = [not bool(np.any(e.get("prefix_token_mask", []))) for e in extra]
-        result = filter_groups(np.array(uids, dtype=object), np.array(values), row_mask=row_mask, rule=rule)
-        kept = set(result.kept_groups.tolist())
-        first_value = {}
-        for uid, value in zip(uids, values):
-            first_value.setdefault(uid, value)
-        for uid in new:
-            cache[uid] = None if uid in kept or uid not in first_value else first_value[uid]
-        evicted = {u: v for u, v in cache.items() if v is not None}
-        return set(evicted), Counter(evicted.values())
-
-    return _dapo_filtered_keys
 
 
 def _actor_dp_size(worker_group) -> int:
@@ -634,11 +381,6 @@ def _actor_dp_size(worker_group) -> int:
     if "actor" not in worker_group._dispatch_info:
         worker_group._dispatch_info["actor"] = worker_group._query_dispatch_info("actor")
     return max(worker_group._dispatch_info["actor"]) + 1
-
-
-def _extra_fields(stack) -> list[dict]:
-    """The per-row ``extra_fields`` dicts out of a TransferQueue non-tensor field."""
-    return [getattr(e, "data", e) if isinstance(getattr(e, "data", e), dict) else {} for e in list(stack)]
 
 
 @register_trainer(mix_trainer_name("sync"))
@@ -676,11 +418,8 @@ class MixPPOTrainerSeparateAsync(MixV1Mixin, PPOTrainerSeparateAsync):
 
 
 class MixTaskRunnerV1(TaskRunnerV1.__ray_actor_class__):
-    """verl's ``TaskRunnerV1`` (``verl/trainer/main_ppo.py`` 102-161) with the LUFFY trainer of the configured mode.
-
-    ``TaskRunnerV1`` is a Ray actor class; this subclasses the class under it and keeps verl's
-    ``init_agent_loop_manager``. ``run`` is verl's with one change: the trainer class.
-    """
+    """verl's ``TaskRunnerV1`` (``verl/trainer/main_ppo.py`` 102-161; a Ray actor class: this subclasses the class
+    under it) with one change in ``run``: the LUFFY trainer of the configured mode."""
 
     def run(self, config):
         from pprint import pprint

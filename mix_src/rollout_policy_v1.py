@@ -36,6 +36,7 @@ import transfer_queue as tq
 from mix_src.dataset import TARGET_FIELD
 from mix_src.rollout_policy import ROLLOUT_POLICIES, RolloutContext
 from mix_src.seeding import pass_seeds
+from mix_src.stages import pass_arguments
 
 __all__ = ["TQ_KEY", "V1PolicyRunner"]
 
@@ -86,8 +87,6 @@ class V1PolicyRunner:
 
         def generate(pass_ratios, rows=None, targets=None, prompts=None):
             if prompts is not None:
-                if rows is not None:
-                    raise ValueError("rollout policy: generate(prompts=...) takes no rows")
                 tds = list(prompts.non_tensor_batch[PROMPT_RECORD])
                 seeds = pass_seeds(np.asarray(prompts.non_tensor_batch["rollout_seed"], dtype=np.int64),
                                    (int(self.trainer.global_steps) << 16) + self._passes + 1)  # fmt: skip
@@ -97,13 +96,7 @@ class V1PolicyRunner:
                 tds = [_select(batch, [int(prompt_rows[r])]) for r in idx]
                 seeds = pass_seeds(base_seeds[idx], self._passes)
                 group_uids = list(row_uid[idx])
-            pass_ratios = np.asarray(pass_ratios, dtype=np.float64).reshape(-1)
-            if pass_ratios.shape != (len(tds),):
-                raise ValueError(f"rollout policy: {pass_ratios.size} ratios for {len(tds)} rows")
-            if targets is not None:
-                targets = list(targets)
-                if len(targets) != len(tds):
-                    raise ValueError(f"rollout policy: {len(targets)} targets for {len(tds)} rows")
+            pass_ratios, targets = pass_arguments(pass_ratios, targets, len(tds), rows is not None, prompts is not None)
             out = self._run_pass(tds, pass_ratios, seeds, targets)
             out.non_tensor_batch["uid"] = np.asarray(group_uids, dtype=object)
             return out

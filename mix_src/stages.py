@@ -37,6 +37,8 @@ __all__ = [
     "length_clip_metrics",
     "luffy_advantage_stage",
     "luffy_advantages",
+    "luffy_metrics",
+    "pass_arguments",
     "on_policy_rollout_metrics",
     "on_policy_rollout_correction",
     "prefix_mask_tensor",
@@ -107,6 +109,23 @@ def draw_prefix_ratios(
         return np.zeros(num_prompts * n, dtype=np.float64)
     has_target = np.array([isinstance(t, str) and len(t) > 0 for t in targets], dtype=bool)
     return np.where(has_target, ratios, 0.0)
+
+
+def pass_arguments(ratios: Sequence[float], targets: Optional[Sequence], num_rows: int, rows_given: bool = False,
+                   prompts_given: bool = False) -> tuple[np.ndarray, Optional[list]]:
+    """A rollout policy's ``generate(ratios, rows=None, targets=None, prompts=None)`` arguments
+    (:class:`mix_src.rollout_policy.RolloutContext`), checked the same on both bases: ``prompts`` takes no ``rows``,
+    one ratio and (if given) one target per row of the pass. Returns the (num_rows,) float64 ratios and the targets
+    as a list (or None)."""
+    if prompts_given and rows_given:
+        raise ValueError("rollout policy: generate(prompts=...) takes no rows")
+    ratios = np.asarray(ratios, dtype=np.float64).reshape(-1)
+    if ratios.shape != (num_rows,):
+        raise ValueError(f"rollout policy: {ratios.size} ratios for {num_rows} rows")
+    targets = None if targets is None else list(targets)
+    if targets is not None and len(targets) != num_rows:
+        raise ValueError(f"rollout policy: {len(targets)} targets for {num_rows} rows")
+    return ratios, targets
 
 
 def prefix_mask_tensor(row_masks: Sequence, response_mask: torch.Tensor) -> torch.Tensor:
@@ -219,6 +238,22 @@ def prefix_step_metrics(ratios: Sequence[float], prefix_mask: torch.Tensor, resp
         "batch/off_policy_rows": int(prefix_mask.any(-1).sum()),
         "batch/prefix_token_frac": float((prefix_mask.sum() / response_mask.sum().clamp(min=1)).item()),
     }
+
+
+def luffy_metrics(solved: np.ndarray, prefix_mask: torch.Tensor, response_mask: torch.Tensor, uids: Sequence,
+                  ratios: Sequence[float], truncated: Optional[Sequence] = None,
+                  ungradable: Optional[Sequence] = None) -> dict[str, float]:
+    """LUFFY's metrics of the rows a step trains on, one function for both bases: :func:`solve_metrics`,
+    :func:`prefix_step_metrics`, ``batch/prefix_truncated`` and ``reward/ungradable`` (rows the reward could not grade,
+    scored wrong), each of the last two when the rows report it. ``solved``: (bsz,) bool; ``prefix_mask``,
+    ``response_mask``: (bsz, L); ``uids``, ``ratios``, ``truncated``, ``ungradable``: (bsz,)."""
+    out = solve_metrics(solved, prefix_mask.any(-1).numpy(), uids)
+    out.update(prefix_step_metrics(ratios, prefix_mask, response_mask))
+    if truncated is not None:
+        out["batch/prefix_truncated"] = int(sum(bool(t) for t in truncated))
+    if ungradable is not None:
+        out["reward/ungradable"] = int(np.count_nonzero(np.asarray(ungradable, dtype=bool)))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------

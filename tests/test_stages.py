@@ -141,12 +141,13 @@ def _v1_evicted(metric, monkeypatch, extra=None):
     from types import SimpleNamespace
 
     from mix_src import mix_trainer_v1
+    from mix_src.trainer import v1_replay  # the buffer's rules, read through mix_trainer_v1's re-export
 
     extra = extra if extra is not None else [{"reward_extra_info": {"acc": a}} for a in ROWS_ACC]
     keys = [f"{u}_{i}" for i, u in enumerate(ROWS_UID)]
     fake_tq = SimpleNamespace(kv_batch_get=lambda keys, partition_id, select_fields: {
         "extra_fields": extra, "rm_scores": list(ROWS_SCORES)})  # fmt: skip
-    monkeypatch.setattr(mix_trainer_v1, "tq", fake_tq)
+    monkeypatch.setattr(v1_replay, "tq", fake_tq)
     buffer = SimpleNamespace(filter_groups_metric=metric, finished_keys={"train": {"a", "b"}},
                              _dapo_classification_cache=defaultdict(dict), partitions={"train": keys})  # fmt: skip
     evicted, _ = mix_trainer_v1.make_dapo_filtered_keys("nonzero_std", False)(buffer, "train")

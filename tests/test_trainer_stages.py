@@ -132,7 +132,7 @@ def test_non_default_target_key_reaches_the_prefix_ratios(tmp_path, tiny_assets)
 
     gen = DataProto.from_dict(tensors={"x": torch.zeros(2 * N, 1)},
                               non_tensors={"target": np.array([t for t in targets for _ in range(N)], dtype=object)})
-    ratios = make_trainer(mix=mix)._prefix_ratios(gen, gen_index=0)
+    ratios = make_trainer(mix=mix)._row_ratios(2, 0, gen.non_tensor_batch.get("target"))  # the draw both bases call
     assert ratios.tolist() == [1.0, 0.0, 0.0, 0.0] + [0.0] * N  # one full demonstration for the prompt with one
 
 

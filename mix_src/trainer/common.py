@@ -1,6 +1,7 @@
 """What both trainer bases (legacy :class:`mix_src.mix_trainer.MIXRayPPOTrainer`, V1 :class:`mix_src.mix_trainer_v1.
-MixV1Mixin`) keep across steps, written once: the FLOPs meter (``flops/*``, ``mix.flops_budget``), the checkpointed
-``mix_state.pt`` (learned entropy coefficient, rollout-policy state, FLOPs so far) and the MIX worker loss.
+MixV1Mixin`) do the same way, written once: prefix seeding (each row's prefix ratio and sampling seed), the FLOPs
+meter (``flops/*``, ``mix.flops_budget``), the checkpointed ``mix_state.pt`` (learned entropy coefficient,
+rollout-policy state, FLOPs so far) and the MIX worker loss.
 
 :class:`MixTrainerCommon` is a mixin of both bases; every attribute has a class default, so the stage tests' trainers
 built without ``__init__`` work. The file format of ``mix_state.pt`` is unchanged (a dict; each base adds its own keys).
@@ -11,18 +12,20 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from mix_src.flops import COUNTS, add_step_flops, rollout_flops, shape_unreadable
-from mix_src.loss import MixPolicyLoss, install_loss, pop_entropy_state
-from mix_src.stages import MIX_STATE_FILE, model_shape
+from mix_src.loss import MixPolicyLoss, add_combine_inputs, add_kept_token_counts, install_loss, pop_entropy_state
+from mix_src.seeding import request_seeds
+from mix_src.stages import MIX_STATE_FILE, draw_prefix_ratios, model_shape
 
 __all__ = ["MixTrainerCommon"]
 
 
 class MixTrainerCommon:
-    """FLOPs meter, ``mix_state.pt`` and the worker loss, shared by both bases (needs ``config``, ``mix``,
-    ``global_steps``, ``actor_rollout_wg``, ``use_reference_policy`` from verl's trainer)."""
+    """Prefix seeding, FLOPs meter, ``mix_state.pt`` and the worker loss, shared by both bases (needs ``config``, ``mix``,
+    ``n``, ``prefix_seed``, ``global_steps``, ``actor_rollout_wg``, ``use_reference_policy``)."""
 
     _flops_shape: Any = None  # the actor's ModelShape, read from its config.json on first use (or the read error)
     _flops: Optional[dict] = None  # the run's training FLOPs so far per count (saved: a resumed budget counts them)
@@ -31,6 +34,19 @@ class MixTrainerCommon:
     _rollout_state: Optional[dict] = None  # the rollout policy's own state (RolloutContext.state)
 
     _model_shape = model_shape  # mix_src/stages.py
+
+    # ---- prefix seeding: keyed by (seed, global_step, gen_index), so a resumed run draws what an uninterrupted one drew
+    def _row_ratios(self, num_prompts: int, gen_index: int, targets) -> np.ndarray:
+        """(num_prompts * n,) prefix ratios, rows ``i*n + j`` (:func:`mix_src.stages.draw_prefix_ratios`; rows without
+        a target get 0). ``targets``: one per row, or None."""
+        return draw_prefix_ratios(self.mix, num_prompts, self.n, seed=self.prefix_seed, global_step=self.global_steps,
+                                  gen_index=gen_index, targets=targets)  # fmt: skip
+
+    def _row_seeds(self, num_prompts: int, gen_index: int) -> np.ndarray:
+        """(num_prompts * n,) sampling seeds from ``(rollout.seed, global_step, gen_index, prompt, sample)``: a sample's
+        tokens never depend on its arrival order at the server (mix_src/seeding.py)."""
+        seed = int(self.config.actor_rollout_ref.rollout.get("seed") or 0)
+        return request_seeds(seed, self.global_steps, gen_index, num_prompts, self.n)
 
     # ---- FLOPs (mix_src/flops.py) ----------------------------------------------------------------------------
     def _flops_totals(self) -> dict:
@@ -82,6 +98,13 @@ class MixTrainerCommon:
 
         actor_cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
         install_loss(self.actor_rollout_wg, MixPolicyLoss(actor_cfg, self.mix.loss, entropy_state=self._entropy_state))
+
+    def _add_loss_inputs(self, batch: Any, dp_size) -> None:
+        """The per-row inputs the worker loss reads next to verl's fields, added to the DataProto ``batch`` before the
+        actor update: kept-token counts (``mix.loss.all_max_clip``; with ``row_loss`` the SFT-token counts) and the
+        population counts of ``mix.loss.combine`` (mix_src/loss.py). ``dp_size()``: the actor's data-parallel size."""
+        add_kept_token_counts(batch, self.config, self.mix.loss, dp_size)
+        add_combine_inputs(batch, self.config, self.mix.loss, dp_size, self.global_steps)
 
     def _keep_entropy_state(self, update_metrics: dict) -> None:
         """Take the coefficient's state out of the workers' update metrics (before verl averages them)."""

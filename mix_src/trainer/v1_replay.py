@@ -1,0 +1,231 @@
+"""mix_src's rules in verl's V1 replay buffer (``verl/trainer/ppo/v1/replay_buffer.py``), for the V1 base
+(:class:`mix_src.mix_trainer_v1.MixV1Mixin`, whose ``_build_replay_buffer`` hook lists them): the group-filter registry
+decides which finished groups are evicted (:func:`make_dapo_filtered_keys`), and in sync mode the step's generation
+budget (``algorithm.filter_groups.max_num_gen_batches``), the carried surplus groups (``mix.filter_groups.carry_over``)
+and, for a streamed rollout policy, the generation FLOPs of every trajectory the buffer sees.
+
+The legacy base has no replay buffer: its loop filters and carries groups itself (``MIXRayPPOTrainer._collect_batch``),
+through the same :func:`mix_src.filter_groups.filter_groups` and :func:`mix_src.stages.filter_metric_values`.
+"""
+
+from __future__ import annotations
+
+import types
+from collections import Counter
+from typing import Callable, Optional
+
+import numpy as np
+import transfer_queue as tq
+from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+from mix_src.compat import checked
+from mix_src.filter_groups import filter_groups
+from mix_src.stages import SUMMED_REWARD_METRICS, FilterGroupsExhausted, filter_metric_values, prefix_mask_tensor
+
+__all__ = ["V1ReplayBufferRules", "extra_fields", "make_dapo_filtered_keys"]
+
+
+class V1ReplayBufferRules:
+    """The V1 trainer's side of the replay-buffer rules (needs ``config``, ``mix``, ``global_steps``, ``replay_buffer``,
+    the step's fetch counters and :class:`mix_src.trainer.common.MixTrainerCommon`'s FLOPs meter)."""
+
+    @property
+    def _steps_in_sync(self) -> bool:
+        """verl's synchronous trainer (``PPOTrainerSync``, with its sync ``ReplayBuffer``): each step dispatches its
+        own generation batches, which the step's generation budget and the carried groups hook into."""
+        return isinstance(self, PPOTrainerSync)
+
+    def _install_generation_count(self, buffer) -> None:
+        """With a streamed rollout policy, wrap the replay buffer's metadata sync so that each new ``train``
+        trajectory's generation is counted once (see :meth:`_build_replay_buffer`)."""
+        from mix_src.rollout_policy import streams_on_v1
+
+        self._counts_generation = False
+        verl_sync = getattr(buffer, "_sync_metadata_from_transfer_queue", None)
+        if verl_sync is None or not streams_on_v1(self.mix.rollout_policy):
+            return  # a policy with several passes: V1PolicyRunner counts its passes
+        trainer = self
+        trainer._counted_rows = set()
+
+        def _sync_metadata_from_transfer_queue(buf):
+            verl_sync()
+            rows = buf.partitions.get("train", {})
+            trainer._counted_rows &= rows.keys()  # cleared rows are gone for good
+            new = [k for k, tag in rows.items() if k not in trainer._counted_rows and "response_len" in tag]
+            if new:
+                trainer._count_generated_rows(new, [rows[k] for k in new])
+                trainer._counted_rows.update(new)
+
+        checked("v1.replay_buffer.sync_metadata")
+        buffer._sync_metadata_from_transfer_queue = types.MethodType(_sync_metadata_from_transfer_queue, buffer)
+        self._counts_generation = True
+
+    def _count_generated_rows(self, keys: list[str], tags: list[dict]) -> None:
+        """Generation FLOPs of newly generated ``train`` trajectories: ``F(P + R)`` for each that generated a token
+        (R minus its prefix tokens), as the legacy base counts every row of a rollout pass."""
+        try:
+            self._model_shape()
+        except Exception:  # noqa: BLE001 - reported by _count_flops (and fatal there with a budget)
+            return
+        data = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["response_mask", "extra_fields"])
+        extra = extra_fields(data.pop("extra_fields"))
+        prefix = prefix_mask_tensor([e.get("prefix_token_mask") for e in extra], data.to_padded_tensor()["response_mask"])
+        p = np.array([int(t["prompt_len"]) for t in tags], dtype=np.int64)
+        r = np.array([int(t["response_len"]) for t in tags], dtype=np.int64)
+        self.add_rollout_flops(p, r, r - prefix.long().sum(-1).numpy())
+
+    def _carries_in_tq(self) -> bool:
+        """sync mode with mix.filter_groups.carry_over: carried groups are kept in TransferQueue between steps."""
+        return self._steps_in_sync and bool(self.mix.filter_groups.carry_over) and getattr(
+            self.replay_buffer, "filter_groups_metric", None) is not None  # fmt: skip
+
+    def _restore_carried_groups(self, path: str) -> None:
+        """Load the checkpoint's TransferQueue state and keep only whole carried groups (their prompt key and rows);
+        the rows of the batch the step trained on, whose prompt keys verl's sample had already removed, go."""
+        tq.load_checkpoint(path)
+        tags = (tq.kv_list("train") or {}).get("train", {})
+        prompts = {k for k, t in tags.items() if t.get("is_prompt", False)}
+        orphans = [k for k, t in tags.items() if not t.get("is_prompt", False) and k.split("_")[0] not in prompts]
+        if orphans:
+            tq.kv_clear(keys=orphans, partition_id="train")
+        print(f"[mix_src] restored {len(prompts)} carried prompt groups from {path}")
+
+    def _mix_replay_buffer(self, buffer):
+        """verl's replay buffer with mix_src's filter-group settings, on this instance only (a custom sampler,
+        ``trainer.v1.sampler.custom_sampler``, owns its filtering and is left alone):
+
+        * its DAPO classification (``ReplayBuffer._dapo_filtered_keys``, ``verl/trainer/ppo/v1/replay_buffer.py``
+          261-315: evict a finished group whose metric has std 0) is :func:`mix_src.filter_groups.filter_groups` with
+          ``mix.filter_groups.rule`` and, with ``on_policy_only``, only the group's on-policy rows deciding;
+        * sync mode, ``algorithm.filter_groups.max_num_gen_batches`` (``MixV1Mixin._add_prompts_to_generate``, the
+          buffer's ``refill_fn``): a step dispatches at most that many generation batches of ``data.gen_batch_size``
+          (default ``data.train_batch_size``) prompts; once they are spent and nothing is in flight, the buffer's
+          wait (``_wait_for_next_poll``, reached only while too few groups are sampleable) raises
+          :class:`~mix_src.mix_trainer.FilterGroupsExhausted`, as the legacy loop does;
+        * sync mode, ``mix.filter_groups.carry_over``: the surplus groups verl's ``sample`` discards once it has
+          selected the batch (``self._clear_groups(partition_id, surplus_uids)``, replay_buffer.py 502-507) stay
+          in TransferQueue as finished groups; the next step's ``sample`` takes them first (oldest prompt step
+          first, ``_select_prompt_uids``), as the legacy loop puts carried groups first. They are saved with the
+          checkpoint (verl's ``tq.save_checkpoint``, which verl itself calls in the async modes only);
+        * a streamed rollout policy: every trajectory the buffer's metadata sync (``_sync_metadata_from_transfer_queue``,
+          replay_buffer.py 201-235) sees for the first time has its generation FLOPs counted
+          (:meth:`_count_generated_rows`), whether it is later trained, evicted by the group filter or discarded."""
+        self._install_generation_count(buffer)
+        if getattr(buffer, "filter_groups_metric", None) is None or not hasattr(buffer, "_dapo_filtered_keys"):
+            return buffer
+        checked("v1.replay_buffer.dapo_filter")
+        buffer._dapo_filtered_keys = types.MethodType(
+            make_dapo_filtered_keys(self.mix.filter_groups.rule, self.mix.filter_groups.on_policy_only), buffer
+        )
+        if not self._steps_in_sync:
+            return buffer
+        trainer = self
+        verl_wait, verl_select, verl_clear = buffer._wait_for_next_poll, buffer._select_prompt_uids, buffer._clear_groups
+
+        def _wait_for_next_poll(buf, partition_id, last_debug_time):
+            if (partition_id == "train" and trainer._gen_budget_spent == trainer.global_steps
+                    and not buf.pending_keys[partition_id] and not buf.running_keys[partition_id]):  # fmt: skip
+                raise FilterGroupsExhausted(trainer._exhausted_message(len(buf.finished_keys[partition_id])))
+            return verl_wait(partition_id, last_debug_time)
+
+        def _select_prompt_uids(buf, partition_id, sampleable_keys, batch_size):
+            selected, partition_snapshot, steps = verl_select(partition_id, sampleable_keys, batch_size)
+            buf._mix_surplus = set(sampleable_keys) - set(selected) if partition_id == "train" else None
+            if partition_id == "train" and trainer.mix.filter_groups.carry_over:
+                trainer._carry_metrics["train/num_carried_prompts"] = sum(
+                    int(steps.get(u, trainer.global_steps) < trainer.global_steps) for u in selected)
+            return selected, partition_snapshot, steps
+
+        def _clear_groups(buf, partition_id, uids):
+            surplus = getattr(buf, "_mix_surplus", None)
+            if trainer.mix.filter_groups.carry_over and surplus and set(uids) == surplus:
+                buf._mix_surplus = None
+                trainer._carry_metrics["train/num_surplus_carried"] = len(surplus)
+                return None  # carried: they stay finished in TransferQueue for the next step
+            return verl_clear(partition_id, uids)
+
+        checked("v1.replay_buffer.sync_steps")
+        buffer._wait_for_next_poll = types.MethodType(_wait_for_next_poll, buffer)
+        buffer._select_prompt_uids = types.MethodType(_select_prompt_uids, buffer)
+        buffer._clear_groups = types.MethodType(_clear_groups, buffer)
+        return buffer
+
+    # ---- filter groups, sync mode: the generation budget of a step (algorithm.filter_groups.max_num_gen_batches) ---
+    def _gen_batch_prompts(self) -> int:
+        data = self.config.data
+        return int(data.get("gen_batch_size", None) or data.train_batch_size)
+
+    def _gen_budget(self) -> Optional[int]:
+        """Prompts one step may dispatch (max_num_gen_batches x gen batch size), or None for no limit."""
+        fg = self.config.algorithm.get("filter_groups") or {}
+        max_gen = int(fg.get("max_num_gen_batches", 0) or 0)
+        if not self._steps_in_sync or not fg.get("enable", False) or max_gen <= 0:
+            return None
+        return max_gen * self._gen_batch_prompts()
+
+    def _step_prompts(self) -> int:
+        """Prompts fetched for generation in the current global step."""
+        return self._fetch_prompts if self._fetch_step == self.global_steps else 0
+
+    def _exhausted_message(self, kept: int) -> str:
+        fg, prompts, gen_bs = self.config.algorithm.filter_groups, self._step_prompts(), self._gen_batch_prompts()
+        return (
+            f"filter groups: after {prompts // gen_bs} generation batches of {gen_bs} prompts (algorithm.filter_groups."
+            f"max_num_gen_batches={fg.max_num_gen_batches}) only {kept} of data.train_batch_size="
+            f"{self.config.data.train_batch_size} prompt groups had a non-zero std of '{fg.metric}' (mix.filter_groups."
+            f"rule={self.mix.filter_groups.rule!r}). Raise algorithm.filter_groups.max_num_gen_batches (0 = no limit), "
+            "lower data.train_batch_size, or use prompts of a difficulty where some but not all samples succeed."
+        )
+
+
+def make_dapo_filtered_keys(rule: str, on_policy_only: bool) -> Callable:
+    """A ``ReplayBuffer._dapo_filtered_keys(partition_id) -> (evicted uids, Counter)`` (verl 0.9.1 contract: the
+    finished groups to evict and a ``{shared metric value: group count}`` breakdown of them) whose decision is
+    :func:`mix_src.filter_groups.filter_groups` (``rule``; ``on_policy_only``: rows without a prefix token decide).
+    Each finished group is classified once (verl's cache), from its rows' values of the metric as the legacy base
+    reads it (:func:`mix_src.stages.filter_metric_values`: ``reward``/``seq_reward`` the summed ``rm_scores``,
+    another name ``reward_extra_info[metric]``), and ``prefix_token_mask``."""
+    def _dapo_filtered_keys(self, partition_id: str):
+        if partition_id == "val" or self.filter_groups_metric is None:
+            return set(), Counter()
+        finished = self.finished_keys[partition_id]
+        cache = self._dapo_classification_cache[partition_id]
+        for uid in cache.keys() - finished:
+            del cache[uid]
+        new = finished - cache.keys()
+        keys = [k for k in self.partitions[partition_id] if k.split("_")[0] in new]
+        if not keys:
+            return {u for u, v in cache.items() if v is not None}, Counter(v for v in cache.values() if v is not None)
+        summed = self.filter_groups_metric in SUMMED_REWARD_METRICS
+        fields = ["extra_fields", "rm_scores"] if summed else ["extra_fields"]
+        data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=fields)
+        extra = extra_fields(data["extra_fields"])
+        infos = [e.get("reward_extra_info", {}) for e in extra]
+
+        def extra_values(name):
+            return [float(i[name]) for i in infos] if all(name in i for i in infos) else None
+
+        values = filter_metric_values(
+            self.filter_groups_metric, lambda: [float(v.sum().item()) for v in data["rm_scores"]], extra_values,
+            sorted(set().union(*infos)) if infos else [],
+        ).tolist()  # fmt: skip
+        uids = [k.split("_")[0] for k in keys]
+        row_mask = None
+        if on_policy_only:
+            row_mask = [not bool(np.any(e.get("prefix_token_mask", []))) for e in extra]
+        result = filter_groups(np.array(uids, dtype=object), np.array(values), row_mask=row_mask, rule=rule)
+        kept = set(result.kept_groups.tolist())
+        first_value = {}
+        for uid, value in zip(uids, values):
+            first_value.setdefault(uid, value)
+        for uid in new:
+            cache[uid] = None if uid in kept or uid not in first_value else first_value[uid]
+        evicted = {u: v for u, v in cache.items() if v is not None}
+        return set(evicted), Counter(evicted.values())
+
+    return _dapo_filtered_keys
+
+
+def extra_fields(stack) -> list[dict]:
+    """The per-row ``extra_fields`` dicts out of a TransferQueue non-tensor field."""
+    return [getattr(e, "data", e) if isinstance(getattr(e, "data", e), dict) else {} for e in list(stack)]
