@@ -12,7 +12,7 @@ TORCH_CPU_INDEX    ?= https://download.pytorch.org/whl/cpu
 TORCH_INSTALL_ARGS ?=
 INSTALL_TORCH       = $(PY) scripts/install_torch.py --index $(TORCH_CPU_INDEX) $(TORCH_INSTALL_ARGS)
 
-.PHONY: install install-torch test test-fast demo evidence compare bench clean install-gpu check-gpu-install
+.PHONY: install install-torch test test-fast test-extra demo evidence compare bench clean install-gpu check-gpu-install
 
 $(STAMP): setup.py scripts/install_torch.py
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -37,8 +37,13 @@ install-torch:
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(INSTALL_TORCH)
 
+# CI's suite (.ci/run): every test but the opt-in tier `extra` (pytest.ini; tests/README.md, test tiers)
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not extra" $(PYTEST_ARGS)
+
+# The opt-in tier, not in CI: slow runs of low value for the main path (each marked `extra`, its reason beside it)
+test-extra: install
+	$(PY) -m pytest -m extra $(PYTEST_ARGS)
 
 # The inner loop: every test that starts no Ray cluster (tests/conftest.py marks those `ray` automatically) and
 # is not in tests/conftest.py's SLOW list (fresh interpreters, model builds; `make test` runs them).

@@ -378,6 +378,7 @@ def run_verl(
 # mix_src/config/preflight.py export_plugins; ray_kwargs) would not reach a later run's workers, so a batch run
 # sets none of them.
 NOT_IN_A_BATCH = ("mix.plugins", "+mix.plugins", "actor_rollout_ref.rollout.name", "ray_kwargs", "+ray_kwargs")
+BATCH_BASES = {"legacy": False, "v1": True}  # the batches of tests/conftest.py: batch -> trainer.use_v1 of its runs
 OverridesFn = Callable[[dict, Path], list]  # (tiny assets, the batch's directory) -> Hydra overrides
 BATCHES: dict[str, dict[str, tuple[OverridesFn, tuple[str, ...]]]] = {}
 
@@ -396,9 +397,14 @@ def batch_run(batch: str, name: str, overrides: OverridesFn, tests: Sequence[str
 
 def batch_overrides(batch: str, selected: set, assets: dict, batch_dir: Path) -> dict[str, list]:
     """{name: overrides} of the runs of ``batch`` that a test of ``selected`` ("file::function") reads, in
-    registration order; refuses a run that sets one of ``NOT_IN_A_BATCH``."""
+    registration order; refuses a run that sets one of ``NOT_IN_A_BATCH`` or of the other base (``BATCH_BASES``)."""
     runs = {name: make(assets, batch_dir) for name, (make, tests) in BATCHES[batch].items() if selected & set(tests)}
     for name, overrides in runs.items():
+        use_v1 = [o.split("=", 1)[1] for o in overrides if o.startswith("trainer.use_v1=")][-1:] == ["true"]
+        if batch in BATCH_BASES and use_v1 != BATCH_BASES[batch]:
+            raise ValueError(f"batch {batch!r}, run {name!r}: trainer.use_v1={str(use_v1).lower()}, but this batch "
+                             f"trains runs with trainer.use_v1={str(BATCH_BASES[batch]).lower()}; register the run "
+                             "in the batch of its base")  # fmt: skip
         own = [o for o in overrides if o.split("=", 1)[0].startswith(NOT_IN_A_BATCH)]
         if own:
             raise ValueError(f"batch {batch!r}, run {name!r}: {own} must reach the run's own Ray processes; give the "

@@ -16,7 +16,7 @@ import ray
 from hydra import compose, initialize_config_module
 from test_dataset_agent_loop import TARGET, RecordingServer, _agent_loop, _run, tokenizer  # noqa: F401 (fixture)
 
-from e2e import MIX_CPU, run_verl, tiny_overrides
+from e2e import MIX_CPU, batch_result, batch_run, run_verl, tiny_overrides
 from mix_src.mix_config import MixConfigError
 
 MIX = "mix_src.main_mix_ppo"
@@ -25,10 +25,13 @@ CHORD = Path(__file__).resolve().parents[1] / "recipes/chord/chord.py"
 LUFFY = ["mix.n_prefix=1", "mix.min_prefix_ratio=1.0", "mix.max_prefix_ratio=1.0", "algorithm.adv_estimator=grpo_split"]
 
 
-def v1_run(tiny_assets, tmp_path, mode, *extra, steps=2, name="run", timeout=420):
+def v1_overrides(tiny_assets, mode, *extra, steps=2) -> list[str]:
     overrides = MIX_CPU + tiny_overrides(tiny_assets, steps=steps, n=4, batch_size=4, response_length=24)
-    overrides += ["trainer.use_v1=true", f"trainer.v1.trainer_mode={mode}"]
-    return run_verl(MIX, overrides + list(extra), tmp_path, timeout=timeout, name=name)
+    return overrides + ["trainer.use_v1=true", f"trainer.v1.trainer_mode={mode}", *extra]
+
+
+def v1_run(tiny_assets, tmp_path, mode, *extra, steps=2, name="run", timeout=420):
+    return run_verl(MIX, v1_overrides(tiny_assets, mode, *extra, steps=steps), tmp_path, timeout=timeout, name=name)
 
 
 def assert_luffy_step(m: dict) -> None:
@@ -84,8 +87,25 @@ def test_v1_sync_group_filter_registry_and_a_two_pass_rollout_policy(tiny_assets
         assert m["batch/off_solved"] == 1.0 and m["batch/avg_prefix_ratio"] == m["batch/off_policy_rows"] / 16
 
 
-@pytest.mark.ray
-def test_v1_sync_filter_groups_carry_over_and_generation_budget(tiny_assets, tmp_path):
+CARRY_OVER_CKPT = "carry_over_ckpt"  # in the V1 batch's directory
+
+
+def carry_over_run(assets, batch_dir) -> list[str]:
+    return v1_overrides(assets, "sync", *LUFFY, "mix.data.sample_target_ratio=0.5", "algorithm.filter_groups.enable=true",
+                        "algorithm.filter_groups.metric=acc", "data.gen_batch_size=1",
+                        "algorithm.filter_groups.max_inflight_gen_batches=2", "algorithm.filter_groups.max_num_gen_batches=40",
+                        "mix.filter_groups.carry_over=true", "trainer.save_freq=2",
+                        f"trainer.default_local_dir={batch_dir / CARRY_OVER_CKPT}")  # fmt: skip
+
+
+# two runs that need no process of their own share the V1 batch's (tests/conftest.py ``v1_batch``)
+CARRY_OVER = batch_run("v1", "carry_over", carry_over_run,
+                       ["test_mix_trainer_v1.py::test_v1_sync_filter_groups_carry_over_and_generation_budget"])
+COLOCATE_ASYNC = batch_run("v1", "colocate_async_luffy", lambda assets, _: v1_overrides(assets, "colocate_async", *LUFFY),
+                           ["test_mix_trainer_v1.py::test_v1_colocate_async_luffy"])  # fmt: skip
+
+
+def test_v1_sync_filter_groups_carry_over_and_generation_budget(v1_batch):
     """Sync mode, 2 steps, verl's own group filter with mix_src's carry_over and a per-step generation budget
     (MixV1Mixin._build_replay_buffer). Half the prompts have no target: their groups (all failing) are evicted and
     verl's buffer refills two prompts per eviction, one prompt per generation batch (data.gen_batch_size=1), up to 8
@@ -93,11 +113,7 @@ def test_v1_sync_filter_groups_carry_over_and_generation_budget(tiny_assets, tmp
     which trains them first. The carried groups are saved with the step-2 checkpoint (TransferQueue's own
     checkpoint). (A budget of 12 batches ran out in step 1 of one such run, raising FilterGroupsExhausted; the
     unit test above checks that path.)"""
-    common = [*LUFFY, "mix.data.sample_target_ratio=0.5", "algorithm.filter_groups.enable=true",
-              "algorithm.filter_groups.metric=acc", "data.gen_batch_size=1", "algorithm.filter_groups.max_inflight_gen_batches=2",
-              "algorithm.filter_groups.max_num_gen_batches=40", "mix.filter_groups.carry_over=true",
-              "trainer.save_freq=2", f"trainer.default_local_dir={tmp_path / 'ckpt'}"]  # fmt: skip
-    result = v1_run(tiny_assets, tmp_path / "run", "sync", *common, steps=2)
+    result = batch_result(v1_batch, CARRY_OVER)
     step1, step2 = result.metrics
     for m in result.metrics:
         assert 4 <= m["train/num_gen_batches"] <= 40  # within the budget of 40 one-prompt batches
@@ -105,12 +121,11 @@ def test_v1_sync_filter_groups_carry_over_and_generation_budget(tiny_assets, tmp
     assert step1.get("train/num_surplus_carried", 0) > 0
     assert step2["train/num_carried_prompts"] == min(step1["train/num_surplus_carried"], 4)
     assert not any("training/filter_groups/discarded_surplus_samples" in m for m in result.metrics)  # carried instead
-    assert (tmp_path / "ckpt" / "global_step_2" / "transfer_queue").exists()
+    assert (result.log_path.parent / CARRY_OVER_CKPT / "global_step_2" / "transfer_queue").exists()  # the batch's dir
 
 
-@pytest.mark.ray
-def test_v1_colocate_async_luffy(tiny_assets, tmp_path):
-    result = v1_run(tiny_assets, tmp_path, "colocate_async", *LUFFY)
+def test_v1_colocate_async_luffy(v1_batch):
+    result = batch_result(v1_batch, COLOCATE_ASYNC)
     assert [m["step"] for m in result.metrics] == [1, 2]
     for m in result.metrics:
         assert_luffy_step(m)

@@ -23,7 +23,7 @@ def test_every_slow_entry_names_a_test_function():
 def test_a_shared_ray_fixture_of_conftest_marks_its_tests_ray():
     """A test that only requests conftest's shared e2e job (its body starts nothing) is still in the `ray` tier."""
     reach = conftest._ray_functions(conftest.__file__)
-    assert "legacy_batch" in reach and "tiny_assets" not in reach
+    assert "legacy_batch" in reach and "v1_batch" in reach and "tiny_assets" not in reach
 
 
 def test_a_batch_refuses_what_must_reach_a_runs_own_ray_processes(monkeypatch, tmp_path):
@@ -63,3 +63,29 @@ def test_a_test_reading_a_batch_gets_the_batchs_time_on_top_of_its_own(monkeypat
     item = Item()
     conftest.pytest_collection_modifyitems(None, [item])
     assert [(m.name, m.args) for m in item.markers] == [("timeout", (900 + 2 * 480,))]
+
+
+def test_a_batch_refuses_a_run_of_the_other_base(monkeypatch, tmp_path):
+    """The V1 batch trains only ``trainer.use_v1=true`` runs and the legacy batch none: each batch's fixture and
+    timeout are sized for its base, and a test reading ``v1_batch`` checks a V1 run."""
+    import pytest
+
+    import e2e
+
+    monkeypatch.setattr(e2e, "BATCHES", {})
+    e2e.batch_run("v1", "v1_run", lambda assets, d: ["trainer.use_v1=false", "trainer.use_v1=true"], ["a.py::test_a"])
+    e2e.batch_run("v1", "legacy_run", lambda assets, d: ["mix.n_prefix=1"], ["b.py::test_b"])
+    e2e.batch_run("legacy", "v1_run", lambda assets, d: ["trainer.use_v1=true"], ["c.py::test_c"])
+    assert list(e2e.batch_overrides("v1", {"a.py::test_a"}, {}, tmp_path)) == ["v1_run"]  # the last setting counts
+    with pytest.raises(ValueError, match=r"batch 'v1', run 'legacy_run': .*trainer.use_v1=true"):
+        e2e.batch_overrides("v1", {"b.py::test_b"}, {}, tmp_path)
+    with pytest.raises(ValueError, match=r"batch 'legacy', run 'v1_run': .*trainer.use_v1=true"):
+        e2e.batch_overrides("legacy", {"c.py::test_c"}, {}, tmp_path)
+
+
+def test_make_test_leaves_out_the_opt_in_tier_and_test_extra_runs_it():
+    """CI runs `make test` (.ci/run): the `extra` tier is out of it and `make test-extra` runs exactly that tier."""
+    make = (TESTS.parent / "Makefile").read_text()
+    assert '\ntest: install\n\t$(PY) -m pytest -m "not extra" $(PYTEST_ARGS)\n' in make
+    assert '\ntest-extra: install\n\t$(PY) -m pytest -m extra $(PYTEST_ARGS)\n' in make
+    assert "extra:" in (TESTS.parent / "pytest.ini").read_text()  # registered, so --strict-markers would accept it
