@@ -1,0 +1,71 @@
+"""mix_src/trainer/common.py: what both trainer bases do once (issue #38 item 2). No Ray; a few seconds (imports).
+
+``mix_state.pt`` keeps its file format: files written before the shared module, by either base, restore."""
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from mix_src.stages import MIX_STATE_FILE
+from mix_src.trainer.common import MixTrainerCommon
+
+# the two formats as written before the shared module (dfc224e: mix_trainer.py and mix_trainer_v1.py _save_checkpoint)
+LEGACY = {"epoch": 1, "carry": None, "dataloader": {"pos": 3}, "entropy_coef": {"log_alpha": -4.2, "step": 3.0},
+          "flops": {"6n": 5.0, "full": 7.0}, "rollout_policy": {"buffer": [1, 2]}}  # fmt: skip
+V1 = {"entropy_coef": None, "rollout_policy": {"mix_data_epoch": ["k"]}, "flops": {"6n": 1.0, "full": 2.0},
+      "flops_counted_rows": ["a_0_0"]}  # fmt: skip
+
+
+def _trainer(tmp_path, step=2):
+    t = object.__new__(MixTrainerCommon)
+    t.config = OmegaConf.create({"trainer": {"default_local_dir": str(tmp_path), "resume_mode": "auto",
+                                             "resume_from_path": None}})  # fmt: skip
+    t.global_steps = step
+    return t
+
+
+@pytest.mark.parametrize("saved", [LEGACY, V1], ids=["legacy", "v1"])
+def test_a_mix_state_written_before_the_shared_module_restores(tmp_path, saved):
+    (tmp_path / "global_step_2").mkdir()
+    torch.save(saved, tmp_path / "global_step_2" / MIX_STATE_FILE)
+    t = _trainer(tmp_path)
+    policy = t._policy_state()  # the rollout policy holds this dict: it is refilled in place
+    assert t._load_mix_state() == saved  # the base reads its own keys from it
+    assert t._entropy_state == saved["entropy_coef"] and t._flops_totals() == saved["flops"]
+    assert t._policy_state() is policy and policy == saved["rollout_policy"]
+
+
+def test_the_saved_state_round_trips_and_keeps_the_format(tmp_path):
+    (tmp_path / "global_step_2").mkdir()
+    t = _trainer(tmp_path)
+    t._entropy_state = {"log_alpha": -1.0}
+    t._policy_state()["x"] = 1
+    t._flops_totals()["6n"] += 3.0
+    t._save_mix_state(epoch=4)
+    saved = torch.load(tmp_path / "global_step_2" / MIX_STATE_FILE, weights_only=False)
+    assert saved == {"entropy_coef": {"log_alpha": -1.0}, "rollout_policy": {"x": 1}, "flops": {"6n": 3.0, "full": 0.0},
+                     "epoch": 4}  # fmt: skip
+    assert _trainer(tmp_path, step=0)._load_mix_state() is None  # no such step folder: nothing restored
+
+
+def test_generation_flops_wait_for_the_next_count_then_reset(tiny_assets):
+    from mix_src.flops import COUNTS, rollout_flops
+
+    t = object.__new__(MixTrainerCommon)
+    t.config = OmegaConf.create({"actor_rollout_ref": {"model": {"path": tiny_assets["model"]}}})
+    t.add_rollout_flops(np.array([5, 3]), np.array([4, 3]), np.array([4, 0]))
+    t.add_rollout_flops(np.array([6]), np.array([2]), np.array([2]))
+    shape = t._model_shape()
+    got = t._pending_rollout_flops()
+    assert got == {c: rollout_flops(shape, [5, 3], [4, 3], [4, 0], c) + rollout_flops(shape, [6], [2], [2], c)
+                   for c in COUNTS}  # fmt: skip
+    assert t._pending_rollout_flops() == {c: 0.0 for c in COUNTS}
+
+
+def test_the_trainer_mode_is_read_from_verls_trainer_class_not_its_name():
+    from mix_src.mix_trainer_v1 import MixPPOTrainerColocateAsync, MixPPOTrainerSeparateAsync, MixPPOTrainerSync
+
+    assert object.__new__(MixPPOTrainerSync)._steps_in_sync
+    assert not object.__new__(MixPPOTrainerColocateAsync)._steps_in_sync
+    assert not object.__new__(MixPPOTrainerSeparateAsync)._steps_in_sync
