@@ -22,13 +22,10 @@ registry's key selects, refuses it on a base it does not support (with its reaso
 (:func:`resolve_settings`) and runs its checks, so no caller special-cases a name:
 
     @REG.register("mine", bases=("legacy",), why_not={"v1": "needs a second generation pass"},
-                  settings={"k": Setting(3, integer(1))}, check=lambda cfg: ..., reads=("mix.my_key",))
+                  settings={"k": integer(3, 1)}, check=lambda cfg: ..., reads=("mix.my_key",))
 
-Settings travel one way: ``mix.plugin_options.<entry name>.<setting>``. Each is checked once, on the driver, by
-:func:`resolve_settings`, which writes the full settings (defaults filled in) back into the config, so every
-process reads checked values; the entry reads them with ``REG.settings(name, given)``. A registry may keep an
-older spelling (``Registry(..., old_settings=...)``: ``mix.loss.combine_args``, ``mix.loss.prefix_token_select_ratio``),
-read into the same channel and written back there too.
+Settings take one way, ``mix.plugin_options.<entry name>.<setting>`` (or a registry's older spelling), checked
+once on the driver by :func:`resolve_settings`; the entry reads them with ``REG.settings(name, given)``.
 
 A plugin is a Python module or a ``.py`` file that registers with these decorators (or verl's own,
 e.g. ``register_policy_loss``); ``mix.plugins=[my_pkg.my_mod, /abs/or/relative/plugin.py]`` loads it.
@@ -82,19 +79,14 @@ class Setting:
         return f"{key}={value!r} must be {self.want}{' or null' if self.nullable else ''}"
 
 
-def _num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def number(default: Any, lo: float = float("-inf"), hi: float = float("inf"), nullable: bool = False) -> Setting:
-    """A number in [lo, hi]."""
-    return Setting(default, lambda v: _num(v) and lo <= v <= hi, f"a number in [{lo}, {hi}]", nullable)
+    ok = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and lo <= v <= hi  # noqa: E731
+    return Setting(default, ok, f"a number in [{lo}, {hi}]", nullable)
 
 
 def integer(default: Any, lo: float = float("-inf"), hi: float = float("inf"), nullable: bool = False) -> Setting:
-    """An integer in [lo, hi]."""
-    return Setting(default, lambda v: _num(v) and int(v) == v and isinstance(v, int) and lo <= v <= hi,
-                   f"an integer in [{lo}, {hi}]", nullable)  # fmt: skip
+    ok = lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi  # noqa: E731
+    return Setting(default, ok, f"an integer in [{lo}, {hi}]", nullable)
 
 
 def flag(default: bool) -> Setting:
@@ -145,8 +137,7 @@ class Registry(Generic[F]):
                  old_settings: Optional[Mapping[str, str]] = None):
         """``selected(config)`` returns the names the config picks from this registry (default: the value
         at ``config_key``, if set); :func:`check_selected_entries` checks exactly those entries.
-        ``old_settings``: an older spelling of the selected entry's settings, {setting: dotted key}, or
-        {"*": key of a mapping holding them all}."""
+        ``old_settings``: an older spelling of the entry's settings, {setting: key} or {"*": key of a mapping}."""
         self.kind, self.config_key = kind, config_key
         self._selected = selected
         self.old_settings = dict(old_settings or {})
@@ -272,10 +263,9 @@ def check_selected_entries(config: Any) -> None:
 
 
 def resolve_settings(config: Any) -> None:
-    """The one check of every selected entry's settings: ``mix.plugin_options.<name>`` (and the registry's older
-    spelling, if any) against what the entry declared; unknown keys and bad values raise
-    :class:`EntryConfigError` naming the key as the user wrote it. The full settings (defaults filled in) are
-    written back to ``mix.plugin_options.<name>`` and to the older spelling."""
+    """The one check of every selected entry's settings (``mix.plugin_options.<name>`` and the registry's older
+    spelling) against its declaration, naming the key as written; the full settings (defaults filled in) are
+    written back to both, so every process reads checked values."""
     from omegaconf import OmegaConf, open_dict
 
     for registry in list(_REGISTRIES):

@@ -1,11 +1,12 @@
 """The checks the driver runs before Ray starts, in one stage that reads top to bottom.
 
 ``run(config)`` is what ``python -m mix_src.main_mix_ppo`` calls before ``ray.init``; each step raises
-:class:`~mix_src.mix_config.MixConfigError` (or ``FileNotFoundError`` for a path) naming the key, file or value
-and what to do. Order: keys and registry entries (:func:`prepare_config`: the ``mix:`` section, the
-selected registry entries, verl keys our loop replaces, the backend, paths, the model context) → trainer base
-→ verl's own ``validate_config`` → data contents → batch arithmetic → resources (checkpoint disk, GPU memory).
-A check that needs the data or the disk is cheap next to a Ray start-up (seconds, measured in its module).
+:class:`~mix_src.mix_config.MixConfigError` (or ``FileNotFoundError`` for a path, :class:`~mix_src.registry.
+EntryConfigError` for a registry entry) naming the key, file or value and what to do. Order: installed versions
+and plugins → paths → keys (the ``mix:`` section, verl keys our loop replaces, the backend, the trainer base,
+verl's own ``validate_config``, the model context) → registry entries (bases, settings, own checks) → data
+contents → batch arithmetic → resources (checkpoint disk, GPU memory). A check that needs the data or the disk
+is cheap next to a Ray start-up (seconds, measured in its module).
 """
 
 from __future__ import annotations
@@ -29,50 +30,65 @@ from mix_src.verl_parity import check_verl_keys
 
 def run(config: DictConfig) -> Any:
     """Every check before Ray, in order. Returns the validated :class:`~mix_src.mix_config.MixConfig`."""
-    from verl.trainer.ppo.utils import need_critic, need_reference_policy
-    from verl.utils.config import validate_config
-    from verl.utils.device import auto_set_device
-
-    from mix_src.agent_loop_tools import check_config as check_tool_loop_config
-
-    # 0. the installed verl (and others) are the versions every patch of ours was read against (mix_src/compat.py)
-    try:
-        check_patch_versions()
-    except PatchVersionError as e:
-        raise MixConfigError(str(e)) from e
-    # 1. keys, registry entries, paths, model context (the mix: section validated; LUFFY's "off" values translated)
-    mix = prepare_config(config)
-    # 2. the trainer base's own refusals
-    if bool(config.trainer.get("use_v1", False)):
-        check_v1_config(config, mix)
-    try:
-        check_tool_loop_config(config)  # the tool loop's own refusals
-    except ValueError as e:
-        raise MixConfigError(str(e)) from e
-    # 3. verl's own checks, as its main_ppo runs them inside Ray
-    auto_set_device(config)
-    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
-    # 4. data contents (train/val files opened, rows checked)
-    check_data(config)  # mix_src/config/data_check.py: bad files refused, bad rows dropped and counted
-    # 5. batch arithmetic verl checks only inside Ray
-    check_batch_arithmetic(config)
-    # 6. resources: checkpoint directory, GPU memory
-    check_checkpoint_dir(config)  # created, written to, free space vs the checkpoints kept (mix_src/config/resources.py)
-    check_memory(config)  # fp32 states vs GPU memory refused, the peak estimate printed (mix_src/planner/check.py)
+    check_versions()  # 0. the installed verl (and others) are the versions every patch of ours was read against
+    export_plugins(config)  # 0. plugins imported here and in every Ray process (the names they register are valid)
+    _check_paths(config)  # 1. paths: data files, model, tokenizer
+    mix = check_keys(config)  # 2. keys: ours, verl's our loop replaces, the backend's, the trainer base's, the context
+    check_verl_config(config)  # 2. keys: verl's own validate_config, as its main_ppo runs it inside Ray
+    check_selected_entries(config)  # 3. registry entries: trainer bases, settings (mix.plugin_options), own checks
+    check_data(config)  # 4. data contents: bad files refused, bad rows dropped and counted (data_check.py)
+    check_batch_arithmetic(config)  # 5. batch arithmetic verl checks only inside Ray (batch_check.py)
+    check_checkpoint_dir(config)  # 6. resources: checkpoint directory created, written to, free space (resources.py)
+    check_memory(config)  # 6. fp32 states vs GPU memory refused, the peak estimate printed (mix_src/planner/check.py)
     return mix
 
 
 def prepare_config(config: DictConfig) -> Any:
-    """Check the composed config on the driver, before Ray starts. Raises on bad input, naming the key."""
+    """Steps 0-3 of :func:`run` (plugins, paths, our keys, registry entries), without verl's validate_config, the
+    data, batch and resources."""
     export_plugins(config)
+    _check_paths(config)
+    mix = check_keys(config)
+    check_selected_entries(config)
+    return mix
+
+
+def check_versions() -> None:
+    """Each patch of verl (and others) was read against an installed version range (mix_src/compat.py)."""
+    try:
+        check_patch_versions()
+    except PatchVersionError as e:
+        raise MixConfigError(str(e)) from e
+
+
+def check_keys(config: DictConfig) -> Any:
+    """The keys: the ``mix:`` section (LUFFY's "off" values translated), verl keys our loop replaces, the backend,
+    the trainer base's and the tool loop's refusals, the model context. Returns the validated
+    :class:`~mix_src.mix_config.MixConfig`."""
+    from mix_src.agent_loop_tools import check_config as check_tool_loop_config
+
     mix = validate_mix_config(config)
-    check_selected_entries(config)  # each selected registry entry: its trainer bases and its own checks
     check_verl_keys(config, mix)
     _check_backend(config)
-    _check_paths(config)
+    if bool(config.trainer.get("use_v1", False)):
+        check_v1_config(config, mix)
+    try:
+        check_tool_loop_config(config)
+    except ValueError as e:
+        raise MixConfigError(str(e)) from e
     resolve_max_model_len(config)  # the agent loop's clamp needs the model context (mix_src/model_context.py)
     check_attention(config)  # sdpa/eager need use_remove_padding=false; flash_attention_2 needs flash_attn
     return mix
+
+
+def check_verl_config(config: DictConfig) -> None:
+    """verl's own checks (verl/utils/config.py validate_config), on the device verl would pick."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+    from verl.utils.device import auto_set_device
+
+    auto_set_device(config)
+    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
 
 
 def _check_backend(config: DictConfig) -> None:

@@ -46,7 +46,7 @@ import math
 import os
 import random
 import uuid
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
