@@ -215,3 +215,37 @@ def test_calibration_script_runs_on_cpu_with_a_tiny_config(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "actor update:" in out and "old log-prob:" in out and "n/a (no CUDA)" in out
     assert f"{count_params(cfg) / 1e9:.3f}B" in out
+
+
+def _layers_1p5b(layers):
+    """Qwen2.5-1.5B's shape with ``layers`` decoder layers: the family run across the 80 GB boundary."""
+    return dict(PRESETS["Qwen/Qwen2.5-1.5B"], num_hidden_layers=layers)
+
+
+def test_h100_boundary_as_measured():
+    """Measured on one H100 80GB HBM3 (scripts/gpu/calibrate_memory.py, 4096-token micro-batch,
+    calibration/h100_2026-11-26_boundary.txt): 81 layers (4.02B params, AdamW's step 80.55 GB) ran; 82, 83, 84, 85
+    and 87 layers ran out of memory at the first step, with 2.61-2.74 GiB reserved by torch but unallocated. The
+    80 GiB preset called 82-85 'fits' (and did not refuse 86); torch's total_memory there is 85,017,493,504 B."""
+    from mix_src.planner.check import format_plan
+    from mix_src.planner.estimate import RunShape
+
+    h100 = GPUS["h100-80gb"]
+    assert h100.memory_bytes == 85_017_493_504  # torch.cuda.get_device_properties(0).total_memory on that H100
+    run = RunShape(world_size=1, fsdp_shards=1, offload_policy=False, param_offload=False, optimizer_offload=False,
+                   train_tokens=4096, logprob_tokens=4096, gradient_checkpointing=True, entropy_in_update=True,
+                   entropy_chunking=False, entropy_chunk=2048, entropy_compiled=True, reference=False,
+                   gpu_memory_utilization=0.05, rollout_tp=1, max_num_seqs=256, prompt_len=2048, response_len=2048,
+                   n=1, n_full_target=0, batch_size=1, ppo_epochs=1, steps=0, flash_ce=False)
+
+    def verdict(layers):
+        hf = _layers_1p5b(layers)
+        mem = plan_memory(hf, run, h100)
+        assert mem.peak_phase == "optimizer step"  # the step decides here (vLLM's share kept small)
+        return format_plan(mem, None, run, count_params(hf), mfu=0.3, mean_response=1024).splitlines()[-2]
+
+    assert verdict(81).endswith(": fits")
+    for layers in (82, 83, 84, 85):  # all ran out of memory
+        assert "DOES NOT FIT" in verdict(layers), layers
+    assert refusal(count_params(_layers_1p5b(85)), run, h100.memory_bytes) is None  # not certain: an estimate
+    assert refusal(count_params(_layers_1p5b(86)), run, h100.memory_bytes) is not None  # step 85.16 GB > the card

@@ -9,8 +9,8 @@ import json
 import os
 from typing import Any, Mapping, Optional
 
-from mix_src.planner.estimate import (CUDA_CONTEXT_BYTES, ERROR_BOUND, GB, GIB, GPUS, Gpu, MemoryPlan, RunShape,
-                                      TimePlan, count_params, plan_memory, plan_time, state_terms, states_bytes,
+from mix_src.planner.estimate import (ALLOCATOR_FRAGMENTATION_BYTES, CUDA_CONTEXT_BYTES, ERROR_BOUND, GB, GIB, GPUS,
+                                      Gpu, MemoryPlan, RunShape, TimePlan, count_params, plan_memory, plan_time, state_terms, states_bytes,
                                       step_terms, PARAM_BYTES, GRAD_BYTES, ADAM_BYTES, ADAM_STEP_TEMP_BYTES)
 from mix_src.mix_config import MixConfigError
 from mix_src.planner.presets import PRESETS
@@ -121,7 +121,7 @@ def format_plan(mem: MemoryPlan, time: Optional[TimePlan], run: RunShape, n_para
             lines.append(f"    {t.name:<34} {gb(t.bytes):>10}   {t.basis}")
         lines.append(f"    {'CUDA context, NCCL, allocator':<34} {gb(CUDA_CONTEXT_BYTES):>10}   assumed")
         lines.append(f"    {'total':<34} {gb(mem.total(phase)):>10}   +/- {ERROR_BOUND:.0%}")
-    fits = "fits" if mem.peak <= mem.gpu.memory_bytes else "DOES NOT FIT"
+    fits = "fits" if mem.fits else f"DOES NOT FIT (with {gb(ALLOCATOR_FRAGMENTATION_BYTES)} of allocator fragmentation)"
     lines.append(f"peak per GPU: {gb(mem.peak)} ({mem.peak_phase}) +/- {ERROR_BOUND:.0%} of "
                  f"{gb(mem.gpu.memory_bytes)}: {fits}")
     lines.append(f"vLLM KV cache: {mem.kv_sequences} sequences of {run.prompt_len + run.response_len} tokens at "
@@ -177,7 +177,7 @@ def check_memory(config: Any) -> Optional[str]:
     mem = plan_memory(hf, run, gpu)
     msg = (f"[mix_src] planner: {n_params / 1e9:.2f}B params on {run.world_size} x {gpu.name}: peak "
            f"{gb(mem.peak)} +/- {ERROR_BOUND:.0%} per GPU ({mem.peak_phase}) of {gb(gpu.memory_bytes)}; "
-           f"{'fits' if mem.peak <= gpu.memory_bytes else 'may not fit (an estimate: not refused)'}; "
+           f"{'fits' if mem.fits else 'may not fit (an estimate: not refused)'}; "
            f"terms: python -m mix_src.planner --config-path ... (mix_src/planner/README.md)")
     print(msg)
     return msg
