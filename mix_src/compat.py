@@ -49,33 +49,33 @@ def declare(name: str, target: str, site: str, why: str, written_for: Optional[d
 
 # ---- the main path's patches (the CPU backend's live in mix_src/cpu, declared with after_import) -------------
 declare("v1.create_rl_dataset", "verl.trainer.ppo.v1.trainer_base:create_rl_dataset",
-        "mix_src/mix_trainer_v1.py MixV1Mixin._init_dataloader",
+        "mix_src/trainer/v1.py MixV1Mixin._init_dataloader",
         "the training set gets the mix: settings (targets) for verl's one dataloader call (trainer_base.py 708-724)")
 declare("v1.reduce_metrics", "verl.trainer.ppo.v1.trainer_base:reduce_metrics",
-        "mix_src/mix_trainer_v1.py MixV1Mixin._update_actor",
+        "mix_src/trainer/v1.py MixV1Mixin._update_actor",
         "the learned entropy coefficient's state is taken out of the update metrics before verl averages them")
 declare("v1.advantage", "verl.trainer.ppo.v1.trainer_base:compute_advantage_for_multi_trajectories",
-        "mix_src/mix_trainer_v1.py MixV1Mixin._compute_advantage",
+        "mix_src/trainer/v1.py MixV1Mixin._compute_advantage",
         "LUFFY's advantage stage (prefix-aware estimators) for one call of verl's _compute_advantage")
 declare("v1.rollout_correction", "verl.trainer.ppo.v1.trainer_base:compute_rollout_correction_and_add_to_batch",
-        "mix_src/mix_trainer_v1.py MixV1Mixin._compute_advantage",
+        "mix_src/trainer/v1.py MixV1Mixin._compute_advantage",
         "rollout correction on on-policy tokens only (off-policy target tokens have no rollout log-probs)")
 declare("v1.replay_buffer.sync_metadata", "verl ReplayBuffer._sync_metadata_from_transfer_queue",
-        "mix_src/mix_trainer_v1.py MixV1Mixin._install_generation_count",
+        "mix_src/trainer/v1.py MixV1Mixin._install_generation_count",
         "counts each generated row once for the generation FLOPs")
 declare("v1.replay_buffer.dapo_filter", "verl ReplayBuffer._dapo_filtered_keys",
-        "mix_src/mix_trainer_v1.py MixV1Mixin._build_replay_buffer", "mix.filter_groups' rule replaces DAPO's")
+        "mix_src/trainer/v1.py MixV1Mixin._build_replay_buffer", "mix.filter_groups' rule replaces DAPO's")
 declare("v1.replay_buffer.sync_steps", "verl ReplayBuffer._wait_for_next_poll/_select_prompt_uids/_clear_groups",
-        "mix_src/mix_trainer_v1.py MixV1Mixin._build_replay_buffer",
+        "mix_src/trainer/v1.py MixV1Mixin._build_replay_buffer",
         "filter groups' generation budget (FilterGroupsExhausted) and carry-over of surplus finished groups")
 declare("v1.separate_async.logger", "verl.trainer.ppo.v1.trainer_separate_async:logger",
-        "mix_src/mix_trainer_v1.py MixPPOTrainerSeparateAsync._setup",
+        "mix_src/trainer/v1.py MixPPOTrainerSeparateAsync._setup",
         "verl 0.9.1 passes flush=True to logger.info (trainer_separate_async.py 181-186), a TypeError")
 declare("agent_loop.pin_server", "verl AsyncLLMServerManager._acquire_server/_release_server",
-        "mix_src/agent_loop_worker.py pin_single_server",
+        "mix_src/rollout/agent_loop_worker.py pin_single_server",
         "one rollout server: no load-balancer round trip per request")
 declare("adv_estimators.registry", "verl.trainer.ppo.core_algos:ADV_ESTIMATOR_REGISTRY[name]",
-        "mix_src/adv_estimators.py register_adv_estimator",
+        "mix_src/trainer/adv_estimators.py register_adv_estimator",
         "our estimators under verl's registry (re-registering the same function on a re-import)")
 
 

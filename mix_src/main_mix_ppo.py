@@ -2,13 +2,13 @@
 composed through the primary ``mix_ppo.yaml``; a recipe passes ``--config-path recipes/NAME --config-name config``).
 
 On the driver, before Ray starts: validate the ``mix:`` section and its ties to verl's keys, refuse the
-verl settings the MIX trainer cannot honour (:mod:`mix_src.verl_parity`, each error names the key), check
+verl settings the MIX trainer cannot honour (:mod:`mix_src.config.verl_parity`, each error names the key), check
 that the data and model paths exist and that ``+backend=cpu`` has the CPU backend active, resolve
-``rollout.max_model_len`` from the model's context (:mod:`mix_src.model_context`), then run verl's
-own ``run_ppo`` with :class:`MixTaskRunner`, which builds :class:`~mix_src.mix_trainer.MIXRayPPOTrainer`, or with
-``trainer.use_v1=true`` :class:`~mix_src.mix_trainer_v1.MixTaskRunnerV1` (LUFFY on verl's V1 trainer).
+``rollout.max_model_len`` from the model's context (:mod:`mix_src.config.model_context`), then run verl's
+own ``run_ppo`` with :class:`MixTaskRunner`, which builds :class:`~mix_src.trainer.legacy.MIXRayPPOTrainer`, or with
+``trainer.use_v1=true`` :class:`~mix_src.trainer.v1.MixTaskRunnerV1` (LUFFY on verl's V1 trainer).
 The ``prefix_guided`` agent loop needs no config path: it registers itself in each AgentLoopWorker
-(see :mod:`mix_src.agent_loop`).
+(see :mod:`mix_src.rollout.agent_loop`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from mix_src.config import preflight
 from mix_src.config.preflight import (  # noqa: F401  (the checks before Ray; these names stay importable from here)
     V1_MODES, V1_REFUSALS, check_separate_async, check_v1_config, export_plugins, prepare_config,
 )
-from mix_src.failure import report_failure
-from mix_src.luffy_keys import translate_overrides
-from mix_src.mix_config import validate_mix_config
+from mix_src.trainer.failure import report_failure
+from mix_src.config.luffy_keys import translate_overrides
+from mix_src.config.mix_config import validate_mix_config
 
 
 class MixTaskRunner(BaseTaskRunner):
@@ -47,7 +47,7 @@ class MixTaskRunner(BaseTaskRunner):
         from verl.utils.dataset.rl_dataset import collate_fn
         from verl.workers.config import HFModelConfig
 
-        from mix_src.mix_trainer import MIXRayPPOTrainer
+        from mix_src.trainer.legacy import MIXRayPPOTrainer
 
         print(f"MixTaskRunner hostname: {socket.gethostname()}, PID: {os.getpid()}")
         pprint(OmegaConf.to_container(config, resolve=True))
@@ -103,9 +103,9 @@ def run_mix_ppo(config: DictConfig) -> None:
     from verl.trainer.main_ppo import run_ppo
 
     config_stage(config)
-    with report_failure():  # a failure in Ray: its worker and exception in the driver's last line (mix_src/failure.py)
+    with report_failure():  # a failure in Ray: its worker and exception in the driver's last line (mix_src/trainer/failure.py)
         if bool(config.trainer.get("use_v1", False)):
-            from mix_src.mix_trainer_v1 import MixTaskRunnerV1
+            from mix_src.trainer.v1 import MixTaskRunnerV1
 
             run_ppo(config, task_runner_class=ray.remote(MixTaskRunnerV1))
         else:
@@ -118,5 +118,5 @@ def main(config: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    sys.argv[1:] = translate_overrides(sys.argv[1:])  # the original LUFFY's key names (mix_src/luffy_keys.py)
+    sys.argv[1:] = translate_overrides(sys.argv[1:])  # the original LUFFY's key names (mix_src/config/luffy_keys.py)
     main()

@@ -11,7 +11,7 @@
   major other than 11 is mapped to a cu12 name). ``flash-attn-spec`` names the prebuilt torch 2.11 / CUDA 13
   wheel (:data:`FLASH_ATTN_WHEELS`, the route verl's own install takes) for Python 3.11 and 3.12 on x86_64;
   any other interpreter, or ``FLASH_ATTN_SOURCE=1``, compiles it: ``nvcc`` 13 and hours of build.
-  ``NO_FLASH_ATTN=1`` skips it; then recipes/common.sh adds ``SDPA_OVERRIDES`` itself (``mix_src.model_context.
+  ``NO_FLASH_ATTN=1`` skips it; then recipes/common.sh adds ``SDPA_OVERRIDES`` itself (``mix_src.config.model_context.
   check_attention`` refuses the combinations that cannot work).
 
 ``report`` (run by ``make check-gpu-install``) prints what this machine has for the GPU install and, last,

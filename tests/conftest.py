@@ -49,7 +49,7 @@ def legacy_batch(request, tiny_assets, tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def v1_batch(request, tiny_assets, tmp_path_factory) -> dict:
     """The same for the V1 runs (``trainer.use_v1=true``) registered with ``e2e.batch_run("v1", ...)``. Each V1 run
-    makes its own TransferQueue controller and kills it at its end (mix_src/mix_trainer_v1.py ``MixTaskRunnerV1.run``:
+    makes its own TransferQueue controller and kills it at its end (mix_src/trainer/v1.py ``MixTaskRunnerV1.run``:
     ``tq.init`` ... ``finally: tq.close()``), so no run finds the previous run's queue."""
     return _train_batch("v1_batch", request, tiny_assets, tmp_path_factory)
 

@@ -15,7 +15,7 @@ So the gradient of a mini-batch on N ranks is  g = (1/N) * sum_r sum_{k on r} d 
 ranks, DDP's all-reduce average) is ``tests/test_multirank.py::test_simulation_equals_gloo_averaging``.
 
 The batch helpers build what the engine hands the loss (verl's nested no-padding layout, global numbers);
-:func:`ours_micro_losses` drives the real worker loss (mix_src.loss.MixPolicyLoss) and
+:func:`ours_micro_losses` drives the real worker loss (mix_src.worker.loss.MixPolicyLoss) and
 :func:`official_micro_losses` a transcription of an official loss on padded tensors, under the same split.
 """
 

@@ -8,15 +8,15 @@ from verl.trainer.ppo import core_algos
 
 
 def test_grpo_split_is_registered_with_verl():
-    import mix_src.adv_estimators as adv
+    import mix_src.trainer.adv_estimators as adv
 
     assert adv.ADV_ESTIMATORS.get("grpo_split") is adv.grpo_split_estimator
     assert core_algos.get_adv_estimator_fn("grpo_split").mix_estimator is adv.grpo_split_estimator
 
 
 def test_registered_estimator_matches_core_and_verl_grpo_when_all_rows_on_policy():
-    from mix_src.adv_estimators import grpo_split_estimator
-    from mix_src.core_alg import compute_grpo_outcome_advantage_split
+    from mix_src.trainer.adv_estimators import grpo_split_estimator
+    from mix_src.algo.core_alg import compute_grpo_outcome_advantage_split
 
     torch.manual_seed(0)
     rewards = torch.zeros(8, 5)

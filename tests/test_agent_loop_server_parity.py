@@ -39,8 +39,8 @@ class StrictServer:
 def _loop(tokenizer, server, *, response_length=40, max_model_len=None, name="vllm", full_determinism=False):
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap
 
-    from mix_src.agent_loop import PrefixGuidedAgentLoop
-    from mix_src.dataset import RLHFDatasetWithTarget as cls
+    from mix_src.rollout.agent_loop import PrefixGuidedAgentLoop
+    from mix_src.trainer.dataset import RLHFDatasetWithTarget as cls
 
     rollout = {"response_length": response_length, "prompt_length": 64, "calculate_log_probs": True, "name": name,
                "max_model_len": max_model_len, "full_determinism": full_determinism}  # fmt: skip

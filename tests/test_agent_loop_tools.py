@@ -1,4 +1,4 @@
-"""Prefix-guided multi-turn tool rollouts (mix_src/agent_loop_tools.py) and the environment API.
+"""Prefix-guided multi-turn tool rollouts (mix_src/rollout/agent_loop_tools.py) and the environment API.
 
 The loop runs verl's real ToolAgentLoop state machine, Continuous-Token builder, hermes parser and the
 calculator FunctionTool; only the LLM server is scripted (it returns fixed token lists and records prompts).
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from mix_src.agent_loop_tools import ExpertEpisodeError, parse_episode, plan_prefix
+from mix_src.rollout.agent_loop_tools import ExpertEpisodeError, parse_episode, plan_prefix
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,8 +73,8 @@ def calc_tools():
 def _loop(tokenizer, server, tools, response_length=200):
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
 
-    from mix_src.agent_loop_tools import PrefixGuidedToolAgentLoop
-    from mix_src.dataset import RLHFDatasetWithTarget
+    from mix_src.rollout.agent_loop_tools import PrefixGuidedToolAgentLoop
+    from mix_src.trainer.dataset import RLHFDatasetWithTarget
 
     cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {
         "response_length": response_length, "prompt_length": 64, "calculate_log_probs": True,
@@ -90,7 +90,7 @@ def _loop(tokenizer, server, tools, response_length=200):
 
 
 def _episode():
-    from mix_src.environments import get_environment
+    from mix_src.rollout.environments import get_environment
 
     env = get_environment("toy_calculator")
     item = {"question": "964*59", "answer": "56876"}
@@ -193,7 +193,7 @@ def test_v1_kwargs_and_row_seed(tokenizer, calc_tools):
 
 # --------------------------------------------------------------------------------------- environments
 def test_environment_rows_drop_episodes_that_do_not_fit_with_a_count(tokenizer):
-    from mix_src.environments import ENVIRONMENTS, get_environment
+    from mix_src.rollout.environments import ENVIRONMENTS, get_environment
 
     env = get_environment("toy_calculator")
     assert ENVIRONMENTS.describe("toy_calculator").bases == ("legacy", "v1")
@@ -214,7 +214,7 @@ def test_episode_length_matches_the_agent_loop(tokenizer, calc_tools):
 
 
 def test_compute_score_dispatches_on_data_source():
-    from mix_src.environments import compute_score
+    from mix_src.rollout.environments import compute_score
 
     s = compute_score("toy_calculator", "<tool_call>x</tool_call>\ntool\n42\nassistant\n42", "42")
     assert s["score"] == 1.0 and s["tool_calls"] == 1.0
@@ -246,10 +246,10 @@ def test_guided_tool_episodes_train_two_steps_with_filter_groups(tiny_assets, tm
     assets = {**tiny_assets, "train": data["train"]["path"], "val": data["heldout"]["path"]}
     overrides = MIX_CPU + tiny_overrides(
         assets, steps=2, n=2, batch_size=2, prompt_length=32, response_length=128,
-        reward=["reward.custom_reward_function.path=pkg://mix_src.environments",
+        reward=["reward.custom_reward_function.path=pkg://mix_src.rollout.environments",
                 "reward.custom_reward_function.name=compute_score"],
     ) + [
-        "mix.plugins=[mix_src.toy_calculator]",
+        "mix.plugins=[scripts.experiments.toy_tasks.calculator]",
         "actor_rollout_ref.rollout.agent.default_agent_loop=prefix_guided_tool",
         "actor_rollout_ref.rollout.multi_turn.format=hermes",
         f"actor_rollout_ref.rollout.multi_turn.function_tool_path={REPO}/recipes/toy_calculator/tools.py",
@@ -273,7 +273,7 @@ def test_guided_tool_episodes_train_two_steps_with_filter_groups(tiny_assets, tm
 
 
 def test_config_refusals_before_ray():
-    from mix_src.agent_loop_tools import check_config
+    from mix_src.rollout.agent_loop_tools import check_config
 
     base = {"actor_rollout_ref": {"rollout": {"agent": {"default_agent_loop": "prefix_guided_tool"},
                                               "full_determinism": False}},
@@ -310,7 +310,7 @@ class _ScriptedHF:
 def test_toy_evaluator_plays_the_agent_loops_episode(tmp_path):
     """The evaluator of the toy table runs the real calculator on the model's call and lays the episode out
     as the agent loop does (same length as ToolEnv.episode_length); a wrong call gets the tool's error."""
-    from mix_src.toy_calculator import calculator, tool_call_text
+    from scripts.experiments.toy_tasks.calculator import calculator, tool_call_text
     from scripts.experiments import toy_calculator as tc
 
     tok = tc.build_tokenizer(str(tmp_path / "tok"))

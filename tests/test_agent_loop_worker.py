@@ -1,4 +1,4 @@
-"""MixAgentLoopWorker (mix_src/agent_loop_worker.py) without Ray: the worker is made with ``object.__new__`` and
+"""MixAgentLoopWorker (mix_src/rollout/agent_loop_worker.py) without Ray: the worker is made with ``object.__new__`` and
 the attributes verl's ``_run_agent_loop`` reads."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from omegaconf import OmegaConf
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopWorker, _agent_loop_registry
 
-from mix_src.agent_loop import PrefixGuidedAgentLoop
-from mix_src.agent_loop_worker import InProcessRewardWorker, MixAgentLoopWorker, in_process_reward, pin_single_server
+from mix_src.rollout.agent_loop import PrefixGuidedAgentLoop
+from mix_src.rollout.agent_loop_worker import InProcessRewardWorker, MixAgentLoopWorker, in_process_reward, pin_single_server
 
 BUILT: list[str] = []
 
@@ -155,7 +155,7 @@ def test_the_row_copy_does_not_round_trip_through_torch_save(monkeypatch):
     from verl import DataProto
     from verl.protocol import DataProto as _DP
 
-    from mix_src.agent_loop_worker import copy_row
+    from mix_src.rollout.agent_loop_worker import copy_row
 
     shared = {"answer_type": "numeric"}
     data = DataProto.from_dict(tensors={"responses": torch.arange(6).view(1, 6)},

@@ -5,7 +5,7 @@ Same tiny assets, same seeds (data, rollout, mix), filter groups off, 4 prompts 
 prefix whose ratio is drawn in [0.3, 0.7]; the adaptive entropy coefficient and all_max_clip on; 2 steps. The V1
 run checkpoints step 1, and a third run resumes from it: its step 2 draws the prefix ratios of the uninterrupted
 step 2 and continues the learned entropy coefficient saved with the V1 checkpoint. Both bases count the same
-``flops/*`` (mix_src/flops.py) for the same batches; the resumed run, of 3 steps with ``mix.flops_budget`` at the
+``flops/*`` (mix_src/algo/flops.py) for the same batches; the resumed run, of 3 steps with ``mix.flops_budget`` at the
 uninterrupted run's FLOPs after step 2, continues the count saved with step 1 and stops at step 2, saving and
 validating there (verl's own loop would have done neither: save_freq and test_freq are 5).
 Three runs of ``python -m mix_src.main_mix_ppo +backend=cpu`` (tests/e2e.py): the V1 ones each in its own Ray

@@ -1,4 +1,4 @@
-"""Batch arithmetic and the target cap refused before Ray (mix_src/config/batch_check.py, mix_src/mix_config.py):
+"""Batch arithmetic and the target cap refused before Ray (mix_src/config/batch_check.py, mix_src/config/mix_config.py):
 each case is one the pre-Ray stage passed before issue #41 and verl failed on inside Ray (or trained nothing).
 The tiny e2e setup is composed once per module (scripts/probe_bad_inputs.py ``Composer``)."""
 
@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from e2e import MIX_CPU, tiny_overrides
 from mix_src.config.batch_check import check_batch_arithmetic, parquet_rows
-from mix_src.mix_config import MixConfigError, validate_mix_config
+from mix_src.config.mix_config import MixConfigError, validate_mix_config
 from scripts.probe_bad_inputs import Composer
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
-"""CHORD as a plugin (recipes/chord/chord.py) on the loss-combination registry (mix_src/loss_combine.py).
+"""CHORD as a plugin (recipes/chord/chord.py) on the loss-combination registry (mix_src/algo/loss_combine.py).
 
 Faithfulness: the plugin's maths against a transcription of the official code (Trinity-RFT's ``mix_chord``),
 on random inputs: the mu schedule, the phi-weighted SFT loss (value and gradient: phi is detached), and the
-whole worker loss (mix_src.loss.MixPolicyLoss with mix.loss.combine=chord, driven like verl's engine drives a
+whole worker loss (mix_src.worker.loss.MixPolicyLoss with mix.loss.combine=chord, driven like verl's engine drives a
 loss) against MIXCHORDPolicyLossFn on one micro-batch. Plus: the worker loss does not depend on the
 micro-batch split, the entry's checks and its V1 refusal come before Ray, and 2 real training steps (Ray, CPU).
 """
@@ -20,10 +20,10 @@ from omegaconf import OmegaConf
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
-from mix_src.loss import COMBINE_FIELDS, MixLossConfig, MixPolicyLoss, add_combine_inputs
-from mix_src.loss_combine import LOSS_COMBINES
-from mix_src.mix_config import MixConfigError
-from mix_src.registry import EntryConfigError, check_selected_entries, load_plugins
+from mix_src.worker.loss import COMBINE_FIELDS, MixLossConfig, MixPolicyLoss, add_combine_inputs
+from mix_src.algo.loss_combine import LOSS_COMBINES
+from mix_src.config.mix_config import MixConfigError
+from mix_src.extend import EntryConfigError, check_selected_entries, load_plugins
 from test_loss import PROMPT, RESPONSE, VOCAB, BigramLM, actor_config, run_mini_batch
 
 PLUGIN = Path(__file__).resolve().parents[1] / "recipes" / "chord" / "chord.py"
@@ -157,7 +157,7 @@ def test_mu_schedule_matches_trinity():
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_sft_loss_and_its_gradient_match_trinity(use_phi, mode):
     """phi is a detached weight: d/dlogp of -phi(p) log p is -phi(p), not the derivative of the product."""
-    from mix_src.core_alg import agg_loss
+    from mix_src.algo.core_alg import agg_loss
 
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(5, 7, generator=g) * 2
@@ -374,7 +374,7 @@ def test_compare_yaml_composes_on_the_toy_task():
     import yaml
     from hydra import compose, initialize_config_dir
 
-    from mix_src.mix_config import validate_mix_config
+    from mix_src.config.mix_config import validate_mix_config
 
     spec = yaml.safe_load((PLUGIN.parent / "compare.yaml").read_text())
     assert set(spec) <= {"kind", "plugins", "overrides"} and spec.get("kind", "rl") == "rl"

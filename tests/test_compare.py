@@ -141,8 +141,8 @@ def test_tiny_grid_end_to_end(tmp_path):
 @pytest.mark.parametrize("method", ["luffy", "grpo", "guide_on_failure"])
 def test_rl_runs_compose_and_validate(method, task):
     """What the harness passes run.sh for every RL launch method on every task composes and passes mix_src's checks."""
-    from mix_src.mix_config import validate_mix_config
-    from mix_src.registry import load_plugins
+    from mix_src.config.mix_config import validate_mix_config
+    from mix_src.extend import load_plugins
 
     m = cmp.load_method(method)
     cfg = _compose_toy("on_policy_grpo", [*cmp.TASKS[task].overrides, *cmp.rl_args(m), "mix.flops_budget=1e12"])
@@ -150,4 +150,4 @@ def test_rl_runs_compose_and_validate(method, task):
     mix = validate_mix_config(cfg)
     assert mix.flops_budget == 1e12
     if task == "sort":
-        assert cfg.reward.custom_reward_function.path == "pkg://mix_src.toy_sort" and cfg.data.max_response_length == 24
+        assert cfg.reward.custom_reward_function.path == "pkg://scripts.experiments.toy_tasks.sort" and cfg.data.max_response_length == 24

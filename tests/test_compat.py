@@ -26,7 +26,7 @@ def test_every_declared_patch_names_a_site_that_checks_it():
 def test_every_patch_site_in_the_main_path_is_declared():
     """The assignments into verl's modules/objects in the main path are all behind a declared patch: every
     ``swapped(...)``/``checked(...)`` names a declared patch, and no bare ``trainer_base.x = ...`` is left."""
-    for path in ("mix_src/mix_trainer_v1.py", "mix_src/agent_loop_worker.py", "mix_src/adv_estimators.py"):
+    for path in ("mix_src/trainer/v1.py", "mix_src/rollout/agent_loop_worker.py", "mix_src/trainer/adv_estimators.py"):
         source = (REPO / path).read_text()
         for name in re.findall(r"(?:checked\(|patch=)\"([\w.]+)\"", source):
             assert name in compat.PATCHES, (path, name)
@@ -35,7 +35,7 @@ def test_every_patch_site_in_the_main_path_is_declared():
 
 def test_a_different_verl_is_refused_before_ray_naming_the_patches(monkeypatch):
     from mix_src.config import preflight
-    from mix_src.mix_config import MixConfigError
+    from mix_src.config.mix_config import MixConfigError
 
     monkeypatch.setattr(compat, "installed_version", lambda dist: "0.10.0" if dist == "verl" else None)
     monkeypatch.setattr(compat, "_CHECKED", set())

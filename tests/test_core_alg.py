@@ -1,4 +1,4 @@
-"""Tests of mix_src/core_alg.py: hand-computed numbers, naive loop references written here, verl parity
+"""Tests of mix_src/algo/core_alg.py: hand-computed numbers, naive loop references written here, verl parity
 (verl is imported by the tests only; the module under test never imports it)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from mix_src import core_alg
-from mix_src.core_alg import (
+from mix_src.algo import core_alg
+from mix_src.algo.core_alg import (
     LOSS_AGG_MODES,
     AdaptiveEntropyCoef,
     agg_loss,
@@ -28,7 +28,7 @@ VERL_MODES = ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-
 
 
 def test_pure_module_does_not_import_verl():
-    from mix_src import loss_terms, token_maths
+    from mix_src.algo import loss_terms, token_maths
 
     for module in (core_alg, loss_terms, token_maths):  # the loss maths: torch only
         source = open(module.__file__).read()
@@ -638,7 +638,7 @@ def test_token_loss_options_cover_every_reshape_constant():
                                              off_policy_reshape_gamma=gamma)  # fmt: skip
         assert torch.equal(a["pg_loss"], b["pg_loss"])
     for registry in (core_alg.ON_POLICY_RESHAPES, core_alg.OFF_POLICY_RESHAPES):  # the built-ins (other tests add more)
-        builtin = {name for name in registry if registry.get(name).__module__ == "mix_src.token_maths"}
+        builtin = {name for name in registry if registry.get(name).__module__ == "mix_src.algo.token_maths"}
         assert builtin | set(core_alg.P_DIV_P_ALIASES) == set(RESHAPES)
     assert list(itertools.chain(LOSS_AGG_MODES)) == VERL_MODES[:2] + [
         "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "luffy-token-sum-norm"]  # fmt: skip

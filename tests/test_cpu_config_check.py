@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_module
 
 from e2e import MIX_CPU, run_verl, tiny_overrides
 from mix_src.cpu.config_check import CHECKS, check_worker_keys
-from mix_src.mix_config import MixConfigError
+from mix_src.config.mix_config import MixConfigError
 
 
 def compose_cpu(*overrides):

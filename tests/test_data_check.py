@@ -16,8 +16,8 @@ from transformers import AutoTokenizer
 
 from e2e import MIX_CPU, tiny_overrides
 from mix_src.config.data_check import check_data, row_problem
-from mix_src.dataset import RLHFDatasetWithTarget
-from mix_src.mix_config import MixConfigError
+from mix_src.trainer.dataset import RLHFDatasetWithTarget
+from mix_src.config.mix_config import MixConfigError
 
 
 def _row(i, prompt=..., gt=..., target=...):

@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
-from mix_src.dataset import RLHFDatasetWithTarget, normalize_target
+from mix_src.trainer.dataset import RLHFDatasetWithTarget, normalize_target
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +132,8 @@ class RecordingServer:
 def _agent_loop(tokenizer, server, response_length=40):
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap
 
-    from mix_src.agent_loop import PrefixGuidedAgentLoop
-    from mix_src.dataset import RLHFDatasetWithTarget as cls
+    from mix_src.rollout.agent_loop import PrefixGuidedAgentLoop
+    from mix_src.trainer.dataset import RLHFDatasetWithTarget as cls
 
     cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {"response_length": response_length, "prompt_length": 64,
                                                               "calculate_log_probs": True}}, "data": {}})  # fmt: skip

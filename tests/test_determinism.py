@@ -1,4 +1,4 @@
-"""Seeded runs reproduce: per-request sampling seeds (mix_src.seeding) and the batch-invariant hf rollout.
+"""Seeded runs reproduce: per-request sampling seeds (mix_src.algo.seeding) and the batch-invariant hf rollout.
 
 Unit tests check the seed derivation and that the hf sampler's output for a request depends on its seed and
 prompt only (not on the requests batched with it). The end-to-end check -- the cpu_tiny recipe twice with the
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mix_src.cpu.sampling import ROW_MULTIPLE, SamplingSpec, generate_batch, sample_inverse_cdf
-from mix_src.seeding import fallback_seed, request_seeds
+from mix_src.algo.seeding import fallback_seed, request_seeds
 
 
 # Metrics that measure time, speed or the machine's memory (or pick the slowest request), hence differ between
@@ -136,8 +136,8 @@ def test_agent_loop_sends_the_row_seed_to_the_server(tiny_assets):
     from transformers import AutoTokenizer
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap
 
-    from mix_src.agent_loop import PrefixGuidedAgentLoop
-    from mix_src.dataset import RLHFDatasetWithTarget
+    from mix_src.rollout.agent_loop import PrefixGuidedAgentLoop
+    from mix_src.trainer.dataset import RLHFDatasetWithTarget
 
     from test_dataset_agent_loop import RecordingServer
 
@@ -162,7 +162,7 @@ def test_agent_loop_sends_the_row_seed_to_the_server(tiny_assets):
 
 
 def test_full_determinism_request_ids_stay_distinct_on_v1():
-    from mix_src.agent_loop import PrefixGuidedAgentLoop
+    from mix_src.rollout.agent_loop import PrefixGuidedAgentLoop
 
     rid = PrefixGuidedAgentLoop.deterministic_request_id
     assert rid({}, 5) == "det-5"  # verl's own id on the legacy trainer
@@ -171,7 +171,7 @@ def test_full_determinism_request_ids_stay_distinct_on_v1():
 
 
 def test_later_rollout_passes_get_new_reproducible_seeds():
-    from mix_src.seeding import pass_seeds
+    from mix_src.algo.seeding import pass_seeds
 
     seeds = request_seeds(7, 3, 0, 2, 4)
     assert np.array_equal(pass_seeds(seeds, 0), seeds)

@@ -15,10 +15,10 @@ import yaml
 from omegaconf import OmegaConf
 
 from e2e import MIX_CPU, run_verl, tiny_overrides
-from mix_src.core_alg import compute_token_on_off_policy_loss
-from mix_src.mix_config import MixConfigError, mix_config_from_dict
-from mix_src.off_policy_behaviour import BEHAVIOUR_LOG_PROB, OFF_POLICY_BEHAVIOURS
-from mix_src.registry import EntryConfigError, check_selected_entries, load_plugins
+from mix_src.algo.core_alg import compute_token_on_off_policy_loss
+from mix_src.config.mix_config import MixConfigError, mix_config_from_dict
+from mix_src.algo.off_policy_behaviour import BEHAVIOUR_LOG_PROB, OFF_POLICY_BEHAVIOURS
+from mix_src.extend import EntryConfigError, check_selected_entries, load_plugins
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = ROOT / "recipes" / "exgrpo" / "exgrpo.py"
@@ -316,7 +316,7 @@ def test_config_checks_refuse_before_ray():
     check_selected_entries(recipe_config())
     check_selected_entries(recipe_config("trainer.use_v1=true", "+mix.plugin_options.exgrpo.trajectory_metric="
                                          "recorded_nll", "+mix.plugin_options.exgrpo.retire_from_data=false"))  # both
-    # bases (V1: mix_src/rollout_policy_v1.py)
+    # bases (V1: mix_src/trainer/rollout_policy_v1.py)
     with pytest.raises(EntryConfigError, match="trajectory_metric=recorded_nll there"):
         check_selected_entries(recipe_config("trainer.use_v1=true"))
     with pytest.raises(EntryConfigError, match="retire_from_data=false there"):
@@ -352,7 +352,7 @@ def test_config_checks_refuse_before_ray():
 def test_compare_entry_composes_on_the_toy_task():
     from hydra import compose, initialize_config_dir
 
-    from mix_src.mix_config import validate_mix_config
+    from mix_src.config.mix_config import validate_mix_config
 
     spec = yaml.safe_load((ROOT / "recipes" / "exgrpo" / "compare.yaml").read_text())
     assert spec["kind"] == "rl" and set(spec) == {"kind", "plugins", "overrides"}
@@ -381,7 +381,7 @@ def test_exgrpo_plugin_trains_two_steps_and_saves_its_buffer(tiny_assets, tmp_pa
     replays buffered prompts as off-policy rows (one per replayed group) and the loss weighs them; the checkpoint's
     mix_state.pt holds the buffer: trajectories with their recorded log-probs, one per token; a run resumed
     from it replays at its first step (step 3). On V1 the replayed rows' ``behaviour_log_prob`` reaches the worker
-    loss as a TransferQueue field (mix_src/rollout_policy_v1.py), which ``off_ratio_mean`` measures."""
+    loss as a TransferQueue field (mix_src/trainer/rollout_policy_v1.py), which ``off_ratio_mean`` measures."""
     compare = yaml.safe_load((ROOT / "recipes" / "exgrpo" / "compare.yaml").read_text())
     reward = [f"reward.custom_reward_function.path={Path(__file__).parent / 'exgrpo_stand_in_reward.py'}",
               "reward.custom_reward_function.name=compute_score"]
@@ -407,7 +407,7 @@ def test_exgrpo_plugin_trains_two_steps_and_saves_its_buffer(tiny_assets, tmp_pa
     buf = state["rollout_policy"]["exgrpo"]
     assert buf["mixed"] and len(buf["pool"]) >= 1
     if base == "legacy":  # retire_from_data: every retired prompt is listed for the data by its messages
-        from mix_src.stages import DATA_DROP
+        from mix_src.trainer.stages import DATA_DROP
 
         drop = state["rollout_policy"].get(DATA_DROP, {"keys": set()})
         assert len(drop["keys"]) == len(buf["retired"]), (len(drop["keys"]), len(buf["retired"]))
@@ -437,7 +437,7 @@ def _fake_ctx(step, state, prompt_ids, solved_fn, mix, n=N, L=6, P=3, entropy=No
     random ids ending in EOS (on-policy) or the target's ids + EOS (ratio 1.0), rollout_log_probs, acc."""
     from verl import DataProto
 
-    from mix_src.rollout_policy import RolloutContext
+    from mix_src.trainer.rollout_policy import RolloutContext
 
     g = torch.Generator().manual_seed(step)
     raw_prompt = np.empty(len(prompt_ids) * n, dtype=object)  # chat messages: only the trainer's records carry them
@@ -530,14 +530,14 @@ def test_rollout_policy_records_replays_and_survives_a_pickle():
     assert (beh[~out2.batch["prefix_mask"]] == 0).all()
 
 
-ROLLOUT = __import__("mix_src.rollout_policy", fromlist=["ROLLOUT_POLICIES"]).ROLLOUT_POLICIES.get("exgrpo")
+ROLLOUT = __import__("mix_src.trainer.rollout_policy", fromlist=["ROLLOUT_POLICIES"]).ROLLOUT_POLICIES.get("exgrpo")
 
 
 def test_rollout_policy_clips_the_warm_up():
     """The official trainer sets loss_remove_clip=False until the run is mixed (mix_trainer_experience.py:429-436),
     then the script's True: the policy's rows carry it as mix_loss_remove_clip (0 during the warm-up, the step that
     switches included; then mix.loss.loss_remove_clip), which the worker loss reads per row."""
-    from mix_src.loss import REMOVE_CLIP
+    from mix_src.worker.loss import REMOVE_CLIP
 
     mix = mix_config_from_dict({"rollout_policy": "exgrpo", "loss": {"off_policy_behaviour": "stored_log_prob",
                                                                      "loss_remove_clip": True}})  # fmt: skip
@@ -607,7 +607,7 @@ def test_warm_up_retires_prompts_solved_by_every_sample():
     assert not set(buf["pool"]) & buf["retired"]  # the retired prompts 0 and 1 recorded nothing
     # ... and they leave the data at the next epoch start (retire_from_data, official): keyed by their messages,
     # left out while more than one batch + 20 prompts remain
-    from mix_src.stages import DATA_DROP, prompt_data_key
+    from mix_src.trainer.stages import DATA_DROP, prompt_data_key
 
     assert state[DATA_DROP] == {"keys": {prompt_data_key([{"role": "user", "content": f"question {p}"}]) for p in (0, 1)},
                                 "min_left": 3 + 20}  # fmt: skip
@@ -647,7 +647,7 @@ def _question_dataset(tmp_path, tokenizer_path, rows=30):
     import pandas as pd
     from transformers import AutoTokenizer
 
-    from mix_src.dataset import RLHFDatasetWithTarget
+    from mix_src.trainer.dataset import RLHFDatasetWithTarget
 
     path = tmp_path / "q.parquet"
     pd.DataFrame([{"data_source": "t", "prompt": [{"role": "user", "content": f"q{i}"}], "ability": "math",
@@ -664,13 +664,13 @@ class _Loader:  # what start_data_epoch reads of torchdata's StatefulDataLoader
 
 
 def test_retired_prompts_leave_the_data_as_the_official_epoch_loop(tmp_path, tiny_assets):
-    """mix_src.stages.start_data_epoch on RLHFDatasetWithTarget against the official epoch gate + set_skip_uid_set
+    """mix_src.trainer.stages.start_data_epoch on RLHFDatasetWithTarget against the official epoch gate + set_skip_uid_set
     over 4 epochs of a growing retired set (batch 4, 30 prompts: dropped while > 24 are left, then frozen); a run
     resumed mid-epoch (the loader holds a loaded state) re-applies the epoch's recorded choice even though more
     prompts were retired since; a batch row's raw_prompt gives the same key as the data row."""
     import pickle
 
-    from mix_src.stages import DATA_DROP, DATA_EPOCH, prompt_data_key, start_data_epoch
+    from mix_src.trainer.stages import DATA_DROP, DATA_EPOCH, prompt_data_key, start_data_epoch
 
     ds = _question_dataset(tmp_path, tiny_assets["tokenizer"])
     official = OfficialExperienceData(range(30))
@@ -705,9 +705,9 @@ def test_both_trainer_bases_drop_retired_prompts_at_each_new_pass(tmp_path, tiny
     from torchdata.stateful_dataloader import StatefulDataLoader
     from verl.utils.dataset.rl_dataset import collate_fn
 
-    from mix_src.mix_trainer import MIXRayPPOTrainer
-    from mix_src.mix_trainer_v1 import MixPPOTrainerSync
-    from mix_src.stages import DATA_DROP, prompt_data_key
+    from mix_src.trainer.legacy import MIXRayPPOTrainer
+    from mix_src.trainer.v1 import MixPPOTrainerSync
+    from mix_src.trainer.stages import DATA_DROP, prompt_data_key
 
     rows, batch, retired = 40, 4, [2, 5, 9, 30]
 

@@ -1,4 +1,4 @@
-"""A Ray worker's failure is named in the driver's last line (mix_src/failure.py), not lost in Ray's log."""
+"""A Ray worker's failure is named in the driver's last line (mix_src/trainer/failure.py), not lost in Ray's log."""
 
 import subprocess
 import sys
@@ -7,7 +7,7 @@ import textwrap
 import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
-from mix_src.failure import failure_line, report_failure
+from mix_src.trainer.failure import failure_line, report_failure
 
 
 def _raised_in(function_name: str, cause: BaseException, pid: int) -> BaseException:
@@ -26,16 +26,16 @@ def test_the_innermost_worker_and_exception_are_named():
 
 def test_a_filter_groups_error_on_the_v1_base_is_named(capsys):
     """verl's V1 sync replay buffer waits in the TaskRunner's process, where mix_src's generation budget raises
-    FilterGroupsExhausted (mix_src/mix_trainer_v1.py ``_wait_for_next_poll``): ray.get raises Ray's dual class of it,
+    FilterGroupsExhausted (mix_src/trainer/v1.py ``_wait_for_next_poll``): ray.get raises Ray's dual class of it,
     whose ``__getattr__`` sends every missing attribute (``function_name``) to the cause, so the line must come from
     the message, not the attribute (an AttributeError naming ``function_name`` then hid the error)."""
-    from mix_src.mix_trainer import FilterGroupsExhausted
+    from mix_src.trainer.legacy import FilterGroupsExhausted
 
     message = ("filter groups: after 10 generation batches of 1 prompts (algorithm.filter_groups.max_num_gen_batches=10) "
                "only 3 of data.train_batch_size=4 prompt groups had a non-zero std of 'seq_reward'")
     error = RayTaskError("MixTaskRunnerV1.run", "Traceback ...", FilterGroupsExhausted(message),
                          proctitle="ray::MixTaskRunnerV1.run", pid=15318, ip="127.0.0.1",
-                         actor_repr="<mix_src.mix_trainer_v1.MixTaskRunnerV1 object at 0x7f3ea613aa50>").as_instanceof_cause()
+                         actor_repr="<mix_src.trainer.v1.MixTaskRunnerV1 object at 0x7f3ea613aa50>").as_instanceof_cause()
     assert isinstance(error, FilterGroupsExhausted)  # what run_ppo's ray.get raises on the driver
     with pytest.raises(AttributeError, match="function_name"):
         error.function_name  # noqa: B018  (Ray's dual class: the cause has no such attribute)
@@ -53,7 +53,7 @@ def test_a_dead_actor_is_named():
 
 SCRIPT = textwrap.dedent('''
     import ray
-    from mix_src.failure import report_failure
+    from mix_src.trainer.failure import report_failure
 
     @ray.remote(num_cpus=0)
     class Worker:

@@ -1,4 +1,4 @@
-"""Tests of mix_src/filter_groups.py: hand-computed cases, a loop reference, on-policy-only decisions,
+"""Tests of mix_src/algo/filter_groups.py: hand-computed cases, a loop reference, on-policy-only decisions,
 accumulation / carry-over planning, bad arguments."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from mix_src import filter_groups as fg_mod
-from mix_src.filter_groups import filter_groups, plan_train_batch
+from mix_src.algo import filter_groups as fg_mod
+from mix_src.algo.filter_groups import filter_groups, plan_train_batch
 
 
 def test_pure_module_does_not_import_verl():

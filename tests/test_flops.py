@@ -1,11 +1,11 @@
-"""mix_src/flops.py on hand-computed cases, the parameter count against a real Qwen2, and the budget's
+"""mix_src/algo/flops.py on hand-computed cases, the parameter count against a real Qwen2, and the budget's
 config refusals (a critic; the V1 trainer)."""
 
 import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from mix_src.flops import ModelShape, forward_flops, lengths_from_masks, rl_step_flops, rollout_flops, sft_step_flops
+from mix_src.algo.flops import ModelShape, forward_flops, lengths_from_masks, rl_step_flops, rollout_flops, sft_step_flops
 
 # d=4, 1 layer, 2 heads of 2, 1 kv head, d_ff=8, vocab 10, q/k/v biases:
 # N = 1 * (attn 4*4 + 2*4*2 + 4*4 + (4 + 2*2) = 56, mlp 3*4*8 = 96, norms 2*4 = 8) + final norm 4 = 164
@@ -64,7 +64,7 @@ def _compose(overrides):
 
 
 def test_budget_refused_with_a_critic_and_bad_values():
-    from mix_src.mix_config import MixConfigError, validate_mix_config
+    from mix_src.config.mix_config import MixConfigError, validate_mix_config
 
     assert validate_mix_config(_compose(["mix.flops_budget=1e9"])).flops_budget == 1e9
     with pytest.raises(MixConfigError, match="mix.flops_budget.*critic"):
@@ -79,7 +79,7 @@ def test_budget_accepted_on_v1_before_ray():
     """The V1 trainer counts and stops too (MixV1Mixin.step / on_step_end; run in tests/test_bases_equivalence.py
     and tests/test_mix_trainer_v1.py)."""
     from mix_src.main_mix_ppo import check_v1_config
-    from mix_src.mix_config import mix_config_from_dict
+    from mix_src.config.mix_config import mix_config_from_dict
 
     for mode in ("sync", "colocate_async"):
         cfg = OmegaConf.create({"trainer": {"v1": {"trainer_mode": mode}, "device": "cpu"}, "mix": {"flops_budget": 1e9},
@@ -88,7 +88,7 @@ def test_budget_accepted_on_v1_before_ray():
 
 
 def test_add_step_flops_and_an_unreadable_shape_as_both_trainer_bases_log_them(capsys):
-    from mix_src.flops import add_step_flops, shape_unreadable
+    from mix_src.algo.flops import add_step_flops, shape_unreadable
 
     totals, metrics = {"6n": 1.0, "full": 2.0}, {}
     add_step_flops(SHAPE, [2, 2], [1, 3], {"6n": 10.0, "full": 20.0}, totals, metrics)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from omegaconf import open_dict
 
-from mix_src.mix_config import MixConfigError
-from mix_src.model_context import SDPA_OVERRIDES, check_attention
+from mix_src.config.mix_config import MixConfigError
+from mix_src.config.model_context import SDPA_OVERRIDES, check_attention
 from test_recipes import compose_recipe
 
 REPO = Path(__file__).resolve().parents[1]

@@ -43,7 +43,7 @@ UNGUARDED = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/", "agent
 
 
 # Compared within a relative 1e-6 instead of bit for bit. V1's actor/on_policy_prob (mean p_old over on-policy
-# tokens, one float32 torch.dot per micro-batch, mix_src/loss_terms.py) came out one float32 ulp apart in 3 of 3
+# tokens, one float32 torch.dot per micro-batch, mix_src/algo/loss_terms.py) came out one float32 ulp apart in 3 of 3
 # re-runs after 28dec26 (step 1 in one run, step 2 in the others: 0.0094722555950284 vs 0.009472256526350975)
 # while every other metric of those steps, the losses and grad norm included, was identical: not a change of
 # what trains. The legacy base compares it bit for bit.

@@ -13,8 +13,8 @@ import torch
 
 from verl import DataProto
 
-from mix_src.mix_config import mix_config_from_dict
-from mix_src.rollout_policy import ROLLOUT_POLICIES, RolloutContext
+from mix_src.config.mix_config import mix_config_from_dict
+from mix_src.trainer.rollout_policy import ROLLOUT_POLICIES, RolloutContext
 
 PLUGIN = Path(__file__).resolve().parents[1] / "recipes" / "guide_on_failure" / "guide_on_failure.py"
 N = 4

@@ -1,12 +1,12 @@
-"""HPT, built only as a plugin (recipes/hpt/hpt.py) on the core's row-loss registry (mix_src/row_loss.py):
+"""HPT, built only as a plugin (recipes/hpt/hpt.py) on the core's row-loss registry (mix_src/algo/row_loss.py):
 
 * its switch and rollout policy on scripted generation passes (no Ray);
-* faithfulness: the worker loss (mix_src.loss.MixPolicyLoss with mix.loss.row_loss=sft_rows), driven the way
+* faithfulness: the worker loss (mix_src.worker.loss.MixPolicyLoss with mix.loss.row_loss=sft_rows), driven the way
   verl's engine drives it, against a transcription of the official code's maths on random inputs;
 * the config checks (refused before Ray) and 2 real training steps through the entry point (Ray, CPU).
 
 Official code transcribed below: github.com/TsinghuaC3I/Unify-Post-Training at commit
-ae332f5fa4dc8b4c3d3cd77ebc9cff3a3abab2d0, files hpt/verl/verl/mix_src/mix_trainer.py,
+ae332f5fa4dc8b4c3d3cd77ebc9cff3a3abab2d0, files hpt/verl/verl/mix_src/trainer/legacy.py,
 hpt/verl/verl/mix_src/mix_actor.py, hpt/verl/verl/mix_src/mix_core_alg.py, hpt/verl/verl/trainer/ppo/core_algos.py.
 """
 
@@ -26,12 +26,12 @@ from verl.workers.engine.utils import prepare_micro_batches
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
 from e2e import MIX_CPU, run_verl, tiny_overrides
-from mix_src.core_alg import kept_tokens_per_mini_batch
-from mix_src.loss import MixPolicyLoss, add_kept_token_counts
-from mix_src.mix_config import MixConfigError, mix_config_from_dict
-from mix_src.registry import EntryConfigError, check_selected_entries, load_plugins
-from mix_src.rollout_policy import ROLLOUT_POLICIES, RolloutContext
-from mix_src.row_loss import ROW_LOSSES, SFT_ROW, SFT_TOKENS
+from mix_src.algo.core_alg import kept_tokens_per_mini_batch
+from mix_src.worker.loss import MixPolicyLoss, add_kept_token_counts
+from mix_src.config.mix_config import MixConfigError, mix_config_from_dict
+from mix_src.extend import EntryConfigError, check_selected_entries, load_plugins
+from mix_src.trainer.rollout_policy import ROLLOUT_POLICIES, RolloutContext
+from mix_src.algo.row_loss import ROW_LOSSES, SFT_ROW, SFT_TOKENS
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = ROOT / "recipes" / "hpt" / "hpt.py"
@@ -321,7 +321,7 @@ def recipe_config(*overrides):
 
 def test_config_checks_refuse_before_ray():
     check_selected_entries(recipe_config())
-    check_selected_entries(recipe_config("trainer.use_v1=true"))  # both bases (V1: mix_src/rollout_policy_v1.py)
+    check_selected_entries(recipe_config("trainer.use_v1=true"))  # both bases (V1: mix_src/trainer/rollout_policy_v1.py)
     with pytest.raises(EntryConfigError, match="mix.loss.row_loss=sft_rows"):
         check_selected_entries(recipe_config("mix.loss.row_loss=null"))
     with pytest.raises(EntryConfigError, match="switch_gate=9 must be an integer"):
@@ -344,7 +344,7 @@ BASES = {"legacy": [], "v1": ["trainer.use_v1=true", "trainer.v1.trainer_mode=sy
 def test_hpt_plugin_trains_two_steps(tiny_assets, tmp_path, base):
     """The compare.yaml settings on tiny assets, on each trainer base: the random tiny model solves nothing, so
     with switch_gate=0 every prompt is an SFT prompt at step 1; the SFT loss is finite and positive and the weights
-    move. On V1 (mix_src/rollout_policy_v1.py) the policy's two passes run through verl's agent loop, its
+    move. On V1 (mix_src/trainer/rollout_policy_v1.py) the policy's two passes run through verl's agent loop, its
     ``sft_row`` tensor becomes a TransferQueue field of the rows and the driver's ``mix_sft_tokens`` another
     (MixV1Mixin._add_update_inputs): the SFT loss exists only when both reached the worker."""
     compare = yaml.safe_load((ROOT / "recipes" / "hpt" / "compare.yaml").read_text())
@@ -368,7 +368,7 @@ def test_compare_entry_composes_on_the_toy_task():
     the mix section validates and every selected entry accepts the config, before Ray."""
     from hydra import compose, initialize_config_dir
 
-    from mix_src.mix_config import validate_mix_config
+    from mix_src.config.mix_config import validate_mix_config
 
     spec = yaml.safe_load((ROOT / "recipes" / "hpt" / "compare.yaml").read_text())
     assert spec["kind"] == "rl" and set(spec) == {"kind", "plugins", "overrides"}

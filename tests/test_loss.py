@@ -1,4 +1,4 @@
-"""Tests of mix_src/loss.py, driven the way verl 0.9.1's engine drives a loss: a padded batch becomes a
+"""Tests of mix_src/worker/loss.py, driven the way verl 0.9.1's engine drives a loss: a padded batch becomes a
 TensorDict, `left_right_2_no_padding` nests it, the engine's global numbers (dp_size, batch_num_tokens,
 global_batch_size) are assigned, `prepare_micro_batches` splits it, and a real (tiny) model computes
 nested log-probs and entropy for each micro-batch with verl's own functions."""
@@ -18,8 +18,8 @@ from verl.workers.engine.utils import prepare_micro_batches
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
-from mix_src.core_alg import agg_loss, compute_token_on_off_policy_loss, kept_tokens_per_mini_batch, masked_mean
-from mix_src.loss import KEPT_TOKENS, MixLossConfig, MixPolicyLoss
+from mix_src.algo.core_alg import agg_loss, compute_token_on_off_policy_loss, kept_tokens_per_mini_batch, masked_mean
+from mix_src.worker.loss import KEPT_TOKENS, MixLossConfig, MixPolicyLoss
 
 VOCAB, PROMPT, RESPONSE = 13, 4, 6
 
@@ -327,7 +327,7 @@ def test_agg_matches_what_loss_uses_for_entropy():
 
 def test_accepts_the_trainer_config_dataclass():
     # the trainer passes its validated mix_config.LossConfig; every one of its fields must be understood
-    from mix_src.mix_config import mix_config_from_dict
+    from mix_src.config.mix_config import mix_config_from_dict
 
     mix = mix_config_from_dict({"loss": {"off_policy_reshape": "p_div_p_0.5", "loss_remove_clip": True,
                                          "on_policy_reshape": "p_div_p", "on_policy_reshape_gamma": 0.3}})  # fmt: skip
@@ -384,7 +384,7 @@ def test_kept_tokens_follow_verls_mini_batch_layout():
 def test_adaptive_entropy_state_round_trips_through_the_metrics():
     """A resumed run continues the learned coefficient: its state leaves the worker in the metrics, and a loss
     built with it continues exactly where an uninterrupted one is (log_alpha and AdamW's moments)."""
-    from mix_src.loss import pop_entropy_state
+    from mix_src.worker.loss import pop_entropy_state
 
     mix = MixLossConfig(use_adaptive_entropy=True, target_entropy=1.0, alpha_lr=0.05)
     batches = [make_batch(seed=s, model=BigramLM(seed=1)) for s in (3, 4, 5)]
@@ -418,10 +418,10 @@ def test_adaptive_entropy_state_round_trips_through_the_metrics():
 
 
 def test_a_registered_loss_term_is_checked_at_config_time_and_added_to_the_loss():
-    """One decorator adds a term (mix_src/loss_terms.py): its config check runs when mix.loss is built, and the worker
+    """One decorator adds a term (mix_src/algo/loss_terms.py): its config check runs when mix.loss is built, and the worker
     loss adds its value after the built-in terms (policy, sft, entropy, kl), outside actor/pg_loss. ~1 s."""
-    from mix_src.loss_terms import LOSS_TERMS, register_loss_term
-    from mix_src.mix_config import MixConfigError
+    from mix_src.algo.loss_terms import LOSS_TERMS, register_loss_term
+    from mix_src.config.mix_config import MixConfigError
 
     def check(loss, p):
         if loss.sft_loss_coef == 0.125:

@@ -25,10 +25,10 @@ import pytest
 import torch
 from verl.utils import tensordict_utils as tu
 
-from mix_src.core_alg import compute_token_on_off_policy_loss, kept_tokens_per_mini_batch
-from mix_src.loss import REMOVE_CLIP, MixPolicyLoss
-from mix_src.off_policy_behaviour import BEHAVIOUR_LOG_PROB
-from mix_src.row_loss import ROW_LOSSES, SFT_ROW, SFT_TOKENS
+from mix_src.algo.core_alg import compute_token_on_off_policy_loss, kept_tokens_per_mini_batch
+from mix_src.worker.loss import REMOVE_CLIP, MixPolicyLoss
+from mix_src.algo.off_policy_behaviour import BEHAVIOUR_LOG_PROB
+from mix_src.algo.row_loss import ROW_LOSSES, SFT_ROW, SFT_TOKENS
 from test_loss import CONFIGS, BigramLM, actor_config, add_kept_counts, make_batch, run_mini_batch
 from test_onpolicy_losses import mode_config
 

@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 from hydra import compose, initialize_config_module
 
-from mix_src.luffy_keys import LUFFY_KEYS, translate_overrides
+from mix_src.config.luffy_keys import LUFFY_KEYS, translate_overrides
 from mix_src.main_mix_ppo import config_stage
-from mix_src.mix_config import MixConfigError, validate_mix_config
+from mix_src.config.mix_config import MixConfigError, validate_mix_config
 
 
 def train_sh_overrides(data_dir: str) -> list[str]:

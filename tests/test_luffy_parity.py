@@ -12,8 +12,8 @@ from test_recipes import compose_recipe
 def _recipe_loss_fn(name: str, overrides=()):
     from verl.utils.config import omega_conf_to_dataclass
 
-    from mix_src.loss import MixPolicyLoss
-    from mix_src.mix_config import validate_mix_config
+    from mix_src.worker.loss import MixPolicyLoss
+    from mix_src.config.mix_config import validate_mix_config
 
     cfg = compose_recipe(name, overrides)
     return MixPolicyLoss(omega_conf_to_dataclass(cfg.actor_rollout_ref.actor), validate_mix_config(cfg).loss)
@@ -21,7 +21,7 @@ def _recipe_loss_fn(name: str, overrides=()):
 
 def test_on_policy_grpo_has_no_dual_clip():
     """LUFFY's on-policy loss is max(-A r, -A clip(r, 0.8, 1.2)); verl's dual clip would cap it at -A*3."""
-    from mix_src.core_alg import compute_token_on_off_policy_loss
+    from mix_src.algo.core_alg import compute_token_on_off_policy_loss
 
     fn = _recipe_loss_fn("on_policy_grpo")
     assert fn.clip_ratio_c is None and fn.mix.loss_remove_clip is False
@@ -40,7 +40,7 @@ def test_on_policy_grpo_has_no_dual_clip():
 def test_luffy_zero_matching_entropy_coefficient_arithmetic():
     """README (luffy_zero): LUFFY's per-GPU loss sum_k [sum ell / 8192 - 0.001 * mean_k(H)] over micro-batches,
     averaged over 8 GPUs, equals ours sum ell / 65536 - c * sum H / 65536 with c = 0.001 * 8192 / N_mb."""
-    from mix_src.core_alg import agg_loss
+    from mix_src.algo.core_alg import agg_loss
 
     g = torch.Generator().manual_seed(0)
     gpus, micro, n_mb = 8, 3, 24  # 3 micro-batches of 2 rows x 12 tokens per GPU: N_mb = 24 response tokens

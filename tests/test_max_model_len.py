@@ -1,4 +1,4 @@
-"""``rollout.max_model_len`` where the prefix-guided agent loop needs it (mix_src/model_context.py). No Ray.
+"""``rollout.max_model_len`` where the prefix-guided agent loop needs it (mix_src/config/model_context.py). No Ray.
 
 verl fills a null ``max_model_len`` only inside its server actor (vllm_async_server.py ``_validate_configs``);
 the agent loop, in another process, saw null and never clamped, so a prompt + prefix reaching the model's
@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
-from mix_src.mix_config import MixConfigError
+from mix_src.config.mix_config import MixConfigError
 from test_agent_loop_server_parity import TARGET, StrictServer, _lengths, _run
 
 
@@ -74,9 +74,9 @@ def test_agent_loop_clamps_prompt_plus_prefix_at_the_model_context(tokenizer, ti
     server (StrictServer) would raise."""
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap
 
-    from mix_src import agent_loop
-    from mix_src.agent_loop import PrefixGuidedAgentLoop
-    from mix_src.dataset import RLHFDatasetWithTarget
+    from mix_src.rollout import agent_loop
+    from mix_src.rollout.agent_loop import PrefixGuidedAgentLoop
+    from mix_src.trainer.dataset import RLHFDatasetWithTarget
 
     def loop(server, model):
         rollout = {"response_length": 40, "prompt_length": 64, "calculate_log_probs": True, "name": "vllm",

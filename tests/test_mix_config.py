@@ -3,8 +3,8 @@
 import pytest
 from hydra import compose, initialize_config_module
 
-from mix_src.mix_config import MixConfigError, mix_config_from_dict, validate_mix_config
-from mix_src.registry import EntryConfigError, check_selected_entries
+from mix_src.config.mix_config import MixConfigError, mix_config_from_dict, validate_mix_config
+from mix_src.extend import EntryConfigError, check_selected_entries
 
 
 def compose_mix(*overrides):
@@ -68,7 +68,7 @@ def test_minus_one_switches_clips_off_like_luffy():
 
 
 def test_fixed_ratio_count_must_match_prefixed_rows():
-    """The fixed strategy's entry check (mix_src/prefix.py _check_fixed), not a name special case in mix_config."""
+    """The fixed strategy's entry check (mix_src/algo/prefix.py _check_fixed), not a name special case in mix_config."""
     cfg = compose_mix("mix.n_prefix=2", "actor_rollout_ref.rollout.n=4", "mix.prefix_strategy=fixed",
                       "mix.prefix_fix_ratios=[0.2,0.5,0.8]")  # fmt: skip
     validate_mix_config(cfg)
@@ -90,7 +90,7 @@ def test_yaml_mix_section_equals_the_dataclass_defaults():
     import yaml
     from importlib.resources import files
 
-    from mix_src.mix_config import MixConfig
+    from mix_src.config.mix_config import MixConfig
 
     with open(files("mix_src.config") / "mix_ppo_trainer.yaml") as f:
         yaml_mix = yaml.safe_load(f)["mix"]

@@ -12,8 +12,8 @@ from omegaconf import OmegaConf
 
 from verl import DataProto
 
-from mix_src.mix_config import mix_config_from_dict
-from mix_src.mix_trainer import FilterGroupsExhausted, MIXRayPPOTrainer
+from mix_src.config.mix_config import mix_config_from_dict
+from mix_src.trainer.legacy import FilterGroupsExhausted, MIXRayPPOTrainer
 
 N = 4  # samples per prompt
 

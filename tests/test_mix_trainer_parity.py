@@ -18,8 +18,8 @@ from omegaconf import OmegaConf
 
 from verl import DataProto
 
-from mix_src.mix_config import mix_config_from_dict
-from mix_src.mix_trainer import MIXRayPPOTrainer, merge_rollout_timing
+from mix_src.config.mix_config import mix_config_from_dict
+from mix_src.trainer.legacy import MIXRayPPOTrainer, merge_rollout_timing
 
 N = 2  # samples per prompt
 
@@ -297,7 +297,7 @@ def test_rollout_timing_over_generation_batches_keeps_min_max_meaning():
 
 
 def test_two_pass_rollout_policy_merges_timing_and_reseeds_the_second_pass():
-    from mix_src.rollout_policy import register_rollout_policy
+    from mix_src.trainer.rollout_policy import register_rollout_policy
 
     @register_rollout_policy("test_two_passes")
     def two_passes(ctx):

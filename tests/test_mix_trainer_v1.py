@@ -1,4 +1,4 @@
-"""LUFFY on verl's V1 trainer (``trainer.use_v1=true``, mix_src/mix_trainer_v1.py) on the CPU backend.
+"""LUFFY on verl's V1 trainer (``trainer.use_v1=true``, mix_src/trainer/v1.py) on the CPU backend.
 
 The end-to-end runs (marked ``ray``) are ``python -m mix_src.main_mix_ppo +backend=cpu trainer.use_v1=true ...``
 in their own process tree and Ray cluster (tests/e2e.py), with verl's TransferQueue; about a minute each.
@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_module
 from test_dataset_agent_loop import TARGET, RecordingServer, _agent_loop, _run, tokenizer  # noqa: F401 (fixture)
 
 from e2e import MIX_CPU, batch_result, batch_run, run_verl, tiny_overrides
-from mix_src.mix_config import MixConfigError
+from mix_src.config.mix_config import MixConfigError
 
 MIX = "mix_src.main_mix_ppo"
 GUIDE_ON_FAILURE = Path(__file__).resolve().parents[1] / "recipes/guide_on_failure/guide_on_failure.py"
@@ -49,7 +49,7 @@ def assert_luffy_step(m: dict) -> None:
 
 KEEP_ALL = """
 import numpy as np
-from mix_src.filter_groups import register_group_filter
+from mix_src.algo.filter_groups import register_group_filter
 
 @register_group_filter("keep_all")
 def keep_all(stats):
@@ -65,7 +65,7 @@ def test_v1_sync_group_filter_registry_and_a_two_pass_rollout_policy(tiny_assets
     Half the rows keep their target (mix.data.sample_target_ratio=0.5): a group without one has only failing
     on-policy rows (acc std 0), which verl's own rule (and ``nonzero_std``) evicts. With ``mix.filter_groups.rule``
     set to a plugin rule that keeps every group, nothing is evicted and those groups train.
-    guide_on_failure (mix_src/rollout_policy_v1.py on V1): pass 1 generates all 16 rows on-policy; for each prompt
+    guide_on_failure (mix_src/trainer/rollout_policy_v1.py on V1): pass 1 generates all 16 rows on-policy; for each prompt
     with a target whose 4 samples all failed, sample 0 is generated again from the whole target (n_prefix=1,
     ratio 1.0) and replaces the failed one; so every row of pass 2 is a trained expert row.
     (The resume of a V1 run is checked in tests/test_bases_equivalence.py.)
@@ -141,8 +141,8 @@ def test_v1_colocate_async_chord_stops_at_the_flops_budget(tiny_assets, tmp_path
     its mu is the schedule's at step 1 (warm-up over 4 steps)."""
     import torch
 
-    from mix_src.flops import COUNTS
-    from mix_src.registry import load_plugins
+    from mix_src.algo.flops import COUNTS
+    from mix_src.extend import load_plugins
 
     mu_schedule = __import__(load_plugins([str(CHORD)])[0]).mu_schedule
 
@@ -181,7 +181,7 @@ def test_v1_separate_async_luffy_weights_reach_the_standalone_pool(tiny_assets, 
     the version it received with the weights), and their rollout log-probs equal the updated actor's old log-probs
     to float noise; had the pool kept the initial weights they would differ by the step-1 update (6e-4 measured,
     the stale rows of a run with one warm-up batch; 9e-4 in a control run whose server skipped loading them).
-    The groups come from the two-pass rollout policy ``guide_on_failure`` (mix_src/rollout_policy_v1.py): its passes
+    The groups come from the two-pass rollout policy ``guide_on_failure`` (mix_src/trainer/rollout_policy_v1.py): its passes
     go to the standalone pool like verl's own single pass, and each prompt whose 4 on-policy samples all failed
     (every prompt: the tiny model never solves one) gets its expert row from the second pass."""
     result = v1_run(tiny_assets, tmp_path, "separate_async", *LUFFY, *SEPARATE_ASYNC_CPU,
@@ -263,7 +263,7 @@ def test_separate_async_on_cpu_refusals_before_ray(tiny_assets, overrides, patte
     ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=10", "mix.filter_groups.carry_over=true"],
     # the async buffers keep the surplus for later steps themselves
     ["trainer.v1.trainer_mode=colocate_async", "algorithm.filter_groups.enable=true", "mix.filter_groups.carry_over=true"],
-    # a rollout policy with several passes (mix_src/rollout_policy_v1.py)
+    # a rollout policy with several passes (mix_src/trainer/rollout_policy_v1.py)
     ["mix.plugins=[recipes/guide_on_failure/guide_on_failure.py]", "mix.rollout_policy=guide_on_failure"],
     ["trainer.v1.trainer_mode=colocate_async", "mix.plugins=[recipes/guide_on_failure/guide_on_failure.py]",
      "mix.rollout_policy=guide_on_failure"],
@@ -297,8 +297,8 @@ def test_agent_loop_takes_its_sessions_ratio_and_tags_no_call_rows(tokenizer):  
 
 def test_v1_rows_draw_the_shared_seeded_ratios():
     """The V1 trainer attaches draw_prefix_ratios(seed, step, fetch index) per prompt; same inputs, same ratios."""
-    from mix_src.mix_config import mix_config_from_dict
-    from mix_src.stages import draw_prefix_ratios
+    from mix_src.config.mix_config import mix_config_from_dict
+    from mix_src.trainer.stages import draw_prefix_ratios
 
     mix = mix_config_from_dict({"n_prefix": 2, "min_prefix_ratio": 0.3, "max_prefix_ratio": 0.7})
     kw = dict(seed=7, global_step=2, targets=[TARGET] * 8)
@@ -311,7 +311,7 @@ def test_v1_rows_draw_the_shared_seeded_ratios():
 
 def test_separate_async_composes_for_a_gpu_config():
     """With a GPU-style config (nccl checkpoint engine) the LUFFY separate_async trainer builds (no Ray)."""
-    from mix_src.mix_trainer_v1 import MixPPOTrainerSeparateAsync, MixV1Mixin
+    from mix_src.trainer.v1 import MixPPOTrainerSeparateAsync, MixV1Mixin
     from verl.trainer.ppo.v1 import PPOTrainerSeparateAsync, get_trainer_cls
 
     with initialize_config_module(config_module="mix_src.config", version_base=None):
@@ -344,7 +344,7 @@ def test_recipes_v1_variant(name, mode):
     from test_recipes import compose_recipe
 
     from mix_src.main_mix_ppo import check_v1_config
-    from mix_src.mix_config import validate_mix_config
+    from mix_src.config.mix_config import validate_mix_config
 
     v1 = ["trainer.use_v1=true", f"trainer.v1.trainer_mode={mode}"]
     extras = V1_EXTRAS.get(name, []) if mode != "sync" else []
@@ -374,7 +374,7 @@ def test_values_call_does_not_inherit_the_references_adapter_switch():
     (its model has no adapter to disable: AttributeError in the LoRA + critic + reference run before the fix)."""
     from types import SimpleNamespace
 
-    from mix_src.mix_trainer_v1 import MixV1Mixin
+    from mix_src.trainer.v1 import MixV1Mixin
 
     class VerlV1:
         def _compute_values(self, batch, metrics):
@@ -405,7 +405,7 @@ class _Buffer:
 def _classify(monkeypatch, rows, rule="nonzero_std", on_policy_only=False):
     import types
 
-    import mix_src.mix_trainer_v1 as v1
+    import mix_src.trainer.v1 as v1
 
     def kv_batch_get(keys, partition_id, select_fields):
         return {"extra_fields": [rows[k] for k in keys]}
@@ -431,7 +431,7 @@ def test_v1_replay_buffer_evicts_what_the_group_filter_registry_says(monkeypatch
     assert evicted == {"b"} and counts == {0.0: 1}
     evicted, _ = _classify(monkeypatch, ROWS, on_policy_only=True)  # a's on-policy rows all failed: evicted too
     assert evicted == {"a", "b"}
-    from mix_src.filter_groups import GROUP_FILTERS
+    from mix_src.algo.filter_groups import GROUP_FILTERS
 
     monkeypatch.setitem(GROUP_FILTERS._entries, "keep_all_test", lambda stats: np.ones(len(stats.count), dtype=bool))
     evicted, counts = _classify(monkeypatch, ROWS, rule="keep_all_test")
@@ -445,9 +445,9 @@ def test_v1_advantage_stage_runs_grpo_split_once_with_the_prefix_mask():
     from omegaconf import OmegaConf
     from verl import DataProto
 
-    from mix_src import adv_estimators
-    from mix_src.mix_config import mix_config_from_dict
-    from mix_src.mix_trainer_v1 import luffy_advantage_stage
+    from mix_src.trainer import adv_estimators
+    from mix_src.config.mix_config import mix_config_from_dict
+    from mix_src.trainer.v1 import luffy_advantage_stage
 
     rewards = torch.zeros(4, 3)
     rewards[:, -1] = torch.tensor([1.0, 0.0, 1.0, 0.0])
@@ -489,7 +489,7 @@ def test_v1_accepts_the_loss_extensions_whose_inputs_it_writes(tiny_assets):
     pass the V1 checks: MixV1Mixin._add_update_inputs writes the combination's counts and the SFT-token counts to
     TransferQueue before the update, and V1PolicyRunner carries a rollout policy's per-row tensors (sft_row,
     behaviour_log_prob) to the rows' fields. (Until then V1_REFUSALS refused all three.)"""
-    from mix_src.loss_combine import register_loss_combine
+    from mix_src.algo.loss_combine import register_loss_combine
     from mix_src.main_mix_ppo import config_stage
 
     @register_loss_combine("test_both_bases_combine")
@@ -503,8 +503,8 @@ def test_v1_accepts_the_loss_extensions_whose_inputs_it_writes(tiny_assets):
 
 
 def test_row_loss_with_shuffled_mini_batches_is_refused(tiny_assets):
-    from mix_src.mix_config import MixConfigError, validate_mix_config
-    from mix_src.row_loss import ROW_LOSSES
+    from mix_src.config.mix_config import MixConfigError, validate_mix_config
+    from mix_src.algo.row_loss import ROW_LOSSES
 
     with initialize_config_module(config_module="mix_src.config", version_base=None):
         cfg = compose(config_name="mix_ppo", overrides=[*MIX_CPU, *tiny_overrides(tiny_assets),
@@ -519,7 +519,7 @@ def test_row_loss_with_shuffled_mini_batches_is_refused(tiny_assets):
 
 def _sync_trainer(tiny_assets, *overrides):
     """MixPPOTrainerSync built from a composed config (verl's constructor and replay buffer; no Ray, no workers)."""
-    from mix_src.mix_trainer_v1 import MixPPOTrainerSync
+    from mix_src.trainer.v1 import MixPPOTrainerSync
 
     cfg = compose_v1(tiny_assets, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
                      "data.gen_batch_size=2", *overrides)  # fmt: skip
@@ -535,7 +535,7 @@ def test_v1_sync_generation_budget_dispatches_within_it_then_raises(tiny_assets,
     would poll forever). Without the hook verl ignores the key (trainer_base.py _resolve_filter_groups_metric)."""
     from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 
-    from mix_src.mix_trainer import FilterGroupsExhausted
+    from mix_src.trainer.legacy import FilterGroupsExhausted
 
     trainer = _sync_trainer(tiny_assets, "algorithm.filter_groups.max_num_gen_batches=3")
     dispatched = []
@@ -585,12 +585,12 @@ def test_v1_sync_carry_over_keeps_the_surplus_groups_verl_would_discard(tiny_ass
 def test_v1_counts_the_generation_of_every_trajectory_once(tiny_assets, monkeypatch):
     """mix.flops_budget with a streamed rollout: the replay buffer's metadata sync (verl's ReplayBuffer, wrapped by
     MixV1Mixin._install_generation_count) counts each new ``train`` trajectory's generation once, F(P + R) with R
-    minus its prefix tokens (mix_src.flops.rollout_flops), whether it is later trained or evicted; a row of a
+    minus its prefix tokens (mix_src.algo.flops.rollout_flops), whether it is later trained or evicted; a row of a
     whole target generated nothing. TransferQueue's listing and reads are stood in by a dict here."""
     import torch
     import transfer_queue
 
-    from mix_src.flops import COUNTS, rollout_flops
+    from mix_src.algo.flops import COUNTS, rollout_flops
 
     trainer = _sync_trainer(tiny_assets)
     shape = trainer._model_shape()

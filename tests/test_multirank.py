@@ -1,4 +1,4 @@
-"""Faithful at 8 GPUs: each paper-derived recipe's worker loss (mix_src.loss.MixPolicyLoss, built from the composed
+"""Faithful at 8 GPUs: each paper-derived recipe's worker loss (mix_src.worker.loss.MixPolicyLoss, built from the composed
 recipe) against a transcription of the official loss, on N = 1 and N = 8 data-parallel ranks with static and
 dynamic micro-batches, through the exact simulation of FSDP's gradient averaging in tests/multirank.py.
 
@@ -58,9 +58,9 @@ def recipe_loss(name: str, **actor):
     replaced by ``actor``."""
     from verl.utils.config import omega_conf_to_dataclass
 
-    from mix_src.loss import MixPolicyLoss
-    from mix_src.mix_config import validate_mix_config
-    from mix_src.registry import load_plugins
+    from mix_src.worker.loss import MixPolicyLoss
+    from mix_src.config.mix_config import validate_mix_config
+    from mix_src.extend import load_plugins
 
     cfg = copy.deepcopy(composed(name))
     for key, value in actor.items():
@@ -177,7 +177,7 @@ def hpt_batch(model, seed: int):
     """GROUPS prompts x GROUP rows; every third prompt (and prompt 0) an SFT prompt: its GROUP rows are copies of one
     target (prefix_mask = response_mask, sft_row 1), as the hpt rollout policy makes them. Returns (padded for ours
     with sft_row, the official rows of each group: one row for an SFT prompt, as the official trainer keeps)."""
-    from mix_src.row_loss import SFT_ROW
+    from mix_src.algo.row_loss import SFT_ROW
 
     padded = random_batch(model, seed, GROUPS, GROUP, vocab=VOCAB, prompt=PROMPT, response=RESPONSE)
     sft_groups = [g for g in range(GROUPS) if g % 3 == 0]
@@ -206,8 +206,8 @@ def hpt_official(sub, log_prob, entropy):
 
 def hpt_case(ranks: int, kind: str, seed: int = 3):
     """(ours per rank/micro-batch, official per rank/micro-batch, GA, model) under one group-level split."""
-    from mix_src.core_alg import kept_tokens_per_mini_batch
-    from mix_src.row_loss import SFT_ROW, SFT_TOKENS
+    from mix_src.algo.core_alg import kept_tokens_per_mini_batch
+    from mix_src.algo.row_loss import SFT_ROW, SFT_TOKENS
 
     model = BigramLM(seed=1)
     padded, official_rows = hpt_batch(model, seed)
@@ -229,7 +229,7 @@ def test_hpt_equals_official_on_n_ranks(ranks, kind):
     gradient on N ranks: the SFT term a token mean per micro-batch summed over (rank, micro-batch) pairs. The global
     token mean (sft_loss_agg=global_token_mean, the weighting before) does not at N = 8: the official SFT : RL weight
     is M times larger, M = the (rank, micro-batch) pairs holding an SFT row."""
-    from mix_src.row_loss import SFT_ROW, SFT_TOKENS
+    from mix_src.algo.row_loss import SFT_ROW, SFT_TOKENS
 
     padded, ours_split, official_split, ga, model = hpt_case(ranks, kind)
     ours = recipe_loss("hpt", loss_scale_factor=ranks * RESPONSE * ga, entropy_coeff=0.0)
@@ -283,7 +283,7 @@ def test_rl_with_sft_loss_equals_official_on_n_ranks(ranks, kind):
 def test_sft_loss_agg_defaults_and_refusals():
     """mix.loss.sft_loss_agg: null resolves per SFT term (row loss: global_token_mean; multitask: policy_loss_agg, the
     weighting before); set without an SFT term, or global_token_mean on the multitask term (no count), refused."""
-    from mix_src.mix_config import MixConfigError, mix_config_from_dict
+    from mix_src.config.mix_config import MixConfigError, mix_config_from_dict
 
     loss = lambda **kw: mix_config_from_dict({"loss": kw}).loss  # noqa: E731
     assert loss(row_loss="sft_rows").sft_loss_agg == "global_token_mean"
@@ -310,8 +310,8 @@ def test_exgrpo_equals_official_on_n_ranks(ranks, kind, phase):
     the phase to the worker loss; loss_scale_factor = N x W x GA as for LUFFY."""
     import sys
 
-    from mix_src.loss import REMOVE_CLIP
-    from mix_src.off_policy_behaviour import BEHAVIOUR_LOG_PROB
+    from mix_src.worker.loss import REMOVE_CLIP
+    from mix_src.algo.off_policy_behaviour import BEHAVIOUR_LOG_PROB
     from test_exgrpo import official_exgrpo_loss
 
     ours = recipe_loss("exgrpo", entropy_coeff=0.0, loss_scale_factor=1)  # scale set below, once GA is known
@@ -349,7 +349,7 @@ def test_exgrpo_equals_official_on_n_ranks(ranks, kind, phase):
 def chord_case(ranks: int, kind: str, step: int = 7):
     from types import SimpleNamespace
 
-    from mix_src.loss import MixLossConfig, add_combine_inputs
+    from mix_src.worker.loss import MixLossConfig, add_combine_inputs
 
     model = BigramLM(seed=1)
     padded = random_batch(model, 8, GROUPS, GROUP, vocab=VOCAB, prompt=PROMPT, response=RESPONSE, expert_rows=(3,),
@@ -370,7 +370,7 @@ def test_chord_equals_official_on_n_ranks(ranks, kind):
     global ppo_mini_batch_size, the actor's from the per-GPU one: Trinity docs, "ppo_mini_batch_size ... per GPU in
     update_policy"). Rows of unequal length: Trinity averages micro-batch token means weighted by rows, ours is the
     token mean of the whole mini-batch (mix_src/README.md, loss options)."""
-    from mix_src.loss import COMBINE_FIELDS
+    from mix_src.worker.loss import COMBINE_FIELDS
     from test_chord import mix_chord_loss
 
     step = 7

@@ -2,7 +2,7 @@
 (issue #41 item 6) on both trainer bases, in ONE process and ONE Ray cluster (tests/mix_modes_run.py):
 
 * ``legacy``: ``mix.data.sample_target_ratio=0`` (documented "on-policy only"; it raised IndexError in
-  mix_src/dataset.py before), one-row micro-batches, 1 step: every row on-policy (every step is alike);
+  mix_src/trainer/dataset.py before), one-row micro-batches, 1 step: every row on-policy (every step is alike);
 * ``v1``: a train file read in order (``data.shuffle=false``) whose first batch has no target at all (every target
   null: the on-policy-only step) and whose second has targets for half its prompts, one-prompt mini-batches and
   one-row micro-batches: mini-batches with no off-policy row and with one, micro-batches with only off-policy rows

@@ -1,4 +1,4 @@
-"""LUFFY guidance under every verl policy loss (mix_src/onpolicy_losses.py through mix_src/loss.py), driven the
+"""LUFFY guidance under every verl policy loss (mix_src/worker/onpolicy_losses.py through mix_src/worker/loss.py), driven the
 way verl's engine drives a loss (tests/test_loss.py's helpers: a real model, verl's micro-batching)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from verl.workers.engine.utils import prepare_micro_batches
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import no_padding_2_padding
 
-from mix_src.loss import MixLossConfig, MixPolicyLoss
-from mix_src.onpolicy_losses import ON_POLICY_MODES, knob_refusals, mode_entry
+from mix_src.worker.loss import MixLossConfig, MixPolicyLoss
+from mix_src.worker.onpolicy_losses import ON_POLICY_MODES, knob_refusals, mode_entry
 from test_loss import BigramLM, actor_config, add_kept_counts, make_batch, run_mini_batch
 
 # every policy loss verl 0.9.1 registers that can be the on-policy term (bypass_mode is refused)
@@ -246,7 +246,7 @@ def plain_pg(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="t
 
 def test_a_plugin_loss_is_the_on_policy_term_without_editing_mix_src(tmp_path):
     """A loss registered with verl's decorator in a mix.plugins file is usable as-is: here the same maths as gpg."""
-    from mix_src.registry import load_plugins
+    from mix_src.extend import load_plugins
 
     path = tmp_path / "my_loss.py"
     path.write_text(PLUGIN)
@@ -262,8 +262,8 @@ def test_a_plugin_loss_is_the_on_policy_term_without_editing_mix_src(tmp_path):
 
 
 def test_preflight_accepts_a_verl_loss_and_refuses_its_knob_conflicts_before_ray():
-    from mix_src.mix_config import MixConfigError, validate_mix_config
-    from mix_src.verl_parity import check_verl_keys
+    from mix_src.config.mix_config import MixConfigError, validate_mix_config
+    from mix_src.config.verl_parity import check_verl_keys
     from test_verl_key_parity import compose_mix
 
     check_verl_keys(compose_mix("actor_rollout_ref.actor.policy_loss.loss_mode=gspo"))

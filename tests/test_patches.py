@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import mix_src.cpu as cpu
-from mix_src.registry import PluginImportError, load_verl_plugins
+from mix_src.extend import PluginImportError, load_verl_plugins
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,7 +40,7 @@ def test_a_hook_on_a_module_that_moved_is_refused_naming_it(patches):
 
 def test_a_hook_that_never_fired_stops_the_run_at_the_checkpoint(patches):
     """``install_loss`` is where both trainer bases pass once their workers are up."""
-    from mix_src.loss import install_loss
+    from mix_src.worker.loss import install_loss
 
     sys.modules.pop("xml.dom.pulldom", None)
     cpu.after_import("xml.dom.pulldom", _noop, required_in=("trainer",))  # exists, not imported by now

@@ -39,11 +39,11 @@ from omegaconf import OmegaConf, open_dict  # noqa: E402
 
 import torch  # noqa: E402
 
-from mix_src.flops import ModelShape  # noqa: E402
+from mix_src.algo.flops import ModelShape  # noqa: E402
 from mix_src.planner.__main__ import compose, main as planner_main  # noqa: E402
 from mix_src.planner.check import PlannerRefusal, check_memory, refusal, run_shape  # noqa: E402
 from mix_src.planner.estimate import GPUS, entropy_bytes, plan_memory, states_bytes  # noqa: E402
-from mix_src.mix_config import MixConfigError  # noqa: E402
+from mix_src.config.mix_config import MixConfigError  # noqa: E402
 
 LUFFY_ZERO = str(Path(__file__).resolve().parents[1] / "recipes" / "luffy_zero")
 Q7 = PRESETS["Qwen/Qwen2.5-7B"]

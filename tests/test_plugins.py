@@ -19,9 +19,9 @@ import os
 
 import torch
 
-from mix_src.adv_estimators import grpo_split_estimator, register_adv_estimator
-from mix_src.core_alg import register_off_policy_reshape
-from mix_src.prefix import register_prefix_strategy
+from mix_src.trainer.adv_estimators import grpo_split_estimator, register_adv_estimator
+from mix_src.algo.core_alg import register_off_policy_reshape
+from mix_src.algo.prefix import register_prefix_strategy
 
 import numpy as np
 
@@ -72,7 +72,7 @@ def test_config_stage_loads_a_plugin_by_relative_path_and_exports_it(tmp_path, m
         import os
         from hydra import compose, initialize_config_module
         from mix_src.main_mix_ppo import export_plugins
-        from mix_src.mix_config import validate_mix_config
+        from mix_src.config.mix_config import validate_mix_config
         with initialize_config_module(config_module="mix_src.config", version_base=None):
             cfg = compose(config_name="mix_ppo", overrides=["mix.plugins=[my_plugin.py]", "mix.n_prefix=1",
                           "mix.prefix_strategy=plugin_full", "mix.loss.off_policy_reshape=plugin_sqrt",
@@ -95,7 +95,7 @@ def test_config_stage_loads_a_plugin_by_relative_path_and_exports_it(tmp_path, m
 def test_worker_process_loads_plugins_at_import_verl(tmp_path):
     """What a Ray worker does: with the exported environment, `import verl` alone registers the plugin."""
     path = write_plugin(tmp_path, tmp_path / "marks.txt")
-    code = "import verl\nfrom mix_src.prefix import PREFIX_STRATEGIES\nprint('plugin_full' in PREFIX_STRATEGIES._entries)"
+    code = "import verl\nfrom mix_src.algo.prefix import PREFIX_STRATEGIES\nprint('plugin_full' in PREFIX_STRATEGIES._entries)"
     env = cpu_env({"MIX_PLUGINS": path, "VERL_USE_EXTERNAL_MODULES": "mix_src.plugins"})
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -103,7 +103,7 @@ def test_worker_process_loads_plugins_at_import_verl(tmp_path):
 
 
 def test_missing_plugin_is_a_clear_error(tmp_path):
-    from mix_src.mix_config import mix_config_from_dict
+    from mix_src.config.mix_config import mix_config_from_dict
 
     with pytest.raises(FileNotFoundError, match=r"mix\.plugins: plugin file 'nope/missing\.py' does not exist"):
         mix_config_from_dict({"plugins": ["nope/missing.py"]})

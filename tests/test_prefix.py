@@ -1,4 +1,4 @@
-"""Tests of mix_src/prefix.py: every strategy in both modes, hand-computed windows, a loop reference of
+"""Tests of mix_src/algo/prefix.py: every strategy in both modes, hand-computed windows, a loop reference of
 the original's per-sample algorithm, edge cases and bad arguments."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from mix_src import prefix as prefix_mod
-from mix_src.prefix import PREFIX_STRATEGIES, build_prefix, compute_prefix_ratios, step_window
+from mix_src.algo import prefix as prefix_mod
+from mix_src.algo.prefix import PREFIX_STRATEGIES, build_prefix, compute_prefix_ratios, step_window
 
 
 def ratios(num_prompts=50, n=4, seed=0, global_step=1, **kwargs):
@@ -107,7 +107,7 @@ def test_fixed_per_sample_and_shared():
     assert np.allclose(r, [0.25, 0.25, 0.75, 0.75, 0.25, 0.25])
 
 
-BUILTIN_STRATEGIES = [n for n in PREFIX_STRATEGIES if PREFIX_STRATEGIES.get(n).__module__ == "mix_src.prefix"]
+BUILTIN_STRATEGIES = [n for n in PREFIX_STRATEGIES if PREFIX_STRATEGIES.get(n).__module__ == "mix_src.algo.prefix"]
 
 
 @pytest.mark.parametrize("strategy", BUILTIN_STRATEGIES)

@@ -1,5 +1,5 @@
 """Prefix-RFT plugin (recipes/prefix_rft/prefix_rft.py) against a transcription of the official code, and
-the core extension point it uses (mix_src.prefix_select) through the worker loss.
+the core extension point it uses (mix_src.algo.prefix_select) through the worker loss.
 
 Reference: https://github.com/ZeroYuHuang/prefix_rft at commit 5f5d2a1fb18f0efb6d5ac51839b2750490cefaf8,
 recipe/prefix_rft/core_algos.py (compute_dr_grpo_prefix_outcome_advantage, compute_dr_grpo_prefix_v2_outcome_advantage),
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from mix_src.registry import load_plugins
+from mix_src.extend import load_plugins
 
 PLUGIN = str(Path(__file__).resolve().parents[1] / "recipes" / "prefix_rft" / "prefix_rft.py")
 
@@ -237,13 +237,13 @@ def test_prefix_advantage_matches_official(pr, v2, rows_per_prefix, seed):
 def test_registered_estimator_is_official_with_one_row_per_prefix(pr, v2):
     """Our batch: each prefixed row is its own prefix (the official rollout.n=1 case), on-policy rows form the
     empty-prefix group; the registered estimator sees only prefix_mask and must give the official numbers."""
-    from mix_src.adv_estimators import ADV_ESTIMATORS
+    from mix_src.trainer.adv_estimators import ADV_ESTIMATORS
 
     gen = np.random.default_rng(7)
     rewards, response_mask, prefix_mask, index, prefix_index = _random_groups(gen, 5, 1)
     want, _ = (compute_dr_grpo_prefix_v2_outcome_advantage if v2 else compute_dr_grpo_prefix_outcome_advantage)(
         rewards.clone(), response_mask, prefix_mask, index, prefix_index, 1)
-    from mix_src.core_alg import group_ids
+    from mix_src.algo.core_alg import group_ids
 
     est = ADV_ESTIMATORS.get("dr_grpo_prefix_v2" if v2 else "dr_grpo_prefix")
     got, _ = est(rewards.clone(), response_mask, group_ids(index), prefix_mask.bool(), {})
@@ -270,7 +270,7 @@ def test_cosine_schedule_matches_official(pr, init, target, n, warm):
 
 
 def test_prefix_strategy_draws_under_the_decaying_bound(pr):
-    from mix_src.prefix import compute_prefix_ratios
+    from mix_src.algo.prefix import compute_prefix_ratios
 
     kw = dict(strategy="prefix_rft_cosine", n_prefix=2, min_prefix_ratio=0.05, max_prefix_ratio=0.95, prefix_steps=100)
     for step in (1, 30, 60, 101, 500):
@@ -290,7 +290,7 @@ def test_entropy_selection_matches_official(pr, ratio, seed):
     entropy = torch.rand(B, L, generator=g) * 3
     adv = torch.randn(B, L, generator=g)
     want = official_entropy_reshape(adv.clone(), entropy, prefix_mask, ratio)
-    from mix_src.prefix_select import apply_prefix_token_selection
+    from mix_src.algo.prefix_select import apply_prefix_token_selection
 
     keep = pr.entropy_keep_mask(entropy, prefix_mask, ratio)
     torch.testing.assert_close(apply_prefix_token_selection(adv, prefix_mask, keep), want, rtol=0, atol=0)
@@ -305,7 +305,7 @@ def test_loss_zeroes_dropped_prefix_tokens_and_clips_prefix_as_on_policy(pr):
     from test_loss import BigramLM, actor_config, make_batch, run_mini_batch
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from mix_src.loss import MixPolicyLoss
+    from mix_src.worker.loss import MixPolicyLoss
 
     model = BigramLM(seed=1)
     data = make_batch(seed=4, model=model)  # row 0: all prefix, row 1: 2 prefix tokens
@@ -340,10 +340,10 @@ def test_loss_zeroes_dropped_prefix_tokens_and_clips_prefix_as_on_policy(pr):
 def test_entries_describe_themselves_and_check_the_config(pr):
     from omegaconf import OmegaConf
 
-    from mix_src.adv_estimators import ADV_ESTIMATORS
-    from mix_src.prefix import PREFIX_STRATEGIES
-    from mix_src.prefix_select import PREFIX_TOKEN_SELECTS
-    from mix_src.registry import EntryConfigError, check_selected_entries
+    from mix_src.trainer.adv_estimators import ADV_ESTIMATORS
+    from mix_src.algo.prefix import PREFIX_STRATEGIES
+    from mix_src.algo.prefix_select import PREFIX_TOKEN_SELECTS
+    from mix_src.extend import EntryConfigError, check_selected_entries
 
     for reg, name in [(ADV_ESTIMATORS, "dr_grpo_prefix"), (PREFIX_STRATEGIES, "prefix_rft_cosine"),
                       (PREFIX_TOKEN_SELECTS, "prefix_rft_entropy")]:  # fmt: skip
@@ -374,7 +374,7 @@ def test_entries_describe_themselves_and_check_the_config(pr):
 
 
 def test_mix_config_rejects_an_unknown_selection():
-    from mix_src.mix_config import LossConfig, MixConfigError
+    from mix_src.config.mix_config import LossConfig, MixConfigError
 
     with pytest.raises(MixConfigError, match="mix.loss.prefix_token_select='nope' is not a registered"):
         LossConfig(prefix_token_select="nope")
@@ -398,8 +398,8 @@ def test_recipe_and_harness_entry_pass_the_before_ray_checks(pr, use_v1):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from mix_src.mix_config import validate_mix_config
-    from mix_src.registry import check_selected_entries
+    from mix_src.config.mix_config import validate_mix_config
+    from mix_src.extend import check_selected_entries
 
     entry = _compare_entry()
     assert set(entry) == {"kind", "plugins", "overrides"} and entry["kind"] == "rl" and all((REPO / p).is_file() for p in entry["plugins"])

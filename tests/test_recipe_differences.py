@@ -95,9 +95,9 @@ def test_recipe_readme_lists_differences_by_scope(recipe):
 
 def test_stale_reference_is_caught():
     """The checker itself: a wrong line, a missing file and a name not on its line are reported."""
-    assert stale_references("`mix_src/row_loss.py:1` `sft_rows`", "hpt")
+    assert stale_references("`mix_src/algo/row_loss.py:1` `sft_rows`", "hpt")
     assert stale_references("`mix_src/nope.py:3`", "hpt")
-    assert stale_references("`mix_src/row_loss.py:999999`", "hpt")
-    line = next(i for i, s in enumerate((REPO_ROOT / "mix_src/row_loss.py").read_text().splitlines(), 1)
+    assert stale_references("`mix_src/algo/row_loss.py:999999`", "hpt")
+    line = next(i for i, s in enumerate((REPO_ROOT / "mix_src/algo/row_loss.py").read_text().splitlines(), 1)
                 if s.startswith("def sft_rows("))  # fmt: skip
-    assert not stale_references(f"`mix_src/row_loss.py:{line}` `sft_rows`, `:{line}` `sft_rows`", "hpt")
+    assert not stale_references(f"`mix_src/algo/row_loss.py:{line}` `sft_rows`, `:{line}` `sft_rows`", "hpt")

@@ -19,7 +19,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from mix_src.mix_config import validate_mix_config
+from mix_src.config.mix_config import validate_mix_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPES_DIR = REPO_ROOT / "recipes"
@@ -103,10 +103,10 @@ EXPECTED = {
         "data.train_batch_size": 128, "trainer.total_training_steps": 701,
     },
     "toy_calculator": {
-        "mix.n_prefix": 1, "mix.min_prefix_ratio": 1.0, "mix.plugins": ["mix_src.toy_calculator"],
+        "mix.n_prefix": 1, "mix.min_prefix_ratio": 1.0, "mix.plugins": ["scripts.experiments.toy_tasks.calculator"],
         "actor_rollout_ref.rollout.agent.default_agent_loop": "prefix_guided_tool",
         "actor_rollout_ref.rollout.multi_turn.format": "hermes", "algorithm.filter_groups.enable": True,
-        "algorithm.filter_groups.metric": "acc", "reward.custom_reward_function.path": "pkg://mix_src.environments",
+        "algorithm.filter_groups.metric": "acc", "reward.custom_reward_function.path": "pkg://mix_src.rollout.environments",
         "mix.loss.off_policy_reshape": "p_div_p", "mix.loss.loss_remove_clip": True, "trainer.device": "cpu",
     },
     "cpu_tiny": {
@@ -157,7 +157,7 @@ def check_with_verl(cfg) -> None:
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import omega_conf_to_dataclass, validate_config
 
-    from mix_src.verl_parity import check_verl_keys
+    from mix_src.config.verl_parity import check_verl_keys
 
     check_verl_keys(cfg)  # the settings the MIX trainer refuses (as the entry point does before Ray)
     omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)

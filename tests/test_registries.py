@@ -10,14 +10,14 @@ from omegaconf import OmegaConf
 
 from verl import DataProto
 
-from mix_src import core_alg
-from mix_src.adv_estimators import ADV_ESTIMATORS, register_adv_estimator
-from mix_src.core_alg import compute_token_on_off_policy_loss, register_off_policy_reshape, register_on_policy_reshape
-from mix_src.filter_groups import GroupStats, filter_groups, register_group_filter
-from mix_src.mix_config import MixConfigError, mix_config_from_dict, validate_mix_config
-from mix_src.mix_trainer import MIXRayPPOTrainer
-from mix_src.prefix import PrefixDraw, compute_prefix_ratios, register_prefix_strategy
-from mix_src.registry import Registry
+from mix_src.algo import core_alg
+from mix_src.trainer.adv_estimators import ADV_ESTIMATORS, register_adv_estimator
+from mix_src.algo.core_alg import compute_token_on_off_policy_loss, register_off_policy_reshape, register_on_policy_reshape
+from mix_src.algo.filter_groups import GroupStats, filter_groups, register_group_filter
+from mix_src.config.mix_config import MixConfigError, mix_config_from_dict, validate_mix_config
+from mix_src.trainer.legacy import MIXRayPPOTrainer
+from mix_src.algo.prefix import PrefixDraw, compute_prefix_ratios, register_prefix_strategy
+from mix_src.extend import Registry
 
 
 def compose_mix(*overrides):
@@ -144,11 +144,11 @@ def test_registry_refuses_a_second_function_under_one_name():
         reg.get("y")
 
 
-# ---------------------------------------------------------------- self-describing entries (mix_src.registry.Entry)
+# ---------------------------------------------------------------- self-describing entries (mix_src.extend.Entry)
 def test_entry_describes_itself_and_refuses_unsupported_base_before_ray():
     """An entry's bases / why_not / check / reads are stored; check_selected_entries refuses an unsupported
     base with the entry's own reason and runs the entry's check, naming the key — no caller names the entry."""
-    from mix_src.registry import EntryConfigError, check_selected_entries
+    from mix_src.extend import EntryConfigError, check_selected_entries
 
     def my_check(cfg):
         if cfg.mix.prefix_linear_max_ratio > 0.9:
@@ -159,7 +159,7 @@ def test_entry_describes_itself_and_refuses_unsupported_base_before_ray():
     def _legacy_only(d):
         return np.zeros(d.shape)
 
-    from mix_src.prefix import PREFIX_STRATEGIES
+    from mix_src.algo.prefix import PREFIX_STRATEGIES
 
     entry = PREFIX_STRATEGIES.describe("test_legacy_only")
     assert entry.bases == ("legacy",) and entry.reads == ("mix.prefix_linear_max_ratio",) and entry.check is my_check
@@ -183,11 +183,11 @@ def test_entry_without_reason_for_a_missing_base_is_refused_at_registration():
 
 
 def test_declared_setting_is_checked_once_and_reaches_the_entry(monkeypatch):
-    """One settings channel (mix_src/registry.py resolve_settings): an entry declares its settings; the driver
+    """One settings channel (mix_src/extend.py resolve_settings): an entry declares its settings; the driver
     checks each value once, names the key as the user wrote it (mix.plugin_options.<entry>, or the registry's
     older spelling), and writes the full settings back, which the entry then reads. < 0.1 s."""
-    from mix_src import registry as registry_module
-    from mix_src.registry import EntryConfigError, Setting, check_selected_entries, flag
+    from mix_src import extend as registry_module
+    from mix_src.extend import EntryConfigError, Setting, check_selected_entries, flag
 
     reg = Registry("test pick", "mix.test_pick", old_settings={"k": "mix.old_k"})
     monkeypatch.setattr(registry_module, "_REGISTRIES", [reg])

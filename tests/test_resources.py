@@ -12,7 +12,7 @@ from omegaconf import open_dict
 
 from mix_src.config import resources
 from mix_src.config.resources import check_checkpoint_dir, kept_at_once
-from mix_src.mix_config import MixConfigError
+from mix_src.config.mix_config import MixConfigError
 from mix_src.planner import checkpoint_bytes, count_params
 from mix_src.planner.presets import PRESETS
 from test_recipes import compose_recipe

@@ -1,12 +1,12 @@
-"""mix_src.stages: the per-step pieces both trainer bases call (pure numpy/torch, hand-computed numbers)."""
+"""mix_src.trainer.stages: the per-step pieces both trainer bases call (pure numpy/torch, hand-computed numbers)."""
 
 import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from mix_src.mix_config import mix_config_from_dict
-from mix_src.stages import (filter_metric_values, length_clip_metrics, luffy_advantages, prefix_mask_tensor,
+from mix_src.config.mix_config import mix_config_from_dict
+from mix_src.trainer.stages import (filter_metric_values, length_clip_metrics, luffy_advantages, prefix_mask_tensor,
                             prefix_step_metrics, solve_metrics, solved_rows)
 
 
@@ -84,7 +84,7 @@ def _rollout_batch():
 def test_rollout_vs_actor_metrics_leave_prefix_tokens_out():
     from verl.utils.debug.metrics import calculate_debug_metrics
 
-    from mix_src.stages import on_policy_rollout_metrics
+    from mix_src.trainer.stages import on_policy_rollout_metrics
 
     data, prefix = _rollout_batch()
     whole = calculate_debug_metrics(data)  # what verl's V1 stage logs on its own
@@ -96,7 +96,7 @@ def test_rollout_vs_actor_metrics_leave_prefix_tokens_out():
 
 
 def test_rollout_correction_sees_on_policy_tokens_and_keeps_prefix_weights_at_one():
-    from mix_src.stages import on_policy_rollout_correction
+    from mix_src.trainer.stages import on_policy_rollout_correction
 
     data, prefix = _rollout_batch()
     seen = {}
@@ -127,7 +127,7 @@ def _legacy_filter_values(metric):
 
     from verl import DataProto
 
-    from mix_src.mix_trainer import MIXRayPPOTrainer
+    from mix_src.trainer.legacy import MIXRayPPOTrainer
 
     batch = DataProto.from_dict(tensors={"token_level_scores": ROWS_SCORES},
                                 non_tensors={"uid": np.array(ROWS_UID, dtype=object), "acc": np.array(ROWS_ACC)},
@@ -140,7 +140,7 @@ def _v1_evicted(metric, monkeypatch, extra=None):
     from collections import defaultdict
     from types import SimpleNamespace
 
-    from mix_src import mix_trainer_v1
+    from mix_src.trainer import v1 as mix_trainer_v1
     from mix_src.trainer import v1_replay  # the buffer's rules, read through mix_trainer_v1's re-export
 
     extra = extra if extra is not None else [{"reward_extra_info": {"acc": a}} for a in ROWS_ACC]

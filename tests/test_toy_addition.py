@@ -1,4 +1,4 @@
-"""Toy addition task (mix_src/toy_addition.py, scripts/experiments/toy_addition.py, recipes/toy_addition/).
+"""Toy addition task (scripts/experiments/toy_tasks/addition.py, scripts/experiments/toy_addition.py, recipes/toy_addition/).
 
 Fast unit tests of the task (traces, carries, reward, splits, tokenizer, parquet schema, configs) and a CI
 smoke test (marked ``ray``) that runs each method of recipes/toy_addition for a few steps through the real
@@ -22,7 +22,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from mix_src import toy_addition as task
+from scripts.experiments.toy_tasks import addition as task
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPE_DIR = REPO_ROOT / "recipes" / "toy_addition"
@@ -108,7 +108,7 @@ def test_reward_loads_through_verl():
     from verl.trainer.ppo.reward import get_custom_reward_fn
 
     cfg = OmegaConf.create({"reward": {"custom_reward_function": {
-        "path": "pkg://mix_src.toy_addition", "name": "compute_score", "reward_kwargs": {}}}})  # fmt: skip
+        "path": "pkg://scripts.experiments.toy_tasks.addition", "name": "compute_score", "reward_kwargs": {}}}})  # fmt: skip
     fn = get_custom_reward_fn(cfg)
     assert fn(data_source="toy_addition", solution_str="21 80 50>0582", ground_truth="582", extra_info={})["acc"] == 1.0
     assert fn(data_source="toy_addition", solution_str="20 70 50>0572", ground_truth="582", extra_info={})["acc"] == 0.0
@@ -571,7 +571,7 @@ def test_rl_configs_compose_and_validate(name):
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import omega_conf_to_dataclass, validate_config
 
-    from mix_src.mix_config import validate_mix_config
+    from mix_src.config.mix_config import validate_mix_config
 
     cfg = compose_recipe(name)
     mix = validate_mix_config(cfg)
@@ -583,7 +583,7 @@ def test_rl_configs_compose_and_validate(name):
     # the same batch, budget and optimiser for both methods; only the prefix differs
     assert cfg.data.train_batch_size == 32 and rollout.n == 8 and cfg.actor_rollout_ref.actor.optim.lr == 5e-4
     assert rollout.val_kwargs.do_sample is False and rollout.name == "hf" and cfg.trainer.device == "cpu"
-    assert cfg.reward.custom_reward_function.path == "pkg://mix_src.toy_addition"
+    assert cfg.reward.custom_reward_function.path == "pkg://scripts.experiments.toy_tasks.addition"
     assert cfg.algorithm.adv_estimator == "grpo" and cfg.algorithm.norm_adv_by_std_in_grpo is False
     assert mix.loss.loss_agg_mode == "luffy-token-sum-norm"
     assert cfg.actor_rollout_ref.actor.loss_scale_factor == cfg.data.max_response_length == 16

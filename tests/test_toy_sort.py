@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from mix_src import toy_sort as task
+from scripts.experiments.toy_tasks import sort as task
 from scripts.experiments import compare as cmp
 from scripts.experiments import toy_addition as ta
 from scripts.experiments import toy_sort as ts
@@ -54,7 +54,7 @@ def test_reward_scores_every_correct_sort_1_and_wrong_answers_0():
 def test_traces_fit_the_response_and_target_caps(sort_cfg, tmp_path):
     """Correct answers are never cut: trace + EOS fits data.max_response_length of the sort runs, the target
     (the trace) fits mix.data.max_target_length's default, and the HF evaluator's max_new_tokens."""
-    from mix_src.mix_config import DataConfig
+    from mix_src.config.mix_config import DataConfig
 
     width = int(sort_cfg.data.max_response_length)
     assert width == cmp.TASKS["sort"].max_response_length
@@ -77,7 +77,7 @@ def test_sort_rl_runs_use_the_sort_learning_rate(sort_cfg):
     (every method, and the RL phase of SFT->RL) get 1e-4 from recipes/toy_addition/task/sort.yaml."""
     assert float(sort_cfg.actor_rollout_ref.actor.optim.lr) == pytest.approx(1e-4)
     assert float(_compose("addition").actor_rollout_ref.actor.optim.lr) == pytest.approx(5e-4)
-    assert sort_cfg.reward.custom_reward_function.path == "pkg://mix_src.toy_sort"
+    assert sort_cfg.reward.custom_reward_function.path == "pkg://scripts.experiments.toy_tasks.sort"
 
 
 def test_a_sort_run_made_at_the_old_learning_rate_is_not_reused():
@@ -91,7 +91,7 @@ def test_a_sort_run_made_at_the_old_learning_rate_is_not_reused():
     assert now == ["+task=sort"]
     old = {"budget": 4e11, "count": "full", "evals_asked": 4}
     assert not cmp.reusable(old, grid, now)
-    assert not cmp.reusable({**old, "overrides": ["reward.custom_reward_function.path=pkg://mix_src.toy_sort",
+    assert not cmp.reusable({**old, "overrides": ["reward.custom_reward_function.path=pkg://scripts.experiments.toy_tasks.sort",
                                                   "data.max_response_length=24"]}, grid, now)
     assert cmp.reusable({**old, "overrides": now}, grid, now)
     assert cmp.run_overrides(cmp.TASKS["sort"], cmp.load_method("sft_rl")) == now  # its RL phase is grpo's

@@ -7,7 +7,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from mix_src.stages import MIX_STATE_FILE
+from mix_src.trainer.stages import MIX_STATE_FILE
 from mix_src.trainer.common import MixTrainerCommon
 
 # the two formats as written before the shared module (dfc224e: mix_trainer.py and mix_trainer_v1.py _save_checkpoint)
@@ -50,7 +50,7 @@ def test_the_saved_state_round_trips_and_keeps_the_format(tmp_path):
 
 
 def test_generation_flops_wait_for_the_next_count_then_reset(tiny_assets):
-    from mix_src.flops import COUNTS, rollout_flops
+    from mix_src.algo.flops import COUNTS, rollout_flops
 
     t = object.__new__(MixTrainerCommon)
     t.config = OmegaConf.create({"actor_rollout_ref": {"model": {"path": tiny_assets["model"]}}})
@@ -64,7 +64,7 @@ def test_generation_flops_wait_for_the_next_count_then_reset(tiny_assets):
 
 
 def test_the_trainer_mode_is_read_from_verls_trainer_class_not_its_name():
-    from mix_src.mix_trainer_v1 import MixPPOTrainerColocateAsync, MixPPOTrainerSeparateAsync, MixPPOTrainerSync
+    from mix_src.trainer.v1 import MixPPOTrainerColocateAsync, MixPPOTrainerSeparateAsync, MixPPOTrainerSync
 
     assert object.__new__(MixPPOTrainerSync)._steps_in_sync
     assert not object.__new__(MixPPOTrainerColocateAsync)._steps_in_sync

@@ -17,8 +17,8 @@ from omegaconf import OmegaConf
 
 from verl import DataProto
 
-from mix_src.mix_config import mix_config_from_dict
-from mix_src.mix_trainer import MIXRayPPOTrainer
+from mix_src.config.mix_config import mix_config_from_dict
+from mix_src.trainer.legacy import MIXRayPPOTrainer
 
 N = 4  # rollout.n
 L = 3  # response width
@@ -115,7 +115,7 @@ def test_non_default_target_key_reaches_the_prefix_ratios(tmp_path, tiny_assets)
     loop and the trainer's prefix-ratio draw read."""
     from transformers import AutoTokenizer
 
-    from mix_src.dataset import RLHFDatasetWithTarget
+    from mix_src.trainer.dataset import RLHFDatasetWithTarget
 
     rows = [{"data_source": "t", "prompt": [{"role": "user", "content": f"q{i}"}], "ability": "math",
              "reward_model": {"style": "rule", "ground_truth": "1"}, "extra_info": {"index": i},
@@ -203,7 +203,7 @@ def test_learned_entropy_coefficient_is_checkpointed_and_restored(tmp_path):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     # a real trainer process imports verl's checkpoint engines while it builds its workers, and the CPU backend's
-    # hook on them is checked when the loss is installed (mix_src/loss.py install_loss); this fake trainer builds
+    # hook on them is checked when the loss is installed (mix_src/worker/loss.py install_loss); this fake trainer builds
     # no workers, so import them as the real one would (alone, this test failed with HookNotFired)
     import verl.checkpoint_engine  # noqa: F401
 

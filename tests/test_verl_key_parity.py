@@ -1,6 +1,6 @@
 """Guard: every key verl 0.9.1's ``RayPPOTrainer.fit`` reads (``trainer.*``, ``algorithm.*``,
 ``actor_rollout_ref.*``, ``global_profiler.*``) is honoured by MIXRayPPOTrainer's own loop or refused
-before Ray starts, naming the key. The lists live in ``mix_src/verl_parity.py``: after a verl upgrade
+before Ray starts, naming the key. The lists live in ``mix_src/config/verl_parity.py``: after a verl upgrade
 this test names each new key or call of verl's fit. No Ray."""
 
 import inspect
@@ -12,9 +12,9 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from mix_src import verl_parity
-from mix_src.mix_config import MixConfigError
-from mix_src.mix_trainer import MIXRayPPOTrainer
+from mix_src.config import verl_parity
+from mix_src.config.mix_config import MixConfigError
+from mix_src.trainer.legacy import MIXRayPPOTrainer
 
 CALL_RE = re.compile(r"self\.(\w+(?:\.\w+)?)\(")
 
@@ -64,13 +64,13 @@ def test_every_key_verls_fit_reads_is_honoured_or_refused():
     listed = set(verl_parity.HONOURED) | set(verl_parity.REFUSED_KEYS)
     new = sorted(fit_keys() - listed)
     assert not new, (
-        f"verl's RayPPOTrainer.fit reads {new}, which mix_src/verl_parity.py does not list: honour each in "
+        f"verl's RayPPOTrainer.fit reads {new}, which mix_src/config/verl_parity.py does not list: honour each in "
         "MIXRayPPOTrainer (HONOURED) or refuse its unsupported values before Ray starts (REFUSED_KEYS + a check)"
     )
 
 
 def test_every_call_verls_fit_makes_is_made_by_the_mix_trainer_or_refused():
-    import mix_src.mix_trainer as mt
+    import mix_src.trainer.legacy as mt
 
     ours = inspect.getsource(mt)
     calls = set(CALL_RE.findall(verl_fit_source()))
@@ -170,7 +170,7 @@ def test_agent_loop_worker_registers_prefix_guided_through_the_dataset_class():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "mix_src.agent_loop.PrefixGuidedAgentLoop" in out.stdout
+    assert "mix_src.rollout.agent_loop.PrefixGuidedAgentLoop" in out.stdout
 
 
 def test_backend_cpu_refused_when_the_cpu_backend_is_off(tmp_path, monkeypatch):

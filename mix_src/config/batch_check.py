@@ -27,7 +27,7 @@ from typing import Optional
 
 from omegaconf import DictConfig, ListConfig
 
-from mix_src.mix_config import MixConfigError
+from mix_src.config.mix_config import MixConfigError
 
 A = "actor_rollout_ref.actor"
 

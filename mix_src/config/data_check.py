@@ -3,14 +3,14 @@
 ``check_data(config)`` opens each ``data.train_files`` / ``data.val_files`` file the way verl's ``RLHFDataset``
 reads it (``.parquet``, ``.json``, ``.jsonl``; verl/utils/dataset/rl_dataset.py ``_read_files_and_tokenize``) and
 
-* **refuses a bad file** (:class:`~mix_src.mix_config.MixConfigError` naming the file, the column and what to
+* **refuses a bad file** (:class:`~mix_src.config.mix_config.MixConfigError` naming the file, the column and what to
   do): a directory, another extension, an empty or unreadable file, no rows, no ``data.prompt_key`` column, a
   prompt column of strings, no ``reward_model`` column, a target column (``mix.data.target_key``) that is not
   text, fewer usable training rows than one batch (``data.train_batch_size``);
 * **drops bad rows and counts them** in one summary line per file, naming the first bad row: a row fails
   :func:`row_problem` (prompt not a chat list of ``{role, content}`` strings; ``reward_model.ground_truth``
   missing, empty or NaN/inf text). The workers see the same rows because the dataset class
-  (:class:`mix_src.dataset.RLHFDatasetWithTarget`) drops rows with this same function when it loads the files;
+  (:class:`mix_src.trainer.dataset.RLHFDatasetWithTarget`) drops rows with this same function when it loads the files;
   with another ``data.custom_cls`` nothing would drop them, so a bad row is refused instead;
 * **prompts longer than ``data.max_prompt_length``** (verl's count: the chat template with the generation
   prompt, ``data.apply_chat_template_kwargs``): with ``data.filter_overlong_prompts=true`` verl's dataset drops
@@ -20,7 +20,7 @@ reads it (``.parquet``, ``.json``, ``.jsonl``; verl/utils/dataset/rl_dataset.py 
   loop does, and is not counted here.
 
 * **targets longer than ``mix.data.max_target_length``** (tokens; the dataset drops their rows at load,
-  mix_src/dataset.py, unless ``mix.data.truncate_targets=true``): a target of at most that many UTF-8 bytes
+  mix_src/trainer/dataset.py, unless ``mix.data.truncate_targets=true``): a target of at most that many UTF-8 bytes
   fits for certain (a token of a byte-level tokenizer covers at least one byte), so only longer ones are
   tokenised; up to :data:`EXACT_TARGETS` of them exactly (their rows leave the usable count, so a file whose
   every target is too long is refused here rather than found empty inside Ray), beyond that a seeded sample
@@ -39,11 +39,11 @@ from typing import Any, Iterable, Optional
 
 from omegaconf import DictConfig, ListConfig
 
-from mix_src.mix_config import MixConfigError
+from mix_src.config.mix_config import MixConfigError
 from mix_src.rewards.answers import ground_truth_problem
 
 READABLE = (".parquet", ".json", ".jsonl")  # what verl's RLHFDataset reads (rl_dataset.py _read_files_and_tokenize)
-OUR_DATASET = "RLHFDatasetWithTarget"  # the class that drops bad rows with row_problem (mix_src/dataset.py)
+OUR_DATASET = "RLHFDatasetWithTarget"  # the class that drops bad rows with row_problem (mix_src/trainer/dataset.py)
 EXACT_TARGETS = 5000  # targets longer in bytes than the cap: tokenised all when at most this many
 SAMPLED_TARGETS = 2000  # ... else a seeded sample of this many, for an estimate
 
@@ -73,7 +73,7 @@ def normalize_target(value: Any) -> Optional[str]:
 
 def is_episode(text: Optional[str]) -> bool:
     """A multi-turn expert episode (the tool loop's target: a JSON list of ``{role, content}`` messages,
-    mix_src/agent_loop_tools.py ``parse_episode``). Its length is the tool loop's to measure (its assistant and tool
+    mix_src/rollout/agent_loop_tools.py ``parse_episode``). Its length is the tool loop's to measure (its assistant and tool
     tokens as the loop lays them out; recipes/toy_calculator/prepare.py drops longer ones), not the JSON text's, so
     the ``mix.data.max_target_length`` rule skips it."""
     if not text or not text.lstrip().startswith("["):
@@ -99,7 +99,7 @@ def prompt_problem(prompt) -> Optional[str]:
 
 def row_problem(prompt, reward_model) -> Optional[str]:
     """Why a row cannot train or be graded, or ``None``: THE row rule, shared by :func:`check_data` (driver)
-    and :class:`mix_src.dataset.RLHFDatasetWithTarget` (workers) so both see the same rows."""
+    and :class:`mix_src.trainer.dataset.RLHFDatasetWithTarget` (workers) so both see the same rows."""
     why = prompt_problem(prompt)
     if why is not None:
         return why

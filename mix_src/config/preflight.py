@@ -1,7 +1,7 @@
 """The checks the driver runs before Ray starts, in one stage that reads top to bottom.
 
 ``run(config)`` is what ``python -m mix_src.main_mix_ppo`` calls before ``ray.init``; each step raises
-:class:`~mix_src.mix_config.MixConfigError` (or ``FileNotFoundError`` for a path, :class:`~mix_src.registry.
+:class:`~mix_src.config.mix_config.MixConfigError` (or ``FileNotFoundError`` for a path, :class:`~mix_src.extend.
 EntryConfigError` for a registry entry) naming the key, file or value and what to do. Order: installed versions
 and plugins → paths → keys (the ``mix:`` section, verl keys our loop replaces, the backend, the trainer base,
 verl's own ``validate_config``, the model context) → registry entries (bases, settings, own checks) → data
@@ -21,15 +21,15 @@ from mix_src.config.resources import check_checkpoint_dir
 from mix_src.config.data_check import check_data
 from mix_src.config.batch_check import check_batch_arithmetic
 from mix_src.cpu import CHECKPOINT_ENGINE as CPU_CHECKPOINT_ENGINE, ROLLOUT_ENV
-from mix_src.mix_config import MixConfigError, validate_mix_config
-from mix_src.model_context import check_attention, resolve_max_model_len
+from mix_src.config.mix_config import MixConfigError, validate_mix_config
+from mix_src.config.model_context import check_attention, resolve_max_model_len
 from mix_src.planner.check import check_memory
-from mix_src.registry import PLUGINS_ENV, check_selected_entries, load_plugins, load_verl_plugins, resolve_plugin
-from mix_src.verl_parity import check_verl_keys
+from mix_src.extend import PLUGINS_ENV, check_selected_entries, load_plugins, load_verl_plugins, resolve_plugin
+from mix_src.config.verl_parity import check_verl_keys
 
 
 def run(config: DictConfig) -> Any:
-    """Every check before Ray, in order. Returns the validated :class:`~mix_src.mix_config.MixConfig`."""
+    """Every check before Ray, in order. Returns the validated :class:`~mix_src.config.mix_config.MixConfig`."""
     check_versions()  # 0. the installed verl (and others) are the versions every patch of ours was read against
     export_plugins(config)  # 0. plugins imported here and in every Ray process (the names they register are valid)
     _check_paths(config)  # 1. paths: data files, model, tokenizer
@@ -64,8 +64,8 @@ def check_versions() -> None:
 def check_keys(config: DictConfig) -> Any:
     """The keys: the ``mix:`` section (LUFFY's "off" values translated), verl keys our loop replaces, the backend,
     the trainer base's and the tool loop's refusals, the model context. Returns the validated
-    :class:`~mix_src.mix_config.MixConfig`."""
-    from mix_src.agent_loop_tools import check_config as check_tool_loop_config
+    :class:`~mix_src.config.mix_config.MixConfig`."""
+    from mix_src.rollout.agent_loop_tools import check_config as check_tool_loop_config
 
     mix = validate_mix_config(config)
     check_verl_keys(config, mix)
@@ -76,7 +76,7 @@ def check_keys(config: DictConfig) -> Any:
         check_tool_loop_config(config)
     except ValueError as e:
         raise MixConfigError(str(e)) from e
-    resolve_max_model_len(config)  # the agent loop's clamp needs the model context (mix_src/model_context.py)
+    resolve_max_model_len(config)  # the agent loop's clamp needs the model context (mix_src/config/model_context.py)
     check_attention(config)  # sdpa/eager need use_remove_padding=false; flash_attention_2 needs flash_attn
     return mix
 
@@ -113,7 +113,7 @@ def _check_backend(config: DictConfig) -> None:
 def export_plugins(config: DictConfig) -> list[str]:
     """Make every Ray process load what this one did, and fail as loudly: ``mix_src.plugins`` goes into verl's
     ``VERL_USE_EXTERNAL_MODULES`` (imported by verl/__init__.py in each process, where it imports verl's
-    ``verl.plugins`` entry points raising on a failure, :func:`mix_src.registry.load_verl_plugins`, and the
+    ``verl.plugins`` entry points raising on a failure, :func:`mix_src.extend.load_verl_plugins`, and the
     ``mix.plugins``); ``mix.plugins`` are imported here and their specs (paths made absolute) go into
     ``MIX_PLUGINS``; the rollout name goes into ``MIX_CPU_ROLLOUT`` (the CPU backend's "active" line). All
     of it in this process's environment (inherited by a local Ray cluster) and in
@@ -221,8 +221,8 @@ def check_separate_async(config: DictConfig) -> None:
 
 
 def check_v1_config(config: DictConfig, mix: Any) -> None:
-    """Refuse, before Ray starts, what LUFFY on verl's V1 trainer (mix_src/mix_trainer_v1.py) cannot honour.
-    ``mix``: the validated :class:`~mix_src.mix_config.MixConfig` (values as the trainers read them). Registry
+    """Refuse, before Ray starts, what LUFFY on verl's V1 trainer (mix_src/trainer/v1.py) cannot honour.
+    ``mix``: the validated :class:`~mix_src.config.mix_config.MixConfig` (values as the trainers read them). Registry
     entries (rollout policies, group filters, ...) declare their own bases (:func:`check_selected_entries`);
     the settings are in :data:`V1_REFUSALS`."""
     mode = config.trainer.v1.trainer_mode

@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from mix_src.mix_config import MixConfigError
+from mix_src.config.mix_config import MixConfigError
 from mix_src.planner import checkpoint_bytes, count_params
 
 GB = 10**9

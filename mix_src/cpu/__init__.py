@@ -53,11 +53,11 @@ and call it from :func:`activate`. Then, by the patch's name:
 * a hooked module that does not exist (moved, renamed) -> :class:`PatchTargetMissing` at once;
 * a hook that has not run by a checkpoint -> :class:`HookNotFired` from :func:`check_hooks_fired`: at
   ``"trainer"`` in the trainer process once the workers are up and ``"worker"`` in each actor worker when
-  the MIX loss arrives (both trainer bases pass :func:`mix_src.loss.install_loss`). A hook must have run by
+  the MIX loss arrives (both trainer bases pass :func:`mix_src.worker.loss.install_loss`). A hook must have run by
   the checkpoints in its ``required_in``, and at every checkpoint once its module is imported.
 
 These errors are raised while this plugin is imported; verl's own loader (``verl/__init__.py``) would only log
-them at DEBUG and run on without the backend, so :func:`mix_src.registry.load_verl_plugins` imports every
+them at DEBUG and run on without the backend, so :func:`mix_src.extend.load_verl_plugins` imports every
 ``verl.plugins`` entry point first, raising: on the driver (entry point) and in every Ray process
 (``mix_src.plugins``, which the entry point puts in ``VERL_USE_EXTERNAL_MODULES``).
 
@@ -301,7 +301,7 @@ def check_hooks_fired(checkpoint: str) -> None:
     it should have: its module is imported (it was loaded past the hook), or ``checkpoint`` is in its
     ``required_in``. A no-op when the backend is off (nothing registered). Called where both trainer bases
     pass: ``"trainer"`` in the trainer process once the workers are up and the MIX loss is installed
-    (:func:`mix_src.loss.install_loss`); ``"worker"`` in each actor worker when that loss arrives."""
+    (:func:`mix_src.worker.loss.install_loss`); ``"worker"`` in each actor worker when that loss arrives."""
     if checkpoint not in CHECKPOINTS:
         raise ValueError(f"unknown checkpoint {checkpoint!r}; use {CHECKPOINTS}")
     missing = [p for p in PATCHES if not p.fired and (p.module in sys.modules or checkpoint in p.required_in)]

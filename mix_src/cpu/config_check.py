@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from mix_src.mix_config import MixConfigError, uses_critic
-from mix_src.verl_parity import _get
+from mix_src.config.mix_config import MixConfigError, uses_critic
+from mix_src.config.verl_parity import _get
 
 # Model sections the FSDP workers build (actor/rollout/ref share one model config; the critic has its own).
 MODEL_SECTIONS = ("actor_rollout_ref.model", "critic.model")

@@ -12,12 +12,12 @@ from typing import Any, Mapping, Optional
 from mix_src.planner.estimate import (ALLOCATOR_FRAGMENTATION_BYTES, CUDA_CONTEXT_BYTES, ERROR_BOUND, GB, GIB, GPUS,
                                       Gpu, MemoryPlan, RunShape, TimePlan, count_params, plan_memory, plan_time, state_terms, states_bytes,
                                       step_terms, PARAM_BYTES, GRAD_BYTES, ADAM_BYTES, ADAM_STEP_TEMP_BYTES)
-from mix_src.mix_config import MixConfigError
+from mix_src.config.mix_config import MixConfigError
 from mix_src.planner.presets import PRESETS
 
 
 class PlannerRefusal(MixConfigError):
-    """The run cannot fit: raised before Ray (a :class:`~mix_src.mix_config.MixConfigError` in preflight)."""
+    """The run cannot fit: raised before Ray (a :class:`~mix_src.config.mix_config.MixConfigError` in preflight)."""
 
 
 def _get(config, dotted: str, default=None):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from mix_src.flops import ModelShape
+from mix_src.algo.flops import ModelShape
 
 GB = 10**9
 
@@ -30,7 +30,7 @@ CHECKPOINT_EXTRA_BYTES = 64 * 2**20
 
 def count_params(hf_config: Mapping) -> int:
     """Parameters of a decoder-only HF model (Qwen2/Llama family) from its ``config.json`` dict: the token
-    embedding (``vocab x hidden``), every decoder layer and the final norm (:class:`mix_src.flops.ModelShape`),
+    embedding (``vocab x hidden``), every decoder layer and the final norm (:class:`mix_src.algo.flops.ModelShape`),
     and the LM head unless ``tie_word_embeddings`` (Qwen2.5-7B: 7,615,616,512)."""
     shape = ModelShape.from_hf_config(hf_config)
     embed = shape.vocab * shape.d_model
@@ -341,12 +341,12 @@ class TimePlan:
 
 def plan_time(hf_config: Mapping, run: RunShape, gpu: Gpu, *, mean_response: float, mfu: float,
               kv_sequences: int) -> TimePlan:
-    """GPU-hours of ``run.steps`` steps. Training passes: :func:`mix_src.flops.rl_step_flops` ("full" count) of
+    """GPU-hours of ``run.steps`` steps. Training passes: :func:`mix_src.algo.flops.rl_step_flops` ("full" count) of
     ``batch x n`` rows of ``prompt_len + mean_response`` tokens at ``mfu`` of the GPU's bf16 peak. Decode
     (memory-bandwidth-bound): each engine (``rollout_tp`` GPUs) decodes its share of the on-policy rows
     ``min(max_num_seqs, kv_sequences)`` at a time; one decode step reads the engine's bf16 weights and the KV
     cache of the sequences decoding (at their mean context), over the engine's summed HBM bandwidth."""
-    from mix_src.flops import rl_step_flops
+    from mix_src.algo.flops import rl_step_flops
 
     shape = ModelShape.from_hf_config(hf_config)
     n_params = count_params(hf_config)

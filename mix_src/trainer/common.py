@@ -1,4 +1,4 @@
-"""What both trainer bases (legacy :class:`mix_src.mix_trainer.MIXRayPPOTrainer`, V1 :class:`mix_src.mix_trainer_v1.
+"""What both trainer bases (legacy :class:`mix_src.trainer.legacy.MIXRayPPOTrainer`, V1 :class:`mix_src.trainer.v1.
 MixV1Mixin`) do the same way, written once: prefix seeding (each row's prefix ratio and sampling seed), the FLOPs
 meter (``flops/*``, ``mix.flops_budget``), the checkpointed ``mix_state.pt`` (learned entropy coefficient,
 rollout-policy state, FLOPs so far) and the MIX worker loss.
@@ -15,10 +15,10 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from mix_src.flops import COUNTS, add_step_flops, rollout_flops, shape_unreadable
-from mix_src.loss import MixPolicyLoss, add_combine_inputs, add_kept_token_counts, install_loss, pop_entropy_state
-from mix_src.seeding import request_seeds
-from mix_src.stages import MIX_STATE_FILE, draw_prefix_ratios, model_shape
+from mix_src.algo.flops import COUNTS, add_step_flops, rollout_flops, shape_unreadable
+from mix_src.worker.loss import MixPolicyLoss, add_combine_inputs, add_kept_token_counts, install_loss, pop_entropy_state
+from mix_src.algo.seeding import request_seeds
+from mix_src.trainer.stages import MIX_STATE_FILE, draw_prefix_ratios, model_shape
 
 __all__ = ["MixTrainerCommon"]
 
@@ -33,22 +33,22 @@ class MixTrainerCommon:
     _entropy_state: Optional[dict] = None  # the learned entropy coefficient's state (mix.loss.use_adaptive_entropy)
     _rollout_state: Optional[dict] = None  # the rollout policy's own state (RolloutContext.state)
 
-    _model_shape = model_shape  # mix_src/stages.py
+    _model_shape = model_shape  # mix_src/trainer/stages.py
 
     # ---- prefix seeding: keyed by (seed, global_step, gen_index), so a resumed run draws what an uninterrupted one drew
     def _row_ratios(self, num_prompts: int, gen_index: int, targets) -> np.ndarray:
-        """(num_prompts * n,) prefix ratios, rows ``i*n + j`` (:func:`mix_src.stages.draw_prefix_ratios`; rows without
+        """(num_prompts * n,) prefix ratios, rows ``i*n + j`` (:func:`mix_src.trainer.stages.draw_prefix_ratios`; rows without
         a target get 0). ``targets``: one per row, or None."""
         return draw_prefix_ratios(self.mix, num_prompts, self.n, seed=self.prefix_seed, global_step=self.global_steps,
                                   gen_index=gen_index, targets=targets)  # fmt: skip
 
     def _row_seeds(self, num_prompts: int, gen_index: int) -> np.ndarray:
         """(num_prompts * n,) sampling seeds from ``(rollout.seed, global_step, gen_index, prompt, sample)``: a sample's
-        tokens never depend on its arrival order at the server (mix_src/seeding.py)."""
+        tokens never depend on its arrival order at the server (mix_src/algo/seeding.py)."""
         seed = int(self.config.actor_rollout_ref.rollout.get("seed") or 0)
         return request_seeds(seed, self.global_steps, gen_index, num_prompts, self.n)
 
-    # ---- FLOPs (mix_src/flops.py) ----------------------------------------------------------------------------
+    # ---- FLOPs (mix_src/algo/flops.py) ----------------------------------------------------------------------------
     def _flops_totals(self) -> dict:
         """The run's FLOPs so far per count."""
         if self._flops is None:
@@ -93,7 +93,7 @@ class MixTrainerCommon:
 
     # ---- the worker loss and its learned entropy coefficient -------------------------------------------------
     def _install_mix_loss(self) -> None:
-        """The MIX worker loss (mix_src/loss.py) on every actor worker, continuing a restored entropy state."""
+        """The MIX worker loss (mix_src/worker/loss.py) on every actor worker, continuing a restored entropy state."""
         from verl.utils.config import omega_conf_to_dataclass
 
         actor_cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
@@ -102,7 +102,7 @@ class MixTrainerCommon:
     def _add_loss_inputs(self, batch: Any, dp_size) -> None:
         """The per-row inputs the worker loss reads next to verl's fields, added to the DataProto ``batch`` before the
         actor update: kept-token counts (``mix.loss.all_max_clip``; with ``row_loss`` the SFT-token counts) and the
-        population counts of ``mix.loss.combine`` (mix_src/loss.py). ``dp_size()``: the actor's data-parallel size."""
+        population counts of ``mix.loss.combine`` (mix_src/worker/loss.py). ``dp_size()``: the actor's data-parallel size."""
         add_kept_token_counts(batch, self.config, self.mix.loss, dp_size)
         add_combine_inputs(batch, self.config, self.mix.loss, dp_size, self.global_steps)
 

@@ -1,11 +1,11 @@
 """mix_src's rules in verl's V1 replay buffer (``verl/trainer/ppo/v1/replay_buffer.py``), for the V1 base
-(:class:`mix_src.mix_trainer_v1.MixV1Mixin`, whose ``_build_replay_buffer`` hook lists them): the group-filter registry
+(:class:`mix_src.trainer.v1.MixV1Mixin`, whose ``_build_replay_buffer`` hook lists them): the group-filter registry
 decides which finished groups are evicted (:func:`make_dapo_filtered_keys`), and in sync mode the step's generation
 budget (``algorithm.filter_groups.max_num_gen_batches``), the carried surplus groups (``mix.filter_groups.carry_over``)
 and, for a streamed rollout policy, the generation FLOPs of every trajectory the buffer sees.
 
 The legacy base has no replay buffer: its loop filters and carries groups itself (``MIXRayPPOTrainer._collect_batch``),
-through the same :func:`mix_src.filter_groups.filter_groups` and :func:`mix_src.stages.filter_metric_values`.
+through the same :func:`mix_src.algo.filter_groups.filter_groups` and :func:`mix_src.trainer.stages.filter_metric_values`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import transfer_queue as tq
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from mix_src.compat import checked
-from mix_src.filter_groups import filter_groups
-from mix_src.stages import SUMMED_REWARD_METRICS, FilterGroupsExhausted, filter_metric_values, prefix_mask_tensor
+from mix_src.algo.filter_groups import filter_groups
+from mix_src.trainer.stages import SUMMED_REWARD_METRICS, FilterGroupsExhausted, filter_metric_values, prefix_mask_tensor
 
 __all__ = ["V1ReplayBufferRules", "extra_fields", "make_dapo_filtered_keys"]
 
@@ -38,7 +38,7 @@ class V1ReplayBufferRules:
     def _install_generation_count(self, buffer) -> None:
         """With a streamed rollout policy, wrap the replay buffer's metadata sync so that each new ``train``
         trajectory's generation is counted once (see :meth:`_build_replay_buffer`)."""
-        from mix_src.rollout_policy import streams_on_v1
+        from mix_src.trainer.rollout_policy import streams_on_v1
 
         self._counts_generation = False
         verl_sync = getattr(buffer, "_sync_metadata_from_transfer_queue", None)
@@ -95,13 +95,13 @@ class V1ReplayBufferRules:
         ``trainer.v1.sampler.custom_sampler``, owns its filtering and is left alone):
 
         * its DAPO classification (``ReplayBuffer._dapo_filtered_keys``, ``verl/trainer/ppo/v1/replay_buffer.py``
-          261-315: evict a finished group whose metric has std 0) is :func:`mix_src.filter_groups.filter_groups` with
+          261-315: evict a finished group whose metric has std 0) is :func:`mix_src.algo.filter_groups.filter_groups` with
           ``mix.filter_groups.rule`` and, with ``on_policy_only``, only the group's on-policy rows deciding;
         * sync mode, ``algorithm.filter_groups.max_num_gen_batches`` (``MixV1Mixin._add_prompts_to_generate``, the
           buffer's ``refill_fn``): a step dispatches at most that many generation batches of ``data.gen_batch_size``
           (default ``data.train_batch_size``) prompts; once they are spent and nothing is in flight, the buffer's
           wait (``_wait_for_next_poll``, reached only while too few groups are sampleable) raises
-          :class:`~mix_src.mix_trainer.FilterGroupsExhausted`, as the legacy loop does;
+          :class:`~mix_src.trainer.legacy.FilterGroupsExhausted`, as the legacy loop does;
         * sync mode, ``mix.filter_groups.carry_over``: the surplus groups verl's ``sample`` discards once it has
           selected the batch (``self._clear_groups(partition_id, surplus_uids)``, replay_buffer.py 502-507) stay
           in TransferQueue as finished groups; the next step's ``sample`` takes them first (oldest prompt step
@@ -181,9 +181,9 @@ class V1ReplayBufferRules:
 def make_dapo_filtered_keys(rule: str, on_policy_only: bool) -> Callable:
     """A ``ReplayBuffer._dapo_filtered_keys(partition_id) -> (evicted uids, Counter)`` (verl 0.9.1 contract: the
     finished groups to evict and a ``{shared metric value: group count}`` breakdown of them) whose decision is
-    :func:`mix_src.filter_groups.filter_groups` (``rule``; ``on_policy_only``: rows without a prefix token decide).
+    :func:`mix_src.algo.filter_groups.filter_groups` (``rule``; ``on_policy_only``: rows without a prefix token decide).
     Each finished group is classified once (verl's cache), from its rows' values of the metric as the legacy base
-    reads it (:func:`mix_src.stages.filter_metric_values`: ``reward``/``seq_reward`` the summed ``rm_scores``,
+    reads it (:func:`mix_src.trainer.stages.filter_metric_values`: ``reward``/``seq_reward`` the summed ``rm_scores``,
     another name ``reward_extra_info[metric]``), and ``prefix_token_mask``."""
     def _dapo_filtered_keys(self, partition_id: str):
         if partition_id == "val" or self.filter_groups_metric is None:

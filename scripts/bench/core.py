@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from mix_src.core_alg import compute_grpo_outcome_advantage_split, compute_token_on_off_policy_loss
+from mix_src.algo.core_alg import compute_grpo_outcome_advantage_split, compute_token_on_off_policy_loss
 
 
 def _median_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -150,7 +150,7 @@ def bench_token_loss(repeats: int, rows: int = 64, tokens: int = 8192, n: int = 
             off_policy_reshape="p_div_p", off_policy_reshape_gamma=0.1, loss_remove_clip=True,
             loss_agg_mode="luffy-token-sum-norm",
         )),
-        "as mix_src.loss runs verl's defaults (1 demo row in 8; clip 0.2, dual clip 3, token-mean)": (
+        "as mix_src.worker.loss runs verl's defaults (1 demo row in 8; clip 0.2, dual clip 3, token-mean)": (
             full_demo, dict(clip_ratio_c=3.0)),
         "worst case: every row a 30% prefix (clip 0.2, dual clip 3, p_div_p, token-mean)": (partial, dict(
             off_policy_reshape="p_div_p", clip_ratio_c=3.0,

@@ -54,7 +54,7 @@ def toy_reference(assets: dict, steps: int, batch: int = 32, n: int = 8, respons
 
     from scripts.experiments import toy_addition as ta
 
-    from mix_src.core_alg import agg_loss, compute_token_on_off_policy_loss
+    from mix_src.algo.core_alg import agg_loss, compute_token_on_off_policy_loss
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -18,7 +18,7 @@ applied on top of the toy task's base settings]``, optional ``kind: rl`` (defaul
 ``sft_fraction``). Short names: :data:`ALIASES`.
 
 **Matched compute, enforced.** ``--budget`` is training FLOPs (``--count full``: 6N + attention + LM head, or
-``6n``; formulas in :mod:`mix_src.flops`), counted by each run from its own tokens. RL runs get
+``6n``; formulas in :mod:`mix_src.algo.flops`), counted by each run from its own tokens. RL runs get
 ``mix.flops_budget``: the trainer stops at the first step whose cumulative FLOPs reach it (it overshoots by
 less than one step, reported). verl's SFT trainer cannot be given a hook, but an SFT step's FLOPs are fixed here
 (32 sequences of one length), so the budget becomes ``ceil(budget / step FLOPs)`` steps before launch, checked
@@ -57,9 +57,9 @@ from typing import Callable
 
 import yaml
 
-from mix_src import toy_addition as addition_task
-from mix_src import toy_sort as sort_task
-from mix_src.flops import ModelShape, forward_flops, sft_step_flops
+from scripts.experiments.toy_tasks import addition as addition_task
+from scripts.experiments.toy_tasks import sort as sort_task
+from mix_src.algo.flops import ModelShape, forward_flops, sft_step_flops
 from scripts.experiments import toy_addition as ta
 from scripts.experiments import toy_sort as ts
 
@@ -586,7 +586,7 @@ def main(argv=None) -> int:
     commit = git_commit()
     run_commits = sorted({r.get("commit", "unrecorded") for t in results.values() for m in t.values() for r in m.values()})
     wall = time.time() - t_start
-    head = (f"Budget {a.budget:.3g} training FLOPs per run ({a.count} count, mix_src/flops.py), seeds {a.seeds}, "
+    head = (f"Budget {a.budget:.3g} training FLOPs per run ({a.count} count, mix_src/algo/flops.py), seeds {a.seeds}, "
             f"~{a.evals} evaluations per run, score = mean of the last {a.last_k}; runs made on commit(s) "
             f"{', '.join(run_commits)}, this table on {commit}; "
             f"this invocation's wall time {wall:.0f} s (finished runs reused are not re-timed).\n")

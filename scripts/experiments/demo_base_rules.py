@@ -41,7 +41,7 @@ import random
 import sys
 import time
 
-from mix_src import toy_addition as task
+from scripts.experiments.toy_tasks import addition as task
 from scripts.experiments import toy_addition as ta
 
 RULES = ("carry_free", "no_incoming_carry", "one_digit", "one_digit_masked", "carry_free_masked", "carry_free_no_carry_loss",

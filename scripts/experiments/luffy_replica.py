@@ -4,13 +4,13 @@ The experiment runs through the real trainer (``recipes/toy_addition``, ``luffy_
 re-implements the same step with no Ray and no verl workers, so that a trainer result can be classified as
 a bug or a property of the algorithm, and so that budgets the trainer cannot afford on 2 CPU cores (it takes
 ~6 s per step here, this loop ~1 s) can be explored. The maths is shared: the token loss and its aggregation
-are ``mix_src.core_alg.compute_token_on_off_policy_loss`` / ``agg_loss`` (what the worker loss calls).
+are ``mix_src.algo.core_alg.compute_token_on_off_policy_loss`` / ``agg_loss`` (what the worker loss calls).
 
 One step, as ``recipes/toy_addition/{luffy,on_policy_grpo}.yaml`` configure the trainer:
   * 32 training prompts drawn without replacement from train.parquet (the trainer shuffles epochs instead);
   * luffy: per prompt the whole expert trace + EOS (prefix ratio 1.0) and 7 samples; grpo: 8 samples
     (temperature 1, no top-k/top-p, at most 16 tokens);
-  * reward ``mix_src.toy_addition.compute_score``; A = R - mean(R over the group of 8) (no std);
+  * reward ``scripts.experiments.toy_tasks.addition.compute_score``; A = R - mean(R over the group of 8) (no std);
   * old log-probs from the pre-update model; 2 mini-batches of 16 prompts, loss = LUFFY's token loss
     (p/(p+0.1) on expert tokens; luffy: no clip; grpo: PPO clip 0.2), token sum / 16, minus 0.001 x entropy
     (same aggregation); AdamW (weight decay 0.01), grad-norm clip 1.0, constant lr.
@@ -32,7 +32,7 @@ import random
 import sys
 import time
 
-from mix_src import toy_addition as task
+from scripts.experiments.toy_tasks import addition as task
 from scripts.experiments import toy_addition as ta
 
 RESPONSE_LEN, N, ENTROPY_COEFF, CLIP = 16, 8, 0.001, 0.2
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from mix_src.core_alg import agg_loss, compute_token_on_off_policy_loss
+    from mix_src.algo.core_alg import agg_loss, compute_token_on_off_policy_loss
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--method", choices=["luffy", "on_policy_grpo"], default="luffy")

@@ -1,6 +1,6 @@
 """Assets for the toy-addition experiment (LUFFY vs on-policy GRPO vs SFT in miniature, on CPU).
 
-Task, traces and reward: :mod:`mix_src.toy_addition`. This script builds, deterministically for a seed and
+Task, traces and reward: :mod:`scripts.experiments.toy_tasks.addition`. This script builds, deterministically for a seed and
 cached on disk (re-running is a no-op when the manifest matches):
 
     OUT/tokenizer/        character-level PreTrainedTokenizerFast with a ChatML template ("\\n" is one
@@ -34,7 +34,7 @@ import string
 import sys
 import time
 
-from mix_src import toy_addition as task
+from scripts.experiments.toy_tasks import addition as task
 from scripts import make_tiny_assets as tiny_assets  # the char-level tokenizer builder
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -54,7 +54,7 @@ MODEL_KW = dict(
 # Pre-training of the base model: long enough to learn the format and the mod-10 procedure reliably.
 PRETRAIN = dict(steps=800, batch_size=64, lr=1e-3, warmup=50, weight_decay=0.0)
 # What a base is pre-trained on (a variant's ``pretrain_data``, default "carry_free"; pretrain_examples): random
-# problems of a class (``carry`` for mix_src.toy_addition.matches) written with a trace function. Neither shows a
+# problems of a class (``carry`` for scripts.experiments.toy_tasks.addition.matches) written with a trace function. Neither shows a
 # column receiving a carry, the skill the RL runs are about. "carry_free" (both variants'): any problem, column
 # sums mod 10 with every carry written 0, so a problem with a carry gets a wrong trace. "no_incoming_carry" (a
 # measured alternative for the demo, not used by default): only the problems no column of which receives a
@@ -73,7 +73,7 @@ N_TRAIN, N_HELDOUT = 4096, 200
 # ~300 steps). "demo" is the smaller variant `make demo` trains in minutes with the same property (the base
 # model solves 0%, on-policy samples never earn a reward, LUFFY learns it): 2-digit operands whose only carry
 # is out of the units column (units sum 10..15: 1092 problems, 200 held out, 892 for training), plus an
-# out-of-distribution set (mix_src.toy_addition.PROBLEM_CLASSES). 2-digit carry-free traces need 400
+# out-of-distribution set (scripts.experiments.toy_tasks.addition.PROBLEM_CLASSES). 2-digit carry-free traces need 400
 # pre-training steps, not 800.
 VARIANTS = {
     "addition3": dict(n_digits=3, carry=True, ood=None, pretrain_steps=800),

@@ -1,10 +1,10 @@
-"""Assets, base model, evaluator and the comparison driver of the toy tool-use task (:mod:`mix_src.toy_calculator`).
+"""Assets, base model, evaluator and the comparison driver of the toy tool-use task (:mod:`scripts.experiments.toy_tasks.calculator`).
 
     OUT/tokenizer/        character tokenizer (printable ASCII, one token a character) with ChatML and four
                           multi-character word tokens for the hermes tool call (``<tool_call>``, ``</tool_call>``,
                           the JSON head up to the expression and ``"}}``): an expert episode is 42-45 tokens,
                           not ~115 (verl's HermesToolParser parses the decoded text, so it is unchanged)
-    OUT/{train,heldout,ood}.parquet   ToolEnv.rows (mix_src/environments.py), response budget 64 tokens
+    OUT/{train,heldout,ood}.parquet   ToolEnv.rows (mix_src/rollout/environments.py), response budget 64 tokens
     OUT/base_seed{S}/     the base: a tiny Qwen2 (toy_addition's shape) pre-trained on attempts to answer
                           WITHOUT the tool (prompt ``a*b`` -> the product, written directly): it never saw a
                           tool call, and a 2-layer model does not learn 3x2-digit products in that budget
@@ -58,8 +58,8 @@ def build_tokenizer(out_dir: str):
 
 
 def _env():
-    import mix_src.toy_calculator  # noqa: F401  (registers the environment)
-    from mix_src.environments import get_environment
+    import scripts.experiments.toy_tasks.calculator  # noqa: F401  (registers the environment)
+    from mix_src.rollout.environments import get_environment
 
     return get_environment("toy_calculator")
 
@@ -105,7 +105,7 @@ def run_episodes(model, tok, items: list[dict], *, samples: int = 1, do_sample: 
     import torch
     from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
 
-    from mix_src.toy_calculator import calculator
+    from scripts.experiments.toy_tasks.calculator import calculator
 
     env = _env()
     builder = create_continuous_token_builder(tok, hf_model_type="qwen2")

@@ -1,4 +1,4 @@
-"""Assets for the digit-sorting toy task (:mod:`mix_src.toy_sort`), built like the toy-addition ones
+"""Assets for the digit-sorting toy task (:mod:`scripts.experiments.toy_tasks.sort`), built like the toy-addition ones
 (:mod:`scripts.experiments.toy_addition`: same character tokenizer, same tiny Qwen2, same pre-training
 loop shape), deterministic and cached:
 
@@ -24,7 +24,7 @@ import random
 import sys
 import time
 
-from mix_src import toy_sort as task
+from scripts.experiments.toy_tasks import sort as task
 from scripts.experiments import toy_addition as ta
 
 REPO_ROOT = ta.REPO_ROOT

@@ -2,12 +2,12 @@
 
 The evidence grid's sort RL runs (``compare.py``; ``recipes/toy_addition/base.yaml``'s settings) all lost
 accuracy. This script re-implements their step with no Ray, as ``luffy_replica.py`` does for addition (same
-maths: ``mix_src.core_alg.compute_token_on_off_policy_loss`` / ``agg_loss``, the functions the worker loss
+maths: ``mix_src.algo.core_alg.compute_token_on_off_policy_loss`` / ``agg_loss``, the functions the worker loss
 calls), so that each suspect can be switched off cheaply (~10-20 s a step on the shared 2-core machine):
 
 * 32 training prompts per step drawn without replacement (``random.Random(seed)``); ``grpo``: 8 samples each,
   ``luffy``: the whole expert trace + EOS and 7 samples (temperature 1, no top-k/top-p, at most 24 tokens);
-* reward ``mix_src.toy_sort.compute_score``; A = R - mean(R over the group of 8) (no std);
+* reward ``scripts.experiments.toy_tasks.sort.compute_score``; A = R - mean(R over the group of 8) (no std);
 * old log-probs from the pre-update model; 2 mini-batches of 16 prompts; loss = LUFFY's token loss
   (``grpo``: PPO clip 0.2; ``luffy``: p/(p+0.1) on expert tokens, no clip), token sum / 24, minus
   ``entropy`` x entropy, plus ``kl`` x low-var KL to the starting model; AdamW (weight decay 0.01, a fresh
@@ -37,7 +37,7 @@ import random
 import sys
 import time
 
-from mix_src import toy_sort as task
+from scripts.experiments.toy_tasks import sort as task
 from scripts.experiments import toy_addition as ta
 from scripts.experiments import toy_sort as ts
 
@@ -77,7 +77,7 @@ def run(model_dir: str, assets: str, loss: str = "grpo", lr: float = 5e-4, entro
     import torch
     from transformers import AutoModelForCausalLM
 
-    from mix_src.core_alg import agg_loss, compute_token_on_off_policy_loss
+    from mix_src.algo.core_alg import agg_loss, compute_token_on_off_policy_loss
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)

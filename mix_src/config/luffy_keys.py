@@ -1,0 +1,219 @@
+"""The original LUFFY's command-line keys, mapped to ours, so its launch scripts run unchanged.
+
+LUFFY (https://github.com/ElliottYan/LUFFY, arXiv 2504.14945) put its options under verl's sections
+(``actor_rollout_ref.rollout.n_prefix``, ``actor_rollout_ref.actor.off_policy_reshape``,
+``algorithm.grpo_use_std`` ...); verl 0.9.1's typed configs reject unknown keys there, so ours live in
+``mix:`` (mix_src/config/mix_config.py). :func:`translate_overrides` rewrites a list of Hydra overrides before
+Hydra sees them and prints one line per LUFFY key:
+
+    renamed    ``[mix_src] LUFFY key OLD -> NEW``                 (the value is kept)
+    converted  ``[mix_src] LUFFY key OLD=V -> NEW=V'``            (e.g. loss_remove_token_mean=True)
+    no effect  ``[mix_src] LUFFY key OLD=V dropped: WHY``          (dead in the original, or our default)
+    refused    MixConfigError naming the key, the value and what to use instead (a value whose
+               behaviour mix_src does not have).
+
+The entry point applies it to ``sys.argv`` (``python -m mix_src.main_mix_ppo``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+from mix_src.config.mix_config import MixConfigError
+
+__all__ = ["LUFFY_KEYS", "translate_overrides"]
+
+A, R, D, T = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "data.", "trainer."
+
+RENAMED = {
+    R + "n_prefix": "mix.n_prefix",
+    R + "prefix_strategy": "mix.prefix_strategy",
+    R + "min_prefix_ratio": "mix.min_prefix_ratio",
+    R + "max_prefix_ratio": "mix.max_prefix_ratio",
+    R + "prefix_steps": "mix.prefix_steps",
+    R + "prefix_linear_max_ratio": "mix.prefix_linear_max_ratio",
+    R + "prefix_fix_ratios": "mix.prefix_fix_ratios",
+    R + "prefix_share_across_samples": "mix.prefix_share_across_samples",
+    R + "prefix_reward_weight_alpha": "mix.prefix_reward_weight_alpha",
+    R + "prefix_reward_weight_beta": "mix.prefix_reward_weight_beta",
+    R + "max_prefix_len": "mix.data.max_target_length",
+    R + "val_temperature": R + "val_kwargs.temperature",
+    R + "n_val": R + "val_kwargs.n",
+    D + "max_target_length": "mix.data.max_target_length",
+    D + "sample_target_ratio": "mix.data.sample_target_ratio",
+    A + "clip_upper_bound": "mix.loss.clip_upper_bound",
+    A + "off_policy_reshape": "mix.loss.off_policy_reshape",
+    A + "off_policy_reshape_weight": "mix.loss.off_policy_reshape_weight",
+    A + "off_policy_reshape_pow_exp": "mix.loss.off_policy_reshape_pow_exp",
+    A + "on_policy_reshape": "mix.loss.on_policy_reshape",
+    A + "on_policy_reshape_weight": "mix.loss.on_policy_reshape_weight",
+    A + "on_policy_reshape_pow_exp": "mix.loss.on_policy_reshape_pow_exp",
+    A + "off_policy_max_clip": "mix.loss.off_max_clip",
+    A + "off_policy_min_clip": "mix.loss.off_min_clip",
+    A + "all_max_clip": "mix.loss.all_max_clip",
+    A + "loss_remove_clip": "mix.loss.loss_remove_clip",
+    A + "use_sft_multitask_loss": "mix.loss.use_sft_multitask_loss",
+    A + "sft_loss_coef": "mix.loss.sft_loss_coef",
+    A + "use_adaptive_temperature": "mix.loss.use_adaptive_entropy",
+    A + "use_adaptive_temperature_fixed": "mix.loss.adaptive_entropy_fixed",
+    A + "adaptive_temperature_clip": "mix.loss.entropy_coeff_max",
+    A + "adaptive_temperature_target_entropy": "mix.loss.target_entropy",
+    A + "alpha_lr": "mix.loss.alpha_lr",
+    "algorithm.grpo_use_std": "algorithm.norm_adv_by_std_in_grpo",
+    T + "max_optim_to_keep": T + "max_actor_ckpt_to_keep",  # verl keeps optimizer state in the actor checkpoint
+    # the scripts add these with "+", which Hydra refuses for keys that verl 0.9.1 already has
+    "+" + T + "val_before_train": T + "val_before_train",
+    "+" + T + "val_only": T + "val_only",
+}
+
+ANY = None  # every value has no effect
+NO_EFFECT: dict[str, tuple[Optional[tuple[str, ...]], str]] = {
+    # key: (values accepted without effect (None = any), why); any other value is refused
+    A + "use_off_policy_loss": (ANY, "the mixed on/off-policy loss is always on (PPO-clip where there is no prefix)"),
+    A + "off_policy_loss_impl": (("token",), "the token-level off-policy loss is the only one"),
+    A + "off_policy_normalize": (ANY, "the original's token loss never reads it"),
+    A + "off_policy_cliprange": (ANY, "the original's token loss never reads it"),
+    A + "use_off_policy_clip": (ANY, "dead in the original"),
+    A + "use_off_policy_probs": (("false",), "the target-probability path needs behaviour probabilities the data does not carry"),
+    A + "use_sft_prefix_reward": (("false",), "not implemented in mix_src"),
+    A + "sft_prefix_reward_weight": (ANY, "only read with use_sft_prefix_reward"),
+    A + "use_sft_reward": (ANY, "dead in the original"),
+    A + "use_ppo_kl_loss": (("false",), "use verl's actor_rollout_ref.actor.use_kl_loss / kl_loss_coef"),
+    A + "ppo_kl_loss_coef": (ANY, "only read with use_ppo_kl_loss"),
+    A + "debug": (ANY, "dead in the original"),
+    A + "use_target_lst": (ANY, "dead in the original"),
+    A + "fsdp_config.grad_offload": (("false",), "verl 0.9.1 has no such key; gradients follow fsdp_config.param_offload"),
+    "actor_rollout_ref.ref.use_ref": (ANY, "verl builds the reference policy only for actor.use_kl_loss or algorithm.use_kl_in_reward"),
+    R + "prefix_linear_max_var": (ANY, "dead in the original (it read a misspelt key)"),
+    R + "prefix_reward_strategy": (ANY, "dead in the original"),
+    "algorithm.surprisal_base": (ANY, "dead in the original"),
+    D + "filter_targets": (ANY, "dead in the original"),
+    D + "reward_impl_version": (ANY, "the reward is reward.custom_reward_function (math-verify after </think> by default)"),
+    D + "add_tgt_with_acc": (ANY, "only read with use_sft_prefix_reward"),
+    D + "add_tgt_acc_upper_bound": (ANY, "dead in the original"),
+    D + "filter_accuracy": (("false",), "use algorithm.filter_groups.enable (DAPO-style filtering)"),
+    D + "accuracy_lower_bound": (ANY, "only read with filter_accuracy"),
+    D + "accuracy_upper_bound": (ANY, "only read with filter_accuracy"),
+    D + "disable_truncation_advantage": (("false",), "not implemented in mix_src"),
+    T + "debug": (("false",), "not implemented in mix_src"),
+    T + "add_full_target_when_none": (ANY, "dead in the original"),
+    T + "skip_valid_mask": (ANY, "the original's valid mask was never applied; use algorithm.filter_groups.enable"),
+    T + "acc_rebatch": (("false",), "use algorithm.filter_groups.enable with mix.filter_groups.carry_over"),
+    T + "skip_by_step": (ANY, "dead in the original"),
+}
+
+
+def _loss_remove_token_mean(value: str) -> Optional[tuple[str, str]]:
+    return ("mix.loss.loss_agg_mode", "luffy-token-sum-norm") if _bool(value) else None
+
+
+def _resume_from_path(value: str) -> Optional[tuple[str, str]]:
+    return (T + "resume_from_path", "null") if value.strip().lower() in ("false", "none", "null", "") else (T + "resume_from_path", value)
+
+
+CONVERTED: dict[str, Callable[[str], Optional[tuple[str, str]]]] = {
+    # key: value -> (new key, new value), or None when the value is our default (dropped, printed)
+    A + "loss_remove_token_mean": _loss_remove_token_mean,
+    T + "resume_from_path": _resume_from_path,
+}
+
+LUFFY_KEYS = sorted({*RENAMED, *NO_EFFECT, *CONVERTED})
+
+
+def _bool(value: str) -> bool:
+    return value.strip().strip("'\"").lower() in ("true", "1", "yes")
+
+
+def _split(override: str) -> tuple[str, str, Optional[str]]:
+    """'++a.b=c' -> ('++', 'a.b', 'c'); 'a.b' (no value) -> ('', 'a.b', None)."""
+    plus = len(override) - len(override.lstrip("+"))
+    body = override[plus:]
+    key, sep, value = body.partition("=")
+    return override[:plus], key, value if sep else None
+
+
+def translate_overrides(overrides: Sequence[str], log: Callable[[str], None] = print) -> list[str]:
+    """Rewrite LUFFY's keys in ``overrides`` (Hydra ``key=value`` strings) to ours; see the module docstring.
+    Overrides that are not LUFFY keys pass through unchanged, in order."""
+    out: list[str] = []
+    seen: dict[str, str] = {}
+    for item in overrides:
+        plus, key, value = _split(item)
+        lookup = plus + key if plus + key in RENAMED else key
+        if value is None or (lookup not in RENAMED and key not in NO_EFFECT and key not in CONVERTED):
+            out.append(item)
+            continue
+        seen[key] = value
+        if lookup in RENAMED:
+            new = RENAMED[lookup]
+            log(f"[mix_src] LUFFY key {plus}{key} -> {new}")
+            out.append(f"{new}={value}")
+        elif key in CONVERTED:
+            converted = CONVERTED[key](value)
+            if converted is None:
+                log(f"[mix_src] LUFFY key {key}={value} dropped: it is mix_src's default")
+            else:
+                log(f"[mix_src] LUFFY key {key}={value} -> {converted[0]}={converted[1]}")
+                out.append(f"{converted[0]}={converted[1]}")
+        else:
+            accepted, why = NO_EFFECT[key]
+            if accepted is not None and value.strip().strip("'\"").lower() not in accepted:
+                raise MixConfigError(f"LUFFY key {key}={value} is not supported: {why}; remove it or set it to {accepted[0]}")
+            log(f"[mix_src] LUFFY key {key}={value} dropped: {why}")
+    off_loss = seen.get(A + "use_off_policy_loss")
+    if off_loss is not None and not _bool(off_loss) and not _bool(seen.get(A + "use_sft_multitask_loss", "false")):
+        n_prefix = seen.get(R + "n_prefix", seen.get("mix.n_prefix", "0"))
+        if n_prefix.strip() not in ("0",):
+            raise MixConfigError(
+                f"LUFFY key {A}use_off_policy_loss=False with n_prefix={n_prefix}: the original then trained prefix tokens "
+                f"with plain PPO, which mix_src does not do; use {A}use_sft_multitask_loss=True (SFT on prefix tokens) or "
+                "keep use_off_policy_loss=True (the shaped off-policy loss)"
+            )
+    out = _official_loss_scale(_fit_target_cap(out, log), log)
+    return _official_sft_agg(out, log) if A + "use_sft_multitask_loss" in seen else out  # LUFFY's key, not ours
+
+
+def _fit_target_cap(out: list[str], log: Callable[[str], None]) -> list[str]:
+    """LUFFY's ``max_prefix_len`` (= its dataset's max_target_length) at or above ``data.max_response_length``
+    (train.sh: 8192 and 8192) let a whole target fill the response and cut its EOS (the rollout appends EOS after
+    the target, then cuts the response at max_response_length). mix_src refuses such a cap; the original's
+    intent, "no cap below the response", is our default (``max_response_length - 1``), so it becomes null."""
+    values = {key: value for _, key, value in map(_split, out) if value is not None}
+    cap, response = values.get("mix.data.max_target_length"), values.get(D + "max_response_length")
+    if cap is None or response is None or not (cap.strip().isdigit() and response.strip().isdigit()):
+        return out
+    if int(cap) < int(response):
+        return out
+    log(f"[mix_src] LUFFY cap mix.data.max_target_length={cap} >= data.max_response_length={response} -> null "
+        f"(data.max_response_length - 1 = {int(response) - 1}: a whole target keeps its EOS)")
+    return [f"mix.data.max_target_length=null" if _split(o)[1] == "mix.data.max_target_length" else o for o in out]
+
+
+def _official_loss_scale(out: list[str], log: Callable[[str], None]) -> list[str]:
+    """LUFFY's ``loss_remove_token_mean=True`` divided each GPU's token sum by the response width W and FSDP averaged
+    the G GPUs' gradients (luffy/verl/verl/mix_src/mix_core_alg.py:236-237, mix_actor.py:243-244): sum / (G x W).
+    Ours divides the global token sum by ``actor.loss_scale_factor``, so G x W reproduces it (unless set already)."""
+    values = {key: value.strip() for _, key, value in map(_split, out) if value is not None}
+    if values.get("mix.loss.loss_agg_mode") != "luffy-token-sum-norm" or A + "loss_scale_factor" in values:
+        return out
+    gpus, nodes, width = (values.get(T + "n_gpus_per_node"), values.get(T + "nnodes", "1"),
+                          values.get(D + "max_response_length"))  # fmt: skip
+    if not all(v is not None and v.isdigit() for v in (gpus, nodes, width)):
+        return out
+    scale = int(gpus) * int(nodes) * int(width)
+    log(f"[mix_src] LUFFY loss scale: loss_remove_token_mean divided each of {int(gpus) * int(nodes)} GPUs' token sum by "
+        f"{width}, averaged over GPUs -> {A}loss_scale_factor={scale}")
+    return [*out, f"{A}loss_scale_factor={scale}"]
+
+
+def _official_sft_agg(out: list[str], log: Callable[[str], None]) -> list[str]:
+    """LUFFY's ``use_sft_multitask_loss`` took the NLL's token mean per micro-batch (mix_actor.py:112-142,
+    mix_core_alg.py:7-10), summed over micro-batches and averaged over GPUs: ``mix.loss.sft_loss_agg`` =
+    micro_batch_token_mean (unless set already; mix_src's default aggregates it like the policy loss). Only for
+    LUFFY's own key (``actor_rollout_ref.actor.use_sft_multitask_loss``): ``mix.loss.use_sft_multitask_loss`` on a
+    command line is mix_src's key with mix_src's default weighting."""
+    values = {key: value.strip().lower() for _, key, value in map(_split, out) if value is not None}
+    if values.get("mix.loss.use_sft_multitask_loss") != "true" or "mix.loss.sft_loss_agg" in values:
+        return out
+    log("[mix_src] LUFFY SFT term: a token mean per micro-batch -> mix.loss.sft_loss_agg=micro_batch_token_mean")
+    return [*out, "mix.loss.sft_loss_agg=micro_batch_token_mean"]

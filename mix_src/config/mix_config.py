@@ -1,0 +1,470 @@
+"""The ``mix:`` config section: one typed, validated place for every key mix_src adds to verl's config.
+
+verl's own dataclasses reject unknown keys under ``actor_rollout_ref.*`` and ``algorithm.*``, so our keys
+live in a top-level ``mix:`` section. Key names follow LUFFY's (``n_prefix``, ``prefix_strategy``,
+``off_policy_reshape`` ...) so users of the original can find them. Where verl already has a key we use
+verl's (``actor_rollout_ref.rollout.n``, ``algorithm.adv_estimator``, ``algorithm.filter_groups.*``,
+``actor_rollout_ref.actor.{clip_ratio, entropy_coeff, use_kl_loss, kl_loss_coef, kl_loss_type}``).
+
+:func:`validate_mix_config` runs on the driver before Ray starts. It rejects unknown keys (listing the
+valid ones), wrong types and out-of-range values, naming the full key, the value and the allowed range,
+and checks the few cross-section rules (e.g. ``n_prefix <= rollout.n``).
+
+This module imports no verl (torch only through the pure core_alg, for its option names).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, get_args, get_origin, get_type_hints
+
+# The original LUFFY baked gamma into the option name (p_div_p_0.1 ...): accepted as p_div_p + the gamma key.
+from mix_src.algo.core_alg import P_DIV_P_ALIASES as RESHAPE_ALIASES
+from mix_src.algo.filter_groups import GROUP_FILTERS
+from mix_src.algo.loss_combine import LOSS_COMBINES
+from mix_src.algo.loss_terms import check_loss_terms
+from mix_src.algo.flops import COUNTS as FLOPS_COUNTS
+from mix_src.algo.prefix import PREFIX_STRATEGIES
+from mix_src.algo.prefix_select import PREFIX_TOKEN_SELECTS
+from mix_src.extend import _REGISTRIES, load_plugins
+from mix_src.trainer.rollout_policy import ROLLOUT_POLICIES
+from mix_src.algo.row_loss import ROW_LOSSES, SFT_AGGS
+
+
+class MixConfigError(ValueError):
+    """A bad value in the ``mix:`` section (or a rule that ties it to verl's keys)."""
+
+
+@dataclass
+class DataConfig:
+    """Off-policy targets (expert solutions) read by :class:`mix_src.trainer.dataset.RLHFDatasetWithTarget`."""
+
+    target_key: str = "target"  # parquet column with the target: [{role: assistant, content}] or a string
+    sample_target_ratio: float = 1.0  # probability that a row keeps its target (drawn once per row, seeded)
+    max_target_length: Optional[int] = None  # targets longer than this (tokens) are dropped and counted ...
+    # (None: data.max_response_length - 1, so a whole target plus its EOS fits the response; see target_limit)
+    truncate_targets: bool = False  # ... or truncated to it when true (also counted)
+
+    def check(self, p: str) -> None:
+        _in_range(f"{p}.sample_target_ratio", self.sample_target_ratio, 0.0, 1.0)
+        if self.max_target_length is not None:
+            _in_range(f"{p}.max_target_length", self.max_target_length, 1, None)
+        if not self.target_key:
+            raise MixConfigError(f"{p}.target_key must be a non-empty column name")
+
+    def target_limit(self, max_response_length: Optional[int]) -> int:
+        """Longest target kept, in tokens: ``max_target_length``, or by default ``max_response_length - 1`` (the
+        rollout appends EOS to a whole target, and a response has ``max_response_length`` tokens; LUFFY's 8192 with
+        8192-token responses cut that EOS off, luffy/verl/verl/mix_src/mix_vllm_rollout.py). No response length
+        known (a dataset built outside the trainer): no limit."""
+        if self.max_target_length is not None:
+            return int(self.max_target_length)
+        return int(max_response_length) - 1 if max_response_length else 2**31 - 1
+
+    def check_fits(self, p: str, max_response_length: int) -> None:
+        """An explicit ``max_target_length`` must leave room for the EOS in ``data.max_response_length`` tokens."""
+        if self.max_target_length is not None and self.max_target_length > max_response_length - 1:
+            raise MixConfigError(
+                f"{p}.max_target_length={self.max_target_length} cannot fit data.max_response_length="
+                f"{max_response_length}: a whole target plus its EOS needs max_target_length <= {max_response_length - 1}, "
+                f"or longer targets are cut and score 0; set it <= {max_response_length - 1}, or null to follow "
+                "data.max_response_length - 1"
+            )
+
+
+@dataclass
+class LossConfig:
+    """``mix.loss``: the actor loss on the worker (:mod:`mix_src.worker.loss`; formulas in core_alg and the README).
+
+    Clip range, dual clip, entropy_coeff and the KL settings come from verl's actor config. Checked when
+    built; the original's ``p_div_p_0.1/0.3/0.5`` names become ``p_div_p`` + the gamma key, and its ``-1``
+    for "no clip" becomes null.
+    """
+
+    off_policy_reshape: str = "p_div_p"  # f(p) on prefix tokens (LUFFY's recipe: p/(p+0.1))
+    off_policy_reshape_gamma: float = 0.1  # gamma of p/(p+gamma), > 0
+    off_policy_reshape_weight: float = 0.1  # w of logp / p_logp
+    off_policy_reshape_pow_exp: float = 0.5  # k of pow
+    on_policy_reshape: str = "no_reshape"  # r on on-policy tokens
+    on_policy_reshape_weight: float = 0.1
+    on_policy_reshape_pow_exp: float = 0.5
+    on_policy_reshape_gamma: float = 0.1  # gamma of the on-policy p_div_p, > 0
+    off_max_clip: Optional[float] = None  # f <- min(f, off_max_clip)
+    off_min_clip: Optional[float] = None  # f <- max(f, off_min_clip)
+    all_max_clip: Optional[float] = None  # drop tokens with p > all_max_clip from the loss, in (0, 1]
+    loss_remove_clip: bool = False  # no PPO clip on on-policy tokens (LUFFY's recipe: True)
+    clip_upper_bound: float = 1.0  # widens the upper clip bound to max(this, 1 + clip_ratio_high)
+    loss_agg_mode: Optional[str] = None  # None: actor.loss_agg_mode; "luffy-token-sum-norm" only here
+    use_sft_multitask_loss: bool = False  # PPO on on-policy rows + sft_loss_coef * NLL of prefix tokens
+    combine: Optional[str] = None  # a registered loss combination (mix_src/algo/loss_combine.py); None: LUFFY's loss
+    combine_args: dict = field(default_factory=dict)  # older spelling of mix.plugin_options.<combine> (registry.py)
+    sft_loss_coef: float = 1.0
+    row_loss: Optional[str] = None  # a per-row SFT / policy-loss choice (mix_src/algo/row_loss.py); None = off
+    sft_loss_agg: Optional[str] = None  # the SFT term's aggregation (mix_src/algo/row_loss.py SFT_AGGS); None: the
+    # row loss's global_token_mean, use_sft_multitask_loss's policy_loss_agg
+    off_policy_behaviour: Optional[str] = None  # recorded behaviour log-probs of prefix tokens (mix_src/algo/off_policy_behaviour.py); None = LUFFY
+    use_adaptive_entropy: bool = False  # learn the entropy coefficient (starts at actor.entropy_coeff)
+    adaptive_entropy_fixed: bool = False  # c = entropy_coeff * target_entropy / H (no learning)
+    target_entropy: float = 1.0  # H*, token-mean entropy target of both adaptive variants
+    alpha_lr: float = 1e-2  # AdamW learning rate of log(c)
+    entropy_coeff_max: Optional[float] = None  # cap of the learned coefficient
+    prefix_token_select: Optional[str] = None  # which prefix tokens keep their advantage: a name in mix_src.algo.prefix_select
+    prefix_token_select_ratio: Optional[float] = None  # older spelling of mix.plugin_options.<select>.ratio; None: unset
+
+    def _resolve_sft_loss_agg(self, p: str) -> None:
+        """sft_loss_agg aggregates the SFT term of row_loss or use_sft_multitask_loss; None picks each one's default
+        (the row loss: global_token_mean; the multitask term: policy_loss_agg, aggregated like the policy loss)."""
+        if self.row_loss is None and not self.use_sft_multitask_loss:
+            if self.sft_loss_agg is not None:
+                raise MixConfigError(f"{p}.sft_loss_agg={self.sft_loss_agg!r} aggregates the SFT term of {p}.row_loss or "
+                                     f"{p}.use_sft_multitask_loss, and neither is on; set one or leave sft_loss_agg null")
+            return
+        if self.sft_loss_agg is None:
+            self.sft_loss_agg = "global_token_mean" if self.row_loss is not None else "policy_loss_agg"
+        if self.sft_loss_agg not in SFT_AGGS:
+            raise MixConfigError(SFT_AGGS.unknown(self.sft_loss_agg))
+        if self.use_sft_multitask_loss and self.sft_loss_agg == "global_token_mean":
+            raise MixConfigError(f"{p}.sft_loss_agg=global_token_mean counts the SFT tokens of {p}.row_loss's rows; with "
+                                 f"{p}.use_sft_multitask_loss use policy_loss_agg (the default) or micro_batch_token_mean")
+
+    def __post_init__(self):
+        p = "mix.loss"
+        if self.prefix_token_select is not None and self.prefix_token_select not in PREFIX_TOKEN_SELECTS:
+            raise MixConfigError(PREFIX_TOKEN_SELECTS.unknown(self.prefix_token_select))
+        for key in ("off_policy_reshape", "on_policy_reshape"):
+            value = getattr(self, key)
+            if value in RESHAPE_ALIASES:  # the original's names: keep the number in its own key
+                setattr(self, key, "p_div_p")
+                setattr(self, key + "_gamma", RESHAPE_ALIASES[value])
+        for key in ("off_max_clip", "off_min_clip", "all_max_clip", "entropy_coeff_max"):
+            value = getattr(self, key)
+            if value is not None and value == -1:  # the original's "off"
+                setattr(self, key, None)
+            elif value is not None and not value > 0:
+                raise MixConfigError(f"{p}.{key}={value!r} must be > 0, or null/-1 to switch it off")
+        try:  # each loss term's own checks (mix_src/algo/loss_terms.py)
+            check_loss_terms(self, p)
+        except ValueError as e:
+            raise e if isinstance(e, MixConfigError) else MixConfigError(str(e)) from e
+        if self.row_loss is not None:
+            if self.row_loss not in ROW_LOSSES:
+                raise MixConfigError(ROW_LOSSES.unknown(self.row_loss))
+            if self.use_sft_multitask_loss:
+                raise MixConfigError(f"{p}.row_loss={self.row_loss!r} and {p}.use_sft_multitask_loss both choose the "
+                                     "SFT rows; pick one")
+            if self.all_max_clip is not None:
+                raise MixConfigError(f"{p}.row_loss={self.row_loss!r} with {p}.all_max_clip={self.all_max_clip} is not "
+                                     "supported (its kept-token mean would count the SFT rows); set it to null")
+        self._resolve_sft_loss_agg(p)
+        if self.prefix_token_select is not None and self.use_sft_multitask_loss:
+            raise MixConfigError(f"{p}.prefix_token_select={self.prefix_token_select!r} with {p}.use_sft_multitask_loss: "
+                                 "prefix rows take the SFT term there, so the selected advantages would be ignored; pick one")
+        if self.prefix_token_select is not None and PREFIX_TOKEN_SELECTS.options(self.prefix_token_select).get(
+                "prefix_tokens_on_policy", False):  # fmt: skip
+            ignored = sorted(f.name for f in dataclasses.fields(self) if (f.name.startswith("off_") and f.name not in
+                             ("off_policy_reshape_gamma", "off_policy_reshape_weight", "off_policy_reshape_pow_exp"))
+                             and getattr(self, f.name) != f.default)  # fmt: skip
+            if ignored:
+                raise MixConfigError(f"{p}.prefix_token_select={self.prefix_token_select!r} makes prefix tokens "
+                                     f"on-policy tokens of the loss, so {ignored} would be ignored; leave them at "
+                                     "their defaults")
+        if self.combine is not None and self.prefix_token_select is not None:
+            raise MixConfigError(f"{p}.combine={self.combine!r} makes the expert rows' loss itself, so "
+                                 f"{p}.prefix_token_select={self.prefix_token_select!r} would be ignored; pick one")
+        if self.combine is not None and self.row_loss is not None:
+            raise MixConfigError(f"{p}.combine={self.combine!r} and {p}.row_loss={self.row_loss!r} each decide how rows "
+                                 "enter the loss; pick one")
+        if self.combine is not None:
+            if self.combine not in LOSS_COMBINES:
+                raise MixConfigError(LOSS_COMBINES.unknown(self.combine))
+            ignored = sorted(f.name for f in dataclasses.fields(self) if (f.name.startswith("off_")
+                             or f.name in ("all_max_clip", "use_sft_multitask_loss")) and getattr(self, f.name) != f.default)  # fmt: skip
+            if ignored:
+                raise MixConfigError(f"{p}.combine={self.combine!r} makes the policy loss of the on-policy and expert "
+                                     f"rows, so {ignored} would be ignored; leave them at their defaults")
+        elif self.combine_args:
+            raise MixConfigError(f"{p}.combine_args is set but {p}.combine is not; set both or neither")
+        if self.use_sft_multitask_loss:
+            shaping = sorted(f.name for f in dataclasses.fields(self)
+                             if f.name.startswith("off_") and getattr(self, f.name) != f.default)  # fmt: skip
+            if shaping:
+                raise MixConfigError(
+                    f"{p}.use_sft_multitask_loss replaces the off-policy loss, so {shaping} would be ignored; "
+                    "remove them or turn use_sft_multitask_loss off"
+                )
+
+    @classmethod
+    def from_dict(cls, values: Any) -> "LossConfig":
+        """Build from a mapping or a dataclass with these field names; unknown keys are an error."""
+        if dataclasses.is_dataclass(values) and not isinstance(values, type):
+            values = dataclasses.asdict(values)
+        return _build(cls, dict(values or {}), "mix.loss")
+
+
+@dataclass
+class FilterGroupsConfig:
+    """Extras on top of verl's ``algorithm.filter_groups.{enable, metric, max_num_gen_batches}``."""
+
+    rule: str = "nonzero_std"  # which groups to keep: a name registered in mix_src.algo.filter_groups (DAPO's std > 0)
+    carry_over: bool = False  # keep surplus kept groups for the next step instead of discarding them
+    on_policy_only: bool = False  # compute a group's metric std over its on-policy rows only
+
+    def check(self, p: str) -> None:
+        if self.rule not in GROUP_FILTERS:
+            raise MixConfigError(GROUP_FILTERS.unknown(self.rule))
+
+
+@dataclass
+class PlannerConfig:
+    """The memory check before Ray (mix_src/planner/README.md)."""
+
+    check: bool = True  # refuse what cannot fit (fp32 params + grads + AdamW > GPU), print the estimate otherwise
+    gpu: Optional[str] = None  # plan for this GPU (mix_src.planner.estimate.GPUS) instead of the driver's; also on CPU
+
+    def check_values(self, p: str) -> None:
+        from mix_src.planner.estimate import GPUS
+
+        if self.gpu is not None and self.gpu not in GPUS:
+            raise MixConfigError(f"{p}.gpu={self.gpu!r}: use one of {sorted(GPUS)} or null (the driver's GPU)")
+
+
+@dataclass
+class MixConfig:
+    """Everything under ``mix:``. Prefix keys follow LUFFY's ``actor_rollout_ref.rollout.*`` names."""
+
+    n_prefix: int = 0  # rows per group (of rollout.n) that start from a target prefix; -1 = all, 0 = none
+    prefix_strategy: str = "random"  # how each prefixed row's ratio is drawn: a name registered in mix_src.algo.prefix
+    prefix_share_across_samples: bool = False  # one ratio per prompt instead of one per row
+    min_prefix_ratio: float = 1.0  # random: ratio ~ U(min, max); 1.0 = the whole target + EOS
+    max_prefix_ratio: float = 1.0
+    prefix_steps: int = 1000  # linear schedules: steps over which the ratio window moves
+    prefix_linear_max_ratio: float = 0.8  # linear schedules: starting ratio
+    prefix_fix_ratios: Optional[list] = None  # fixed: the ratios, one per prefixed row of a group
+    prefix_reward_weight_alpha: float = 1.0  # A <- A * alpha on target tokens ...
+    prefix_reward_weight_beta: float = 1.0  # ... and A * beta on the other tokens
+    seed: Optional[int] = None  # seed of the prefix-ratio generator (None = data.seed or 0)
+    rollout_policy: str = "prefix_guided"  # how the generate stage makes a batch: a name in mix_src.trainer.rollout_policy
+    plugins: list = field(default_factory=list)  # modules / .py files that register extensions (mix_src/extend.py)
+    plugin_options: dict = field(default_factory=dict)  # {entry name: {setting: value}}: the one channel (registry.py)
+    flops_budget: Optional[float] = None  # stop training at the first step whose cumulative FLOPs reach this (mix_src/algo/flops.py)
+    flops_count: str = "full"  # which count the budget uses: "6n" (6N rule) or "full" (+ attention, LM head)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+
+    def check(self, p: str = "mix") -> None:
+        _in_range(f"{p}.n_prefix", self.n_prefix, -1, None)
+        if self.prefix_strategy not in PREFIX_STRATEGIES:
+            raise MixConfigError(PREFIX_STRATEGIES.unknown(self.prefix_strategy))
+        if self.rollout_policy not in ROLLOUT_POLICIES:
+            raise MixConfigError(ROLLOUT_POLICIES.unknown(self.rollout_policy))
+        _in_range(f"{p}.min_prefix_ratio", self.min_prefix_ratio, 0.0, 1.0)
+        _in_range(f"{p}.max_prefix_ratio", self.max_prefix_ratio, 0.0, 1.0)
+        if self.min_prefix_ratio > self.max_prefix_ratio:
+            raise MixConfigError(
+                f"{p}.min_prefix_ratio={self.min_prefix_ratio} > {p}.max_prefix_ratio={self.max_prefix_ratio}"
+            )
+        _in_range(f"{p}.prefix_steps", self.prefix_steps, 1, None)
+        _in_range(f"{p}.prefix_linear_max_ratio", self.prefix_linear_max_ratio, 0.0, 1.0)
+        if self.prefix_fix_ratios is not None:
+            self.prefix_fix_ratios = [float(r) for r in self.prefix_fix_ratios]
+            for i, r in enumerate(self.prefix_fix_ratios):
+                _in_range(f"{p}.prefix_fix_ratios[{i}]", r, 0.0, 1.0)
+        _in_range(f"{p}.prefix_reward_weight_alpha", self.prefix_reward_weight_alpha, 0.0, None)
+        _in_range(f"{p}.prefix_reward_weight_beta", self.prefix_reward_weight_beta, 0.0, None)
+        for name, settings in self.plugin_options.items():
+            if not isinstance(settings, dict):
+                raise MixConfigError(f"{p}.plugin_options.{name}={settings!r} must be a mapping {{key: value}} (the "
+                                     f"settings of the entry {name!r})")
+        for name in self.plugin_options:  # registry.resolve_settings checks the values; a stray name is an error
+            if not any(name in registry for registry in _REGISTRIES):
+                raise MixConfigError(f"{p}.plugin_options.{name}: no registered entry is called {name!r} (load its "
+                                     f"plugin with {p}.plugins)")
+        if self.flops_budget is not None:
+            _in_range(f"{p}.flops_budget", self.flops_budget, 1.0, None)
+        if self.flops_count not in FLOPS_COUNTS:
+            raise MixConfigError(f"{p}.flops_count={self.flops_count!r}: use one of {list(FLOPS_COUNTS)}")
+        self.data.check(f"{p}.data")
+        self.filter_groups.check(f"{p}.filter_groups")
+        self.planner.check_values(f"{p}.planner")
+
+
+# --------------------------------------------------------------------------------------------------------
+# building from a (Omega)dict, with errors that name the key
+
+
+def _in_range(key: str, value: Any, lo: Optional[float], hi: Optional[float]) -> None:
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        raise MixConfigError(f"{key}={value!r} is out of range {bounds}")
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Check ``value`` against the type hint ``hint``; return it converted (int -> float where allowed)."""
+    origin = get_origin(hint)
+    if origin is Literal:
+        if value not in get_args(hint):
+            raise MixConfigError(f"{key}={value!r} is not one of {list(get_args(hint))}")
+        return value
+    if origin is not None and type(None) in get_args(hint):  # Optional[X]
+        if value is None:
+            return None
+        inner = [a for a in get_args(hint) if a is not type(None)][0]
+        return _coerce(key, value, inner)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise MixConfigError(f"{key}={value!r} must be true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise MixConfigError(f"{key}={value!r} must be an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise MixConfigError(f"{key}={value!r} must be a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise MixConfigError(f"{key}={value!r} must be a string")
+        return value
+    if hint is dict:
+        if not isinstance(value, dict):
+            raise MixConfigError(f"{key}={value!r} must be a mapping")
+        return {str(k): v for k, v in value.items()}
+    if hint is list or origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise MixConfigError(f"{key}={value!r} must be a list")
+        return list(value)
+    return value
+
+
+def _build(cls: type, values: Any, prefix: str):
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise MixConfigError(f"{prefix} must be a mapping of keys to values, got {values!r}")
+    hints = get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise MixConfigError(f"unknown key(s) {[f'{prefix}.{k}' for k in unknown]}; valid keys of {prefix}: {names}")
+    kwargs = {name: _coerce(f"{prefix}.{name}", values[name], hints[name]) for name in names if name in values}
+    return cls(**kwargs)
+
+
+def mix_config_from_dict(values: Optional[dict], prefix: str = "mix") -> MixConfig:
+    """Build and check a :class:`MixConfig` from a plain dict (e.g. ``OmegaConf.to_container(cfg.mix)``).
+    The plugins in ``plugins`` are imported first, so the names they register are valid."""
+    plugins = (values or {}).get("plugins") or []
+    if not isinstance(plugins, (list, tuple)):
+        raise MixConfigError(f"{prefix}.plugins={plugins!r} must be a list of module names or .py paths")
+    load_plugins(plugins)
+    cfg = _build(MixConfig, values, prefix)
+    cfg.check(prefix)
+    return cfg
+
+
+def _resolve_target_limit(config: Any, mix: MixConfig) -> None:
+    """Refuse a ``mix.data.max_target_length`` whose target + EOS cannot fit ``data.max_response_length``; write
+    the resolved limit (default ``max_response_length - 1``) into both ``mix`` and ``config.mix.data``, so the
+    datasets Ray builds read the number checked here."""
+    from omegaconf import open_dict
+
+    response = config.get("data", {}).get("max_response_length")
+    if response is None:
+        return
+    mix.data.check_fits("mix.data", int(response))
+    mix.data.max_target_length = mix.data.target_limit(int(response))
+    if config.get("mix") is not None:
+        with open_dict(config):
+            config.mix.setdefault("data", {})
+            config.mix.data.max_target_length = mix.data.max_target_length
+
+
+def _check_adv_estimator(name: str) -> None:
+    """algorithm.adv_estimator must be a prefix-aware estimator (mix_src.trainer.adv_estimators) or one of verl's."""
+    from verl.trainer.ppo import core_algos  # here, not at the top: this module stays free of verl
+
+    from mix_src.trainer.adv_estimators import ADV_ESTIMATORS
+
+    verl_names = [n for n in core_algos.ADV_ESTIMATOR_REGISTRY if n not in ADV_ESTIMATORS]
+    if name not in ADV_ESTIMATORS and name not in core_algos.ADV_ESTIMATOR_REGISTRY:
+        raise MixConfigError(f"{ADV_ESTIMATORS.unknown(name)}; or one of verl's: {sorted(verl_names)}")
+
+
+def uses_critic(config: Any) -> bool:
+    """verl's rule (``need_critic``, verl/trainer/ppo/utils.py 96-107; without its warning, and with no
+    ``critic`` section read as unset): ``critic.enable`` if set, else whether the estimator is verl's GAE."""
+    from verl.trainer.ppo.core_algos import AdvantageEstimator
+
+    enable = (config.get("critic") or {}).get("enable")
+    return bool(enable) if enable is not None else str(config.algorithm.get("adv_estimator")) == AdvantageEstimator.GAE
+
+
+def validate_mix_config(config: Any) -> MixConfig:
+    """Validate ``config.mix`` and its ties to verl's keys; return the typed :class:`MixConfig`.
+
+    ``config`` is the whole composed (Omega)config. Raises :class:`MixConfigError` naming the key.
+    """
+    from omegaconf import OmegaConf  # hydra's dependency; imported here to keep the module import-light
+
+    mix_values = OmegaConf.to_container(config.get("mix"), resolve=True) if config.get("mix") is not None else {}
+    mix = mix_config_from_dict(mix_values)
+    _resolve_target_limit(config, mix)
+
+    n = int(config.actor_rollout_ref.rollout.n)
+    if mix.n_prefix > n:
+        raise MixConfigError(f"mix.n_prefix={mix.n_prefix} > actor_rollout_ref.rollout.n={n}; use 0..{n} or -1 (all)")
+    if mix.n_prefix != 0:
+        rc = config.algorithm.get("rollout_correction") or {}
+        # decoupled rollout_is / rollout_rs run over on-policy tokens only (stages.on_policy_rollout_correction)
+        if rc.get("bypass_mode"):
+            raise MixConfigError(
+                "algorithm.rollout_correction.bypass_mode=true replaces old log-probs by rollout log-probs for every "
+                "token, and target (prefix) tokens have none; use decoupled mode (bypass_mode=false with rollout_is / "
+                "rollout_rs), which keeps prefix tokens out, or set mix.n_prefix=0"
+            )
+    actor = config.actor_rollout_ref.actor
+    if mix.loss.use_adaptive_entropy and not (actor.get("calculate_entropy", False) or actor.entropy_coeff != 0):
+        raise MixConfigError(
+            "mix.loss.use_adaptive_entropy=true needs the entropy on the worker: set "
+            "actor_rollout_ref.actor.entropy_coeff (its initial value) to a value > 0"
+        )
+    agg_mode = mix.loss.loss_agg_mode or actor.get("loss_agg_mode", "token-mean")
+    if mix.loss.all_max_clip is not None and agg_mode == "token-mean" and actor.get("shuffle", False):
+        raise MixConfigError(
+            "mix.loss.all_max_clip with token-mean counts the kept tokens of each mini-batch before the update, "
+            "which needs verl's unshuffled mini-batches: set actor_rollout_ref.actor.shuffle=false"
+        )
+    if mix.loss.row_loss is not None and actor.get("shuffle", False):
+        raise MixConfigError(
+            f"mix.loss.row_loss={mix.loss.row_loss!r} counts the SFT tokens of each mini-batch before the update, which "
+            "needs verl's unshuffled mini-batches: set actor_rollout_ref.actor.shuffle=false"
+        )
+    if mix.loss.combine is not None and actor.get("shuffle", False):
+        raise MixConfigError(
+            f"mix.loss.combine={mix.loss.combine!r} counts the on-policy and expert tokens of each mini-batch before "
+            "the update, which needs verl's unshuffled mini-batches: set actor_rollout_ref.actor.shuffle=false"
+        )
+    fg = config.algorithm.get("filter_groups") or {}
+    if mix.filter_groups != FilterGroupsConfig() and not fg.get("enable", False):  # any mix.filter_groups key set
+        raise MixConfigError(
+            "mix.filter_groups.* is set but algorithm.filter_groups.enable=false; set algorithm.filter_groups.enable=true"
+        )
+    if mix.flops_budget is not None and uses_critic(config):
+        raise MixConfigError(
+            "mix.flops_budget counts the actor's compute only (mix_src/algo/flops.py); a critic (algorithm.adv_estimator=gae "
+            "or critic.enable=true) would go uncounted: unset mix.flops_budget or use a critic-free estimator"
+        )
+    _check_adv_estimator(str(config.algorithm.adv_estimator))
+    gen_bs = config.data.get("gen_batch_size", None)
+    if gen_bs is not None and gen_bs != config.data.train_batch_size and not fg.get("enable", False):
+        raise MixConfigError(
+            f"data.gen_batch_size={gen_bs} differs from data.train_batch_size={config.data.train_batch_size} but "
+            "algorithm.filter_groups.enable=false; a generation batch is the training batch then: unset it or enable filter groups"
+        )
+    return mix

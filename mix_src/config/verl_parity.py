@@ -1,0 +1,272 @@
+"""Which of verl's trainer settings the MIX trainer honours, and which it refuses before Ray starts.
+
+:class:`mix_src.trainer.legacy.MIXRayPPOTrainer` replaces verl's ``RayPPOTrainer.fit``
+(``verl/trainer/ppo/ray_trainer.py``, verl 0.9.1) with its own loop, so every key that changes verl's fit
+must be honoured by that loop or refused here, by name. ``tests/test_verl_key_parity.py`` reads verl's
+``fit`` source and fails on any config key it reads, or any trainer method it calls, that is not listed
+below: after a verl upgrade that test names what is new. It reads the sources with :func:`config_reads` (an AST
+scan: attribute, ``.get`` and ``[...]`` reads, also through local variables), and an honoured key must be read by
+its full path in the named MIX method.
+
+:func:`check_verl_keys` runs on the driver before Ray starts (``mix_src.main_mix_ppo.prepare_config``).
+This module imports no verl.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from typing import Any, Callable, Optional
+
+from mix_src.config.mix_config import MixConfigError
+
+# Keys verl's fit reads -> the MIXRayPPOTrainer method(s) whose source reads them too (honoured).
+HONOURED: dict[str, tuple[str, ...]] = {
+    "trainer.project_name": ("fit",),
+    "trainer.experiment_name": ("fit",),
+    "trainer.logger": ("fit",),
+    "trainer.val_before_train": ("fit",),
+    "trainer.val_only": ("fit",),
+    "trainer.total_epochs": ("_train_batches",),
+    "trainer.balance_batch": ("_compute_log_probs",),
+    "trainer.critic_warmup": ("_update", "_end_of_data"),
+    "trainer.save_freq": ("_update", "_end_of_data"),
+    "trainer.test_freq": ("_step", "_end_of_data"),
+    "trainer.esi_redundant_time": ("_update",),
+    "trainer.rollout_data_dir": ("_step",),
+    "actor_rollout_ref.rollout.n": ("__init__",),
+    "actor_rollout_ref.rollout.temperature": ("_generate",),
+    "actor_rollout_ref.actor.loss_agg_mode": ("_compute_log_probs",),  # the entropy metric's aggregation
+    "actor_rollout_ref.actor.loss_scale_factor": ("_compute_log_probs",),
+    "algorithm": ("_compute_advantages",),  # the whole section goes to verl's compute_advantage as `config`
+    "algorithm.adv_estimator": ("_compute_advantages",),
+    "algorithm.gamma": ("_compute_advantages",),
+    "algorithm.lam": ("_compute_advantages",),
+    "algorithm.kl_penalty": ("_compute_advantages",),
+    "algorithm.use_kl_in_reward": ("_compute_advantages",),
+    "algorithm.norm_adv_by_std_in_grpo": ("_compute_advantages",),
+    "algorithm.rollout_correction": ("_apply_rollout_correction",),  # decoupled mode; see REFUSED
+    "algorithm.gdpo_reward_keys": ("_add_step_metrics",),
+}
+
+# Keys verl's fit reads that the MIX trainer refuses for some values (see the checks below).
+REFUSED_KEYS: dict[str, str] = {
+    "global_profiler.steps": "_refuse_profiler",
+    "global_profiler.profile_continuous_steps": "_refuse_profiler",  # only read when steps are set
+    # loss_mode (and the mode's own keys, e.g. dro_beta) picks the on-policy term's verl loss (mix_src/worker/onpolicy_losses.py)
+    "actor_rollout_ref.actor.policy_loss": "_refuse_policy_loss_mode",
+    "algorithm.rollout_correction.bypass_mode": "_refuse_bypass_mode",
+}
+
+# Calls verl's fit makes on the trainer: the MIX loop makes them too, or they belong to a refused key.
+FIT_CALLS_REFUSED: dict[str, str] = {
+    "_start_profiling": "global_profiler.steps",
+    "_stop_profiling": "global_profiler.steps",
+    "llm_server_manager.start_profile": "global_profiler.steps",
+    "llm_server_manager.stop_profile": "global_profiler.steps",
+}
+
+SGLANG_UNRESOLVABLE = (
+    "actor_rollout_ref.rollout.name=sglang: verl[sglang]==0.9.1 pins sglang==0.5.12, which requires "
+    "transformers==5.6.0, a version verl 0.9.1 itself excludes (transformers!=5.6.0), so SGLang and this verl "
+    "cannot be installed in one environment. Use actor_rollout_ref.rollout.name=vllm (`make install-gpu`)."
+)
+
+
+# --------------------------------------------------------------------------- the scanner (used by the guard test)
+_NOT_KEYS = frozenset({"get", "items", "keys", "values", "copy", "pop", "setdefault", "update"})
+
+
+def config_reads(source: str) -> set[str]:
+    """The config keys (full dotted paths) a function's source reads from ``self.config``.
+
+    Sees ``self.config.a.b``, ``self.config.a.get("b")``, ``self.config.a["b"]``, and the same through a local
+    variable (``x = self.config.a`` then ``x.b`` / ``x.get("b")`` / ``x["b"]``). Each read yields its longest
+    path: ``self.config.a.b.c`` is ``a.b.c``; ``f(self.config.a)`` is ``a`` (the whole section is passed on).
+    A local assigned a config section is not itself a read; its uses are."""
+    tree = ast.parse(textwrap.dedent(source))
+    aliases: dict[str, tuple[str, ...]] = {}
+
+    def path(node: ast.AST) -> Optional[tuple[str, ...]]:
+        if isinstance(node, ast.Attribute):
+            if node.attr == "config" and isinstance(node.value, ast.Name) and node.value.id == "self":
+                return ()
+            base = path(node.value)
+            return None if base is None or node.attr in _NOT_KEYS else (*base, node.attr)
+        if isinstance(node, ast.Name):
+            return aliases.get(node.id)
+        if isinstance(node, ast.Subscript):
+            base = path(node.value)
+            key = node.slice
+            if base is not None and isinstance(key, ast.Constant) and isinstance(key.value, str):
+                return (*base, key.value)
+            return None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            base = path(node.func.value)
+            if base is not None and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                return (*base, node.args[0].value)
+        return None
+
+    def bindings(tree: ast.AST):
+        """(local name, value node) of ``x = ...`` and ``x, y = ..., ...``."""
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Assign) or len(node.targets) != 1:
+                continue
+            target, value = node.targets[0], node.value
+            if isinstance(target, ast.Name):
+                yield target.id, value
+            elif isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) and len(target.elts) == len(value.elts):
+                yield from ((t.id, v) for t, v in zip(target.elts, value.elts) if isinstance(t, ast.Name))
+
+    # aliases first (a local re-bound to a config section keeps the last section)
+    for name, value in bindings(tree):
+        p = path(value)
+        if p:
+            aliases[name] = p
+    parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
+
+    def extended(node: ast.AST) -> bool:
+        """Whether ``node``'s read continues in its parent (``.b``, ``["b"]``, ``.get("b")``)."""
+        parent = parents.get(node)
+        if isinstance(parent, (ast.Attribute, ast.Subscript)) and parent.value is node:
+            if path(parent) is not None:
+                return True
+            grand = parents.get(parent)
+            return isinstance(grand, ast.Call) and grand.func is parent and path(grand) is not None
+        return False
+
+    used_as_section = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id in aliases and extended(n)}
+    alias_values = {id(value) for name, value in bindings(tree) if name in used_as_section}
+    keys = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            continue
+        p = path(node)
+        if p and id(node) not in alias_values and not extended(node):
+            keys.add(".".join(p))
+    return keys
+
+
+def _get(config: Any, dotted: str, default: Any = None) -> Any:
+    node = config
+    for part in dotted.split("."):
+        if node is None:
+            return default
+        node = node.get(part, None) if hasattr(node, "get") else getattr(node, part, None)
+    return default if node is None else node
+
+
+# verl's estimators whose inputs only verl's own fit makes: name -> why the MIX loop refuses it.
+VERL_ESTIMATORS_REFUSED = {
+    "remax": "needs a greedy baseline rollout per prompt (verl's fit generates it with the sampled rollouts, "
+             "ray_trainer.py `__do_sample__`); the MIX loop does not generate one. Use grpo, grpo_split, rloo, "
+             "reinforce_plus_plus, or gae (with a critic).",
+}  # fmt: skip
+
+
+def _refuse_estimator(config: Any, mix: Any) -> Optional[str]:
+    name = str(_get(config, "algorithm.adv_estimator"))
+    why = VERL_ESTIMATORS_REFUSED.get(name)
+    return f"algorithm.adv_estimator={name} {why}" if why else None
+
+
+def _refuse_bypass_mode(config: Any, mix: Any) -> Optional[str]:
+    if _get(config, "algorithm.rollout_correction.bypass_mode", False):
+        return (
+            "algorithm.rollout_correction.bypass_mode=true replaces old log-probs by rollout log-probs and the "
+            "policy loss by actor.policy_loss; the MIX loss needs recomputed old log-probs (target tokens have "
+            "no rollout log-prob). Set it to false: decoupled mode (rollout_is / rollout_rs) is supported."
+        )
+    return None
+
+
+def _refuse_correction_without_logprobs(config: Any, mix: Any) -> Optional[str]:
+    active = [k for k in ("rollout_is", "rollout_rs") if _get(config, f"algorithm.rollout_correction.{k}")]
+    if active and not _get(config, "actor_rollout_ref.rollout.calculate_log_probs", False):
+        return (
+            f"algorithm.rollout_correction.{active[0]} is set but actor_rollout_ref.rollout.calculate_log_probs="
+            "false: there are no rollout log-probs to correct with (verl would skip it silently). Set "
+            "actor_rollout_ref.rollout.calculate_log_probs=true."
+        )
+    return None
+
+
+def _refuse_profiler(config: Any, mix: Any) -> Optional[str]:
+    steps = _get(config, "global_profiler.steps")
+    if steps:
+        return (
+            f"global_profiler.steps={list(steps)}: the MIX trainer's loop does not drive verl's profiler "
+            "(ray_trainer.py _start_profiling / _stop_profiling); set global_profiler.steps=null."
+        )
+    return None
+
+
+def _refuse_policy_loss_mode(config: Any, mix: Any) -> Optional[str]:
+    """Any registered verl policy loss is the on-policy term, unless the mode x mix.loss knob table
+    (mix_src/worker/onpolicy_losses.py knob_refusals) refuses the pair; bypass_mode is refused there."""
+    from mix_src.worker.onpolicy_losses import knob_refusals
+
+    mode = _get(config, "actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla")
+    if mode == "vanilla":
+        return None
+    if mix is None:
+        from mix_src.config.mix_config import validate_mix_config
+
+        mix = validate_mix_config(config)
+    try:
+        refusals = knob_refusals(mode, mix.loss, config.actor_rollout_ref.actor)
+    except ValueError as e:  # a name verl does not know
+        return str(e)
+    return "; ".join(refusals) or None
+
+
+def _refuse_sglang(config: Any, mix: Any) -> Optional[str]:
+    return SGLANG_UNRESOLVABLE if _get(config, "actor_rollout_ref.rollout.name") == "sglang" else None
+
+
+def _refuse_layered_summon_base_sync(config: Any, mix: Any) -> Optional[str]:
+    """LoRA adapter sync with ``rollout.layered_summon`` and a dummy-loaded rollout: verl's first weight sync sends
+    the base model (``verl/workers/engine_workers.py`` 793-801, ``base_sync_done`` starts False when
+    ``"dummy" in load_format``, 673), and ``collect_lora_params`` refuses that under layered summon
+    (``verl/utils/fsdp_utils.py`` 725-730) -- a crash at the first sync, after Ray and every worker started."""
+    lora = (_get(config, "actor_rollout_ref.model.lora_rank", 0) or 0) > 0 or (
+        _get(config, "actor_rollout_ref.model.lora.rank", 0) or 0
+    ) > 0
+    merge = _get(config, "actor_rollout_ref.model.lora.merge", False)
+    load_format = str(_get(config, "actor_rollout_ref.rollout.load_format", "dummy"))
+    if lora and not merge and _get(config, "actor_rollout_ref.rollout.layered_summon", False) and "dummy" in load_format:
+        return (
+            f"actor_rollout_ref.rollout.layered_summon=true with actor_rollout_ref.rollout.load_format={load_format}: "
+            "verl's first LoRA weight sync must send the base model, which layered summon cannot (verl/utils/"
+            "fsdp_utils.py collect_lora_params: 'To use layered_summon, you must make sure base-model is preloaded'). "
+            "Set actor_rollout_ref.rollout.load_format=safetensors, or layered_summon=false."
+        )
+    return None
+
+
+CHECKS: list[Callable[[Any, Any], Optional[str]]] = [
+    _refuse_estimator,
+    _refuse_bypass_mode,
+    _refuse_correction_without_logprobs,
+    _refuse_profiler,
+    _refuse_policy_loss_mode,
+    _refuse_sglang,
+    _refuse_layered_summon_base_sync,
+]
+
+# The settings refused (for the README and the guard test): key=value that triggers it -> check.
+REFUSED_SETTINGS: dict[str, Callable] = {
+    "algorithm.adv_estimator=remax": _refuse_estimator,
+    "algorithm.rollout_correction.bypass_mode=true": _refuse_bypass_mode,
+    "global_profiler.steps=[1]": _refuse_profiler,
+    "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode": _refuse_policy_loss_mode,
+    "actor_rollout_ref.rollout.name=sglang": _refuse_sglang,
+}
+
+
+def check_verl_keys(config: Any, mix: Any = None) -> None:
+    """Raise :class:`MixConfigError` naming the first verl setting the MIX trainer cannot honour."""
+    for check in CHECKS:
+        message = check(config, mix)
+        if message:
+            raise MixConfigError(message)

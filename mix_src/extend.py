@@ -1,0 +1,421 @@
+"""One small registry class behind every extension point of mix_src, and plugin loading.
+
+Each extension point is a :class:`Registry` defined (and its call signature documented) in the module
+that uses it:
+
+    prefix strategies     mix_src.algo.prefix.register_prefix_strategy          (mix.prefix_strategy)
+    off-policy reshapes   mix_src.algo.core_alg.register_off_policy_reshape     (mix.loss.off_policy_reshape)
+    on-policy reshapes    mix_src.algo.core_alg.register_on_policy_reshape      (mix.loss.on_policy_reshape)
+    advantage estimators  mix_src.trainer.adv_estimators.register_adv_estimator    (algorithm.adv_estimator)
+    group filters         mix_src.algo.filter_groups.register_group_filter      (mix.filter_groups.rule)
+    rollout policies      mix_src.trainer.rollout_policy.register_rollout_policy   (mix.rollout_policy)
+    row losses            mix_src.algo.row_loss.register_row_loss               (mix.loss.row_loss)
+    SFT aggregations      mix_src.algo.row_loss.SFT_AGGS.register                (mix.loss.sft_loss_agg)
+    loss combinations     mix_src.algo.loss_combine.register_loss_combine       (mix.loss.combine)
+    off-policy behaviours mix_src.algo.off_policy_behaviour.register_off_policy_behaviour (mix.loss.off_policy_behaviour)
+
+Every entry describes itself (:class:`Entry`): the trainer bases it supports (``"legacy"`` =
+:class:`~mix_src.trainer.legacy.MIXRayPPOTrainer`, ``"v1"`` = ``trainer.use_v1=true``) and, for each base it does
+not support, why; its settings (:class:`Setting`: default and check); its own config checks; and the config keys
+it reads. :func:`check_selected_entries`, run by the entry point before Ray starts, looks up the entry each
+registry's key selects, refuses it on a base it does not support (with its reason), validates its settings
+(:func:`resolve_settings`) and runs its checks, so no caller special-cases a name:
+
+    @REG.register("mine", bases=("legacy",), why_not={"v1": "needs a second generation pass"},
+                  settings={"k": integer(3, 1)}, check=lambda cfg: ..., reads=("mix.my_key",))
+
+Settings take one way, ``mix.plugin_options.<entry name>.<setting>`` (or a registry's older spelling), checked
+once on the driver by :func:`resolve_settings`; the entry reads them with ``REG.settings(name, given)``.
+
+A plugin is a Python module or a ``.py`` file that registers with these decorators (or verl's own,
+e.g. ``register_policy_loss``); ``mix.plugins=[my_pkg.my_mod, /abs/or/relative/plugin.py]`` loads it.
+The entry point imports the plugins on the driver before the config is validated and exports them in
+``MIX_PLUGINS`` (absolute paths) to every Ray process; there :mod:`mix_src.plugins`, imported by
+verl's ``VERL_USE_EXTERNAL_MODULES`` hook at ``import verl`` (verl/__init__.py), imports them again, and
+every registry lookup re-checks ``MIX_PLUGINS`` first, so nothing is looked up before the plugins are in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, Iterator, Mapping, Optional, TypeVar
+
+__all__ = [
+    "BASES", "PLUGINS_ENV", "Entry", "EntryConfigError", "PluginImportError", "Registry", "Setting",
+    "check_selected_entries", "flag", "integer", "load_plugins", "load_plugins_from_env", "load_verl_plugins",
+    "number", "one_of", "resolve_settings", "trainer_base",
+]  # fmt: skip
+
+BASES = ("legacy", "v1")  # the trainer bases: MIXRayPPOTrainer, and verl's V1 trainer (trainer.use_v1=true)
+
+PLUGINS_ENV = "MIX_PLUGINS"  # comma-separated module names / absolute .py paths, exported to Ray workers
+F = TypeVar("F", bound=Callable)
+_LOADED: dict[str, str] = {}  # plugin spec -> module name
+_REGISTRIES: list["Registry"] = []  # every Registry made, in creation order (check_selected_entries walks them)
+
+
+class EntryConfigError(ValueError):
+    """A registry entry refuses the config (unsupported trainer base, a bad setting, or its own check failed)."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting an entry declares: its ``default``; ``ok(value) -> bool`` and ``want`` (what a good value is,
+    the error's text). ``nullable``: null is a good value too."""
+
+    default: Any
+    ok: Callable[[Any], bool] = lambda v: True
+    want: str = "any value"
+    nullable: bool = False
+
+    def error(self, key: str, value: Any) -> Optional[str]:
+        if (value is None and self.nullable) or self.ok(value):
+            return None
+        return f"{key}={value!r} must be {self.want}{' or null' if self.nullable else ''}"
+
+
+def number(default: Any, lo: float = float("-inf"), hi: float = float("inf"), nullable: bool = False) -> Setting:
+    ok = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and lo <= v <= hi  # noqa: E731
+    return Setting(default, ok, f"a number in [{lo}, {hi}]", nullable)
+
+
+def integer(default: Any, lo: float = float("-inf"), hi: float = float("inf"), nullable: bool = False) -> Setting:
+    ok = lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi  # noqa: E731
+    return Setting(default, ok, f"an integer in [{lo}, {hi}]", nullable)
+
+
+def flag(default: bool) -> Setting:
+    return Setting(default, lambda v: isinstance(v, bool), "true or false")
+
+
+def one_of(default: Any, *values: Any) -> Setting:
+    return Setting(default, lambda v: v in values, f"one of {list(values)}")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What a registry entry says of itself.
+
+    ``bases``: the trainer bases it supports; ``why_not``: for every other base, why (the refusal's text);
+    ``settings``: what it takes from ``mix.plugin_options.<name>`` (:class:`Setting` per key, checked by
+    :func:`resolve_settings`); ``check(config)``: its own checks across keys on the whole composed config (settings
+    already resolved), raising :class:`EntryConfigError` (or any ValueError) naming the key and value; ``reads``: the
+    config keys (full dotted paths) it reads; ``options``: fixed traits documented by the registry that owns it."""
+
+    name: str
+    fn: Callable
+    bases: tuple[str, ...] = BASES
+    why_not: Mapping[str, str] = field(default_factory=dict)
+    check: Optional[Callable[[Any], None]] = None
+    reads: tuple[str, ...] = ()
+    options: Mapping[str, Any] = field(default_factory=dict)
+    settings: Mapping[str, Setting] = field(default_factory=dict)
+
+    def refusal(self, registry: "Registry", base: str) -> Optional[str]:
+        """The error text if this entry cannot run on ``base``, else None."""
+        if base in self.bases:
+            return None
+        return (
+            f"{registry.config_key}={self.name!r} is not supported on the {base!r} trainer base "
+            f"({_BASE_SWITCH[base]}): {self.why_not[base]}"
+        )
+
+
+_BASE_SWITCH = {"legacy": "trainer.use_v1=false", "v1": "trainer.use_v1=true"}
+
+
+class Registry(Generic[F]):
+    """Name -> function. ``kind`` names the extension point in errors; ``config_key`` the key that picks
+    from it. Iterating yields the registered names (built-ins first, then plugins, in order)."""
+
+    def __init__(self, kind: str, config_key: str, selected: Optional[Callable[[Any], list[str]]] = None,
+                 old_settings: Optional[Mapping[str, str]] = None):
+        """``selected(config)`` returns the names the config picks from this registry (default: the value
+        at ``config_key``, if set); :func:`check_selected_entries` checks exactly those entries.
+        ``old_settings``: an older spelling of the entry's settings, {setting: key} or {"*": key of a mapping}."""
+        self.kind, self.config_key = kind, config_key
+        self._selected = selected
+        self.old_settings = dict(old_settings or {})
+        self._entries: dict[str, F] = {}
+        self._described: dict[str, Entry] = {}
+        _REGISTRIES.append(self)
+
+    def register(
+        self,
+        name: str,
+        *,
+        bases: tuple[str, ...] = BASES,
+        why_not: Optional[Mapping[str, str]] = None,
+        check: Optional[Callable[[Any], None]] = None,
+        reads: tuple[str, ...] = (),
+        settings: Optional[Mapping[str, Setting]] = None,
+        **options,
+    ) -> Callable[[F], F]:
+        """Decorator: ``@REG.register("name", ...)`` adds the function under ``name`` with its self-description
+        (:class:`Entry`; ``options`` are stored with it, see the registry's own documentation). Every base
+        left out of ``bases`` needs its reason in ``why_not``. A name registered twice is an error, unless it
+        is the same function again (a module imported twice)."""
+        bases = tuple(bases)
+        why_not = dict(why_not or {})
+        unknown = [b for b in (*bases, *why_not) if b not in BASES]
+        if unknown:
+            raise ValueError(f"{self.kind} {name!r}: unknown trainer base(s) {unknown}; the bases are {list(BASES)}")
+        missing = [b for b in BASES if b not in bases and not why_not.get(b)]
+        if missing:
+            raise ValueError(f"{self.kind} {name!r} does not support base(s) {missing}: say why in why_not={{base: reason}}")
+
+        def deco(fn: F) -> F:
+            old = self._entries.get(name)
+            if old is not None and _qualname(old) != _qualname(fn):
+                raise ValueError(f"{self.kind} {name!r} is already registered (by {_qualname(old)})")
+            self._entries[name] = fn
+            self._described[name] = Entry(name, fn, bases, why_not, check, tuple(reads), dict(options), dict(settings or {}))
+            return fn
+
+        return deco
+
+    def describe(self, name: str) -> Entry:
+        """The entry registered as ``name``, with its self-description."""
+        self.get(name)
+        return self._described[name]
+
+    def selected(self, config: Any) -> list[str]:
+        """The names ``config`` picks from this registry."""
+        if self._selected is not None:
+            return [str(n) for n in self._selected(config)]
+        from omegaconf import OmegaConf
+
+        value = OmegaConf.select(config, self.config_key, default=None)
+        return [] if value is None else [str(value)]
+
+    def get(self, name: str) -> F:
+        """The function registered as ``name`` (plugins in ``MIX_PLUGINS`` are imported first)."""
+        if name not in self._entries:
+            load_plugins_from_env()
+        if name not in self._entries:
+            raise KeyError(self.unknown(name))
+        return self._entries[name]
+
+    def options(self, name: str) -> dict:
+        return dict(self.describe(name).options)
+
+    def settings(self, name: str, given: Optional[Mapping] = None) -> dict:
+        """The entry's settings: its declared defaults, overridden by ``given`` (checked on the driver already)."""
+        declared = self.describe(name).settings
+        return {**{k: s.default for k, s in declared.items()}, **dict(given or {})}
+
+    def unknown(self, name: str) -> str:
+        """The error text for an unknown name: the key, the value and every registered name."""
+        return (
+            f"{self.config_key}={name!r} is not a registered {self.kind}; registered: {', '.join(self.names())} "
+            f"(a plugin adds one: see mix_src/extend.py and mix.plugins)"
+        )
+
+    def names(self) -> list[str]:
+        load_plugins_from_env()
+        return list(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        if name not in self._entries:
+            load_plugins_from_env()
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self.names())
+
+
+def trainer_base(config: Any) -> str:
+    """``"v1"`` with ``trainer.use_v1=true``, else ``"legacy"``."""
+    trainer = config.get("trainer") or {}
+    return "v1" if bool(trainer.get("use_v1", False)) else "legacy"
+
+
+def check_selected_entries(config: Any) -> None:
+    """Before Ray starts: for every registry, each entry the config selects must support this trainer base,
+    and its own ``check`` must pass. Raises :class:`EntryConfigError` naming the key and the entry. A name no
+    registry knows is left to the caller's own error (e.g. verl's estimators are not in ours)."""
+    load_plugins_from_env()
+    base = trainer_base(config)
+    resolve_settings(config)
+    for registry in list(_REGISTRIES):
+        for name in registry.selected(config):
+            if name not in registry._entries:
+                continue
+            entry = registry._described[name]
+            why = entry.refusal(registry, base)
+            if why:
+                raise EntryConfigError(why)
+            if entry.check is not None:
+                try:
+                    entry.check(config)
+                except EntryConfigError:
+                    raise
+                except ValueError as e:
+                    raise EntryConfigError(f"{registry.config_key}={name!r}: {e}") from e
+
+
+def resolve_settings(config: Any) -> None:
+    """The one check of every selected entry's settings (``mix.plugin_options.<name>`` and the registry's older
+    spelling) against its declaration, naming the key as written; the full settings (defaults filled in) are
+    written back to both, so every process reads checked values."""
+    from omegaconf import OmegaConf, open_dict
+
+    for registry in list(_REGISTRIES):
+        for name in registry.selected(config):
+            if name not in registry._entries:
+                continue
+            given, where = _given_settings(config, registry, name)
+            declared = registry._described[name].settings
+            unknown = sorted(set(given) - set(declared))
+            if unknown:
+                raise EntryConfigError(f"{registry.config_key}={name!r}: unknown key(s) {[where[k] for k in unknown]}; "
+                                       f"valid: {sorted(declared)}")  # fmt: skip
+            for key, value in given.items():
+                why = declared[key].error(where[key], value)
+                if why:
+                    raise EntryConfigError(why)
+            if not declared:
+                continue
+            full = registry.settings(name, given)
+            with open_dict(config):
+                OmegaConf.update(config, f"mix.plugin_options.{name}", full, merge=False, force_add=True)
+                for key, old in registry.old_settings.items():
+                    OmegaConf.update(config, old, full if key == "*" else full[key], merge=False, force_add=True)
+
+
+def _given_settings(config: Any, registry: "Registry", name: str) -> tuple[dict, dict]:
+    """The settings the config gives entry ``name`` -> (values, the key each was given under). A setting given
+    in both spellings must agree; an older single-value spelling left null is not given."""
+    from omegaconf import OmegaConf
+
+    def plain(key):
+        value = OmegaConf.select(config, key, default=None)
+        return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+    channel = f"mix.plugin_options.{name}"
+    sources = [(channel, plain(channel) or {}, None)]  # (key, its value, the one setting it spells or None)
+    for key, old in registry.old_settings.items():
+        value = plain(old)
+        if key == "*":
+            sources.append((old, value or {}, None))
+        elif value is not None:
+            sources.append((old, {key: value}, key))
+    values, where = {}, {}
+    for source, given, single in sources:
+        if not isinstance(given, Mapping):
+            raise EntryConfigError(f"{source}={given!r} must be a mapping {{setting: value}} (the settings of {name!r})")
+        for key, value in given.items():
+            if key in values and values[key] != value:
+                raise EntryConfigError(f"{where[key]}={values[key]!r} and {source}={value!r} disagree; set it once, "
+                                       f"in {channel}.{key}")  # fmt: skip
+            values[key] = value
+            where.setdefault(key, source if single else f"{source}.{key}")
+    return values, where
+
+
+def _qualname(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _is_path(spec: str) -> bool:
+    return spec.endswith(".py") or os.sep in spec or "/" in spec
+
+
+def resolve_plugin(spec: str) -> str:
+    """A plugin spec as exported to other processes: module names unchanged, paths made absolute."""
+    spec = str(spec).strip()
+    return os.path.abspath(os.path.expanduser(spec)) if _is_path(spec) else spec
+
+
+def _module_name(path: str) -> str:
+    """A stable module name for a plugin file, the same in every process (pickled functions defined in
+    the plugin refer to it)."""
+    stem = os.path.splitext(os.path.basename(path))[0]
+    safe = "".join(c if c.isalnum() else "_" for c in stem)
+    return f"mix_plugin_{safe}_{hashlib.sha1(path.encode()).hexdigest()[:8]}"
+
+
+def load_plugins(specs) -> list[str]:
+    """Import each plugin (module name or .py path) once; return the module names. Errors name the spec."""
+    names = []
+    for raw in specs or []:
+        spec = resolve_plugin(raw)
+        if spec in _LOADED:
+            names.append(_LOADED[spec])
+            continue
+        if _is_path(spec):
+            if not os.path.isfile(spec):
+                raise FileNotFoundError(f"mix.plugins: plugin file '{raw}' does not exist (resolved to {spec})")
+            name = _module_name(spec)
+            module_spec = importlib.util.spec_from_file_location(name, spec)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[name] = module
+            _LOADED[spec] = name  # before executing it: a lookup from inside the plugin must not re-import it
+            try:
+                module_spec.loader.exec_module(module)
+            except BaseException:
+                sys.modules.pop(name, None)
+                _LOADED.pop(spec, None)
+                raise
+        else:
+            try:
+                name = importlib.import_module(spec).__name__
+            except ModuleNotFoundError as err:
+                if err.name and spec.startswith(err.name):
+                    raise ModuleNotFoundError(
+                        f"mix.plugins: cannot import plugin module '{spec}' ({err}); give an importable module "
+                        "name or a path to a .py file"
+                    ) from err
+                raise
+        _LOADED[spec] = name
+        names.append(name)
+    return names
+
+
+class PluginImportError(ImportError):
+    """A ``verl.plugins`` entry point failed to import; the message names it."""
+
+
+def load_verl_plugins() -> list[str]:
+    """Import every ``verl.plugins`` entry point that verl's own loader imports (``verl/__init__.py``, same
+    ``VERL_USE_EXTERNAL_PLUGINS`` policy), raising :class:`PluginImportError` naming the first that fails.
+    verl's loader logs such a failure only at DEBUG and runs on without the plugin (e.g. the CPU backend),
+    so this runs in every process: from :mod:`mix_src.plugins` (``VERL_USE_EXTERNAL_MODULES``, set for
+    every Ray process by the entry point) and on the driver before the config is checked. A plugin already
+    imported is not imported again. Returns the entry-point names loaded."""
+    from importlib.metadata import entry_points
+
+    policy = os.getenv("VERL_USE_EXTERNAL_PLUGINS", "auto").strip().lower()
+    if policy == "none":
+        return []
+    allowed = None if policy == "auto" else {n.strip() for n in policy.split(",") if n.strip()}
+    loaded = []
+    for ep in entry_points(group="verl.plugins"):
+        if allowed is not None and ep.name not in allowed:
+            continue
+        try:
+            ep.load()
+        except Exception as e:
+            dist = getattr(getattr(ep, "dist", None), "name", "?")
+            raise PluginImportError(
+                f"verl plugin {ep.name!r} (entry point {ep.value!r} of {dist}) failed to import in process "
+                f"{os.getpid()}: {type(e).__name__}: {e}. verl's own loader would log this at DEBUG only and run "
+                "without the plugin; fix it, or leave it out with VERL_USE_EXTERNAL_PLUGINS=<the others>"
+            ) from e
+        loaded.append(ep.name)
+    return loaded
+
+
+def load_plugins_from_env() -> list[str]:
+    """Import the plugins listed in ``MIX_PLUGINS`` (set by the entry point for every Ray process)."""
+    value = os.environ.get(PLUGINS_ENV, "")
+    specs = [s for s in value.split(",") if s.strip()]
+    return load_plugins(specs) if specs else []

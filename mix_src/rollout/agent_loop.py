@@ -1,0 +1,221 @@
+"""Prefix-guided agent loop: a rollout that starts from a prefix of the row's off-policy target.
+
+Registered as ``prefix_guided`` with verl's ``@register``, in every process that imports this module:
+verl's AgentLoopWorker imports it through the MIX dataset class (``data.custom_cls`` ->
+:mod:`mix_src.trainer.dataset`), so no file path has to be valid on every node. (``mix_src/config/agent_loops.yaml``
+does the same for stock verl via ``actor_rollout_ref.rollout.agent.agent_loop_config_path``.) Per row it receives, as keyword arguments from the batch's non-tensor fields:
+
+* ``raw_prompt`` — the chat messages (verl's RLHFDataset);
+* ``target`` — the expert solution text (``""`` = none; :class:`mix_src.trainer.dataset.RLHFDatasetWithTarget`);
+* ``prefix_ratio`` — drawn on the driver by the trainer (absent in validation, where no row is prefixed);
+* ``rollout_seed`` — the row's sampling seed from the trainer (:mod:`mix_src.algo.seeding`), sent to the server
+  as ``sampling_params["seed"]``; rows without one (validation) are seeded from their batch position.
+
+On verl's V1 trainer, which runs the loop once per sample of a prompt with ``session_id`` 0..n-1, the prompt
+carries ``prefix_ratios`` and ``rollout_seeds`` (n each) instead, and sample ``session_id`` takes its own.
+
+With ``target_ids = tokenize(target) + [eos]`` and ``prefix = target_ids[:floor(ratio * len)]``
+(:func:`mix_src.algo.prefix.build_prefix`), the response is ``prefix + generate(prompt + prefix)`` with
+``max_tokens`` reduced by the prefix length. A row whose prefix fills the response (ratio 1.0: the whole
+target + EOS) makes **no server call** — LUFFY generated a full, discarded continuation there.
+
+Returned ``extra_fields``: ``prefix_token_mask`` (uint8 array, 1 on prefix tokens, length of the
+response), ``prefix_ratio`` (float) and ``prefix_truncated`` (bool: the prefix did not fit the response
+length and was cut, counted by the trainer), and for a row that made no server call ``min_global_steps`` =
+``max_global_steps`` = the dispatching step - 1 (the weight version the trainer held when it dispatched the
+prompt; V1 casts these tags to int, ``verl/trainer/ppo/v1/trainer_base.py`` 1897). Rollout log-probs of prefix tokens do not exist; when the
+server returns log-probs, prefix positions hold 0.0 and the trainer keeps them out of rollout metrics.
+
+As verl's ``single_turn_agent_loop.py``: the per-row ``priority`` (set by verl's AgentLoopManager) goes to
+the server, and ``rollout.full_determinism`` makes the request id ``det-{priority}``. ``rollout.max_model_len``
+is the model's context when left null (resolved on the driver, :mod:`mix_src.config.model_context`, or here by verl's
+server rule: verl fills it only inside its server actor). With a ``max_model_len`` below prompt + response length, ``max_tokens`` is clamped to the room left
+after prompt + prefix (vLLM: ``max_model_len - len``, at least 1; SGLang: ``max_model_len - len - 1``,
+see verl's ``async_sglang_server.py``), and a row with no room makes no call and answers with its
+prefix alone: a shorter answer, as verl's servers give, instead of their ValueError. SGLang's answer
+to a length mismatch between tokens and log-probs (both lists empty) is kept as an empty continuation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from typing import Any, Optional
+from uuid import uuid4
+
+import numpy as np
+
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
+from verl.utils.profiler import simple_timer
+
+from mix_src.algo.prefix import build_prefix
+from mix_src.algo.seeding import fallback_seed
+
+logger = logging.getLogger(__name__)
+logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
+
+
+# extra_fields a served row gets from verl's servers and server client (global_steps: every server, e.g.
+# vllm_async_server.py:689; num_cached_tokens: vllm_async_server.py:704; min/max_global_steps: llm_server.py:161).
+# None on a row that made no server call (its tokens come from no policy version).
+SERVER_EXTRA_KEYS = ("global_steps", "min_global_steps", "max_global_steps", "num_cached_tokens")
+# Distinct prompts whose token ids a reused loop instance keeps (cleared when full).
+PROMPT_CACHE_SIZE = 4096
+# The model context per (path, hf_config_path, override_config), where rollout.max_model_len is null.
+_MODEL_CONTEXT: dict[tuple, Optional[int]] = {}
+
+
+@register("prefix_guided")
+class PrefixGuidedAgentLoop(AgentLoopBase):
+    """Single-turn agent loop whose response may start with a prefix of the off-policy target."""
+
+    # run() keeps no per-row state on self: one instance serves every row of an agent-loop worker
+    # (mix_src.rollout.agent_loop_worker.MixAgentLoopWorker) instead of verl's hydra instantiate per row.
+    reusable = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.response_length = int(self.rollout_config.response_length)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self._prompt_cache: dict[str, asyncio.Future] = {}
+
+    async def prompt_token_ids(self, messages: list) -> list[int]:
+        """verl's ``ct_build_initial_tokens(messages)``, once per distinct prompt of a reused instance: the n
+        samples of a prompt share it (rows run concurrently: they await one rendering task), and each call
+        renders the chat template in an executor thread."""
+        try:
+            key = json.dumps(messages, sort_keys=True)
+        except TypeError:  # not plain JSON (e.g. image objects): no caching
+            return await self.ct_build_initial_tokens(messages)
+        task = self._prompt_cache.get(key)
+        if task is None:
+            if len(self._prompt_cache) >= PROMPT_CACHE_SIZE:
+                self._prompt_cache.clear()
+            task = self._prompt_cache[key] = asyncio.ensure_future(self.ct_build_initial_tokens(messages))
+        try:
+            return list(await task)
+        except BaseException:
+            self._prompt_cache.pop(key, None)  # a failed rendering is not kept
+            raise
+
+    def target_prefix_ids(self, target: Any, ratio: float) -> list[int]:
+        """Token ids of ``floor(ratio * len(target + EOS))`` leading target tokens (empty if no target)."""
+        if ratio <= 0.0 or not isinstance(target, str) or not target:
+            return []
+        target_ids = self.tokenizer.encode(target, add_special_tokens=False)
+        return list(build_prefix(target_ids, ratio, self.eos_token_id))
+
+    def max_model_len(self) -> Optional[int]:
+        """``rollout.max_model_len`` (the driver resolves a null one, :mod:`mix_src.config.model_context`); still null
+        (stock verl's entry point, a hub id the driver had not cached): the model's context by verl's server
+        rule, read once here. None only where no model config is readable (no clamp, as before)."""
+        value = getattr(self.rollout_config, "max_model_len", None)
+        if value:
+            return int(value)
+        model = self.config.actor_rollout_ref.get("model") if hasattr(self.config.actor_rollout_ref, "get") else None
+        path = model.get("path") if model else None
+        if not path:
+            return None
+        key = (str(path), str(model.get("hf_config_path")), str(model.get("override_config")))
+        if key not in _MODEL_CONTEXT:  # once per process (verl's own loop classes are built per row)
+            from mix_src.config.model_context import model_context_length
+
+            try:
+                _MODEL_CONTEXT[key] = model_context_length(model, local_files_only=False)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("prefix_guided: no max_model_len and the model context is unreadable (%s): no clamp", e)
+                _MODEL_CONTEXT[key] = None
+        return _MODEL_CONTEXT[key]
+
+    def generation_room(self, context_len: int) -> Optional[int]:
+        """Most new tokens the server can give after ``context_len`` tokens (None: no model context known)."""
+        max_model_len = self.max_model_len()
+        if not max_model_len:
+            return None
+        return int(max_model_len) - context_len - (1 if getattr(self.rollout_config, "name", None) == "sglang" else 0)
+
+    def request_seed(self, kwargs: dict[str, Any], priority: int) -> int:
+        """The row's sampling seed: the trainer's ``rollout_seed`` field, else one from the row's position
+        (verl's ``priority``, e.g. in validation); see :mod:`mix_src.algo.seeding`."""
+        seed = kwargs.get("rollout_seed")
+        if seed is None and kwargs.get("rollout_seeds") is not None:  # V1: one list per prompt
+            seed = kwargs["rollout_seeds"][int(kwargs["session_id"])]
+        if seed is not None:
+            return int(seed)
+        rollout_seed = int(getattr(self.rollout_config, "seed", None) or 0)  # verl's default: 42
+        if kwargs.get("session_id") is not None:  # V1 sets no priority: the row's data index and its sample
+            return fallback_seed(rollout_seed, int(kwargs.get("index", 0) or 0), int(kwargs["session_id"]))
+        return fallback_seed(rollout_seed, priority)
+
+    @staticmethod
+    def deterministic_request_id(kwargs: dict[str, Any], priority: int) -> str:
+        """verl's ``det-{priority}`` (single_turn_agent_loop.py); on V1, where every request has priority 0,
+        the data index and sample keep concurrent ids distinct (vLLM refuses a running request's id)."""
+        if kwargs.get("session_id") is not None:
+            return f"det-{int(kwargs.get('index', 0) or 0)}-{int(kwargs['session_id'])}"
+        return f"det-{priority}"
+
+    async def run(self, sampling_params: dict[str, Any], priority: int = 0, **kwargs) -> AgentLoopOutput:
+        priority = int(priority)  # may arrive as np.int64 from the batch's non-tensor fields
+        messages = list(kwargs["raw_prompt"])
+        # vLLM's per-request SamplingParams.seed; the hf server honours it too
+        sampling_params = {**sampling_params, "seed": self.request_seed(kwargs, priority)}
+        prompt_ids = await self.prompt_token_ids(messages)
+
+        ratio = kwargs.get("prefix_ratio")
+        if ratio is None and kwargs.get("prefix_ratios") is not None:  # V1: one list per prompt
+            ratio = kwargs["prefix_ratios"][int(kwargs["session_id"])]
+        ratio = float(ratio or 0.0)
+        prefix_ids = self.target_prefix_ids(kwargs.get("target"), ratio)
+        truncated = len(prefix_ids) > self.response_length
+        prefix_ids = prefix_ids[: self.response_length]
+        remaining = self.response_length - len(prefix_ids)
+        ends_with_eos = bool(prefix_ids) and prefix_ids[-1] == self.eos_token_id
+
+        metrics: dict[str, Any] = {}
+        gen_ids: list[int] = []
+        gen_logprobs = None
+        # Same keys on every row, served or not: DataProto.concat asserts equal keys across worker chunks,
+        # and a chunk of whole-target rows alone would otherwise lack the server's fields.
+        extra: dict[str, Any] = dict.fromkeys(SERVER_EXTRA_KEYS)
+        room = self.generation_room(len(prompt_ids) + len(prefix_ids))
+        max_tokens = remaining if room is None else min(remaining, room)
+        if max_tokens > 0 and not ends_with_eos:  # a whole target (+EOS) needs no generation at all
+            full_determinism = getattr(self.rollout_config, "full_determinism", False)
+            with simple_timer("generate_sequences", metrics):
+                out = await self.server_manager.generate(
+                    request_id=self.deterministic_request_id(kwargs, priority) if full_determinism else uuid4().hex,
+                    prompt_ids=prompt_ids + prefix_ids,
+                    sampling_params={**sampling_params, "max_tokens": max_tokens},
+                    priority=priority,
+                )
+            gen_ids = list(out.token_ids)[:max_tokens]
+            gen_logprobs = list(out.log_probs)[:max_tokens] if out.log_probs else None
+            extra.update(out.extra_fields or {})
+            metrics["num_preempted"] = out.num_preempted if out.num_preempted is not None else -1
+        elif kwargs.get("global_steps") is not None:  # no server call: the policy version at dispatch
+            version = int(kwargs["global_steps"]) - 1
+            extra.update(global_steps=version, min_global_steps=version, max_global_steps=version)
+
+        response_ids = prefix_ids + gen_ids
+        # verl stacks rollout log-probs only if every row has them: keep one rule for all rows.
+        response_logprobs = None
+        if self.rollout_config.calculate_log_probs:
+            gen_logprobs = gen_logprobs if gen_logprobs is not None else [0.0] * len(gen_ids)
+            response_logprobs = [0.0] * len(prefix_ids) + gen_logprobs
+        prefix_mask = np.zeros(len(response_ids), dtype=np.uint8)
+        prefix_mask[: len(prefix_ids)] = 1
+        extra.update(prefix_token_mask=prefix_mask, prefix_ratio=ratio, prefix_truncated=truncated)
+        extra.update(turn_scores=[], tool_rewards=[])  # same schema as verl's single/tool agent loops
+
+        return AgentLoopOutput(
+            prompt_ids=prompt_ids,
+            response_ids=response_ids,
+            response_mask=[1] * len(response_ids),
+            response_logprobs=response_logprobs,
+            num_turns=2,
+            metrics=AgentLoopMetrics(**metrics),
+            extra_fields=extra,
+        )

@@ -1,0 +1,292 @@
+"""Prefix-guided multi-turn, tool-calling rollouts: verl's ``ToolAgentLoop`` started from a prefix of an
+expert episode.
+
+Registered as ``prefix_guided_tool`` with verl's ``@register`` (select it with
+``actor_rollout_ref.rollout.agent.default_agent_loop=prefix_guided_tool``; the module is imported with the
+MIX dataset class, as :mod:`mix_src.rollout.agent_loop` is). Tools come from verl's own tool loading
+(``rollout.multi_turn.tool_config_path`` / ``function_tool_path``), tool calls are parsed by verl's
+``ToolParser`` named in ``rollout.multi_turn.format`` (``hermes`` for the toy calculator), and the episode
+runs in verl's state machine (``verl/experimental/agent_loop/tool_agent_loop.py``).
+
+**The expert episode** is the row's ``target``: a JSON list of messages (a string, so it travels through
+:mod:`mix_src.trainer.dataset` unchanged)::
+
+    [{"role": "assistant", "content": "<tool_call>{...}</tool_call>"},   # raw text the model would emit
+     {"role": "tool", "content": "56088"},                                # the recorded tool result
+     {"role": "assistant", "content": "56088"}]
+
+Each assistant turn is ``tokenize(content) + [eos]`` (what the server returns for a turn that stops on EOS).
+
+**The prefix is a ratio of the episode's assistant tokens** (:func:`plan_prefix`): ``floor(ratio * A)``
+of its ``A`` assistant tokens, counted over the turns in order; a recorded tool result is replayed iff the
+whole assistant turn that called it is. Why tokens, not turns: it is LUFFY's prefix (``floor(ratio * len(
+target + EOS))``, :func:`mix_src.algo.prefix.build_prefix`) on the episode's trainable tokens, so every rollout
+policy and prefix strategy that draws a ratio per row (:mod:`mix_src.trainer.rollout_policy`) works unchanged, and
+ratio 1.0 is the whole episode, as it is the whole target in single turn. A turn-level prefix would give an
+episode of k turns only k+1 distinct ratios.
+
+**States overridden** (verl's loop is not copied):
+
+* ``PENDING`` (:meth:`_handle_pending_state`): verl builds the prompt (with the tool schemas), then the
+  prefix is replayed into the context through verl's own Continuous-Token merges, exactly as the loop
+  records a live episode: expert assistant tokens with ``ct_merge_assistant_token`` (response mask 1),
+  recorded tool results with ``ct_merge_context_msg`` (response mask 0: never trained). Next state:
+  ``TERMINATED`` when the prefix is the whole episode (no server call) or fills the response; otherwise
+  ``GENERATING``.
+* ``GENERATING`` (:meth:`_handle_generating_state`): verl's handler, unchanged, except when the prefix ends
+  inside an assistant turn: the model continues that turn, and the tool parser sees the whole turn (expert
+  head + continuation), so a tool call the expert opened and the model closes is parsed and run.
+* ``PROCESSING_TOOLS``: verl's, unchanged: tools the model calls after the prefix are real calls.
+
+``extra_fields`` as :mod:`mix_src.rollout.agent_loop`: ``prefix_token_mask`` (uint8, response length, 1 on expert
+assistant tokens), ``prefix_ratio``, ``prefix_truncated`` (the prefix did not fit ``response_length``).
+With ``calculate_log_probs``, expert tokens carry rollout log-prob 0.0 (the trainer keeps them out of
+rollout metrics). Expert tokens get the shaped off-policy loss, on-policy continuations the PPO term,
+tool-result tokens neither (response mask 0), as in single turn.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from verl.experimental.agent_loop.agent_loop import register
+from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState, ToolAgentLoop
+
+from mix_src.rollout.agent_loop import SERVER_EXTRA_KEYS, PrefixGuidedAgentLoop
+
+logger = logging.getLogger(__name__)
+logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
+
+
+class ExpertEpisodeError(ValueError):
+    """An expert episode that is not a list of assistant/tool messages starting with an assistant turn."""
+
+
+def parse_episode(target: Any) -> list[dict[str, str]]:
+    """The expert episode of a row: ``[]`` for no target, else its messages (JSON string or list).
+
+    Raises :class:`ExpertEpisodeError` naming what is wrong (roles, order, content type)."""
+    if target is None or (isinstance(target, str) and not target.strip()):
+        return []
+    try:
+        episode = json.loads(target) if isinstance(target, str) else list(target)
+    except json.JSONDecodeError as e:
+        raise ExpertEpisodeError(
+            f"the row's target is not a JSON expert episode ({e}): {target[:80]!r}...; build rows with "
+            "mix_src.rollout.environments.ToolEnv.rows"
+        ) from e
+    if not isinstance(episode, list):
+        raise ExpertEpisodeError(f"expert episode must be a JSON list of messages, got {type(episode).__name__}")
+    prev = None
+    for i, msg in enumerate(episode):
+        role = msg.get("role") if isinstance(msg, dict) else None
+        if role not in ("assistant", "tool") or not isinstance(msg.get("content"), str):
+            raise ExpertEpisodeError(f"expert episode message {i}: want role assistant|tool with str content, got {msg!r}")
+        if role == "tool" and prev is None:
+            raise ExpertEpisodeError("expert episode must start with an assistant turn, got a tool message first")
+        prev = role
+    return episode
+
+
+def plan_prefix(turn_lengths: Sequence[int], ratio: float) -> tuple[int, int]:
+    """Where a ratio-``ratio`` prefix of an episode's assistant tokens ends.
+
+    turn_lengths: (K,) token counts of the K assistant turns (EOS included), in order.
+    Returns ``(n_full, head)``: the first ``n_full`` assistant turns are whole in the prefix (with the tool
+    results that follow them), then ``head`` tokens (0 <= head < turn_lengths[n_full]) of turn ``n_full``.
+    ``n_full == K`` means the whole episode (``head == 0``)."""
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"prefix ratio must be in [0, 1], got {ratio}")
+    n_tokens = int(np.floor(ratio * sum(turn_lengths)))
+    n_full = 0
+    for length in turn_lengths:
+        if n_tokens < length:
+            return n_full, n_tokens
+        n_tokens -= length
+        n_full += 1
+    return n_full, 0
+
+
+class _TurnHeadParser:
+    """verl's tool parser, seeing the expert's head of the current turn before the model's continuation."""
+
+    def __init__(self, parser, head_ids: list[int]):
+        self.parser, self.head_ids = parser, list(head_ids)
+
+    @property
+    def stop_token_ids(self):
+        return self.parser.stop_token_ids
+
+    async def extract_tool_calls(self, responses_ids, tools=None):
+        return await self.parser.extract_tool_calls(self.head_ids + list(responses_ids), tools)
+
+
+@register("prefix_guided_tool")
+class PrefixGuidedToolAgentLoop(ToolAgentLoop):
+    """verl's tool agent loop whose episode may start with a replayed prefix of an expert episode."""
+
+    # One instance per row (verl's default): the per-row plan and flags live on self during run().
+    reusable = False
+
+    async def run(self, sampling_params: dict[str, Any], priority: int = 0, **kwargs):
+        ratio = kwargs.get("prefix_ratio")
+        if ratio is None and kwargs.get("prefix_ratios") is not None:  # V1: one list per prompt
+            ratio = kwargs["prefix_ratios"][int(kwargs["session_id"])]
+        self._ratio = float(ratio or 0.0)
+        self._episode = parse_episode(kwargs.get("target")) if self._ratio > 0 else []
+        self._prefix_flags: list[int] = []  # aligned with agent_data.response_mask: 1 = expert assistant token
+        self._turn_head: list[int] = []
+        self._truncated = False
+        self._served = False
+        # the row's sampling seed, as the single-turn loop sends it (mix_src.algo.seeding)
+        sampling_params = {**sampling_params, "seed": PrefixGuidedAgentLoop.request_seed(self, kwargs, int(priority))}
+        out = await super().run(sampling_params, priority=priority, **kwargs)
+
+        n = len(out.response_ids)
+        if self.rollout_config.calculate_log_probs:
+            # verl stacks rollout log-probs only if every row has them: rows that made no server call (or
+            # ended on replayed tokens) get 0.0 there too, as the single-turn loop does
+            lp = list(out.response_logprobs or [])
+            out.response_logprobs = (lp + [0.0] * (n - len(lp)))[:n]
+        flags = np.zeros(n, dtype=np.uint8)
+        k = min(n, len(self._prefix_flags))
+        flags[:k] = self._prefix_flags[:k]
+        extra = out.extra_fields
+        for key in SERVER_EXTRA_KEYS:  # same keys on every row (DataProto.concat), served or not
+            extra.setdefault(key, None)
+        if not self._served and kwargs.get("global_steps") is not None:
+            version = int(kwargs["global_steps"]) - 1
+            extra.update(global_steps=version, min_global_steps=version, max_global_steps=version)
+        extra.update(prefix_token_mask=flags, prefix_ratio=self._ratio, prefix_truncated=self._truncated)
+        return out
+
+    # -------------------------------------------------------------------------------- prefix replay
+    def _track(self, new_mask_len: int, appended: int, expert: bool) -> None:
+        """Keep the prefix flags aligned with verl's response mask after one merge."""
+        appended = max(0, appended)  # a merge that trimmed tokens appended none
+        keep = new_mask_len - appended
+        flags = self._prefix_flags[:keep]
+        flags += [0] * (keep - len(flags))
+        self._prefix_flags = flags + [int(expert)] * appended
+
+    async def _replay_assistant(self, agent_data: AgentData, ids: list[int]) -> None:
+        merge, mask, _ = await self.ct_merge_assistant_token(agent_data.prompt_ids, ids, agent_data.response_mask)
+        agent_data.prompt_ids, agent_data.response_mask = merge.token_ids, mask
+        self._track(len(mask), merge.appended_token_count, expert=True)
+
+    async def _replay_tools(self, agent_data: AgentData, tool_msgs: list[dict]) -> bool:
+        """Append recorded tool results (response mask 0); False when they do not fit the response."""
+        previous = list(agent_data.messages)
+        agent_data.messages.extend({"role": "tool", "content": m["content"]} for m in tool_msgs)
+        schemas = getattr(agent_data, "_active_tool_schemas", self.tool_schemas)
+        merge, mask, _ = await self.ct_merge_context_msg(
+            previous, agent_data.messages, agent_data.prompt_ids, agent_data.response_mask, None, tools=schemas
+        )
+        if len(mask) >= self.response_length:  # as verl's PROCESSING_TOOLS: a result that does not fit ends it
+            return False
+        agent_data.prompt_ids, agent_data.response_mask = merge.token_ids, mask
+        self._track(len(mask), merge.appended_token_count, expert=False)
+        agent_data.user_turns += 1
+        return True
+
+    async def _handle_pending_state(self, agent_data: AgentData, sampling_params: dict[str, Any]) -> AgentState:
+        state = await super()._handle_pending_state(agent_data, sampling_params)
+        if not self._episode:
+            return state
+        eos = self.tokenizer.eos_token_id
+        turns: list[tuple[list[int], list[dict]]] = []  # (assistant ids, tool messages after it)
+        for msg in self._episode:
+            if msg["role"] == "assistant":
+                ids = list(self.tokenizer.encode(msg["content"], add_special_tokens=False))
+                turns.append((ids if ids and ids[-1] == eos else ids + [eos], []))
+            else:
+                turns[-1][1].append(msg)
+        n_full, head = plan_prefix([len(t[0]) for t in turns], self._ratio)
+        active = getattr(agent_data, "_active_tools", self.tools)
+        schemas = [tool.tool_schema for tool in active.values()]
+        for ids, tool_msgs in turns[:n_full]:
+            room = self.response_length - len(agent_data.response_mask)
+            if len(ids) > room:  # the prefix does not fit the response: cut, and stop the episode
+                await self._replay_assistant(agent_data, ids[:room])
+                self._truncated = True
+                return AgentState.TERMINATED
+            await self._replay_assistant(agent_data, ids)
+            agent_data.assistant_turns += 1
+            content, calls = await self.tool_parser.extract_tool_calls(ids, schemas)
+            agent_data.tool_calls = calls
+            agent_data.messages.append(self._build_assistant_message(content, agent_data))
+            if tool_msgs and not await self._replay_tools(agent_data, tool_msgs):
+                self._truncated = True
+                return AgentState.TERMINATED
+        agent_data.tool_calls = []
+        if n_full == len(turns):  # the whole expert episode: no generation
+            return AgentState.TERMINATED
+        if head:
+            ids = turns[n_full][0][:head]
+            room = self.response_length - len(agent_data.response_mask)
+            if len(ids) >= room:
+                await self._replay_assistant(agent_data, ids[:room])
+                self._truncated = len(ids) > room
+                return AgentState.TERMINATED
+            await self._replay_assistant(agent_data, ids)
+            self._turn_head = ids
+        if len(agent_data.response_mask) >= self.response_length:
+            return AgentState.TERMINATED
+        return AgentState.GENERATING
+
+    async def _handle_generating_state(
+        self, agent_data: AgentData, sampling_params: dict[str, Any], ignore_termination: bool = False
+    ) -> AgentState:
+        if self.rollout_config.calculate_log_probs and len(agent_data.response_logprobs) < len(agent_data.response_mask):
+            # expert / tool tokens have no rollout log-probs: 0.0, so verl's alignment stays length-true
+            pad = len(agent_data.response_mask) - len(agent_data.response_logprobs)
+            agent_data.response_logprobs = list(agent_data.response_logprobs) + [0.0] * pad
+        n_before = len(agent_data.response_mask)
+        parser = self.tool_parser
+        if self._turn_head:  # the model continues the expert's turn: parse the whole turn
+            self.tool_parser = _TurnHeadParser(parser, self._turn_head)
+            self._turn_head = []
+        try:
+            state = await super()._handle_generating_state(agent_data, sampling_params, ignore_termination)
+        finally:
+            self.tool_parser = parser
+        self._served = True
+        self._track(len(agent_data.response_mask), len(agent_data.response_mask) - n_before, expert=False)
+        return state
+
+    async def _handle_processing_tools_state(self, agent_data: AgentData) -> AgentState:
+        n_before = len(agent_data.response_mask)
+        state = await super()._handle_processing_tools_state(agent_data)
+        self._track(len(agent_data.response_mask), len(agent_data.response_mask) - n_before, expert=False)
+        return state
+
+
+AGENT_NAME = "prefix_guided_tool"
+
+
+def check_config(config) -> None:
+    """Before Ray: refuse what this loop cannot honour, naming the key (called by mix_src.main_mix_ppo)."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.select(config, "actor_rollout_ref.rollout.agent.default_agent_loop") != AGENT_NAME:
+        return
+    if OmegaConf.select(config, "mix.data.truncate_targets", default=False):
+        raise ValueError(
+            "mix.data.truncate_targets=true with the prefix_guided_tool agent loop: a tool episode's target is "
+            "JSON and cutting it by tokens breaks it; drop too-long episodes at data prep instead "
+            "(mix_src.rollout.environments.ToolEnv.rows(max_response_length=...)) and set mix.data.truncate_targets=false"
+        )
+    if OmegaConf.select(config, "trainer.use_v1", default=False) and OmegaConf.select(
+        config, "actor_rollout_ref.rollout.full_determinism", default=False
+    ):
+        raise ValueError(
+            "actor_rollout_ref.rollout.full_determinism=true with prefix_guided_tool on trainer.use_v1=true: verl's "
+            "ToolAgentLoop names requests det-{priority} (tool_agent_loop.py _make_request_id), and V1 runs a "
+            "prompt's samples concurrently with priority 0, so the ids collide; set full_determinism=false or "
+            "trainer.use_v1=false"
+        )

@@ -1,0 +1,653 @@
+"""``MIXRayPPOTrainer``: LUFFY's off-policy guided GRPO with DAPO-style filter groups, on verl's RayPPOTrainer.
+
+The trainer only orchestrates; the maths lives in :mod:`mix_src.algo.core_alg`, :mod:`mix_src.algo.prefix` and
+:mod:`mix_src.algo.filter_groups`, the worker loss in :mod:`mix_src.worker.loss`, and the rollout in
+:mod:`mix_src.rollout.agent_loop`. One training step (``_step``) is a list of numbered stages:
+
+1. generate  — the rollout policy (``mix.rollout_policy``; default ``prefix_guided``): draw one prefix ratio per row on the driver (seeded from ``(seed, global_step, gen batch)``,
+   so a resumed run draws the same ratios), roll out through the prefix-guided agent loop, build the
+   ``prefix_mask`` tensor (bsz x response_len) from the rows' ``prefix_token_mask``;
+2. reward    — the rule reward was computed inside the agent loop (verl's reward loop); extract it (a
+   colocated reward model runs only while the rollout replicas sleep);
+3. filter    — (``algorithm.filter_groups.enable``) drop prompt groups whose metric std is 0 and go back to
+   1 until ``data.train_batch_size`` groups are collected; train on exactly that many; surplus groups are
+   discarded, or kept for the next step with ``mix.filter_groups.carry_over``;
+4. log-probs — old (and reference) log-probs and critic values through the parent's helpers; verl's
+   rollout correction over on-policy tokens only;
+5. advantage — a prefix-aware estimator from :mod:`mix_src.trainer.adv_estimators` (e.g. ``grpo_split``: baseline
+   from on-policy rows only) or else any verl estimator, then LUFFY's alpha/beta prefix weights;
+6. update    — actor update with the mixed loss (installed on the workers by ``init_workers``),
+   checkpoint, weight sync to the rollout;
+7. metrics   — verl's data/timing metrics plus LUFFY's (``batch/avg_prefix_ratio``, ``batch/on_solved`` ...)
+   and the filter-group counters (``train/num_gen_batches``, ``train/filter_rate``, ``train/num_kept_prompts``).
+
+The loop honours or refuses every setting verl's own ``fit`` reads (:mod:`mix_src.config.verl_parity`); when the
+data runs out first it checkpoints and validates its last step, and a resumed run continues the data where
+it stopped (``mix_state.pt``, which also keeps the rollout policy's own state, e.g. a replay buffer).
+
+How it departs from LUFFY's trainer (arXiv 2504.14945, github.com/ElliottYan/LUFFY): ratios are drawn on the driver, not with
+Python's global ``random`` on each TP rank; ratio-1.0 rows never reach the inference server; filter
+groups are applied (LUFFY computed its ``valid_mask`` and never used it); metric denominators never divide
+by zero.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pprint import pprint
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf, open_dict
+from tqdm import tqdm
+
+from verl import DataProto
+from verl.trainer.ppo import core_algos
+from verl.trainer.ppo.metric_utils import (
+    compute_data_metrics,
+    compute_throughout_metrics,
+    compute_timing_metrics,
+    compute_variance_proxy_metrics,
+)
+from verl.trainer.ppo.ray_trainer import (
+    RayPPOTrainer,
+    apply_kl_penalty,
+    compute_advantage,
+    compute_response_mask,
+    compute_spec_decode_metrics,
+)
+from verl.trainer.ppo.reward import extract_reward
+from verl.utils.checkpoint.checkpoint_manager import should_save_ckpt_esi
+from verl.utils.debug import marked_timer
+from verl.utils.metric import reduce_metrics
+from verl.utils.skip.skip_manager import SkipManager
+
+from mix_src.trainer.dataset import TARGET_FIELD
+from mix_src.algo.filter_groups import filter_groups, plan_train_batch
+from mix_src.algo.flops import lengths_from_masks
+from mix_src.config.mix_config import MixConfig
+from mix_src.algo.seeding import pass_seeds
+from mix_src.trainer.rollout_policy import ROLLOUT_POLICIES, RolloutContext
+from mix_src.trainer.rollout_policy import solved as rows_solved
+from mix_src.trainer.stages import MIX_STATE_FILE, FilterGroupsExhausted, model_shape  # noqa: F401  (re-exported)
+from mix_src.trainer.common import MixTrainerCommon
+from mix_src.trainer.stages import (filter_metric_values, length_clip_metrics, luffy_advantage_stage, luffy_metrics,
+                            on_policy_rollout_correction, on_policy_rollout_metrics, pass_arguments, prefix_mask_tensor,
+                            start_data_epoch)  # fmt: skip
+
+class MIXRayPPOTrainer(MixTrainerCommon, RayPPOTrainer):
+    """RayPPOTrainer with prefix-guided rollouts, the mixed on/off-policy loss and filter groups."""
+
+    _budget_reached = False
+
+    def __init__(self, *args, mix_config: MixConfig, **kwargs):
+        self.mix = mix_config
+        super().__init__(*args, **kwargs)
+        self.n = int(self.config.actor_rollout_ref.rollout.n)
+        seed = self.mix.seed if self.mix.seed is not None else self.config.data.get("seed", None)
+        self.prefix_seed = 0 if seed is None else int(seed)
+        self.filter_cfg = self.config.algorithm.filter_groups
+        self._carry: Optional[DataProto] = None  # kept groups left over from the last step (carry_over)
+        self._epoch = 0
+        self._rollout_awake = False  # whether the rollout replicas hold their weights (see _wake_rollout)
+        self.max_steps_duration = 0.0  # longest step so far (seconds), for verl's ESI expiry checkpoint
+        self._flops_totals()  # training FLOPs so far, both counts (mix_src/algo/flops.py)
+
+    # ------------------------------------------------------------------------------------------------
+    # worker calls: verl's own, on the batch's tensors plus the per-row fields the workers read
+    def _compute_old_log_prob(self, batch: DataProto):
+        return super()._compute_old_log_prob(worker_view(batch))
+
+    def _compute_ref_log_prob(self, batch: DataProto) -> DataProto:
+        return super()._compute_ref_log_prob(worker_view(batch))
+
+    def _compute_values(self, batch: DataProto) -> DataProto:
+        return super()._compute_values(worker_view(batch))
+
+    def _update_actor(self, batch: DataProto) -> DataProto:
+        return super()._update_actor(worker_view(batch))
+
+    def _update_critic(self, batch: DataProto) -> DataProto:
+        return super()._update_critic(worker_view(batch))
+
+    # ------------------------------------------------------------------------------------------------
+    # set-up
+    def init_workers(self):
+        agent_cfg = self.config.actor_rollout_ref.rollout.agent
+        if not agent_cfg.get("agent_loop_manager_class"):  # verl's option; one set by the user is kept
+            from mix_src.rollout.agent_loop_worker import MANAGER_FQN
+
+            with open_dict(agent_cfg):
+                agent_cfg.agent_loop_manager_class = MANAGER_FQN
+        super().init_workers()
+        self._install_mix_loss()  # pickled once to every actor worker by set_loss_fn
+
+    # ------------------------------------------------------------------------------------------------
+    # the loop
+    def fit(self):
+        from verl.utils.tracking import Tracking
+
+        if self._dump_executor._shutdown:
+            self._init_dump_executor()
+        tracker = Tracking(
+            project_name=self.config.trainer.project_name,
+            experiment_name=self.config.trainer.experiment_name,
+            default_backend=self.config.trainer.logger,
+            config=OmegaConf.to_container(self.config, resolve=True),
+        )
+        self.global_steps = 0
+        self._load_checkpoint()
+        self._wake_rollout()
+        SkipManager.init(self.config)
+
+        if self.config.trainer.get("val_before_train", True):
+            val_metrics = self._validate()
+            pprint(f"Initial validation metrics: {val_metrics}")
+            tracker.log(data=val_metrics, step=self.global_steps)
+            if self.config.trainer.get("val_only", False):
+                self._shutdown_dump_executor()
+                return
+
+        progress_bar = tqdm(total=self.total_training_steps, initial=self.global_steps, desc="Training Progress")
+        first_step = self.global_steps + 1
+        self.global_steps += 1
+        SkipManager.set_step(self.global_steps)
+        batches = self._train_batches()
+        try:
+            while self.global_steps <= self.total_training_steps:
+                self._finalize_async_calls(blocking=False)
+                metrics = self._step(batches)
+                if metrics is None:  # the data ran out (see _collect_batch)
+                    self._end_of_data(tracker, first_step)
+                    break
+                tracker.log(data=metrics, step=self.global_steps)
+                progress_bar.update(1)
+                if self._budget_reached:
+                    print(self._budget_message())
+                    break
+                self.global_steps += 1
+                SkipManager.set_step(self.global_steps)
+            self._finalize_async_calls(blocking=True)
+        finally:
+            progress_bar.close()
+            self._shutdown_dump_executor()
+
+    def _finalize_async_calls(self, blocking: bool) -> None:
+        """As verl's fit: finish the worker group's asynchronous calls (async checkpoint saves), if it has any."""
+        if hasattr(self.actor_rollout_wg, "async_calls_finalize_fn_exec"):
+            self.actor_rollout_wg.async_calls_finalize_fn_exec(blocking=blocking)
+
+    def _end_of_data(self, tracker, first_step: int) -> None:
+        """The data ran out before ``total_training_steps`` (filter groups use more than one batch per step):
+        checkpoint and validate the last finished step unless its own step already did, so that no step
+        since the last ``save_freq`` multiple is lost."""
+        self.global_steps -= 1  # the step that could not be filled never ran
+        step, cfg = self.global_steps, self.config.trainer
+        if step < first_step:
+            return
+        print(f"[mix_src] the training data ran out after step {step}: final checkpoint and validation")
+        if cfg.save_freq > 0 and step % cfg.save_freq != 0 and cfg.critic_warmup <= step:
+            self._save_checkpoint()
+        if cfg.test_freq > 0 and step % cfg.test_freq != 0:
+            if not self._rollout_awake:  # a colocated reward model left it asleep
+                self._wake_rollout()
+            val_metrics = self._validate()
+            pprint(f"Final validation metrics: {val_metrics}")
+            tracker.log(data=val_metrics, step=step)
+
+    # ------------------------------------------------------------------------------------------------
+    # rollout replicas: generation needs them awake, a colocated reward model or the trainer needs them asleep
+    def _wake_rollout(self) -> None:
+        """Weights to the rollout replicas, which wakes them (verl's _validate does the same after a colocated
+        reward model: "replace with wake_up method once supported")."""
+        self.checkpoint_manager.update_weights(self.global_steps)
+        self._rollout_awake = True
+
+    def _sleep_rollout(self) -> None:
+        if self._rollout_awake:
+            self.checkpoint_manager.sleep_replicas()
+            self._rollout_awake = False
+
+    def _actor_entropy(self, rows: DataProto) -> torch.Tensor:
+        """RolloutContext.entropy: (rows, response_len) per-token entropy of generated rows under the current
+        actor, by verl's old-log-prob pass (``calculate_entropy=True``), padded (repeated rows) to a multiple of the
+        world size x the log-prob micro-batch, as verl's static micro-batching requires; the
+        rollout replicas sleep first, as before stage 4 (the next ``generate`` wakes them with the weights)."""
+        from verl.protocol import pad_dataproto_to_divisor
+
+        self._sleep_rollout()
+        sub = DataProto(batch=rows.batch, non_tensor_batch=dict(rows.non_tensor_batch), meta_info=dict(rows.meta_info))
+        sub.meta_info["temperature"] = self.config.actor_rollout_ref.rollout.temperature
+        rollout, world = self.config.actor_rollout_ref.rollout, self.actor_rollout_wg.world_size
+        micro = rollout.get("log_prob_micro_batch_size_per_gpu") or (
+            (rollout.get("log_prob_micro_batch_size") or world) // world)
+        sub, _ = pad_dataproto_to_divisor(sub, world * max(int(micro), 1))  # engine_workers.py:624, utils.py:125
+        sub.meta_info["global_token_num"] = torch.sum(sub.batch["attention_mask"], dim=-1).tolist()
+        sub.meta_info["images_seqlens"] = []
+        out, _ = self._compute_old_log_prob(sub)
+        return out.batch["entropys"][: len(rows)]
+
+    def _train_batches(self) -> Iterator[dict]:
+        """Batches of ``data.train_batch_size`` prompts across epochs (resumes mid-epoch via the dataloader)."""
+        for epoch in range(self._epoch, self.config.trainer.total_epochs):
+            self._epoch = epoch
+            start_data_epoch(self.train_dataloader, self.train_dataset, self._policy_state())  # retired prompts leave
+            yield from self.train_dataloader
+
+    def _step(self, batches: Iterator[dict]) -> Optional[dict[str, Any]]:
+        metrics: dict[str, Any] = {}
+        timing: dict[str, float] = {}
+        is_last_step = self.global_steps >= self.total_training_steps
+        self._pending_rollout_flops()  # this step's generation FLOPs count from zero
+        with marked_timer("step", timing):
+            batch = self._collect_batch(batches, metrics, timing)  # stages 1-3
+            if batch is None:
+                return None
+            if self._count_flops(batch, metrics):  # mix.flops_budget: this step is the last
+                is_last_step = True
+            self._sleep_rollout()
+            batch = self._compute_log_probs(batch, metrics, timing)  # stage 4
+            batch = self._compute_advantages(batch, metrics, timing)  # stage 5
+            self._update(batch, metrics, timing, is_last_step)  # stage 6
+            rollout_data_dir = self.config.trainer.get("rollout_data_dir", None)
+            if rollout_data_dir:
+                self._dump_rollouts(batch, timing, rollout_data_dir)
+        if self.config.trainer.test_freq > 0 and (is_last_step or self.global_steps % self.config.trainer.test_freq == 0):
+            with marked_timer("testing", timing):
+                metrics.update(self._validate())
+        self.max_steps_duration = max(self.max_steps_duration, timing["step"])
+        self._add_step_metrics(batch, metrics, timing)  # stage 7
+        if hasattr(self.train_dataset, "on_batch_end"):  # verl's experimental dataset hook, as in its fit
+            self.train_dataset.on_batch_end(batch=batch)
+        return metrics
+
+    def _count_rollout_flops(self, part: DataProto) -> None:
+        """Generation FLOPs of one rollout pass (every row it generated, kept or not)."""
+        if "attention_mask" in part.batch.keys() and "responses" in part.batch.keys():
+            self.add_rollout_flops(*lengths_from_masks(part.batch["attention_mask"], part.batch["responses"],
+                                                       part.batch["prefix_mask"]))  # fmt: skip
+
+    def _count_flops(self, batch: DataProto, metrics: dict) -> bool:
+        """The step's FLOPs (rollout passes + old/ref log-probs + ppo_epochs updates) into ``flops/*`` and the
+        totals; True when ``mix.flops_budget`` is reached with this step."""
+        if self._flops_off(metrics):
+            return False
+        p, r, _ = lengths_from_masks(batch.batch["attention_mask"], batch.batch["responses"])
+        self._budget_reached = self._count_step_flops(p, r, self._pending_rollout_flops(), metrics)
+        return self._budget_reached
+
+    def _dump_rollouts(self, batch: DataProto, timing: dict, rollout_data_dir: str) -> None:
+        """``trainer.rollout_data_dir``: verl's JSONL dump of the step's training rows, plus each row's
+        prefix ratio and number of prefix (target) tokens."""
+        _, extra = extract_reward(batch)
+        extra = dict(extra)
+        extra["prefix_ratio"] = np.asarray(batch.non_tensor_batch["prefix_ratio"], dtype=np.float64)
+        extra["prefix_tokens"] = batch.batch["prefix_mask"].sum(-1).numpy()
+        self._log_rollout_data(batch, extra, timing, rollout_data_dir)
+
+    # ------------------------------------------------------------------------------------------------
+    # stages 1-3: generate with prefixes, reward, filter groups / accumulate
+    def _collect_batch(self, batches: Iterator[dict], metrics: dict, timing: dict) -> Optional[DataProto]:
+        target_groups = int(self.config.data.train_batch_size)
+        filtering = bool(self.filter_cfg.enable)
+        max_gen = int(self.filter_cfg.get("max_num_gen_batches", 0) or 0)
+        pool: list[DataProto] = []
+        n_groups = 0
+        if self._carry is not None:
+            pool.append(self._carry)
+            n_groups = _num_groups(self._carry)
+            metrics["train/num_carried_prompts"] = n_groups
+            self._carry = None
+        stats = {"groups": 0, "kept": 0, "std_sum": 0.0}
+        gen_timings: list[tuple[dict, int]] = []
+        num_gen = 0
+        while (not filtering and num_gen == 0) or (filtering and n_groups < target_groups):
+            if filtering and max_gen > 0 and num_gen >= max_gen:
+                raise FilterGroupsExhausted(
+                    f"filter groups: after {num_gen} generation batches (algorithm.filter_groups.max_num_gen_batches="
+                    f"{max_gen}) only {n_groups} of data.train_batch_size={target_groups} prompt groups had a non-zero "
+                    f"std of '{self.filter_cfg.metric}' ({stats['groups'] - stats['kept']} of {stats['groups']} "
+                    "groups dropped). Raise algorithm.filter_groups.max_num_gen_batches (0 = no limit), lower "
+                    "data.train_batch_size, or use prompts of a difficulty where some but not all samples succeed."
+                )
+            batch_dict = next(batches, None)
+            if batch_dict is None:
+                if pool:
+                    print(
+                        f"[mix_src] the training data ran out with {n_groups} of {target_groups} prompt groups "
+                        f"collected for step {self.global_steps}; those {n_groups} groups are dropped and training ends."
+                    )
+                return None
+            gen_timing: dict[str, float] = {}
+            with marked_timer("gen", timing):
+                gen = self._generate(batch_dict, gen_index=num_gen, timing=gen_timing)  # stage 1
+            gen_timings.append((gen_timing, len(gen)))
+            num_gen += 1
+            gen = self._extract_reward(gen)  # stage 2
+            if filtering:  # stage 3
+                result = self._filter_groups(gen)
+                stats["groups"] += result.num_groups
+                stats["kept"] += result.num_kept
+                stats["std_sum"] += result.mean_std * result.num_groups
+                gen = gen[np.flatnonzero(result.keep_rows)] if result.num_filtered else gen
+            if len(gen):
+                pool.append(gen)
+                n_groups += _num_groups(gen)
+
+        for key, value in merge_rollout_timing(gen_timings).items():
+            timing[key] = timing.get(key, 0.0) + value
+        batch = DataProto.concat(pool)
+        if filtering:
+            plan = plan_train_batch(batch.non_tensor_batch["uid"], target_groups, self.mix.filter_groups.carry_over)
+            if len(plan.carry_rows):
+                self._carry = batch[plan.carry_rows]
+            batch = batch[plan.train_rows] if len(plan.train_rows) < len(batch) else batch
+            metrics["train/num_gen_batches"] = num_gen
+            metrics["train/filter_rate"] = 1.0 - stats["kept"] / max(stats["groups"], 1)
+            metrics["train/num_kept_prompts"] = _num_groups(batch)
+            metrics["train/group_metric_std_mean"] = stats["std_sum"] / max(stats["groups"], 1)
+            metrics["train/num_surplus_carried"] = plan.num_groups - target_groups - plan.num_dropped_groups
+            metrics["train/num_surplus_dropped"] = plan.num_dropped_groups
+        self._add_rollout_metrics(batch, metrics)
+        return batch
+
+    def _generate(self, batch_dict: dict, gen_index: int, timing: dict) -> DataProto:
+        """Stage 1: one generation batch of ``len(batch_dict) * n`` rows, rows ``i*n + j`` of prompt i,
+        produced by the rollout policy ``mix.rollout_policy`` (mix_src/trainer/rollout_policy.py; default: one
+        prefix-guided pass)."""
+        batch = DataProto.from_single_dict(batch_dict)
+        batch.meta_info["temperature"] = self.config.actor_rollout_ref.rollout.temperature
+        batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
+        gen_batch = self._get_gen_batch(batch)
+        gen_batch.meta_info["global_steps"] = self.global_steps
+        gen_batch = gen_batch.repeat(repeat_times=self.n, interleave=True)
+        gen_batch.non_tensor_batch["rollout_seed"] = self._row_seeds(len(batch), gen_index)
+        batch = batch.repeat(repeat_times=self.n, interleave=True)
+        passes: list[tuple[dict, int]] = []  # (timing, rows) of each pass the rollout policy makes
+
+        def records(rows: np.ndarray) -> DataProto:
+            idx = np.asarray(rows, dtype=np.int64)
+            b, g = batch[idx], gen_batch[idx]  # copies (DataProto slicing copies); g has no tensors
+            return DataProto(batch=b.batch, non_tensor_batch={**g.non_tensor_batch, **b.non_tensor_batch},
+                             meta_info={**g.meta_info, **b.meta_info})
+
+        def generate(ratios: np.ndarray, rows: Optional[np.ndarray] = None, targets=None, prompts=None) -> DataProto:
+            if prompts is not None:  # prompt rows kept from an earlier batch (records)
+                src = prompts[np.arange(len(prompts))]
+                sub = self._get_gen_batch(src)  # pops the generation keys off the copy `src`
+                sub.meta_info = dict(gen_batch.meta_info)
+                idx = np.arange(len(src))
+            else:
+                idx = np.arange(len(batch)) if rows is None else np.asarray(rows, dtype=np.int64)
+                sub = gen_batch if rows is None else gen_batch[idx]
+                src = None
+            ratios, targets = pass_arguments(ratios, targets, len(idx), rows is not None, prompts is not None)
+            sub = DataProto(batch=sub.batch, non_tensor_batch=dict(sub.non_tensor_batch), meta_info=dict(sub.meta_info))
+            sub.non_tensor_batch["prefix_ratio"] = ratios
+            if targets is not None:
+                sub.non_tensor_batch[TARGET_FIELD] = np.asarray(targets, dtype=object)
+            # a later pass over the same rows draws new samples (seeded per pass, so runs still reproduce);
+            # kept prompt rows take seeds of this step and pass
+            pass_index = len(passes) if src is None else (int(self.global_steps) << 16) + len(passes) + 1
+            sub.non_tensor_batch["rollout_seed"] = pass_seeds(sub.non_tensor_batch["rollout_seed"], pass_index)
+            if not self._rollout_awake:  # a colocated reward model put it to sleep after the last batch
+                self._wake_rollout()
+            out = self.async_rollout_manager.generate_sequences(sub)
+            passes.append((out.meta_info.pop("timing", {}), len(sub)))
+            part = (batch[idx] if src is None else src).union(out)
+            if "response_mask" not in part.batch.keys():
+                part.batch["response_mask"] = compute_response_mask(part)
+            part.batch["prefix_mask"] = prefix_mask_tensor(
+                part.non_tensor_batch.pop("prefix_token_mask"), part.batch["response_mask"]
+            )
+            self._count_rollout_flops(part)
+            return self._extract_reward(part)
+
+        seed = [self.prefix_seed, self.global_steps, gen_index]
+        ctx = RolloutContext(
+            batch=batch, n=self.n, global_step=self.global_steps, mix=self.mix, generate=generate,
+            prefix_ratios=lambda: self._row_ratios(len(batch) // self.n, gen_index, gen_batch.non_tensor_batch.get(TARGET_FIELD)),
+            rng=np.random.default_rng([*seed, 1]),
+            records=records, state=self._policy_state(), tokenizer=getattr(self, "tokenizer", None),
+            entropy=self._actor_entropy,
+        )  # fmt: skip
+        out = ROLLOUT_POLICIES.get(self.mix.rollout_policy)(ctx)
+        timing.update(merge_rollout_timing(passes))  # min/max/mean keep their meaning over several passes
+        if len(out) != len(batch):
+            raise ValueError(f"rollout policy {self.mix.rollout_policy!r} returned {len(out)} rows for {len(batch)}")
+        return out
+
+    def _extract_reward(self, batch: DataProto) -> DataProto:
+        """Stage 2: the rule reward was computed in the agent loop (``rm_scores``); move it into place. A reward
+        model colocated with the rollout runs after the replicas sleep (verl's fit sleeps them right after
+        generating); the next generation batch wakes them."""
+        if self.use_rm and "rm_scores" not in batch.batch.keys():
+            self._sleep_rollout()
+            batch = batch.union(self._compute_reward_colocate(batch))
+        reward_tensor, extra = extract_reward(batch)
+        batch.batch["token_level_scores"] = reward_tensor
+        for key, values in extra.items():
+            batch.non_tensor_batch[key] = np.asarray(values)
+        return batch
+
+    def _filter_metric(self, batch: DataProto) -> np.ndarray:
+        """(rows,) the group-filter metric's values, as on V1 (:func:`mix_src.trainer.stages.filter_metric_values`)."""
+        return filter_metric_values(
+            self.filter_cfg.metric, lambda: batch.batch["token_level_scores"].sum(-1).numpy(),
+            batch.non_tensor_batch.get, batch.meta_info.get("reward_extra_keys", []),
+        )  # fmt: skip
+
+    def _filter_groups(self, batch: DataProto):
+        """Stage 3: which prompt groups to keep (metric std > 0, or a single sample); see mix_src.algo.filter_groups."""
+        on_policy = None
+        if self.mix.filter_groups.on_policy_only:
+            on_policy = ~batch.batch["prefix_mask"].any(-1).numpy()
+        return filter_groups(batch.non_tensor_batch["uid"], self._filter_metric(batch), row_mask=on_policy,
+                             rule=self.mix.filter_groups.rule)  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------------
+    # stage 4: old and reference log-probs
+    def _compute_log_probs(self, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
+        if self.config.trainer.balance_batch:
+            self._balance_batch(batch, metrics=metrics)
+        batch.meta_info["global_token_num"] = torch.sum(batch.batch["attention_mask"], dim=-1).tolist()
+        batch.meta_info["images_seqlens"] = []
+        with marked_timer("old_log_prob", timing):
+            old_log_prob, mfu = self._compute_old_log_prob(batch)
+            entropys = old_log_prob.batch.pop("entropys")
+            actor_cfg = self.config.actor_rollout_ref.actor
+            metrics["actor/entropy"] = core_algos.agg_loss(
+                loss_mat=entropys, loss_mask=batch.batch["response_mask"], loss_agg_mode=actor_cfg.loss_agg_mode,
+                loss_scale_factor=actor_cfg.get("loss_scale_factor", None),
+            ).item()
+            metrics["perf/mfu/actor_infer"] = mfu
+            batch = batch.union(old_log_prob)
+        if "rollout_log_probs" in batch.batch.keys():
+            metrics.update(_rollout_vs_actor_metrics(batch))
+        if self.use_reference_policy:
+            with marked_timer("ref", timing):
+                batch = batch.union(self._compute_ref_log_prob(batch))
+        if self.use_critic:  # GAE and other critic-based estimators
+            with marked_timer("values", timing):
+                batch = batch.union(self._compute_values(batch))
+        return self._apply_rollout_correction(batch, metrics)
+
+    def _apply_rollout_correction(self, batch: DataProto, metrics: dict) -> DataProto:
+        """``algorithm.rollout_correction`` in verl's decoupled mode (IS weights and rejection sampling from
+        old vs rollout log-probs), over on-policy tokens only: prefix (target) tokens have no rollout
+        log-prob, keep IS weight 1 and are never rejected. (Bypass mode is refused before Ray:
+        mix_src.config.verl_parity, mix_src.config.mix_config.)"""
+        rc = self.config.algorithm.get("rollout_correction", None)
+        if rc is None or "rollout_log_probs" not in batch.batch.keys():
+            return batch
+        from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
+
+        batch, rc_metrics = on_policy_rollout_correction(batch, batch.batch["prefix_mask"], rc,
+                                                         compute_rollout_correction_and_add_to_batch)  # fmt: skip
+        metrics.update(rc_metrics)
+        return batch
+
+    # ------------------------------------------------------------------------------------------------
+    # stage 5: advantages
+    def _compute_advantages(self, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
+        algo = self.config.algorithm
+        with marked_timer("adv", timing):
+            if algo.use_kl_in_reward:
+                batch, kl_metrics = apply_kl_penalty(batch, kl_ctrl=self.kl_ctrl_in_reward, kl_penalty=algo.kl_penalty)
+                metrics.update(kl_metrics)
+            else:
+                batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+
+            def verl_advantage(data: DataProto) -> DataProto:  # read only for an estimator that is verl's
+                return compute_advantage(data, adv_estimator=algo.adv_estimator, gamma=algo.gamma, lam=algo.lam,
+                                         num_repeat=self.n, norm_adv_by_std_in_grpo=algo.get("norm_adv_by_std_in_grpo", True),
+                                         config=algo)  # fmt: skip
+
+            batch = luffy_advantage_stage(verl_advantage, batch.batch["prefix_mask"], algo, self.mix)(batch)
+        return batch
+
+    # ------------------------------------------------------------------------------------------------
+    # stage 6: update, checkpoint, weight sync
+    def _update(self, batch: DataProto, metrics: dict, timing: dict, is_last_step: bool) -> None:
+        if self.use_critic:
+            with marked_timer("update_critic", timing):
+                metrics.update(reduce_metrics(self._update_critic(batch).meta_info["metrics"]))
+        if self.config.trainer.critic_warmup > self.global_steps:
+            self._wake_rollout()
+            return
+        self._add_loss_inputs(batch, lambda: self._get_dp_size(self.actor_rollout_wg, "actor"))
+        with marked_timer("update_actor", timing):
+            actor_output = self._update_actor(batch)
+        self._keep_entropy_state(actor_output.meta_info["metrics"])  # the learned entropy coefficient
+        save_freq = self.config.trainer.save_freq
+        # verl's ESI rule: save early when the capacity block / training plan expires before another step
+        esi_expiring = should_save_ckpt_esi(
+            max_steps_duration=self.max_steps_duration, redundant_time=self.config.trainer.esi_redundant_time
+        )
+        if save_freq > 0 and (is_last_step or self.global_steps % save_freq == 0 or esi_expiring):
+            if esi_expiring:
+                print("Force saving checkpoint: ESI instance expiration approaching.")
+            with marked_timer("save_checkpoint", timing):
+                self._save_checkpoint()
+        with marked_timer("update_weights", timing):
+            self._wake_rollout()
+        metrics.update(reduce_metrics(actor_output.meta_info["metrics"]))
+
+    def _save_checkpoint(self):
+        """verl's checkpoint plus ``mix_state.pt`` (mix_src/trainer/common.py) with the epoch, the carried groups and
+        the dataloader position."""
+        super()._save_checkpoint()
+        self._save_mix_state(epoch=self._epoch, carry=self._carry, dataloader=self.train_dataloader.state_dict())
+
+    def _load_checkpoint(self):
+        """verl's loader, then the data position from ``mix_state.pt``. verl's own restore assumes one batch
+        per step (``ray_trainer.py`` ``_load_checkpoint``: it skips the dataloader state when
+        ``global_steps % len(dataloader) == 0`` and its fit starts epoch ``global_steps // len(dataloader)``);
+        with filter groups a step uses several batches, so that replays or skips prompts. Here the saved
+        epoch and dataloader state are restored as they were: a state saved at the end of an epoch yields
+        nothing, and ``_train_batches`` moves on to the next epoch."""
+        result = super()._load_checkpoint()
+        state = self._load_mix_state() if self.global_steps > 0 else None
+        if state is not None:
+            self._epoch, self._carry = state["epoch"], state["carry"]
+            if state.get("dataloader") is not None:
+                self.train_dataloader.load_state_dict(state["dataloader"])
+            if self._entropy_state is not None:  # the workers' loss continues the learned coefficient
+                self._install_mix_loss()
+        return result
+
+    # ------------------------------------------------------------------------------------------------
+    # stage 7: metrics
+    def _add_rollout_metrics(self, batch: DataProto, metrics: dict) -> None:
+        """LUFFY's solve metrics over the rows the step trains on (after filtering), as on V1 (stages.solve_metrics)."""
+        rows = batch.non_tensor_batch
+        metrics.update(luffy_metrics(rows_solved(batch), batch.batch["prefix_mask"], batch.batch["response_mask"],
+                                     rows["uid"], rows["prefix_ratio"], rows.get("prefix_truncated"), rows.get("ungradable")))
+
+    def _add_step_metrics(self, batch: DataProto, metrics: dict, timing: dict) -> None:
+        metrics["training/global_step"] = self.global_steps
+        metrics["training/epoch"] = self._epoch
+        metrics.update(compute_data_metrics(batch=batch, use_critic=self.use_critic))
+        # the clip ratios against the configured limits, as on V1 (lengths as verl's metric_utils.py 60-92 reads them)
+        width, mask, rollout = batch.batch["responses"].shape[-1], batch.batch["attention_mask"], self.config.actor_rollout_ref.rollout
+        metrics.update(length_clip_metrics(mask[:, :-width].sum(-1), mask[:, -width:].sum(-1), rollout.prompt_length,
+                                           rollout.response_length))  # fmt: skip
+        gdpo_keys = self.config.algorithm.get("gdpo_reward_keys", None)
+        # verl's per-component GDPO metrics (ray_trainer.py 1774-1782), for the estimator verl registered as GDPO's
+        name = self.config.algorithm.adv_estimator
+        estimator = core_algos.ADV_ESTIMATOR_REGISTRY.get(getattr(name, "value", name))
+        if gdpo_keys and estimator is core_algos.compute_gdpo_outcome_advantage:
+            for key in (k for k in gdpo_keys if k in batch.non_tensor_batch):
+                values = np.asarray(batch.non_tensor_batch[key], dtype=np.float32)
+                for stat, fn in (("mean", np.mean), ("std", np.std), ("max", np.max), ("min", np.min)):
+                    metrics[f"gdpo/{key}/{stat}"] = float(fn(values))
+        metrics.update(compute_timing_metrics(batch=batch, timing_raw=timing))
+        metrics.update(
+            compute_throughout_metrics(batch=batch, timing_raw=timing, n_gpus=self.resource_pool_manager.get_n_gpus())
+        )
+        metrics.update(compute_variance_proxy_metrics(batch=batch, gradient_norm=metrics.get("actor/grad_norm", None)))
+        metrics.update(
+            compute_spec_decode_metrics(
+                batch.non_tensor_batch.get("spec_num_draft_tokens", None),
+                batch.non_tensor_batch.get("spec_num_accepted_tokens", None),
+                batch.non_tensor_batch.get("spec_num_verify_steps", None),
+            )
+        )
+
+
+# ----------------------------------------------------------------------------------------------------
+# small helpers (numpy/torch only)
+def merge_rollout_timing(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """One step's rollout timing from its generation batches' ``(timing, rows)`` (filter groups make several).
+
+    verl's agent loop reports per-batch ``agent_loop/*/{min,max,mean}`` and ``agent_loop/slowest/*``
+    (``agent_loop.py`` ``_performance_metrics``): ``/min`` -> min, ``/max`` -> max, ``/mean`` -> row-weighted
+    mean, ``slowest/*`` -> the batch whose slowest sample was slowest; other entries (wall times) add up.
+    """
+    merged: dict[str, float] = {}
+    weight: dict[str, int] = {}
+    slowest = max(parts, key=lambda p: p[0].get("agent_loop/slowest/generate_sequences", float("-inf")), default=None)
+    for timing, rows in parts:
+        for key, value in timing.items():
+            if key.startswith("agent_loop/slowest/"):
+                continue
+            if key not in merged:
+                merged[key], weight[key] = value, rows
+            elif key.endswith("/min"):
+                merged[key] = min(merged[key], value)
+            elif key.endswith("/max"):
+                merged[key] = max(merged[key], value)
+            elif key.endswith("/mean"):
+                total = weight[key] + rows
+                merged[key] = (merged[key] * weight[key] + value * rows) / max(total, 1)
+                weight[key] = total
+            else:
+                merged[key] += value
+    if slowest is not None:
+        merged.update({k: v for k, v in slowest[0].items() if k.startswith("agent_loop/slowest/")})
+    return merged
+
+
+# Per-row non-tensor fields the actor/ref/critic workers read (verl 0.9.1: only the model's multimodal inputs,
+# verl/workers/engine/fsdp/transformer_impl.py `extract_multi_modal_inputs`; losses and padding read tensors
+# and the batch-level meta info). verl's worker calls pass DataProto.to_tensordict(), which wraps every other
+# field too, one NonTensorData per row and key, then ships, unpacks and moves them for nothing: on the toy
+# LUFFY step (256 rows, ~20 such fields) about a third of the old-log-prob and update time.
+WORKER_NON_TENSOR_KEYS = ("multi_modal_inputs",)
+
+
+def worker_view(batch: DataProto) -> DataProto:
+    """``batch`` for a worker call: the same tensors and meta info (shared, not copied), and only the per-row
+    non-tensor fields in :data:`WORKER_NON_TENSOR_KEYS`."""
+    keep = {k: v for k, v in batch.non_tensor_batch.items() if k in WORKER_NON_TENSOR_KEYS}
+    return DataProto(batch=batch.batch, non_tensor_batch=keep, meta_info=batch.meta_info)
+
+
+def _num_groups(batch: DataProto) -> int:
+    return len(set(batch.non_tensor_batch["uid"].tolist()))
+
+
+def _rollout_vs_actor_metrics(batch: DataProto) -> dict[str, float]:
+    """verl's rollout-vs-actor metrics over the on-policy tokens (:func:`mix_src.trainer.stages.on_policy_rollout_metrics`)."""
+    return on_policy_rollout_metrics(batch, batch.batch["prefix_mask"])

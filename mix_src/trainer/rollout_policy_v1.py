@@ -1,0 +1,299 @@
+"""Rollout policies with several generation passes on verl's V1 trainer (``trainer.use_v1=true``).
+
+verl's V1 trainer registers a batch of prompts in TransferQueue and hands it to its agent loop, which runs each
+sample in its own session and writes the scored rows back as keys ``{uid}_{session}_0`` (``verl/trainer/ppo/v1/
+trainer_base.py`` ``_submit_batch_to_rollout``, ``agent_loop_tq.py`` ``_run_prompt`` / ``_agent_loop_postprocess``);
+its replay buffer samples a group once its prompt key says ``finished``. The single-pass ``prefix_guided`` policy
+streams through that path unchanged (its entry says ``v1_stream=True``). Any other policy runs here, through the
+same registry function the legacy trainer calls (:data:`mix_src.trainer.rollout_policy.ROLLOUT_POLICIES`):
+
+* :meth:`V1PolicyRunner.generate_sequences` stands in for verl's agent-loop manager in ``_submit_batch_to_rollout``
+  (so verl still registers the prompts, and persists them in the async modes); it builds a
+  :class:`~mix_src.trainer.rollout_policy.RolloutContext` whose ``generate(ratios, rows)`` submits one single-session
+  prompt per row (a fresh scratch uid, ``__rollout_n__=1``, the row's ratio and pass seed) to verl's own agent-loop
+  manager, waits for those scratch groups to finish, and returns a small view of the rows (``prefix_mask``,
+  ``response_mask``, ``token_level_scores`` padded to ``rollout.response_length``, the reward's extra keys, and each
+  row's TransferQueue key) that :func:`~mix_src.trainer.rollout_policy.replace_rows` merges like legacy rows;
+* when the policy returns, each chosen row is copied under its group's key ``{uid}_{j}_0`` (fields ``uid`` and
+  ``session_id`` set to the group's), the scratch keys are cleared and the prompt key is marked ``finished``; the
+  replay buffer, the group filter and every later stage then see an ordinary group.
+
+The passes block the driver: in ``sync`` mode that is how verl generates anyway (the replicas are awake between
+``prepare_step`` and ``on_sample_end``); in ``colocate_async`` generation of these groups no longer overlaps
+training (the groups submitted as warm-up batches or at a step's start are complete before the step samples).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import transfer_queue as tq
+
+from mix_src.trainer.dataset import TARGET_FIELD
+from mix_src.trainer.rollout_policy import ROLLOUT_POLICIES, RolloutContext
+from mix_src.algo.seeding import pass_seeds
+from mix_src.trainer.stages import pass_arguments
+
+__all__ = ["TQ_KEY", "V1PolicyRunner"]
+
+TQ_KEY = "__tq_key__"  # non-tensor column of a pass's rows: the row's TransferQueue key
+PROMPT_RECORD = "__v1_prompt__"  # non-tensor column of ctx.records(): the row's prompt (a one-row TensorDict)
+PARTITION = "train"
+# the tensors of a pass's rows (V1PolicyRunner._view); any other tensor of the rows a policy returns is its own
+VIEW_TENSORS = {"response_mask", "token_level_scores", "prefix_mask", "responses", "prompts", "attention_mask",
+                "rollout_log_probs"}
+
+
+class V1PolicyRunner:
+    """An agent-loop manager stand-in for one ``_submit_batch_to_rollout`` call (see the module docstring).
+
+    trainer: the V1 mix trainer (reads ``mix``, ``n``, ``global_steps``, ``prefix_seed``, ``tokenizer``, ``config``,
+    the rollout policy's ``state``); manager: verl's agent-loop manager; gen_index: the fetch index the batch's
+    ratios and seeds were drawn with; metrics: a dict the runner adds its pass counts to."""
+
+    def __init__(self, trainer: Any, manager: Any, gen_index: int, metrics: dict, poll_s: float = 0.2):
+        self.trainer, self.manager, self.gen_index, self.metrics, self.poll_s = trainer, manager, gen_index, metrics, poll_s
+        self.n = int(trainer.n)
+        self.response_length = int(trainer.config.actor_rollout_ref.rollout.response_length)
+        self._scratch: list[str] = []  # scratch uids of this call's passes
+        self._passes = 0
+
+    # ---- the agent-loop manager's one method that _submit_batch_to_rollout calls ------------------------
+    def generate_sequences(self, batch) -> None:
+        from verl import DataProto
+
+        n, P = self.n, len(batch)
+        uids = [str(u) for u in _column(batch, "uid")]
+        base_seeds = np.asarray(_column(batch, "rollout_seeds"), dtype=np.int64).reshape(-1)  # (P*n,)
+        ratios = np.asarray(_column(batch, "prefix_ratios"), dtype=np.float64).reshape(-1)
+        targets = _column(batch, TARGET_FIELD) if TARGET_FIELD in batch.keys() else None
+        row_uid = np.array([u for u in uids for _ in range(n)], dtype=object)
+        view = {"uid": row_uid}
+        if targets is not None:
+            view[TARGET_FIELD] = np.array([t for t in targets for _ in range(n)], dtype=object)
+        prompt_rows = np.repeat(np.arange(P), n)
+
+        def records(rows) -> Any:
+            rows = np.asarray(rows, dtype=np.int64)
+            prompts = np.empty(len(rows), dtype=object)
+            for k, r in enumerate(rows):
+                prompts[k] = _select(batch, [int(prompt_rows[r])])
+            cols = {k: v[rows] for k, v in view.items()}
+            return DataProto(non_tensor_batch={**cols, PROMPT_RECORD: prompts, "rollout_seed": base_seeds[rows]})
+
+        def generate(pass_ratios, rows=None, targets=None, prompts=None):
+            if prompts is not None:
+                tds = list(prompts.non_tensor_batch[PROMPT_RECORD])
+                seeds = pass_seeds(np.asarray(prompts.non_tensor_batch["rollout_seed"], dtype=np.int64),
+                                   (int(self.trainer.global_steps) << 16) + self._passes + 1)  # fmt: skip
+                group_uids = list(prompts.non_tensor_batch["uid"])
+            else:
+                idx = np.arange(n * P) if rows is None else np.asarray(rows, dtype=np.int64)
+                tds = [_select(batch, [int(prompt_rows[r])]) for r in idx]
+                seeds = pass_seeds(base_seeds[idx], self._passes)
+                group_uids = list(row_uid[idx])
+            pass_ratios, targets = pass_arguments(pass_ratios, targets, len(tds), rows is not None, prompts is not None)
+            out = self._run_pass(tds, pass_ratios, seeds, targets)
+            out.non_tensor_batch["uid"] = np.asarray(group_uids, dtype=object)
+            return out
+
+        trainer = self.trainer
+        seed = [trainer.prefix_seed, trainer.global_steps, self.gen_index]
+        ctx = RolloutContext(
+            batch=DataProto(non_tensor_batch=view), n=n, global_step=trainer.global_steps, mix=trainer.mix,
+            generate=generate, prefix_ratios=lambda: ratios.copy(), rng=np.random.default_rng([*seed, 1]),
+            records=records, state=trainer._policy_state(), tokenizer=getattr(trainer, "tokenizer", None),
+        )  # fmt: skip
+        try:
+            out = ROLLOUT_POLICIES.get(trainer.mix.rollout_policy)(ctx)
+            if len(out) != n * P:
+                raise ValueError(f"rollout policy {trainer.mix.rollout_policy!r} returned {len(out)} rows for {n * P}")
+            self._commit(out, uids)
+        finally:
+            self._clear_scratch()
+        self.metrics["rollout_policy/passes"] = self.metrics.get("rollout_policy/passes", 0) + self._passes
+
+    # ---- one pass: one single-session scratch prompt per row ----------------------------------------------
+    def _run_pass(self, tds: list, ratios: np.ndarray, seeds: np.ndarray, targets: Optional[list]):
+        from verl.utils import tensordict_utils as tu
+
+        scratch = [str(uuid.uuid4()) for _ in tds]
+        self._scratch += scratch
+        self._passes += 1
+        self.metrics["rollout_policy/rows_generated"] = self.metrics.get("rollout_policy/rows_generated", 0) + len(tds)
+        sub = tds[0] if len(tds) == 1 else tu.concat_tensordict(tds)
+        tu.assign_non_tensor_stack(sub, "uid", scratch)
+        tu.assign_non_tensor_stack(sub, "prefix_ratios", [[float(r)] for r in ratios])
+        tu.assign_non_tensor_stack(sub, "rollout_seeds", [[int(s)] for s in seeds])
+        if targets is not None:
+            tu.assign_non_tensor_stack(sub, TARGET_FIELD, [str(t) for t in targets])
+        tu.assign_non_tensor_data(sub, "__rollout_n__", 1)
+        tu.assign_non_tensor_data(sub, "global_steps", int(self.trainer.global_steps))
+        self.manager.generate_sequences(sub)
+        keys, tags = self._wait(scratch)
+        view = self._view(keys)
+        self._count_flops(view, [tags[k] for k in keys])
+        return view
+
+    def _count_flops(self, view, tags: list[dict]) -> None:
+        """The pass's generation FLOPs (every row it generated, kept or not, as the legacy base counts a pass) go to
+        the trainer's next step count (``MixV1Mixin.add_rollout_flops``); lengths from the rows' tags."""
+        add = getattr(self.trainer, "add_rollout_flops", None)
+        if add is None:
+            return
+        p = np.array([int(t["prompt_len"]) for t in tags], dtype=np.int64)
+        r = np.array([int(t["response_len"]) for t in tags], dtype=np.int64)
+        g = r - view.batch["prefix_mask"].long().sum(-1).numpy()
+        add(p, r, g)
+
+    def _wait(self, scratch: list[str]) -> tuple[list[str], dict]:
+        """Wait until every scratch group is terminal; return the row keys, one per scratch uid, in order, and the
+        partition's tags."""
+        pending = set(scratch)
+        while True:
+            tags = (tq.kv_list(PARTITION) or {}).get(PARTITION, {})
+            done = {u for u in pending if tags.get(u, {}).get("status") in ("finished", "failure")}
+            pending -= done
+            if not pending:
+                break
+            time.sleep(self.poll_s)
+        by_uid: dict[str, list[str]] = {}
+        for key in tags:
+            by_uid.setdefault(key.split("_")[0], []).append(key)
+        keys = []
+        for u in scratch:
+            rows = [k for k in by_uid.get(u, []) if k != u]
+            if tags[u].get("status") == "failure" or len(rows) != 1:
+                raise RuntimeError(
+                    f"rollout policy {self.trainer.mix.rollout_policy!r} on V1: a generation pass's sample {u} ended "
+                    f"with status {tags[u].get('status')!r} and {len(rows)} trajectories (one expected; an agent loop "
+                    "with several outputs per sample cannot take part in a multi-pass rollout policy)"
+                )
+            keys.append(rows[0])
+        return keys, tags
+
+    def _view(self, keys: list[str]):
+        """The pass's rows as a DataProto a rollout policy reads (see the module docstring): per row
+        ``response_mask``, ``token_level_scores``, ``prefix_mask``, ``responses`` and (with
+        ``rollout.calculate_log_probs``) ``rollout_log_probs``, right-padded to ``rollout.response_length``;
+        ``prompts`` right-padded to ``data.max_prompt_length`` and ``attention_mask`` over ``prompts`` then
+        ``responses`` (the prompt's and response's tokens; a different layout from the legacy batch's left-padded
+        prompts, with the same tokens under the mask)."""
+        from verl import DataProto
+
+        from mix_src.trainer.stages import prefix_mask_tensor
+
+        fields = ["rm_scores", "response_mask", "extra_fields", "prompts", "responses"]
+        if self.trainer.config.actor_rollout_ref.rollout.get("calculate_log_probs", False):
+            fields.append("rollout_log_probs")
+        data = tq.kv_batch_get(keys=keys, partition_id=PARTITION, select_fields=fields)
+        extra = [getattr(e, "data", e) if isinstance(getattr(e, "data", e), dict) else {} for e in list(data.pop("extra_fields"))]
+        prompt_lens, response_lens = _row_lengths(data["prompts"]), _row_lengths(data["responses"])
+        padded = data.to_padded_tensor()
+        width = max(self.response_length, padded["response_mask"].shape[-1], padded["responses"].shape[-1])
+        p_width = max(int(self.trainer.config.data.max_prompt_length), padded["prompts"].shape[-1])
+
+        def pad(t, w=width):
+            return torch.nn.functional.pad(t, (0, w - t.shape[-1]))
+
+        response_mask = pad(padded["response_mask"])
+        scores = pad(padded["rm_scores"].float())
+        prefix_mask = prefix_mask_tensor([e.get("prefix_token_mask") for e in extra], response_mask)
+        positions_p, positions_r = torch.arange(p_width), torch.arange(width)
+        attention_mask = torch.cat([(positions_p[None] < prompt_lens[:, None]), (positions_r[None] < response_lens[:, None])],
+                                   dim=-1).long()  # fmt: skip
+        tensors = {"responses": pad(padded["responses"]), "prompts": pad(padded["prompts"], p_width),
+                   "attention_mask": attention_mask}  # fmt: skip
+        if "rollout_log_probs" in padded.keys():
+            tensors["rollout_log_probs"] = pad(padded["rollout_log_probs"].float())
+        non_tensor = {TQ_KEY: np.asarray(keys, dtype=object),
+                      "prefix_ratio": np.asarray([float(e.get("prefix_ratio", 0.0) or 0.0) for e in extra])}  # fmt: skip
+        infos = [e.get("reward_extra_info", {}) or {} for e in extra]
+        for key in set().union(*infos) if infos else ():
+            if all(key in i for i in infos):
+                non_tensor[key] = np.asarray([i[key] for i in infos])
+        from tensordict import TensorDict
+
+        batch = TensorDict({"response_mask": response_mask, "token_level_scores": scores, "prefix_mask": prefix_mask,
+                            **tensors}, batch_size=[len(keys)])  # fmt: skip
+        return DataProto(batch=batch, non_tensor_batch=non_tensor)
+
+    # ---- the chosen rows become the groups' rows -----------------------------------------------------------
+    def _commit(self, out, uids: list[str]) -> None:
+        from verl.utils import tensordict_utils as tu
+
+        n = self.n
+        if TQ_KEY not in out.non_tensor_batch or any(k is None for k in out.non_tensor_batch[TQ_KEY]):
+            raise ValueError(f"rollout policy {self.trainer.mix.rollout_policy!r} returned rows that no ctx.generate "
+                             "call produced (on V1 every returned row must come from a generation pass)")  # fmt: skip
+        src = [str(k) for k in out.non_tensor_batch[TQ_KEY]]
+        tags_all = (tq.kv_list(PARTITION) or {}).get(PARTITION, {})
+        data = tq.kv_batch_get(keys=src, partition_id=PARTITION)
+        rows = len(src)
+        group = [uids[r // n] for r in range(rows)]
+        tu.assign_non_tensor_stack(data, "uid", group)
+        tu.assign_non_tensor_stack(data, "session_id", [r % n for r in range(rows)])
+        keys = [f"{group[r]}_{r % n}_0" for r in range(rows)]
+        tq.kv_batch_put(keys=keys, partition_id=PARTITION, fields=data, tags=[dict(tags_all[k]) for k in src])
+        added = self._added_fields(out, [int(tags_all[k]["response_len"]) for k in src])
+        if added is not None:  # before the groups are marked finished: the replay buffer samples them with these
+            tq.kv_batch_put(keys=keys, partition_id=PARTITION, fields=added)
+        tq.kv_batch_put(keys=list(uids), partition_id=PARTITION, tags=[{"status": "finished"} for _ in uids])
+
+    def _added_fields(self, out, response_lens: list[int]):
+        """The per-row tensors the policy added to its rows (e.g. HPT's ``sft_row`` (rows,), ExGRPO's
+        ``behaviour_log_prob`` (rows, L)), as TransferQueue fields of the rows, from where verl's ``update_actor``
+        hands every field of its rows to the worker loss: a (rows,) tensor as is, a (rows, L) tensor over the
+        response nested like ``response_mask``; None when the policy added none."""
+        from tensordict import TensorDict
+
+        width = out.batch["response_mask"].shape[-1]
+        fields = {}
+        for key in sorted(set(out.batch.keys()) - VIEW_TENSORS):
+            value = out.batch[key]
+            if value.dim() == 1:
+                fields[key] = value
+            elif value.dim() == 2 and value.shape[-1] == width:
+                fields[key] = torch.nested.as_nested_tensor([value[i, :n] for i, n in enumerate(response_lens)],
+                                                            layout=torch.jagged)  # fmt: skip
+            else:
+                raise ValueError(f"rollout policy {self.trainer.mix.rollout_policy!r} added the per-row tensor {key!r} "
+                                 f"of shape {tuple(value.shape)}; on V1 a policy's own tensor is (rows,) or (rows, "
+                                 f"{width}) over the response, as ctx.generate returns them")  # fmt: skip
+        return TensorDict(fields, batch_size=[len(out)]) if fields else None
+
+    def _clear_scratch(self) -> None:
+        if not self._scratch:
+            return
+        scratch = set(self._scratch)
+        tags = (tq.kv_list(PARTITION) or {}).get(PARTITION, {})
+        keys = [k for k in tags if k.split("_")[0] in scratch]
+        if keys:
+            tq.kv_clear(keys=keys, partition_id=PARTITION)
+        self._scratch = []
+
+
+def _row_lengths(t: torch.Tensor) -> torch.Tensor:
+    """(rows,) lengths of a TransferQueue field's rows: nested (jagged) when they differ, a plain tensor when not."""
+    if t.is_nested:
+        return t.offsets().diff()
+    return torch.full((t.shape[0],), t.shape[-1] if t.dim() > 1 else 1, dtype=torch.long)
+
+
+def _column(batch, key: str) -> list:
+    """A per-prompt column of verl's prompt TensorDict as a list."""
+    value = batch.get(key)
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    return list(value.tolist()) if hasattr(value, "tolist") else list(value)
+
+
+def _select(batch, rows: list[int]):
+    from verl.utils import tensordict_utils as tu
+
+    return tu.index_select_tensor_dict(batch, rows)
+

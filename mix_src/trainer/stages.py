@@ -1,0 +1,393 @@
+"""LUFFY's per-step pieces, called by both trainer bases (:mod:`mix_src.trainer.legacy` on verl's legacy
+``RayPPOTrainer`` and :mod:`mix_src.trainer.v1` on verl's V1 ``PPOTrainer``).
+
+Each function is numpy/torch only and independent of how the trainer stores its batch (``DataProto`` in the
+legacy loop, TransferQueue fields in V1): prefix-ratio drawing, the ``prefix_mask`` tensor, LUFFY's
+advantages (``grpo_split`` + the alpha/beta prefix weights) and LUFFY's metrics.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from mix_src.trainer.adv_estimators import ADV_ESTIMATORS
+from mix_src.algo import core_alg
+from mix_src.algo.core_alg import apply_prefix_advantage_weights
+from mix_src.algo.prefix import compute_prefix_ratios
+
+# ``mix`` arguments are the validated ``mix:`` section (``mix_src.config.mix_config.MixConfig``), typed ``Any`` here: this
+# module does not import the config schema, which imports the rollout policies, which import this module.
+
+__all__ = [
+    "MIX_STATE_FILE",
+    "FilterGroupsExhausted",
+    "model_shape",
+    "DATA_DROP",
+    "DATA_EPOCH",
+    "SUMMED_REWARD_METRICS",
+    "draw_prefix_ratios",
+    "filter_metric_values",
+    "group_ids",
+    "length_clip_metrics",
+    "luffy_advantage_stage",
+    "luffy_advantages",
+    "luffy_metrics",
+    "pass_arguments",
+    "on_policy_rollout_metrics",
+    "on_policy_rollout_correction",
+    "prefix_mask_tensor",
+    "prefix_step_metrics",
+    "prompt_data_key",
+    "solve_metrics",
+    "start_data_epoch",
+]
+
+
+# ---- shared by both trainer bases (mix_src/trainer/legacy.py, mix_src/trainer/v1.py: neither imports the other)
+MIX_STATE_FILE = "mix_state.pt"  # the MIX loop's own state, saved beside verl's checkpoint of each step
+
+
+class FilterGroupsExhausted(RuntimeError):
+    """Filter groups could not fill a training batch within ``algorithm.filter_groups.max_num_gen_batches``."""
+
+
+def model_shape(trainer: Any):
+    """The actor's :class:`~mix_src.algo.flops.ModelShape`, read once from its ``config.json`` and cached on the trainer
+    (``_flops_shape``; a read failure is kept and raised again on every use). Both bases take it as their
+    ``_model_shape`` method."""
+    if trainer._flops_shape is None:
+        from transformers import AutoConfig
+
+        from mix_src.algo.flops import ModelShape
+
+        model_cfg = trainer.config.actor_rollout_ref.model
+        try:
+            cfg = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.get("trust_remote_code", False))
+            trainer._flops_shape = ModelShape.from_hf_config(cfg.to_dict())
+        except Exception as e:  # noqa: BLE001 - kept, and raised to the caller on every use
+            trainer._flops_shape = e
+    if isinstance(trainer._flops_shape, Exception):
+        raise trainer._flops_shape
+    return trainer._flops_shape
+
+
+def group_ids(uids: Sequence) -> np.ndarray:
+    """Dense int64 group id per row from the per-prompt uid strings. (bsz,) -> (bsz,)"""
+    return core_alg.group_ids(np.asarray(uids, dtype=object)).numpy()
+
+
+def draw_prefix_ratios(
+    mix: Any, num_prompts: int, n: int, *, seed: int, global_step: int, gen_index: int, targets: Optional[Sequence]
+) -> np.ndarray:
+    """One prefix ratio per row, float64 (num_prompts * n,), rows ``i*n + j`` (prompt i, sample j).
+
+    Drawn from ``np.random.default_rng([seed, global_step, gen_index])``, so a resumed run draws what an
+    uninterrupted one drew. ``targets`` has one entry per row (or None); rows without a non-empty string
+    target get 0 (no prefix).
+    """
+    ratios = compute_prefix_ratios(
+        num_prompts,
+        n,
+        strategy=mix.prefix_strategy,
+        n_prefix=mix.n_prefix,
+        min_prefix_ratio=mix.min_prefix_ratio,
+        max_prefix_ratio=mix.max_prefix_ratio,
+        prefix_steps=mix.prefix_steps,
+        prefix_linear_max_ratio=mix.prefix_linear_max_ratio,
+        prefix_fix_ratios=mix.prefix_fix_ratios,
+        share_across_samples=mix.prefix_share_across_samples,
+        global_step=global_step,
+        rng=np.random.default_rng([seed, global_step, gen_index]),
+    )
+    if targets is None:
+        return np.zeros(num_prompts * n, dtype=np.float64)
+    has_target = np.array([isinstance(t, str) and len(t) > 0 for t in targets], dtype=bool)
+    return np.where(has_target, ratios, 0.0)
+
+
+def pass_arguments(ratios: Sequence[float], targets: Optional[Sequence], num_rows: int, rows_given: bool = False,
+                   prompts_given: bool = False) -> tuple[np.ndarray, Optional[list]]:
+    """A rollout policy's ``generate(ratios, rows=None, targets=None, prompts=None)`` arguments
+    (:class:`mix_src.trainer.rollout_policy.RolloutContext`), checked the same on both bases: ``prompts`` takes no ``rows``,
+    one ratio and (if given) one target per row of the pass. Returns the (num_rows,) float64 ratios and the targets
+    as a list (or None)."""
+    if prompts_given and rows_given:
+        raise ValueError("rollout policy: generate(prompts=...) takes no rows")
+    ratios = np.asarray(ratios, dtype=np.float64).reshape(-1)
+    if ratios.shape != (num_rows,):
+        raise ValueError(f"rollout policy: {ratios.size} ratios for {num_rows} rows")
+    targets = None if targets is None else list(targets)
+    if targets is not None and len(targets) != num_rows:
+        raise ValueError(f"rollout policy: {len(targets)} targets for {num_rows} rows")
+    return ratios, targets
+
+
+def prefix_mask_tensor(row_masks: Sequence, response_mask: torch.Tensor) -> torch.Tensor:
+    """(bsz, response_len) bool: the rows' ``prefix_token_mask`` arrays, right-padded, within the response.
+
+    ``row_masks`` has one 0/1 array (or None / empty for an on-policy row) per row.
+    """
+    bsz, width = response_mask.shape
+    out = torch.zeros(bsz, width, dtype=torch.bool)
+    for i, m in enumerate(row_masks):
+        if m is not None and len(m):
+            k = min(len(m), width)
+            out[i, :k] = torch.as_tensor(np.asarray(m[:k], dtype=bool))
+    return out & response_mask.bool()
+
+
+def luffy_advantages(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    uids: Sequence,
+    prefix_mask: torch.Tensor,
+    algorithm: Any,
+    mix: Any,
+    verl_estimator: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages and returns, each (bsz, response_len).
+
+    A prefix-aware estimator registered in :data:`mix_src.trainer.adv_estimators.ADV_ESTIMATORS` (``grpo_split``: the
+    group baseline over the on-policy rows only) is called with ``prefix_mask``; any other estimator:
+    ``verl_estimator()``, the trainer's call into verl. Then LUFFY's prefix weights ``A <- A * (alpha * g + beta * (1 - g))``.
+
+    Args:
+        token_level_rewards: (bsz, response_len) float.
+        response_mask: (bsz, response_len) 0/1.
+        uids: (bsz,) prompt-group id per row.
+        prefix_mask: (bsz, response_len) bool.
+        algorithm: verl's ``algorithm`` config (adv_estimator, norm_adv_by_std_in_grpo).
+        mix: the validated ``mix:`` section (prefix_reward_weight_alpha/beta).
+    """
+    if algorithm.adv_estimator in ADV_ESTIMATORS:  # prefix-aware estimators (mix_src.trainer.adv_estimators, plugins)
+        advantages, returns = ADV_ESTIMATORS.get(algorithm.adv_estimator)(
+            token_level_rewards, response_mask, core_alg.group_ids(np.asarray(uids, dtype=object)), prefix_mask, algorithm
+        )
+    else:
+        advantages, returns = verl_estimator()
+    alpha, beta = mix.prefix_reward_weight_alpha, mix.prefix_reward_weight_beta
+    if alpha != 1.0 or beta != 1.0:
+        advantages = apply_prefix_advantage_weights(advantages, prefix_mask, alpha, beta)
+    return advantages, returns
+
+
+def luffy_advantage_stage(verl_advantage: Callable, prefix_mask: torch.Tensor, algorithm: Any, mix: Any) -> Callable:
+    """A stand-in for verl's advantage call ``verl_advantage(data, **kwargs) -> data`` (legacy: ``ray_trainer.py``
+    ``compute_advantage``; V1: ``trainer_base.compute_advantage_for_multi_trajectories``) that writes LUFFY's
+    advantages and returns (:func:`luffy_advantages`) into ``data.batch``: a prefix-aware estimator (``grpo_split``)
+    is called once, with ``prefix_mask`` (bsz, L); verl's function only for other estimators. Both bases call it."""
+
+    def advantages(data, **kwargs):
+        def verl_estimator():
+            out = verl_advantage(data, **kwargs)
+            return out.batch["advantages"], out.batch["returns"]
+
+        adv, ret = luffy_advantages(
+            data.batch["token_level_rewards"], data.batch["response_mask"], data.non_tensor_batch["uid"],
+            prefix_mask, algorithm, mix, verl_estimator=verl_estimator,
+        )  # fmt: skip
+        data.batch["advantages"], data.batch["returns"] = adv, ret
+        return data
+
+    return advantages
+
+
+def solved_rows(acc: Optional[Sequence], scores: Callable[[], np.ndarray]) -> np.ndarray:
+    """Which rows count as solved: ``acc > 0`` when the reward reported an ``acc`` for every row, else a summed
+    score ``> 0``. acc: (bsz,) or None (rows without one: None entries); scores: returns the (bsz,) summed
+    token scores (called only when needed). Returns (bsz,) bool. Both trainers' LUFFY metrics and the
+    rollout policies use it (legacy: ``acc`` from the batch, V1: from each row's reward_extra_info)."""
+    if acc is not None and all(a is not None for a in acc):
+        return np.array([float(a) > 0 for a in acc], dtype=bool)  # NaN counts as unsolved
+    return np.asarray(scores()) > 0
+
+
+def solve_metrics(solved: np.ndarray, off_policy_rows: np.ndarray, uids: Sequence) -> dict[str, float]:
+    """LUFFY's solve metrics: ``batch/solve_none``, ``solve_all`` (fractions of prompt groups), ``solved``,
+    ``on_solved``, ``off_solved`` (fractions of rows). ``solved``, ``off_policy_rows``: (bsz,) bool.
+
+    One population on both bases: the rows the step trains on (after group filtering; V1: verl's padding rows
+    excluded), never the generated rows a filter dropped."""
+    solved = np.asarray(solved, dtype=bool)
+    off = np.asarray(off_policy_rows, dtype=bool)
+    gid = group_ids(uids)
+    n_groups = int(gid.max()) + 1 if len(gid) else 0
+    solved_per_group = np.bincount(gid, weights=solved, minlength=n_groups)
+    size = np.bincount(gid, minlength=n_groups)
+    return {
+        "batch/solve_none": float(np.mean(solved_per_group == 0)),
+        "batch/solve_all": float(np.mean(solved_per_group == size)),
+        "batch/solved": float(solved.mean()),
+        "batch/on_solved": float(solved[~off].mean()) if (~off).any() else 0.0,
+        "batch/off_solved": float(solved[off].mean()) if off.any() else 0.0,
+    }
+
+
+def prefix_step_metrics(ratios: Sequence[float], prefix_mask: torch.Tensor, response_mask: torch.Tensor) -> dict[str, float]:
+    """``batch/avg_prefix_ratio`` (exact sum: row order cannot change it), ``batch/off_policy_rows``,
+    ``batch/prefix_token_frac`` (prefix tokens / response tokens). ``prefix_mask``, ``response_mask``: (bsz, L)."""
+    ratios = np.asarray(ratios, dtype=np.float64)
+    return {
+        "batch/avg_prefix_ratio": math.fsum(ratios) / max(len(ratios), 1),
+        "batch/off_policy_rows": int(prefix_mask.any(-1).sum()),
+        "batch/prefix_token_frac": float((prefix_mask.sum() / response_mask.sum().clamp(min=1)).item()),
+    }
+
+
+def luffy_metrics(solved: np.ndarray, prefix_mask: torch.Tensor, response_mask: torch.Tensor, uids: Sequence,
+                  ratios: Sequence[float], truncated: Optional[Sequence] = None,
+                  ungradable: Optional[Sequence] = None) -> dict[str, float]:
+    """LUFFY's metrics of the rows a step trains on, one function for both bases: :func:`solve_metrics`,
+    :func:`prefix_step_metrics`, ``batch/prefix_truncated`` and ``reward/ungradable`` (rows the reward could not grade,
+    scored wrong), each of the last two when the rows report it. ``solved``: (bsz,) bool; ``prefix_mask``,
+    ``response_mask``: (bsz, L); ``uids``, ``ratios``, ``truncated``, ``ungradable``: (bsz,)."""
+    out = solve_metrics(solved, prefix_mask.any(-1).numpy(), uids)
+    out.update(prefix_step_metrics(ratios, prefix_mask, response_mask))
+    if truncated is not None:
+        out["batch/prefix_truncated"] = int(sum(bool(t) for t in truncated))
+    if ungradable is not None:
+        out["reward/ungradable"] = int(np.count_nonzero(np.asarray(ungradable, dtype=bool)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# group filtering: which per-row value ``algorithm.filter_groups.metric`` names, the same on both bases.
+#: the names of a row's summed token reward: verl's canonical ``reward`` (V1 ``replay_buffer.py`` 278: the sum of
+#: ``rm_scores``) and ``seq_reward``, which verl's DAPO recipe computes as ``token_level_scores.sum(-1)``
+#: (``recipe/dapo/dapo_ray_trainer.py``, its ``elif metric_name == "seq_reward"`` branch). V1's built-in buffer
+#: would look ``seq_reward`` up in ``reward_extra_info`` and fail after Ray has started.
+SUMMED_REWARD_METRICS = ("reward", "seq_reward")
+
+
+def filter_metric_values(
+    metric: Optional[str], summed_reward: Callable[[], Sequence[float]], extra: Callable[[str], Optional[Sequence]],
+    extra_keys: Sequence[str] = (),
+) -> np.ndarray:
+    """(rows,) float64: each row's value of the group-filter metric ``metric`` (unset: ``reward``).
+
+    ``summed_reward()`` returns the rows' summed token scores (called only for :data:`SUMMED_REWARD_METRICS`);
+    ``extra(name)`` the rows' values of the reward's extra key ``name`` (None when some row lacks it: legacy,
+    the batch's ``non_tensor_batch``; V1, each row's ``reward_extra_info``). ``extra_keys`` name the reward's
+    extra keys, for the error."""
+    name = metric or "reward"
+    if name in SUMMED_REWARD_METRICS:
+        return np.asarray(summed_reward(), dtype=np.float64)
+    values = extra(name)
+    if values is None:
+        raise KeyError(
+            f"algorithm.filter_groups.metric={name!r} is not a value the reward returned for every row; use one of "
+            f"{list(SUMMED_REWARD_METRICS)} (the summed token reward) or one of the reward's extra keys: "
+            f"{sorted(extra_keys)}"
+        )
+    return np.asarray(values, dtype=np.float64)
+
+
+def length_clip_metrics(
+    prompt_length: torch.Tensor, response_length: torch.Tensor, max_prompt_length: int, max_response_length: int
+) -> dict[str, float]:
+    """``prompt_length/clip_ratio``, ``response_length/clip_ratio``, ``response_length_non_aborted/clip_ratio``:
+    the fraction of rows whose prompt (response) is as long as the configured limit (``data.max_prompt_length``,
+    ``rollout.response_length``), i.e. was cut there. ``prompt_length``, ``response_length``: (bsz,) token counts.
+
+    verl's ``compute_data_metrics`` (``metric_utils.py`` 459, 592) compares with the width of the batch's
+    ``prompts`` / ``responses`` tensors: on the legacy base that width is the limit (the agent loop pads to it),
+    on V1 the longest row of the step (``to_padded_tensor``), where the longest prompt counts as clipped (tiny
+    assets: 0.0 legacy, 1.0 V1). Both bases overwrite verl's three values with these."""
+    prompt_length, response_length = prompt_length.float(), response_length.float()
+    non_aborted = response_length[response_length > 0]
+    out = {
+        "prompt_length/clip_ratio": torch.eq(prompt_length, max_prompt_length).float().mean().item(),
+        "response_length/clip_ratio": torch.eq(response_length, max_response_length).float().mean().item(),
+    }
+    out["response_length_non_aborted/clip_ratio"] = (  # NaN when every row aborted, as verl logs it
+        torch.eq(non_aborted, max_response_length).float().mean().item() if non_aborted.numel() else float("nan")
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# rollout vs actor: on-policy tokens only, on both bases. A prefix (target) token was never sampled by the
+# rollout: it has no rollout log-prob (the agent loop writes 0), so verl's metrics over the whole response mask
+# would compare the actor with a probability of 1 there (``training/rollout_probs_diff_*`` ~1, ``rollout_corr/kl``
+# large) and report a rollout/actor mismatch that does not exist.
+def on_policy_rollout_metrics(data: Any, prefix_mask: torch.Tensor) -> dict[str, float]:
+    """verl's ``calculate_debug_metrics`` (``training/rollout_probs_diff_*``, ``rollout_actor_probs_pearson_corr``)
+    over the on-policy tokens. ``data``: a DataProto with (bsz, L) ``rollout_log_probs``, ``old_log_probs``,
+    ``response_mask``, ``responses``; ``prefix_mask``: (bsz, L) bool. {} when no token is on-policy."""
+    from verl import DataProto
+    from verl.utils.debug.metrics import calculate_debug_metrics
+
+    mask = data.batch["response_mask"]
+    on_policy = mask * (~prefix_mask.bool()).to(mask.dtype)
+    if on_policy.sum() == 0:
+        return {}
+    view = DataProto.from_dict(tensors={
+        "rollout_log_probs": data.batch["rollout_log_probs"], "old_log_probs": data.batch["old_log_probs"],
+        "response_mask": on_policy, "responses": data.batch["responses"],
+    })  # fmt: skip
+    return calculate_debug_metrics(view)
+
+
+def on_policy_rollout_correction(data: Any, prefix_mask: torch.Tensor, rc: Any, correct: Callable) -> tuple[Any, dict]:
+    """``correct(data, rc) -> (data, metrics)`` (verl's ``compute_rollout_correction_and_add_to_batch``, decoupled
+    mode: IS weights, rejection sampling and the ``rollout_corr/*`` metrics from old vs rollout log-probs) over the
+    on-policy tokens: prefix tokens keep IS weight 1 and are never rejected. Returns (data, metrics); ({} metrics
+    and ``data`` unchanged when every token is a prefix token)."""
+    full_mask = data.batch["response_mask"]
+    prefix = prefix_mask.bool() & full_mask.bool()
+    if not (full_mask.bool() & ~prefix).any():
+        return data, {}
+    data.batch["response_mask"] = full_mask * (~prefix).to(full_mask.dtype)
+    data, metrics = correct(data, rc)
+    data.batch["response_mask"] = torch.where(prefix, full_mask, data.batch["response_mask"])
+    if "rollout_is_weights" in data.batch.keys():
+        weights = data.batch["rollout_is_weights"]
+        data.batch["rollout_is_weights"] = torch.where(prefix, torch.ones_like(weights), weights)
+    return data, metrics
+
+
+# ---- the data of each epoch: prompts a rollout policy retired ---------------------------------------------------
+
+DATA_DROP = "mix_data_drop"  # RolloutContext.state key a rollout policy may fill: {"keys": set of prompt_data_key
+#                              (the prompts to leave out of the data from the next epoch on), "min_left": int}
+DATA_EPOCH = "mix_data_epoch"  # the state key start_data_epoch writes: the keys left out of the current epoch
+
+
+def prompt_data_key(messages: Sequence) -> str:
+    """A prompt's identity in the data: a hash of its chat messages' (role, content), the same for a dataset row's
+    prompt column and for a batch row's ``raw_prompt`` (verl's RLHFDataset passes the messages through)."""
+    norm = [[str(m["role"]), str(m["content"])] for m in messages]
+    return hashlib.sha1(json.dumps(norm, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+def start_data_epoch(dataloader: Any, dataset: Any, state: dict) -> Optional[int]:
+    """Called by both trainer bases just before each pass over the training data (before ``iter(dataloader)``):
+    the prompts a rollout policy listed in ``state[DATA_DROP]`` leave the dataset for this epoch.
+
+    ExGRPO's official ``fit`` (LUFFY repo 01f4ae0, ``ExGRPO/exgrpo/verl/verl/mix_src/mix_trainer_experience.py:245-250``
+    with ``experience/rl_dataset_with_experience.py:40-45`` ``set_skip_uid_set``): at each epoch start, if the data
+    left holds more than ``batch + 20`` prompts (``min_left``), it becomes the full data minus every retired prompt;
+    otherwise the previous epoch's choice stays. The choice is recorded in ``state[DATA_EPOCH]`` (saved with the
+    rollout policy's state), and a run resumed mid-epoch (the dataloader holds a loaded state: torchdata's
+    ``StatefulDataLoader.next_iter_state``) applies the recorded choice again instead of making a new one, so the
+    restored sampler walks the same rows. No-op (None) when no policy filled ``DATA_DROP``; else the rows left."""
+    drop = state.get(DATA_DROP)
+    if drop is None and DATA_EPOCH not in state:
+        return None
+    fresh = getattr(dataloader, "next_iter_state", None) is None
+    if fresh and drop is not None and len(dataset) > int(drop["min_left"]):
+        state[DATA_EPOCH] = sorted(drop["keys"])
+    if DATA_EPOCH not in state:
+        return None
+    leave_out = getattr(dataset, "leave_out", None)
+    if leave_out is None:
+        raise TypeError(f"the rollout policy retires prompts from the data ({DATA_DROP!r} in its state), which the "
+                        f"dataset {type(dataset).__name__} cannot do: use mix_src.trainer.dataset.RLHFDatasetWithTarget "
+                        "(data.custom_cls, set by mix_src's configs)")
+    return leave_out(set(state[DATA_EPOCH]))

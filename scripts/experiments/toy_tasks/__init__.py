@@ -1,0 +1,1 @@
+"""The toy tasks (task definition, reward) behind the toy recipes and the experiments."""
