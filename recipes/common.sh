@@ -74,7 +74,7 @@ MIX_ONE_GPU_OVERRIDES=(
 DEFAULT_MODEL_PATH_1GPU=Qwen/Qwen2.5-Math-1.5B
 
 # Attention without flash-attn (NO_FLASH_ATTN=1): torch's SDPA, which cannot take verl's packed (remove-padding)
-# sequences (mix_src/model_context.py check_attention; the same string as the Makefile's SDPA_OVERRIDES).
+# sequences (mix_src/config/model_context.py check_attention; the same string as the Makefile's SDPA_OVERRIDES).
 MIX_SDPA_OVERRIDES=(
   +actor_rollout_ref.model.override_config.attn_implementation=sdpa
   actor_rollout_ref.model.use_remove_padding=false

@@ -29,12 +29,12 @@ from typing import Any, Mapping
 
 import torch
 
-from mix_src.loss_combine import CombineInputs, register_loss_combine
-from mix_src.registry import flag, integer, number
+from mix_src.algo.loss_combine import CombineInputs, register_loss_combine
+from mix_src.extend import flag, integer, number
 
 # Trinity-RFT's MIXCHORDPolicyLossFn.default_args() / __init__ defaults (CHORD-phi with a constant mu = 0.1)
 CHORD_SETTINGS = dict(mu_warmup_steps=integer(0, 0), mu_decay_steps=integer(0, 0), mu_peak=number(0.1, 0.0, 1.0),
-                      mu_valley=number(0.1, 0.0, 1.0), enable_phi_function=flag(True))  # checked by mix_src/registry.py
+                      mu_valley=number(0.1, 0.0, 1.0), enable_phi_function=flag(True))  # checked by mix_src/extend.py
 
 
 def mu_schedule(global_step: float, warmup_steps: int, decay_steps: int, peak: float, valley: float) -> float:

@@ -24,7 +24,7 @@ Per generation batch (P prompts x n samples), rollout policy ``exgrpo``:
    samples (token ids, the rollout's log-probs = the behaviour policy's, mean token NLL), deduplicated,
    and moves its prompt to bucket k; a group solved n/n is retired (removed, never recorded again), on
    warm-up steps too; with ``retire_from_data`` (official) it also leaves the training data at the next epoch start
-   (``mix_src.stages.start_data_epoch``, run by both trainers: :data:`mix_src.stages.DATA_DROP` in ``ctx.state``).
+   (``mix_src.trainer.stages.start_data_epoch``, run by both trainers: :data:`mix_src.trainer.stages.DATA_DROP` in ``ctx.state``).
 
 ``skip_grad_bound`` (official 500): an optimiser step whose gradient norm before clipping exceeds it is skipped
 (verl 0.9.1's ``FSDPEngine.optimizer_step`` wrapped in each process that loads this plugin, :func:`_patch_engine`).
@@ -52,16 +52,16 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf, open_dict
 
-from mix_src.loss import REMOVE_CLIP
-from mix_src.off_policy_behaviour import BEHAVIOUR_LOG_PROB
-from mix_src.registry import EntryConfigError, Setting, flag, integer, number, one_of, trainer_base
-from mix_src.rollout_policy import ROLLOUT_POLICIES, RolloutContext, register_rollout_policy, solved
-from mix_src.stages import DATA_DROP, prompt_data_key
+from mix_src.worker.loss import REMOVE_CLIP
+from mix_src.algo.off_policy_behaviour import BEHAVIOUR_LOG_PROB
+from mix_src.extend import EntryConfigError, Setting, flag, integer, number, one_of, trainer_base
+from mix_src.trainer.rollout_policy import ROLLOUT_POLICIES, RolloutContext, register_rollout_policy, solved
+from mix_src.trainer.stages import DATA_DROP, prompt_data_key
 
 NAME = "exgrpo"
 WEIGHTINGS = ("linear", "normal", "sqrt", "linear_clip")
 METRICS = ("entropy", "recorded_nll")
-SETTINGS = {  # each checked by mix_src/registry.py resolve_settings; the rules across keys are _check's
+SETTINGS = {  # each checked by mix_src/extend.py resolve_settings; the rules across keys are _check's
     "experience_ratio": number(0.5, 0.0, 1.0),  # official trainer.experience_ratio=0.5
     "start_solved_ratio": Setting(0.35, lambda v: number(0).ok(v) and v < 1, "a number < 1 (the switch needs a batch "
                                   "solve rate above it; < 0 = mixed from the first step)"),  # official experience_start_sratio
@@ -331,7 +331,7 @@ def _export_bound(config, bound) -> None:
 
 def _check(config) -> None:
     mix, n = config.mix, int(config.actor_rollout_ref.rollout.n)
-    o = dict(mix.plugin_options[NAME])  # resolved (defaults filled in) by mix_src/registry.py resolve_settings
+    o = dict(mix.plugin_options[NAME])  # resolved (defaults filled in) by mix_src/extend.py resolve_settings
     p = f"mix.plugin_options.{NAME}"
     loop = OmegaConf.select(config, "actor_rollout_ref.rollout.agent.default_agent_loop", default=None)
     if loop == "prefix_guided_tool":
@@ -439,7 +439,7 @@ def _retire_solved(buf: dict, out, keys: list, n: int) -> None:
 def _retire_from_data(ctx: RolloutContext, record, opts: dict) -> None:
     """The prompt of ``record`` (its ``ctx.records`` row) leaves the data from the next epoch start on (official
     ``skip_uid_set.add``, mix_trainer_experience.py:388, applied by ``set_skip_uid_set`` at :250; here
-    mix_src.stages.start_data_epoch), while more than one generation batch + DATA_TOLERANCE prompts are left.
+    mix_src.trainer.stages.start_data_epoch), while more than one generation batch + DATA_TOLERANCE prompts are left.
     Keyed by the prompt's chat messages (``raw_prompt``, verl's RLHFDataset field)."""
     if not opts["retire_from_data"]:
         return

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mix_src.rollout_policy import RolloutContext, group_all_failed, register_rollout_policy, replace_rows
+from mix_src.trainer.rollout_policy import RolloutContext, group_all_failed, register_rollout_policy, replace_rows
 
 
 @register_rollout_policy("guide_on_failure")

@@ -2,7 +2,7 @@
 model's own samples, chosen by how often those samples solve the prompt.
 
 Paper: Lv et al., "Towards a Unified View of Large Language Model Post-Training" (arXiv 2509.04419).
-Official code: github.com/TsinghuaC3I/Unify-Post-Training, ``hpt/verl/verl/mix_src/mix_trainer.py``
+Official code: github.com/TsinghuaC3I/Unify-Post-Training, ``hpt/verl/verl/mix_src/trainer/legacy.py``
 (``select_on_off_ada_balance`` and the ``unify_strategy == 'switch'`` branch of ``fit``) and
 ``mix_actor.py`` (``offline_loss_type == "sft"``), commit ae332f5fa4dc8b4c3d3cd77ebc9cff3a3abab2d0.
 
@@ -13,7 +13,7 @@ Per generation batch:
    target, its ``n`` rows are replaced by the whole target + EOS (ratio 1.0) and marked ``sft_row`` = 1;
    the other prompts keep their ``n`` on-policy rows (``sft_row`` = 0).
 
-The loss is the core's row loss ``mix.loss.row_loss=sft_rows`` (mix_src/row_loss.py): the policy loss on the
+The loss is the core's row loss ``mix.loss.row_loss=sft_rows`` (mix_src/algo/row_loss.py): the policy loss on the
 RL rows + ``sft_loss_coef`` x the token-mean NLL of the SFT rows. The official code keeps one target row
 per SFT prompt; here the group keeps its ``n`` rows (n identical copies), which leaves the token-mean
 NLL unchanged (README: every difference). Settings: ``mix.plugin_options.hpt.switch_gate`` (default 0).
@@ -25,9 +25,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mix_src.registry import EntryConfigError, integer
-from mix_src.rollout_policy import ROLLOUT_POLICIES, RolloutContext, register_rollout_policy, replace_rows, solved
-from mix_src.row_loss import SFT_ROW
+from mix_src.extend import EntryConfigError, integer
+from mix_src.trainer.rollout_policy import ROLLOUT_POLICIES, RolloutContext, register_rollout_policy, replace_rows, solved
+from mix_src.algo.row_loss import SFT_ROW
 
 NAME = "hpt"
 SETTINGS = {"switch_gate": integer(0, -1)}  # the official exp_scripts/train.sh (Qwen2.5-Math): SWITCH_GATE=0

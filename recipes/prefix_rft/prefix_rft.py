@@ -31,10 +31,10 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from mix_src.adv_estimators import register_adv_estimator
-from mix_src.prefix import PrefixDraw, register_prefix_strategy
-from mix_src.prefix_select import PrefixTokenView, register_prefix_token_select
-from mix_src.registry import EntryConfigError, number
+from mix_src.trainer.adv_estimators import register_adv_estimator
+from mix_src.algo.prefix import PrefixDraw, register_prefix_strategy
+from mix_src.algo.prefix_select import PrefixTokenView, register_prefix_token_select
+from mix_src.extend import EntryConfigError, number
 
 EMPTY_PREFIX = "0000-0000-0000-0000"  # the official prefix_uid of rows without a prefix
 

@@ -21,8 +21,8 @@ def prepare(tokenizer_path: str, out: str, *, n_train: int = 512, n_eval: int = 
     import pandas as pd
     from transformers import AutoTokenizer
 
-    import mix_src.toy_calculator  # noqa: F401  (registers the environment)
-    from mix_src.environments import get_environment
+    import scripts.experiments.toy_tasks.calculator  # noqa: F401  (registers the environment)
+    from mix_src.rollout.environments import get_environment
 
     tok = AutoTokenizer.from_pretrained(tokenizer_path)
     env = get_environment("toy_calculator")

@@ -2,6 +2,6 @@
 
 from verl.tools.function_tool import function_tool
 
-from mix_src.toy_calculator import calculator
+from scripts.experiments.toy_tasks.calculator import calculator
 
 function_tool("calculator")(calculator)
