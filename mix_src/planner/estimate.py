@@ -68,14 +68,15 @@ class Gpu:
 
 
 # NVIDIA datasheets (A100: "NVIDIA A100 Tensor Core GPU" datasheet, 80GB SXM; H100: "NVIDIA H100 Tensor Core GPU"
-# datasheet, SXM): dense bf16 (without sparsity) and HBM bandwidth. "80GB" cards hold 80 GiB.
+# datasheet, SXM): dense bf16 (without sparsity) and HBM bandwidth. The A100 "80GB": 80 GiB (not measured here).
 GPUS: dict[str, Gpu] = {
     "a100-80gb": Gpu("A100-SXM4-80GB", 80 * GIB, 312e12, 2.039e12),
     # torch.cuda.get_device_properties(0).total_memory of the H100 80GB HBM3 the calibration ran on (nvidia-smi:
     # 81559 MiB; torch 79.18 GiB): 80 GiB overstated it by 0.9 GB (mix_src/planner/README.md, calibration)
     "h100-80gb": Gpu("H100-SXM5-80GB", 85_017_493_504, 989e12, 3.35e12),
     # "NVIDIA H200 Tensor Core GPU" datasheet (SXM): 141 GB HBM3e, 4.8 TB/s; dense bf16 as the H100's. The memory is
-    # what torch.cuda.get_device_properties read on the H200 the calibration ran on: 143771 MiB
+    # nvidia-smi's 143771 MiB on the H200 the calibration ran on; torch's total_memory there printed 150.1 GB, about
+    # 0.6 GB less (as on the H100), not exact enough to the byte to replace it (calibration/h200_2026-11-26_*.txt)
     "h200-141gb": Gpu("H200-SXM-141GB", 143771 * 2**20, 989e12, 4.8e12),
 }
 
