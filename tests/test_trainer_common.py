@@ -69,3 +69,18 @@ def test_the_trainer_mode_is_read_from_verls_trainer_class_not_its_name():
     assert object.__new__(MixPPOTrainerSync)._steps_in_sync
     assert not object.__new__(MixPPOTrainerColocateAsync)._steps_in_sync
     assert not object.__new__(MixPPOTrainerSeparateAsync)._steps_in_sync
+
+
+def test_the_generate_contract_is_checked_the_same_on_both_bases():
+    """stages.pass_arguments: the checks both bases' generate() ran as two copies (legacy _generate, V1PolicyRunner)."""
+    from mix_src.stages import pass_arguments
+
+    ratios, targets = pass_arguments([0.5, 1], ("a", "b"), 2)
+    assert ratios.dtype == np.float64 and ratios.tolist() == [0.5, 1.0] and targets == ["a", "b"]
+    assert pass_arguments(np.zeros((1, 3)), None, 3)[1] is None
+    with pytest.raises(ValueError, match=r"rollout policy: 3 ratios for 2 rows"):
+        pass_arguments([0.1, 0.2, 0.3], None, 2)
+    with pytest.raises(ValueError, match=r"rollout policy: 1 targets for 2 rows"):
+        pass_arguments([0.1, 0.2], ["a"], 2)
+    with pytest.raises(ValueError, match=r"generate\(prompts=\.\.\.\) takes no rows"):
+        pass_arguments([0.1], None, 1, rows_given=True, prompts_given=True)
