@@ -435,21 +435,11 @@ def validate_mix_config(config: Any) -> MixConfig:
             "actor_rollout_ref.actor.entropy_coeff (its initial value) to a value > 0"
         )
     agg_mode = mix.loss.loss_agg_mode or actor.get("loss_agg_mode", "token-mean")
-    if mix.loss.all_max_clip is not None and agg_mode == "token-mean" and actor.get("shuffle", False):
-        raise MixConfigError(
-            "mix.loss.all_max_clip with token-mean counts the kept tokens of each mini-batch before the update, "
-            "which needs verl's unshuffled mini-batches: set actor_rollout_ref.actor.shuffle=false"
-        )
-    if mix.loss.row_loss is not None and actor.get("shuffle", False):
-        raise MixConfigError(
-            f"mix.loss.row_loss={mix.loss.row_loss!r} counts the SFT tokens of each mini-batch before the update, which "
-            "needs verl's unshuffled mini-batches: set actor_rollout_ref.actor.shuffle=false"
-        )
-    if mix.loss.combine is not None and actor.get("shuffle", False):
-        raise MixConfigError(
-            f"mix.loss.combine={mix.loss.combine!r} counts the on-policy and expert tokens of each mini-batch before "
-            "the update, which needs verl's unshuffled mini-batches: set actor_rollout_ref.actor.shuffle=false"
-        )
+    counted = [f"mix.loss.{k}={getattr(mix.loss, k)!r}" for k in ("row_loss", "combine") if getattr(mix.loss, k)]
+    counted += ["mix.loss.all_max_clip with token-mean"] if mix.loss.all_max_clip and agg_mode == "token-mean" else []
+    if counted and actor.get("shuffle", False):  # the tokens counted on the driver are each mini-batch's
+        raise MixConfigError(f"{counted[0]} counts the tokens of each mini-batch before the update, which needs "
+                             "verl's unshuffled mini-batches: set actor_rollout_ref.actor.shuffle=false")
     fg = config.algorithm.get("filter_groups") or {}
     if mix.filter_groups != FilterGroupsConfig() and not fg.get("enable", False):  # any mix.filter_groups key set
         raise MixConfigError(
