@@ -46,7 +46,7 @@ test-extra: install
 	$(PY) -m pytest -m extra $(PYTEST_ARGS)
 
 # The inner loop: every test that starts no Ray cluster (tests/conftest.py marks those `ray` automatically) and
-# is not in tests/conftest.py's SLOW list (fresh interpreters, model builds; `make test` runs them).
+# is not in tests/conftest.py's SLOW list (fresh interpreters, model builds, the slowest config compositions; `make test` runs them).
 # scripts/check_tests_alone.py (not in CI) runs each test file in its own process.
 test-fast: install
 	$(PY) -m pytest -m "not ray and not slow" $(PYTEST_ARGS)
