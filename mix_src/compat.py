@@ -61,12 +61,12 @@ declare("v1.rollout_correction", "verl.trainer.ppo.v1.trainer_base:compute_rollo
         "mix_src/trainer/v1.py MixV1Mixin._compute_advantage",
         "rollout correction on on-policy tokens only (off-policy target tokens have no rollout log-probs)")
 declare("v1.replay_buffer.sync_metadata", "verl ReplayBuffer._sync_metadata_from_transfer_queue",
-        "mix_src/trainer/v1.py MixV1Mixin._install_generation_count",
+        "mix_src/trainer/v1_replay.py V1ReplayBufferRules._install_generation_count",
         "counts each generated row once for the generation FLOPs")
 declare("v1.replay_buffer.dapo_filter", "verl ReplayBuffer._dapo_filtered_keys",
-        "mix_src/trainer/v1.py MixV1Mixin._build_replay_buffer", "mix.filter_groups' rule replaces DAPO's")
+        "mix_src/trainer/v1_replay.py V1ReplayBufferRules._mix_replay_buffer", "mix.filter_groups' rule replaces DAPO's")
 declare("v1.replay_buffer.sync_steps", "verl ReplayBuffer._wait_for_next_poll/_select_prompt_uids/_clear_groups",
-        "mix_src/trainer/v1.py MixV1Mixin._build_replay_buffer",
+        "mix_src/trainer/v1_replay.py V1ReplayBufferRules._mix_replay_buffer",
         "filter groups' generation budget (FilterGroupsExhausted) and carry-over of surplus finished groups")
 declare("v1.separate_async.logger", "verl.trainer.ppo.v1.trainer_separate_async:logger",
         "mix_src/trainer/v1.py MixPPOTrainerSeparateAsync._setup",
