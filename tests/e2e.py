@@ -189,6 +189,10 @@ def cpu_env(extra: Optional[dict] = None) -> dict:
     env = dict(os.environ)
     for key in ("RAY_ADDRESS", "VERL_ENGINE_DEVICE"):
         env.pop(key, None)
+    # the toy tasks are modules of the repository root (scripts.experiments.toy_tasks), as the recipes' run.sh
+    # export: a job started in tmp_path and its Ray workers import them from there
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([repo] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.update(
         VERL_PLATFORM="cpu",
         PYTHONUNBUFFERED="1",
