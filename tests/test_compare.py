@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+import composed
 from scripts.experiments import compare as cmp
 
 LAUNCH = ["luffy", "grpo", "sft", "sft_rl", "guide_on_failure"]
@@ -38,10 +39,7 @@ def test_a_new_method_plugs_in_by_name(tmp_path):
 
 
 def _compose_toy(name, overrides=()):
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=os.path.join(cmp.REPO_ROOT, "recipes", "toy_addition"), version_base=None):
-        return compose(config_name=name, overrides=list(overrides))
+    return composed.compose(name, overrides, config_dir=os.path.join(cmp.REPO_ROOT, "recipes", "toy_addition"))
 
 
 def test_luffy_compare_yaml_is_the_toy_luffy_recipe():

@@ -4,16 +4,15 @@
 from __future__ import annotations
 
 import pytest
-from hydra import compose, initialize_config_module
 
+import composed
 from e2e import MIX_CPU, run_verl, tiny_overrides
 from mix_src.cpu.config_check import CHECKS, check_worker_keys
 from mix_src.config.mix_config import MixConfigError
 
 
 def compose_cpu(*overrides):
-    with initialize_config_module(config_module="mix_src.config", version_base=None):
-        return compose(config_name="mix_ppo", overrides=MIX_CPU + list(overrides))
+    return composed.compose_mix(MIX_CPU + list(overrides))  # tests/composed.py: the YAML read once per session
 
 
 def test_the_cpu_fragment_and_the_features_it_runs_pass():

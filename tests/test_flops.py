@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+import composed
 from mix_src.algo.flops import ModelShape, forward_flops, lengths_from_masks, rl_step_flops, rollout_flops, sft_step_flops
 
 # d=4, 1 layer, 2 heads of 2, 1 kv head, d_ff=8, vocab 10, q/k/v biases:
@@ -57,10 +58,7 @@ def test_shape_matches_a_real_qwen2():
 
 
 def _compose(overrides):
-    from hydra import compose, initialize_config_module
-
-    with initialize_config_module(config_module="mix_src.config", version_base=None):
-        return compose(config_name="mix_ppo", overrides=overrides)
+    return composed.compose_mix(overrides)  # tests/composed.py: the YAML read once per session
 
 
 def test_budget_refused_with_a_critic_and_bad_values():

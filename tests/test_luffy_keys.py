@@ -9,8 +9,8 @@ import shutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hydra import compose, initialize_config_module
 
+import composed
 from mix_src.config.luffy_keys import LUFFY_KEYS, translate_overrides
 from mix_src.main_mix_ppo import config_stage
 from mix_src.config.mix_config import MixConfigError, validate_mix_config
@@ -86,8 +86,7 @@ def train_sh_overrides(data_dir: str) -> list[str]:
 
 
 def compose_mix(overrides):
-    with initialize_config_module(config_module="mix_src.config", version_base=None):
-        return compose(config_name="mix_ppo", overrides=list(overrides))
+    return composed.compose_mix(overrides)  # tests/composed.py: the YAML read once per session
 
 
 def test_train_sh_runs_through_the_config_stage(tiny_assets, tmp_path):

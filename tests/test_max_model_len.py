@@ -9,10 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
+import composed
 from mix_src.config.mix_config import MixConfigError
 from test_agent_loop_server_parity import TARGET, StrictServer, _lengths, _run
 
@@ -33,8 +33,7 @@ def _model(tmp_path, tiny_assets, context: int):
 
 
 def _config(tiny_assets, model, *overrides):
-    with initialize_config_module(config_module="mix_src.config", version_base=None):
-        return compose(config_name="mix_ppo", overrides=[
+    return composed.compose_mix([  # tests/composed.py: the YAML read once per session
             f"data.train_files={tiny_assets['train']}", f"data.val_files={tiny_assets['val']}",
             f"actor_rollout_ref.model.path={model}", "data.max_prompt_length=32", "data.max_response_length=16",
             *overrides])  # fmt: skip

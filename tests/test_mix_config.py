@@ -1,15 +1,14 @@
 """The `mix:` section: schema, ranges, aliases and cross-section rules (no Ray, no training)."""
 
 import pytest
-from hydra import compose, initialize_config_module
 
+import composed
 from mix_src.config.mix_config import MixConfigError, mix_config_from_dict, validate_mix_config
 from mix_src.extend import EntryConfigError, check_selected_entries
 
 
 def compose_mix(*overrides):
-    with initialize_config_module(config_module="mix_src.config", version_base=None):
-        return compose(config_name="mix_ppo", overrides=list(overrides))
+    return composed.compose_mix(overrides)  # tests/composed.py: the YAML read once per session
 
 
 def test_packaged_defaults_validate():

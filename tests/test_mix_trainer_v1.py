@@ -16,6 +16,7 @@ import ray
 from hydra import compose, initialize_config_module
 from test_dataset_agent_loop import TARGET, RecordingServer, _agent_loop, _run, tokenizer  # noqa: F401 (fixture)
 
+import composed
 from e2e import MIX_CPU, batch_result, batch_run, run_verl, tiny_overrides
 from mix_src.config.mix_config import MixConfigError
 
@@ -204,9 +205,7 @@ def test_v1_separate_async_luffy_weights_reach_the_standalone_pool(tiny_assets, 
 
 
 def compose_v1(tiny_assets, *overrides):
-    with initialize_config_module(config_module="mix_src.config", version_base=None):
-        return compose(config_name="mix_ppo", overrides=[*MIX_CPU, *tiny_overrides(tiny_assets), "trainer.use_v1=true",
-                                                         *overrides])  # fmt: skip
+    return composed.compose_mix([*MIX_CPU, *tiny_overrides(tiny_assets), "trainer.use_v1=true", *overrides])
 
 
 @pytest.mark.parametrize(

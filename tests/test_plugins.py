@@ -10,8 +10,8 @@ import sys
 import textwrap
 
 import pytest
-from hydra import compose, initialize_config_module
 
+import composed
 from e2e import MIX_CPU, cpu_env, run_verl, tiny_overrides
 
 PLUGIN = '''
@@ -60,8 +60,7 @@ def write_plugin(folder, marks) -> str:
 
 
 def compose_mix(*overrides):
-    with initialize_config_module(config_module="mix_src.config", version_base=None):
-        return compose(config_name="mix_ppo", overrides=list(overrides))
+    return composed.compose_mix(overrides)  # tests/composed.py: the YAML read once per session
 
 
 def test_config_stage_loads_a_plugin_by_relative_path_and_exports_it(tmp_path, monkeypatch):

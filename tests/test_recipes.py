@@ -16,9 +16,9 @@ import warnings
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import composed
 from mix_src.config.mix_config import validate_mix_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -137,8 +137,7 @@ RUN_SH_OVERRIDES = {
 
 def compose_recipe(name: str, overrides=(), config_name: str = "config"):
     """Compose recipes/<name>/<config_name>.yaml exactly as run.sh does (the recipe is the primary config)."""
-    with initialize_config_dir(config_dir=str(RECIPES_DIR / name), version_base=None):
-        cfg = compose(config_name=config_name, overrides=[*RUN_SH_OVERRIDES.get(name, []), *overrides])
+    cfg = composed.compose(config_name, [*RUN_SH_OVERRIDES.get(name, []), *overrides], config_dir=RECIPES_DIR / name)
     OmegaConf.resolve(cfg)
     return cfg
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import composed
 from scripts.experiments.toy_tasks import addition as task
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -560,8 +560,7 @@ def test_check_base_continues_until_the_bound_holds(tiny_toy, ta, tmp_path, monk
 
 # --------------------------------------------------------------------------------------------- configs
 def compose_recipe(name: str, overrides=()):
-    with initialize_config_dir(config_dir=str(RECIPE_DIR), version_base=None):
-        cfg = compose(config_name=name, overrides=list(overrides))
+    cfg = composed.compose(name, overrides, config_dir=RECIPE_DIR)  # tests/composed.py: the YAML read once
     OmegaConf.resolve(cfg)
     return cfg
 

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+import composed
 from scripts.experiments.toy_tasks import sort as task
 from scripts.experiments import compare as cmp
 from scripts.experiments import toy_addition as ta
@@ -15,10 +16,8 @@ from scripts.experiments import toy_sort as ts
 
 
 def _compose(task_name: str):
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=os.path.join(cmp.REPO_ROOT, "recipes", "toy_addition"), version_base=None):
-        return compose(config_name="on_policy_grpo", overrides=list(cmp.TASKS[task_name].overrides))
+    return composed.compose("on_policy_grpo", cmp.TASKS[task_name].overrides,
+                            config_dir=os.path.join(cmp.REPO_ROOT, "recipes", "toy_addition"))
 
 
 @pytest.fixture(scope="module")
