@@ -6,7 +6,7 @@
 * the config checks (refused before Ray) and 2 real training steps through the entry point (Ray, CPU).
 
 Official code transcribed below: github.com/TsinghuaC3I/Unify-Post-Training at commit
-ae332f5fa4dc8b4c3d3cd77ebc9cff3a3abab2d0, files hpt/verl/verl/mix_src/trainer/legacy.py,
+ae332f5fa4dc8b4c3d3cd77ebc9cff3a3abab2d0, files hpt/verl/verl/mix_src/mix_trainer.py,
 hpt/verl/verl/mix_src/mix_actor.py, hpt/verl/verl/mix_src/mix_core_alg.py, hpt/verl/verl/trainer/ppo/core_algos.py.
 """
 

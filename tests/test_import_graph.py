@@ -90,6 +90,15 @@ def test_the_two_trainer_bases_do_not_import_each_other():
     graph = import_graph()
     assert "mix_src.trainer.legacy" not in graph["mix_src.trainer.v1"]
     assert "mix_src.trainer.v1" not in graph["mix_src.trainer.legacy"]
+    assert "mix_src.trainer.legacy_collect" not in graph["mix_src.trainer.v1"]  # the legacy loop's stages 1-3
+
+
+def test_no_module_over_500_lines():
+    """Issue #38's caps: no mix_src module over 500 lines, the V1 trainer module at most 450 (< 0.1 s)."""
+    sizes = {_module_name(os.path.join(d, f)): sum(1 for _ in open(os.path.join(d, f)))
+             for d, _, fs in os.walk(PKG) for f in fs if f.endswith(".py")}  # fmt: skip
+    assert not {m: n for m, n in sizes.items() if n > 500}, "split along a seam a reader would choose, or merge"
+    assert sizes["mix_src.trainer.v1"] <= 450
 
 
 ALGO_MAY_IMPORT = {"torch", "numpy", "mix_src.algo", "mix_src.extend"}  # plus the standard library

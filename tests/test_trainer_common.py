@@ -85,3 +85,18 @@ def test_the_generate_contract_is_checked_the_same_on_both_bases():
         pass_arguments([0.1, 0.2], ["a"], 2)
     with pytest.raises(ValueError, match=r"generate\(prompts=\.\.\.\) takes no rows"):
         pass_arguments([0.1], None, 1, rows_given=True, prompts_given=True)
+
+
+def test_a_later_pass_and_kept_prompts_are_reseeded_the_same_on_both_bases():
+    """stages.pass_row_seeds: the pass-seed rule both bases' generate() wrote as two copies (legacy
+    legacy_collect._generate, V1PolicyRunner): pass 0 keeps the rows' seeds, a later pass redraws, prompt rows kept from
+    an earlier step take a pass index of this step (<0.01 s; fails before the merge: no pass_row_seeds)."""
+    from mix_src.algo.seeding import pass_seeds
+    from mix_src.trainer.stages import pass_row_seeds
+
+    seeds = np.array([3, 5, 7], dtype=np.int64)
+    assert np.array_equal(pass_row_seeds(seeds, 4, 0, False), seeds)
+    assert np.array_equal(pass_row_seeds(seeds, 4, 2, False), pass_seeds(seeds, 2))
+    kept = pass_row_seeds(seeds.astype(object), 4, 2, True)  # a record's seeds may come back as an object array
+    assert kept.dtype == np.int64 and np.array_equal(kept, pass_seeds(seeds, (4 << 16) + 3))
+    assert not np.array_equal(kept, pass_row_seeds(seeds, 5, 2, True))  # another step's kept rows draw anew

@@ -1,25 +1,10 @@
 """``MIXRayPPOTrainer``: LUFFY's off-policy guided GRPO with DAPO-style filter groups, on verl's RayPPOTrainer.
 
-The trainer only orchestrates; the maths lives in :mod:`mix_src.algo.core_alg`, :mod:`mix_src.algo.prefix` and
-:mod:`mix_src.algo.filter_groups`, the worker loss in :mod:`mix_src.worker.loss`, and the rollout in
-:mod:`mix_src.rollout.agent_loop`. One training step (``_step``) is a list of numbered stages:
-
-1. generate  — the rollout policy (``mix.rollout_policy``; default ``prefix_guided``): draw one prefix ratio per row on the driver (seeded from ``(seed, global_step, gen batch)``,
-   so a resumed run draws the same ratios), roll out through the prefix-guided agent loop, build the
-   ``prefix_mask`` tensor (bsz x response_len) from the rows' ``prefix_token_mask``;
-2. reward    — the rule reward was computed inside the agent loop (verl's reward loop); extract it (a
-   colocated reward model runs only while the rollout replicas sleep);
-3. filter    — (``algorithm.filter_groups.enable``) drop prompt groups whose metric std is 0 and go back to
-   1 until ``data.train_batch_size`` groups are collected; train on exactly that many; surplus groups are
-   discarded, or kept for the next step with ``mix.filter_groups.carry_over``;
-4. log-probs — old (and reference) log-probs and critic values through the parent's helpers; verl's
-   rollout correction over on-policy tokens only;
-5. advantage — a prefix-aware estimator from :mod:`mix_src.trainer.adv_estimators` (e.g. ``grpo_split``: baseline
-   from on-policy rows only) or else any verl estimator, then LUFFY's alpha/beta prefix weights;
-6. update    — actor update with the mixed loss (installed on the workers by ``init_workers``),
-   checkpoint, weight sync to the rollout;
-7. metrics   — verl's data/timing metrics plus LUFFY's (``batch/avg_prefix_ratio``, ``batch/on_solved`` ...)
-   and the filter-group counters (``train/num_gen_batches``, ``train/filter_rate``, ``train/num_kept_prompts``).
+The trainer only orchestrates; the maths lives in :mod:`mix_src.algo`, the worker loss in :mod:`mix_src.worker.loss`
+and the rollout in :mod:`mix_src.rollout.agent_loop`. One training step (``_step``) is the numbered stages of
+mix_src/README.md "The algorithm and its knobs": 1-3 generate, reward, filter groups
+(:class:`mix_src.trainer.legacy_collect.LegacyCollect`); 4 log-probs; 5 advantages; 6 update, checkpoint, weight
+sync; 7 metrics. The pieces both bases share are :mod:`mix_src.trainer.stages` and :mod:`mix_src.trainer.common`.
 
 The loop honours or refuses every setting verl's own ``fit`` reads (:mod:`mix_src.config.verl_parity`); when the
 data runs out first it checkpoints and validates its last step, and a resumed run continues the data where
@@ -33,7 +18,6 @@ by zero.
 
 from __future__ import annotations
 
-import uuid
 from pprint import pprint
 from typing import Any, Iterator, Optional
 
@@ -50,33 +34,23 @@ from verl.trainer.ppo.metric_utils import (
     compute_timing_metrics,
     compute_variance_proxy_metrics,
 )
-from verl.trainer.ppo.ray_trainer import (
-    RayPPOTrainer,
-    apply_kl_penalty,
-    compute_advantage,
-    compute_response_mask,
-    compute_spec_decode_metrics,
-)
+from verl.trainer.ppo.ray_trainer import RayPPOTrainer, apply_kl_penalty, compute_advantage, compute_spec_decode_metrics
 from verl.trainer.ppo.reward import extract_reward
 from verl.utils.checkpoint.checkpoint_manager import should_save_ckpt_esi
 from verl.utils.debug import marked_timer
 from verl.utils.metric import reduce_metrics
 from verl.utils.skip.skip_manager import SkipManager
 
-from mix_src.trainer.dataset import TARGET_FIELD
-from mix_src.algo.filter_groups import filter_groups, plan_train_batch
 from mix_src.algo.flops import lengths_from_masks
 from mix_src.config.mix_config import MixConfig
-from mix_src.algo.seeding import pass_seeds
-from mix_src.trainer.rollout_policy import ROLLOUT_POLICIES, RolloutContext
-from mix_src.trainer.rollout_policy import solved as rows_solved
-from mix_src.trainer.stages import MIX_STATE_FILE, FilterGroupsExhausted, model_shape  # noqa: F401  (re-exported)
 from mix_src.trainer.common import MixTrainerCommon
-from mix_src.trainer.stages import (filter_metric_values, length_clip_metrics, luffy_advantage_stage, luffy_metrics,
-                            on_policy_rollout_correction, on_policy_rollout_metrics, pass_arguments, prefix_mask_tensor,
-                            start_data_epoch)  # fmt: skip
+from mix_src.trainer.legacy_collect import LegacyCollect, merge_rollout_timing  # noqa: F401  (re-exported)
+from mix_src.trainer.stages import MIX_STATE_FILE, FilterGroupsExhausted, model_shape  # noqa: F401  (re-exported)
+from mix_src.trainer.stages import (length_clip_metrics, luffy_advantage_stage, on_policy_rollout_correction,
+                                    on_policy_rollout_metrics, start_data_epoch)  # fmt: skip
 
-class MIXRayPPOTrainer(MixTrainerCommon, RayPPOTrainer):
+
+class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
     """RayPPOTrainer with prefix-guided rollouts, the mixed on/off-policy loss and filter groups."""
 
     _budget_reached = False
@@ -262,12 +236,6 @@ class MIXRayPPOTrainer(MixTrainerCommon, RayPPOTrainer):
             self.train_dataset.on_batch_end(batch=batch)
         return metrics
 
-    def _count_rollout_flops(self, part: DataProto) -> None:
-        """Generation FLOPs of one rollout pass (every row it generated, kept or not)."""
-        if "attention_mask" in part.batch.keys() and "responses" in part.batch.keys():
-            self.add_rollout_flops(*lengths_from_masks(part.batch["attention_mask"], part.batch["responses"],
-                                                       part.batch["prefix_mask"]))  # fmt: skip
-
     def _count_flops(self, batch: DataProto, metrics: dict) -> bool:
         """The step's FLOPs (rollout passes + old/ref log-probs + ppo_epochs updates) into ``flops/*`` and the
         totals; True when ``mix.flops_budget`` is reached with this step."""
@@ -287,166 +255,6 @@ class MIXRayPPOTrainer(MixTrainerCommon, RayPPOTrainer):
         self._log_rollout_data(batch, extra, timing, rollout_data_dir)
 
     # ------------------------------------------------------------------------------------------------
-    # stages 1-3: generate with prefixes, reward, filter groups / accumulate
-    def _collect_batch(self, batches: Iterator[dict], metrics: dict, timing: dict) -> Optional[DataProto]:
-        target_groups = int(self.config.data.train_batch_size)
-        filtering = bool(self.filter_cfg.enable)
-        max_gen = int(self.filter_cfg.get("max_num_gen_batches", 0) or 0)
-        pool: list[DataProto] = []
-        n_groups = 0
-        if self._carry is not None:
-            pool.append(self._carry)
-            n_groups = _num_groups(self._carry)
-            metrics["train/num_carried_prompts"] = n_groups
-            self._carry = None
-        stats = {"groups": 0, "kept": 0, "std_sum": 0.0}
-        gen_timings: list[tuple[dict, int]] = []
-        num_gen = 0
-        while (not filtering and num_gen == 0) or (filtering and n_groups < target_groups):
-            if filtering and max_gen > 0 and num_gen >= max_gen:
-                raise FilterGroupsExhausted(
-                    f"filter groups: after {num_gen} generation batches (algorithm.filter_groups.max_num_gen_batches="
-                    f"{max_gen}) only {n_groups} of data.train_batch_size={target_groups} prompt groups had a non-zero "
-                    f"std of '{self.filter_cfg.metric}' ({stats['groups'] - stats['kept']} of {stats['groups']} "
-                    "groups dropped). Raise algorithm.filter_groups.max_num_gen_batches (0 = no limit), lower "
-                    "data.train_batch_size, or use prompts of a difficulty where some but not all samples succeed."
-                )
-            batch_dict = next(batches, None)
-            if batch_dict is None:
-                if pool:
-                    print(
-                        f"[mix_src] the training data ran out with {n_groups} of {target_groups} prompt groups "
-                        f"collected for step {self.global_steps}; those {n_groups} groups are dropped and training ends."
-                    )
-                return None
-            gen_timing: dict[str, float] = {}
-            with marked_timer("gen", timing):
-                gen = self._generate(batch_dict, gen_index=num_gen, timing=gen_timing)  # stage 1
-            gen_timings.append((gen_timing, len(gen)))
-            num_gen += 1
-            gen = self._extract_reward(gen)  # stage 2
-            if filtering:  # stage 3
-                result = self._filter_groups(gen)
-                stats["groups"] += result.num_groups
-                stats["kept"] += result.num_kept
-                stats["std_sum"] += result.mean_std * result.num_groups
-                gen = gen[np.flatnonzero(result.keep_rows)] if result.num_filtered else gen
-            if len(gen):
-                pool.append(gen)
-                n_groups += _num_groups(gen)
-
-        for key, value in merge_rollout_timing(gen_timings).items():
-            timing[key] = timing.get(key, 0.0) + value
-        batch = DataProto.concat(pool)
-        if filtering:
-            plan = plan_train_batch(batch.non_tensor_batch["uid"], target_groups, self.mix.filter_groups.carry_over)
-            if len(plan.carry_rows):
-                self._carry = batch[plan.carry_rows]
-            batch = batch[plan.train_rows] if len(plan.train_rows) < len(batch) else batch
-            metrics["train/num_gen_batches"] = num_gen
-            metrics["train/filter_rate"] = 1.0 - stats["kept"] / max(stats["groups"], 1)
-            metrics["train/num_kept_prompts"] = _num_groups(batch)
-            metrics["train/group_metric_std_mean"] = stats["std_sum"] / max(stats["groups"], 1)
-            metrics["train/num_surplus_carried"] = plan.num_groups - target_groups - plan.num_dropped_groups
-            metrics["train/num_surplus_dropped"] = plan.num_dropped_groups
-        self._add_rollout_metrics(batch, metrics)
-        return batch
-
-    def _generate(self, batch_dict: dict, gen_index: int, timing: dict) -> DataProto:
-        """Stage 1: one generation batch of ``len(batch_dict) * n`` rows, rows ``i*n + j`` of prompt i,
-        produced by the rollout policy ``mix.rollout_policy`` (mix_src/trainer/rollout_policy.py; default: one
-        prefix-guided pass)."""
-        batch = DataProto.from_single_dict(batch_dict)
-        batch.meta_info["temperature"] = self.config.actor_rollout_ref.rollout.temperature
-        batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
-        gen_batch = self._get_gen_batch(batch)
-        gen_batch.meta_info["global_steps"] = self.global_steps
-        gen_batch = gen_batch.repeat(repeat_times=self.n, interleave=True)
-        gen_batch.non_tensor_batch["rollout_seed"] = self._row_seeds(len(batch), gen_index)
-        batch = batch.repeat(repeat_times=self.n, interleave=True)
-        passes: list[tuple[dict, int]] = []  # (timing, rows) of each pass the rollout policy makes
-
-        def records(rows: np.ndarray) -> DataProto:
-            idx = np.asarray(rows, dtype=np.int64)
-            b, g = batch[idx], gen_batch[idx]  # copies (DataProto slicing copies); g has no tensors
-            return DataProto(batch=b.batch, non_tensor_batch={**g.non_tensor_batch, **b.non_tensor_batch},
-                             meta_info={**g.meta_info, **b.meta_info})
-
-        def generate(ratios: np.ndarray, rows: Optional[np.ndarray] = None, targets=None, prompts=None) -> DataProto:
-            if prompts is not None:  # prompt rows kept from an earlier batch (records)
-                src = prompts[np.arange(len(prompts))]
-                sub = self._get_gen_batch(src)  # pops the generation keys off the copy `src`
-                sub.meta_info = dict(gen_batch.meta_info)
-                idx = np.arange(len(src))
-            else:
-                idx = np.arange(len(batch)) if rows is None else np.asarray(rows, dtype=np.int64)
-                sub = gen_batch if rows is None else gen_batch[idx]
-                src = None
-            ratios, targets = pass_arguments(ratios, targets, len(idx), rows is not None, prompts is not None)
-            sub = DataProto(batch=sub.batch, non_tensor_batch=dict(sub.non_tensor_batch), meta_info=dict(sub.meta_info))
-            sub.non_tensor_batch["prefix_ratio"] = ratios
-            if targets is not None:
-                sub.non_tensor_batch[TARGET_FIELD] = np.asarray(targets, dtype=object)
-            # a later pass over the same rows draws new samples (seeded per pass, so runs still reproduce);
-            # kept prompt rows take seeds of this step and pass
-            pass_index = len(passes) if src is None else (int(self.global_steps) << 16) + len(passes) + 1
-            sub.non_tensor_batch["rollout_seed"] = pass_seeds(sub.non_tensor_batch["rollout_seed"], pass_index)
-            if not self._rollout_awake:  # a colocated reward model put it to sleep after the last batch
-                self._wake_rollout()
-            out = self.async_rollout_manager.generate_sequences(sub)
-            passes.append((out.meta_info.pop("timing", {}), len(sub)))
-            part = (batch[idx] if src is None else src).union(out)
-            if "response_mask" not in part.batch.keys():
-                part.batch["response_mask"] = compute_response_mask(part)
-            part.batch["prefix_mask"] = prefix_mask_tensor(
-                part.non_tensor_batch.pop("prefix_token_mask"), part.batch["response_mask"]
-            )
-            self._count_rollout_flops(part)
-            return self._extract_reward(part)
-
-        seed = [self.prefix_seed, self.global_steps, gen_index]
-        ctx = RolloutContext(
-            batch=batch, n=self.n, global_step=self.global_steps, mix=self.mix, generate=generate,
-            prefix_ratios=lambda: self._row_ratios(len(batch) // self.n, gen_index, gen_batch.non_tensor_batch.get(TARGET_FIELD)),
-            rng=np.random.default_rng([*seed, 1]),
-            records=records, state=self._policy_state(), tokenizer=getattr(self, "tokenizer", None),
-            entropy=self._actor_entropy,
-        )  # fmt: skip
-        out = ROLLOUT_POLICIES.get(self.mix.rollout_policy)(ctx)
-        timing.update(merge_rollout_timing(passes))  # min/max/mean keep their meaning over several passes
-        if len(out) != len(batch):
-            raise ValueError(f"rollout policy {self.mix.rollout_policy!r} returned {len(out)} rows for {len(batch)}")
-        return out
-
-    def _extract_reward(self, batch: DataProto) -> DataProto:
-        """Stage 2: the rule reward was computed in the agent loop (``rm_scores``); move it into place. A reward
-        model colocated with the rollout runs after the replicas sleep (verl's fit sleeps them right after
-        generating); the next generation batch wakes them."""
-        if self.use_rm and "rm_scores" not in batch.batch.keys():
-            self._sleep_rollout()
-            batch = batch.union(self._compute_reward_colocate(batch))
-        reward_tensor, extra = extract_reward(batch)
-        batch.batch["token_level_scores"] = reward_tensor
-        for key, values in extra.items():
-            batch.non_tensor_batch[key] = np.asarray(values)
-        return batch
-
-    def _filter_metric(self, batch: DataProto) -> np.ndarray:
-        """(rows,) the group-filter metric's values, as on V1 (:func:`mix_src.trainer.stages.filter_metric_values`)."""
-        return filter_metric_values(
-            self.filter_cfg.metric, lambda: batch.batch["token_level_scores"].sum(-1).numpy(),
-            batch.non_tensor_batch.get, batch.meta_info.get("reward_extra_keys", []),
-        )  # fmt: skip
-
-    def _filter_groups(self, batch: DataProto):
-        """Stage 3: which prompt groups to keep (metric std > 0, or a single sample); see mix_src.algo.filter_groups."""
-        on_policy = None
-        if self.mix.filter_groups.on_policy_only:
-            on_policy = ~batch.batch["prefix_mask"].any(-1).numpy()
-        return filter_groups(batch.non_tensor_batch["uid"], self._filter_metric(batch), row_mask=on_policy,
-                             rule=self.mix.filter_groups.rule)  # fmt: skip
-
-    # ------------------------------------------------------------------------------------------------
     # stage 4: old and reference log-probs
     def _compute_log_probs(self, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
         if self.config.trainer.balance_batch:
@@ -464,7 +272,7 @@ class MIXRayPPOTrainer(MixTrainerCommon, RayPPOTrainer):
             metrics["perf/mfu/actor_infer"] = mfu
             batch = batch.union(old_log_prob)
         if "rollout_log_probs" in batch.batch.keys():
-            metrics.update(_rollout_vs_actor_metrics(batch))
+            metrics.update(on_policy_rollout_metrics(batch, batch.batch["prefix_mask"]))  # over on-policy tokens
         if self.use_reference_policy:
             with marked_timer("ref", timing):
                 batch = batch.union(self._compute_ref_log_prob(batch))
@@ -559,12 +367,6 @@ class MIXRayPPOTrainer(MixTrainerCommon, RayPPOTrainer):
 
     # ------------------------------------------------------------------------------------------------
     # stage 7: metrics
-    def _add_rollout_metrics(self, batch: DataProto, metrics: dict) -> None:
-        """LUFFY's solve metrics over the rows the step trains on (after filtering), as on V1 (stages.solve_metrics)."""
-        rows = batch.non_tensor_batch
-        metrics.update(luffy_metrics(rows_solved(batch), batch.batch["prefix_mask"], batch.batch["response_mask"],
-                                     rows["uid"], rows["prefix_ratio"], rows.get("prefix_truncated"), rows.get("ungradable")))
-
     def _add_step_metrics(self, batch: DataProto, metrics: dict, timing: dict) -> None:
         metrics["training/global_step"] = self.global_steps
         metrics["training/epoch"] = self._epoch
@@ -596,39 +398,6 @@ class MIXRayPPOTrainer(MixTrainerCommon, RayPPOTrainer):
         )
 
 
-# ----------------------------------------------------------------------------------------------------
-# small helpers (numpy/torch only)
-def merge_rollout_timing(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
-    """One step's rollout timing from its generation batches' ``(timing, rows)`` (filter groups make several).
-
-    verl's agent loop reports per-batch ``agent_loop/*/{min,max,mean}`` and ``agent_loop/slowest/*``
-    (``agent_loop.py`` ``_performance_metrics``): ``/min`` -> min, ``/max`` -> max, ``/mean`` -> row-weighted
-    mean, ``slowest/*`` -> the batch whose slowest sample was slowest; other entries (wall times) add up.
-    """
-    merged: dict[str, float] = {}
-    weight: dict[str, int] = {}
-    slowest = max(parts, key=lambda p: p[0].get("agent_loop/slowest/generate_sequences", float("-inf")), default=None)
-    for timing, rows in parts:
-        for key, value in timing.items():
-            if key.startswith("agent_loop/slowest/"):
-                continue
-            if key not in merged:
-                merged[key], weight[key] = value, rows
-            elif key.endswith("/min"):
-                merged[key] = min(merged[key], value)
-            elif key.endswith("/max"):
-                merged[key] = max(merged[key], value)
-            elif key.endswith("/mean"):
-                total = weight[key] + rows
-                merged[key] = (merged[key] * weight[key] + value * rows) / max(total, 1)
-                weight[key] = total
-            else:
-                merged[key] += value
-    if slowest is not None:
-        merged.update({k: v for k, v in slowest[0].items() if k.startswith("agent_loop/slowest/")})
-    return merged
-
-
 # Per-row non-tensor fields the actor/ref/critic workers read (verl 0.9.1: only the model's multimodal inputs,
 # verl/workers/engine/fsdp/transformer_impl.py `extract_multi_modal_inputs`; losses and padding read tensors
 # and the batch-level meta info). verl's worker calls pass DataProto.to_tensordict(), which wraps every other
@@ -642,12 +411,3 @@ def worker_view(batch: DataProto) -> DataProto:
     non-tensor fields in :data:`WORKER_NON_TENSOR_KEYS`."""
     keep = {k: v for k, v in batch.non_tensor_batch.items() if k in WORKER_NON_TENSOR_KEYS}
     return DataProto(batch=batch.batch, non_tensor_batch=keep, meta_info=batch.meta_info)
-
-
-def _num_groups(batch: DataProto) -> int:
-    return len(set(batch.non_tensor_batch["uid"].tolist()))
-
-
-def _rollout_vs_actor_metrics(batch: DataProto) -> dict[str, float]:
-    """verl's rollout-vs-actor metrics over the on-policy tokens (:func:`mix_src.trainer.stages.on_policy_rollout_metrics`)."""
-    return on_policy_rollout_metrics(batch, batch.batch["prefix_mask"])

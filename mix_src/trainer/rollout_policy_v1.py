@@ -35,8 +35,7 @@ import transfer_queue as tq
 
 from mix_src.trainer.dataset import TARGET_FIELD
 from mix_src.trainer.rollout_policy import ROLLOUT_POLICIES, RolloutContext
-from mix_src.algo.seeding import pass_seeds
-from mix_src.trainer.stages import pass_arguments
+from mix_src.trainer.stages import pass_arguments, pass_row_seeds
 
 __all__ = ["TQ_KEY", "V1PolicyRunner"]
 
@@ -88,13 +87,12 @@ class V1PolicyRunner:
         def generate(pass_ratios, rows=None, targets=None, prompts=None):
             if prompts is not None:
                 tds = list(prompts.non_tensor_batch[PROMPT_RECORD])
-                seeds = pass_seeds(np.asarray(prompts.non_tensor_batch["rollout_seed"], dtype=np.int64),
-                                   (int(self.trainer.global_steps) << 16) + self._passes + 1)  # fmt: skip
+                seeds = pass_row_seeds(prompts.non_tensor_batch["rollout_seed"], self.trainer.global_steps, self._passes, True)
                 group_uids = list(prompts.non_tensor_batch["uid"])
             else:
                 idx = np.arange(n * P) if rows is None else np.asarray(rows, dtype=np.int64)
                 tds = [_select(batch, [int(prompt_rows[r])]) for r in idx]
-                seeds = pass_seeds(base_seeds[idx], self._passes)
+                seeds = pass_row_seeds(base_seeds[idx], self.trainer.global_steps, self._passes, False)
                 group_uids = list(row_uid[idx])
             pass_ratios, targets = pass_arguments(pass_ratios, targets, len(tds), rows is not None, prompts is not None)
             out = self._run_pass(tds, pass_ratios, seeds, targets)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from mix_src.trainer.adv_estimators import ADV_ESTIMATORS
-from mix_src.algo import core_alg
+from mix_src.algo import core_alg, seeding
 from mix_src.algo.core_alg import apply_prefix_advantage_weights
 from mix_src.algo.prefix import compute_prefix_ratios
 
@@ -38,7 +38,7 @@ __all__ = [
     "luffy_advantage_stage",
     "luffy_advantages",
     "luffy_metrics",
-    "pass_arguments",
+    "pass_arguments", "pass_row_seeds",
     "on_policy_rollout_metrics",
     "on_policy_rollout_correction",
     "prefix_mask_tensor",
@@ -391,3 +391,11 @@ def start_data_epoch(dataloader: Any, dataset: Any, state: dict) -> Optional[int
                         f"dataset {type(dataset).__name__} cannot do: use mix_src.trainer.dataset.RLHFDatasetWithTarget "
                         "(data.custom_cls, set by mix_src's configs)")
     return leave_out(set(state[DATA_EPOCH]))
+
+
+def pass_row_seeds(seeds: Sequence[int], global_step: int, num_passes: int, prompts_given: bool) -> np.ndarray:
+    """(rows,) int64 sampling seeds of a rollout policy's next ``generate`` pass, the same rule on both bases: a later
+    pass over the batch's rows draws new samples (:func:`mix_src.algo.seeding.pass_seeds`, pass ``num_passes``); prompt
+    rows kept from an earlier step (``prompts=``) take a pass index of this step, so they never redraw that step's."""
+    index = (int(global_step) << 16) + num_passes + 1 if prompts_given else num_passes
+    return seeding.pass_seeds(np.asarray(seeds, dtype=np.int64), index)

@@ -2,7 +2,7 @@
 model's own samples, chosen by how often those samples solve the prompt.
 
 Paper: Lv et al., "Towards a Unified View of Large Language Model Post-Training" (arXiv 2509.04419).
-Official code: github.com/TsinghuaC3I/Unify-Post-Training, ``hpt/verl/verl/mix_src/trainer/legacy.py``
+Official code: github.com/TsinghuaC3I/Unify-Post-Training, ``hpt/verl/verl/mix_src/mix_trainer.py``
 (``select_on_off_ada_balance`` and the ``unify_strategy == 'switch'`` branch of ``fit``) and
 ``mix_actor.py`` (``offline_loss_type == "sft"``), commit ae332f5fa4dc8b4c3d3cd77ebc9cff3a3abab2d0.
 
