@@ -5,11 +5,11 @@ the filter), and unknown names are refused with the registered names listed. No 
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from verl import DataProto
 
+import composed
 from mix_src.algo import core_alg
 from mix_src.trainer.adv_estimators import ADV_ESTIMATORS, register_adv_estimator
 from mix_src.algo.core_alg import compute_token_on_off_policy_loss, register_off_policy_reshape, register_on_policy_reshape
@@ -21,8 +21,7 @@ from mix_src.extend import Registry
 
 
 def compose_mix(*overrides):
-    with initialize_config_module(config_module="mix_src.config", version_base=None):
-        return compose(config_name="mix_ppo", overrides=list(overrides))
+    return composed.compose_mix(overrides)  # tests/composed.py: the YAML read once per session
 
 
 @register_prefix_strategy("test_half_then_quarter")
