@@ -78,7 +78,7 @@ def test_sample_target_ratio_zero_trains_on_policy_only(runs):
     for m in metrics:
         assert m["batch/off_policy_rows"] == 0 and m["batch/off_solved"] == 0.0 and m["batch/avg_prefix_ratio"] == 0
         _finite(m)
-    assert re.search(r"\[mix_src\.dataset\] .*: 32 rows; 0 with a target; 0 empty/non-string targets .* 32 targets "
+    assert re.search(r"\[mix_src\.trainer\.dataset\] .*: 32 rows; 0 with a target; 0 empty/non-string targets .* 32 targets "
                      r"not sampled \(mix\.data\.sample_target_ratio=0\.0\)", runs["log"])
 
 
@@ -93,4 +93,4 @@ def test_null_targets_and_one_prompt_mini_batches_one_row_micro_batches_v1(runs)
     for m in metrics:
         _finite(m)
     assert "actor/off_pg_loss" in metrics[1] and math.isfinite(metrics[1]["actor/off_pg_loss"])
-    assert re.search(r"\[mix_src\.dataset\] .*blocked\.parquet.*: 32 rows; 14 with a target; 18 empty/non-string", runs["log"])
+    assert re.search(r"\[mix_src\.trainer\.dataset\] .*blocked\.parquet.*: 32 rows; 14 with a target; 18 empty/non-string", runs["log"])
