@@ -1,9 +1,7 @@
-"""Pure-Python answer handling that runs in the caller's process: splitting off the thinking part,
-``\\boxed{}`` extraction, multiple-choice letters and plain numbers.
+"""Answer handling in the caller's process: the thinking part, ``\\boxed{}``, option labels, plain numbers.
 
-Everything here is linear-time string scanning (no backtracking regexes on unbounded input, no sympy),
-so it is safe to run in verl's reward threads without a timeout. Anything that needs symbolic maths
-goes to :mod:`mix_src.rewards.grading` inside a worker process with a hard deadline.
+Linear-time string scanning only (no backtracking regexes on unbounded input, no sympy), so it is safe in
+verl's reward threads without a timeout; symbolic maths goes to :mod:`mix_src.rewards.grading` in a worker.
 """
 
 from __future__ import annotations
@@ -16,13 +14,9 @@ THINK_CLOSE = "</think>"
 
 
 def split_response(response: str, starts_in_think: bool) -> tuple[str | None, bool]:
-    """Return ``(answer_segment, format_ok)`` for a decoded response.
-
-    The answer is the text after the **last** ``</think>``; the response is well formed when it has a
-    ``</think>`` and, unless it ``starts_in_think`` (the prompt ended with ``<think>``), a ``<think>``
-    before it. Without a well-formed think block the answer segment is ``None``.
-    (LUFFY takes the text between the first and the second ``</think>``.)
-    """
+    """``(text after the last </think>, format_ok)``; ``(None, False)`` without a ``</think>`` or, unless
+    ``starts_in_think`` (the prompt ended with ``<think>``), a ``<think>`` before it. (LUFFY takes the text
+    between the first and the second ``</think>``.)"""
     close = response.rfind(THINK_CLOSE)
     if close < 0:
         return None, False
@@ -35,9 +29,7 @@ def split_response(response: str, starts_in_think: bool) -> tuple[str | None, bo
 
 def last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces, else ``None``."""
-    best = -1
-    for tag in ("\\boxed", "\\fbox"):
-        best = max(best, text.rfind(tag))
+    best = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
     if best < 0:
         return None
     i = best + (len("\\boxed") if text.startswith("\\boxed", best) else len("\\fbox"))
@@ -75,13 +67,8 @@ def normalize_latex(s: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Multiple choice
-#
-# An option label is a letter A-Z, or a number 1-26 (public ARC files label some questions' options 1-4).
-# A number gold k is answered by the number k or by the k-th letter (1 = A, 2 = B, ...): ARC numbers its
-# options in order, and OpenCompass's and lm-eval's ARC loaders turn label k into the k-th letter in the
-# same way. A letter gold is answered by that letter only (LUFFY's and OpenCompass's graders accept no
-# number for it). The text of an option is never matched: the reward does not see the options.
+# Multiple choice: option labels A-Z or 1-26; why a number k also takes the k-th letter (ARC, OpenCompass,
+# lm-eval) and a letter only itself: mix_src/rewards/README.md, "Multiple-choice labels".
 
 _LETTER_ONLY = re.compile(r"\(?\s*([A-Z])\s*\)?\s*[.:)]?")
 _LABEL_ONLY = re.compile(r"\(?\s*([A-Z]|[1-9][0-9]?)\s*\)?\s*[.:)]?")
@@ -95,8 +82,8 @@ MAX_NUMBER_LABEL = 26  # a number label k stands for the k-th letter
 
 
 def normalize_choice(value: str, numbers: bool = False) -> str | None:
-    """``"B"``, ``"(B)"``, ``"B."``, ``"B) 42"``, ``"\\text{B}"`` -> ``"B"``; with ``numbers`` also
-    ``"4"``, ``"(4)"``, ``"4."`` -> ``"4"``; anything else -> ``None``."""
+    """``"B"``, ``"(B)"``, ``"B."``, ``"B) 42"``, ``"\\text{B}"`` -> ``"B"``; with ``numbers`` also ``"4"``,
+    ``"(4)"``, ``"4."`` -> ``"4"``; anything else -> ``None``."""
     s = _TEXT_WRAP.sub(r"\1", value.strip()).strip().strip("$").strip()
     m = (_LABEL_ONLY if numbers else _LETTER_ONLY).match(s)
     if m is None:
@@ -108,8 +95,7 @@ def normalize_choice(value: str, numbers: bool = False) -> str | None:
 
 
 def gold_choice(ground_truth: str) -> str | None:
-    """The option label of a multiple-choice ground truth: a letter ``"A"``-``"Z"`` or a number
-    ``"1"``-``"26"`` (``"(B)"``, ``"4."`` are fine); ``None`` when it is neither."""
+    """The option label of a ground truth: ``"A"``-``"Z"`` or ``"1"``-``"26"`` (``"(B)"``, ``"4."`` are fine), else None."""
     label = normalize_choice(ground_truth, numbers=True)
     if label is not None and label.isdigit() and not 1 <= int(label) <= MAX_NUMBER_LABEL:
         return None
@@ -117,9 +103,8 @@ def gold_choice(ground_truth: str) -> str | None:
 
 
 def extract_choice(answer: str, numbers: bool = False) -> str | None:
-    """The chosen label: the last ``\\boxed{}``, else the last "answer is X" / "Answer: X", else an
-    answer that is only a label. Labels are letters, and with ``numbers`` also numbers 1-99. ``None``
-    when no label is found."""
+    """The chosen label (letters; with ``numbers`` also 1-99): the last ``\\boxed{}``, else the last "answer is X"
+    / "Answer: X", else an answer that is only a label; ``None`` when there is none."""
     boxed = last_boxed(answer)
     if boxed is not None:
         label = normalize_choice(boxed, numbers)
@@ -135,16 +120,13 @@ def extract_choice(answer: str, numbers: bool = False) -> str | None:
 
 
 def choice_correct(answer: str, gold: str) -> bool:
-    """Does ``answer`` choose the option labelled ``gold`` (from :func:`gold_choice`)? A letter gold
-    needs that letter; a number gold k takes k or the k-th letter."""
+    """Does ``answer`` choose the option ``gold`` (:func:`gold_choice`)? A number gold k takes k or the k-th letter."""
     if not gold.isdigit():
         return extract_choice(answer) == gold
     chosen = extract_choice(answer, numbers=True)
     if chosen is None:
         return False
-    if chosen.isdigit():
-        return int(chosen) == int(gold)
-    return ord(chosen) - ord("A") + 1 == int(gold)
+    return (int(chosen) if chosen.isdigit() else ord(chosen) - ord("A") + 1) == int(gold)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -155,8 +137,7 @@ _NUMBER_FULL = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 
 
 def parse_number(s: str) -> float | None:
-    """``"1,234"``, ``"$72$"``, ``"3.5\\%"``, ``"72."`` -> float; anything that is not just a number ->
-    ``None``. Never evaluates expressions."""
+    """``"1,234"``, ``"$72$"``, ``"3.5\\%"``, ``"72."`` -> float; anything but a number -> ``None`` (never evaluates)."""
     t = _TEXT_WRAP.sub(r"\1", s).strip().strip("$").strip()
     t = t.replace("\\%", "").replace("%", "").replace("\\$", "").replace("\\!", "").replace("{,}", ",")
     t = "".join(t.split()).rstrip(".")
@@ -176,10 +157,8 @@ def extract_number(answer: str) -> str | None:
     boxed = last_boxed(answer)
     if boxed is not None:
         return boxed
-    last = None
-    for m in _NUMBER.finditer(answer):
-        last = m.group(0)
-    return last
+    numbers = _NUMBER.findall(answer)
+    return numbers[-1] if numbers else None
 
 
 def numbers_equal(a: float, b: float) -> bool:
@@ -202,14 +181,18 @@ def plain_int(s: str) -> int | None:
 NONFINITE_TEXTS = frozenset({"nan", "+nan", "-nan", "inf", "+inf", "-inf", "infinity", "+infinity", "-infinity"})
 
 
+def unwrap(value):
+    """A numpy scalar or array as Python; a one-item list or tuple as its item."""
+    if hasattr(value, "tolist") and not isinstance(value, str):
+        value = value.tolist()
+    return value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
+
+
 def ground_truth_problem(value) -> str | None:
     """Why ``reward_model.ground_truth`` cannot be graded, or ``None`` when it can: it must be a non-empty
     string (or an int / finite float, read as its text) that is not a NaN/inf spelling (:data:`NONFINITE_TEXTS`).
     One rule for the data check (mix_src/config/data_check.py) and the reward."""
-    if hasattr(value, "tolist") and not isinstance(value, str):  # numpy scalars and arrays
-        value = value.tolist()
-    if isinstance(value, (list, tuple)) and len(value) == 1:
-        value = value[0]
+    value = unwrap(value)
     if isinstance(value, bool) or value is None:
         return f"is {value!r}; it must be a non-empty string"
     if isinstance(value, float) and not math.isfinite(value):

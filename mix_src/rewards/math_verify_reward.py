@@ -1,42 +1,16 @@
 """The math-verify reward (LUFFY's ``reward_impl_version=3``, arXiv 2504.14945), safe inside verl's reward threads.
 
-Use it in verl 0.9.1 with::
+Use it in verl 0.9.1 with ``reward.custom_reward_function.path=pkg://mix_src.rewards.math_verify_reward``
+(``name=compute_score``; options as ``+reward.custom_reward_function.reward_kwargs.<name>``, see
+:class:`RewardConfig`). It returns ``{"score", "acc", "format_ok", "ungradable"}``; verl's naive reward manager
+copies every key into ``reward_extra_info``. How a response is graded, the multiple-choice labels and the
+ungradable rows (scored ``wrong_score``, never raised; bad *options* do raise): mix_src/rewards/README.md.
 
-    reward.custom_reward_function.path=pkg://mix_src.rewards.math_verify_reward
-    reward.custom_reward_function.name=compute_score
-    +reward.custom_reward_function.reward_kwargs.wrong_score=-0.5     # optional, see RewardConfig
-
-``compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)`` returns
-``{"score": float, "acc": bool, "format_ok": bool, "ungradable": bool}``; verl's naive reward manager copies
-every key into ``reward_extra_info``, so ``acc`` reaches ``non_tensor_batch`` (filter groups) and
-validation metrics (``val-aux/<data_source>/ungradable/mean@k``), and the MIX trainer logs the count of
-``ungradable`` rows of each step as ``reward/ungradable``.
-``compute_score_batch`` grades many responses in parallel worker processes.
-
-How a response is graded:
-
-1. **Format.** The answer is the text after the last ``</think>``. The response is well formed when it
-   has a ``</think>`` and, unless ``starts_in_think`` (the prompt ends with ``<think>``), a ``<think>``
-   before it. With ``require_think`` (default) a malformed response scores ``format_error_score``;
-   without it the whole response is graded. ``require_boxed`` also makes a missing ``\\boxed{}`` a
-   format error (LUFFY's v1).
-2. **Kind.** ``extra_info["answer_type"]``, else the ``answer_type`` option, else the data source:
-   ``multiple_choice`` (data sources with a word ``arc``, ``gpqa``, ``mmlu`` or ``mcq``), ``numeric``
-   (``gsm8k``) or ``math`` (everything else). A multiple-choice ground truth is an option label: a
-   letter (answered by that letter) or a number k = 1..26, as in public ARC files (answered by k or by
-   the k-th letter; see :mod:`mix_src.rewards.answers`).
-3. **Grading.** ``multiple_choice`` and plain numbers are decided here with linear-time string code.
-   ``math`` (and numbers that are not plain, e.g. ``\\frac{7}{2}``) is decided here when the last
-   ``\\boxed{}`` matches the ground truth exactly or both are integers; otherwise by math-verify
-   (``parse("$" + gt + "$")``, ``verify(gold, parse(answer))`` with ``\\boxed{}`` ranked first) in a
-   worker process of :mod:`mix_src.rewards.pool` with a hard deadline of ``timeout_s``: a worker that
-   overruns is killed, the item scores as wrong, and the run goes on.
-4. **Rows that cannot be graded never raise.** A ground truth that is empty, not a string or number, or
-   not an option label for a multiple-choice row, a ground truth math-verify cannot parse, a response
-   that is not a string, an unknown ``extra_info.answer_type``, a grading worker that errs, crashes or
-   overruns: the row scores ``wrong_score`` with ``"ungradable": True``, and a warning naming the
-   data_source and the reason is logged (the first time for each data_source and kind of reason, then at
-   most once a minute with the count since). Bad reward *options* still raise: they are configuration.
+In short: the answer is the text after the last ``</think>`` (:func:`mix_src.rewards.answers.split_response`);
+the kind (``extra_info["answer_type"]`` > option > data source words, :func:`answer_type_for`) picks the
+grader; multiple choice, plain numbers, exact ``\\boxed{}`` matches and integer pairs are decided here in
+linear-time string code; the rest goes to math-verify (``parse("$" + gt + "$")``, ``verify(gold, parse(answer))``)
+in a :mod:`mix_src.rewards.pool` worker with a hard deadline of ``timeout_s``.
 
 Departures from LUFFY (github.com/ElliottYan/LUFFY): the answer is the text after the *last* ``</think>``
 (LUFFY: between the first and second); format errors can score differently from wrong answers; the last
@@ -50,11 +24,13 @@ import logging
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
 from mix_src.rewards import answers
-from mix_src.rewards.pool import GradingPool, Outcome, get_pool
+from mix_src.rewards.grading import grade_math
+from mix_src.rewards.pool import GradingPool, Outcome, get_pool, pools
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +66,7 @@ class RewardConfig:
     memory_limit_mb: int = 4096  # address-space cap per grading worker; 0 = none
 
     def __post_init__(self):
-        for name in ("correct_score", "wrong_score", "format_error_score", "timeout_s"):
+        for name in _NUMBER_OPTIONS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"reward_kwargs.{name} must be a number, got {value!r}")
@@ -112,6 +88,7 @@ class RewardConfig:
         return self.num_workers or _default_workers()
 
 
+_NUMBER_OPTIONS = ("correct_score", "wrong_score", "format_error_score", "timeout_s")
 _OPTION_NAMES = tuple(f.name for f in fields(RewardConfig))
 _CONFIGS: dict[tuple, RewardConfig] = {}
 _CONFIGS_LOCK = threading.Lock()
@@ -121,24 +98,17 @@ def make_config(**kwargs) -> RewardConfig:
     """Validate reward kwargs (cached: verl passes the same ones on every call)."""
     try:
         key = tuple(sorted(kwargs.items()))
-        hash(key)
+        cfg = _CONFIGS.get(key)  # TypeError: an unhashable value, not cached
     except TypeError:
-        key = None
-    if key is not None:
-        cfg = _CONFIGS.get(key)
-        if cfg is not None:
-            return cfg
+        key = cfg = None
+    if cfg is not None:
+        return cfg
     unknown = sorted(set(kwargs) - set(_OPTION_NAMES))
     if unknown:
         raise TypeError(f"mix_src.rewards.compute_score: unknown reward_kwargs {unknown}; "
                         f"the options are {list(_OPTION_NAMES)}")
-    values = {}
-    for k, v in kwargs.items():
-        if k in ("correct_score", "wrong_score", "format_error_score", "timeout_s") and isinstance(v, int) \
-                and not isinstance(v, bool):
-            v = float(v)
-        values[k] = v
-    cfg = RewardConfig(**values)
+    cfg = RewardConfig(**{k: float(v) if k in _NUMBER_OPTIONS and isinstance(v, int) and not isinstance(v, bool) else v
+                          for k, v in kwargs.items()})
     if key is not None:
         with _CONFIGS_LOCK:
             _CONFIGS[key] = cfg
@@ -166,8 +136,6 @@ _ungradable_log: dict[tuple[str, str], list] = {}  # (data_source, kind) -> [las
 
 def _report_ungradable(data_source, kind: str, reason: str) -> None:
     """Count the row and log it, rate-limited per (data_source, kind)."""
-    import time
-
     source = str(data_source)
     now = time.monotonic()
     with _ungradable_lock:
@@ -194,7 +162,7 @@ def _ungradable(cfg: RewardConfig, data_source, exc: Exception, format_ok: bool 
     else:  # a bug or an input nobody foresaw: still one row, never the run
         kind, reason = "error", f"{type(exc).__name__}: {exc}"
     _report_ungradable(data_source, kind, reason)
-    return {"score": float(cfg.wrong_score), "acc": False, "format_ok": bool(format_ok), "ungradable": True}
+    return _row(cfg.wrong_score, False, format_ok, ungradable=True)
 
 
 # ---------------------------------------------------------------------------------------- dispatch
@@ -225,13 +193,12 @@ class _Pending:
     format_ok: bool
 
 
+def _row(score: float, correct: bool = False, format_ok: bool = False, ungradable: bool = False) -> dict:
+    return {"score": float(score), "acc": bool(correct), "format_ok": bool(format_ok), "ungradable": ungradable}
+
+
 def _result(cfg: RewardConfig, correct: bool, format_ok: bool) -> dict:
-    return {"score": float(cfg.correct_score if correct else cfg.wrong_score), "acc": bool(correct),
-            "format_ok": bool(format_ok), "ungradable": False}
-
-
-def _format_error(cfg: RewardConfig) -> dict:
-    return {"score": float(cfg.format_error_score), "acc": False, "format_ok": False, "ungradable": False}
+    return _row(cfg.correct_score if correct else cfg.wrong_score, correct, format_ok)
 
 
 def _prepare(data_source, solution_str, ground_truth, extra_info, cfg: RewardConfig) -> dict | _Pending:
@@ -242,10 +209,10 @@ def _prepare(data_source, solution_str, ground_truth, extra_info, cfg: RewardCon
     answer, format_ok = answers.split_response(solution_str, cfg.starts_in_think)
     if answer is None:
         if cfg.require_think:
-            return _format_error(cfg)
+            return _row(cfg.format_error_score)  # a format error
         answer = solution_str  # graded anyway; format_ok still says the think block is missing
     if cfg.require_boxed and answers.last_boxed(answer) is None:
-        return _format_error(cfg)
+        return _row(cfg.format_error_score)  # a format error
     kind = answer_type_for(data_source, extra_info, cfg)
 
     if kind == "multiple_choice":
@@ -283,11 +250,7 @@ def _ground_truth_text(ground_truth: Any) -> str:
     if problem is not None:
         raise Ungradable("ground truth", f"reward_model.ground_truth {problem}; fix the data file "
                          "(the data check before Ray drops such rows)")
-    if hasattr(ground_truth, "tolist") and not isinstance(ground_truth, str):  # numpy scalars and arrays
-        ground_truth = ground_truth.tolist()
-    if isinstance(ground_truth, (list, tuple)):
-        ground_truth = ground_truth[0]
-    return str(ground_truth)
+    return str(answers.unwrap(ground_truth))
 
 
 def _finish(cfg: RewardConfig, data_source, job: _Pending, outcome: Outcome) -> dict:
@@ -309,8 +272,6 @@ def _pool(cfg: RewardConfig) -> GradingPool:
 # -------------------------------------------------------------------------------------------- API
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> dict:
     """verl custom-reward entry point; see the module docstring. Thread-safe."""
-    from mix_src.rewards.grading import grade_math
-
     cfg = make_config(**_split_options(kwargs))  # bad options are configuration errors: they raise
     job = _prepare_or_ungradable(data_source, solution_str, ground_truth, extra_info, cfg)
     if isinstance(job, dict):
@@ -331,8 +292,6 @@ def compute_score_batch(data_sources: Sequence, solution_strs: Sequence[str], gr
     """Grade many responses at once (same options for all), in parallel worker processes.
 
     The signature matches verl's batch reward functions. Results are in input order."""
-    from mix_src.rewards.grading import grade_math
-
     n = len(solution_strs)
     if not (len(data_sources) == len(ground_truths) == n) or (extra_infos is not None and len(extra_infos) != n):
         raise ValueError(f"compute_score_batch: lengths differ: data_sources {len(data_sources)}, solution_strs {n}, "
@@ -359,8 +318,6 @@ def warmup(**kwargs) -> None:
 
 def grading_stats() -> dict:
     """Outcome counts of this process's grading pools: ok / error / timeout / crashed / workers_started."""
-    from mix_src.rewards.pool import pools
-
     total: dict[str, int] = {}
     for p in pools():
         for k, v in p.stats.items():
