@@ -1,68 +1,23 @@
 """CPU backend for verl 0.9.1: run the real Ray trainer, FSDP2 workers and agent loop on a CPU-only host.
 
-Loaded in every process (driver and Ray workers) by verl itself: ``verl/__init__.py`` imports every
-``verl.plugins`` entry point, and setup.py declares ``mix_src_cpu = mix_src.cpu``. Importing this
-module *activates* the backend only when it is selected:
+A verl plugin (setup.py: ``mix_src_cpu = mix_src.cpu``), so ``verl/__init__.py`` imports it in every process.
+It activates when ``VERL_PLATFORM=cpu``, or with ``VERL_PLATFORM`` unset when :func:`accelerator_signs` finds
+none (when and why: mix_src/cpu/README.md "CPU backend"). When active it registers verl platform "cpu"
+(``platform.PlatformCPU``), sets ``VERL_PLATFORM=cpu`` for the Ray workers it starts, and declares with
+:func:`after_import` the hooks :func:`activate` lists, each run right after its verl module is first imported:
+FSDP engines for device "cpu", a "gloo" process group (``_patch_gloo``), the "hf" rollout (``hf_rollout.py``),
+blocked log-probs (``logprobs.py``), verl's vLLM rollout on vLLM's CPU build (``vllm_cpu.py``), a faster V1
+replay-buffer poll (``v1_patches.py``), the reference policy and critic on CPU (``worker_patches.py``) and the
+``cpu_gloo`` checkpoint engine (``checkpoint_engine.py``). The Hydra side is ``mix_src/config/backend/cpu.yaml``.
 
-* ``VERL_PLATFORM=cpu``                      -> active (the recipes, tests/e2e.py and ``make demo`` set it);
-* ``VERL_PLATFORM`` set to anything else      -> inactive (e.g. ``nvidia`` on a GPU box);
-* ``VERL_PLATFORM`` unset                     -> active only on a machine with no accelerator at all: no
-  sign of one from :func:`accelerator_signs` (torch sees a device; a device-visibility variable such as
-  ``CUDA_VISIBLE_DEVICES`` is set, even empty, as Ray sets it in GPU-less actors of a GPU host; a device
-  node ``/dev/nvidia*``, ``/dev/kfd``, ``/dev/davinci*`` exists; ``nvidia-smi``/``npu-smi`` is on PATH;
-  verl's own platform probe succeeds). A failed probe alone (a Ray actor of a GPU host whose PATH lacks
-  ``nvidia-smi``) can no longer switch a GPU worker to the CPU backend.
-
-The entry point refuses ``+backend=cpu`` (``trainer.device=cpu``) when the backend is not active, rather
-than switch it on after verl has picked its platform.
-
-When active it (1) registers verl platform "cpu" (``platform.PlatformCPU``: gloo, device shims) and sets
-``VERL_PLATFORM=cpu`` so Ray workers started later agree; and, lazily, right after the verl module in
-question is first imported (no heavy import at plugin load):
-(2) registers the FSDP/FSDP2 engines for device "cpu"   (``verl.workers.engine.fsdp.transformer_impl``);
-(3) patches the process-group backend string to "gloo"  (``verl.utils.distributed``, Ray and torchrun
-    variants, see ``_patch_gloo``);
-(4) registers the "hf" rollout replica and server adapter (``verl.workers.rollout.replica`` / ``.base``);
-(5) replaces verl's per-row log-prob fallback by a blocked one (``verl.utils.torch_functional``, see
-    ``logprobs.py``: bit-identical, ~30x less time at small vocabularies);
-(6) lets verl's own vLLM rollout run on vLLM's CPU build (``vllm_cpu``: the ``vllm`` distribution alias,
-    a check before Ray starts, CPU linear layers whose weights verl can reload);
-(7) shortens verl's V1 replay-buffer poll from 2 s to 0.05 s (``verl.trainer.ppo.v1.replay_buffer``, see
-    ``v1_patches.py``);
-(8) lets the reference policy's FSDP2 engine offload without pinned memory (``transformer_impl``) and loads
-    verl's critic with a CPU attention implementation (``verl.utils.model``), see ``worker_patches.py``;
-(9) registers the ``cpu_gloo`` checkpoint engine in verl's ``CheckpointEngineRegistry`` (``verl.checkpoint_engine``,
-    see ``checkpoint_engine.py``), which pushes weights to ``separate_async``'s standalone rollout pool.
-It logs one line ``mix_src.cpu: CPU backend active (...)`` per process, naming the rollout it runs
-(``actor_rollout_ref.rollout.name``, exported by the entry point in ``MIX_CPU_ROLLOUT``).
-
-Patches fail loudly. Declare one with :func:`after_import`, giving the library versions it was written for
-(a module-level ``WRITTEN_FOR`` constant of the patch's module is the convention)::
-
-    WRITTEN_FOR = {"verl": "0.9.1"}          # or {"verl": "0.9.1", "vllm": "0.27.1"}, or {"torch": ">=2.12,<2.14"}
-
-    def patch_something(mod):                 # mod: the imported module; make the change idempotent
-        ...
-
-    after_import("verl.some.module", patch_something, written_for=WRITTEN_FOR,
-                 required_in=("trainer", "worker"))   # default ("trainer",); () for a module few runs import
-
-and call it from :func:`activate`. Then, by the patch's name:
-
-* another installed version of a ``written_for`` library -> :class:`PatchVersionError` at once;
-* a hooked module that does not exist (moved, renamed) -> :class:`PatchTargetMissing` at once;
-* a hook that has not run by a checkpoint -> :class:`HookNotFired` from :func:`check_hooks_fired`: at
-  ``"trainer"`` in the trainer process once the workers are up and ``"worker"`` in each actor worker when
-  the MIX loss arrives (both trainer bases pass :func:`mix_src.worker.loss.install_loss`). A hook must have run by
-  the checkpoints in its ``required_in``, and at every checkpoint once its module is imported.
-
-These errors are raised while this plugin is imported; verl's own loader (``verl/__init__.py``) would only log
-them at DEBUG and run on without the backend, so :func:`mix_src.extend.load_verl_plugins` imports every
-``verl.plugins`` entry point first, raising: on the driver (entry point) and in every Ray process
-(``mix_src.plugins``, which the entry point puts in ``VERL_USE_EXTERNAL_MODULES``).
-
-The Hydra side (fake Ray GPUs, eager attention, fsdp2 fp32, rollout name hf, ...) is the config fragment
-``mix_src/config/backend/cpu.yaml``.
+Patches fail loudly, by the patch's name: another installed version of a ``written_for`` library ->
+:class:`PatchVersionError` (checked by :func:`mix_src.compat.check_written_for`, as the main path's patches);
+a hooked module that does not exist -> :class:`PatchTargetMissing`; a hook that has not run by a checkpoint of
+its ``required_in`` -> :class:`HookNotFired` from :func:`check_hooks_fired` (``"trainer"`` once the workers are
+up, ``"worker"`` in each actor worker when the MIX loss arrives: :func:`mix_src.worker.loss.install_loss`).
+These are raised while this plugin is imported; verl's loader would only log them, so
+:func:`mix_src.extend.load_verl_plugins` imports every ``verl.plugins`` entry point first, on the driver and in
+every Ray process.
 """
 
 from __future__ import annotations
@@ -73,6 +28,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional
+
+from mix_src.compat import check_written_for
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
@@ -177,14 +134,6 @@ PATCHES: list[Patch] = []  # every hook registered in this process, in order
 CHECKPOINTS = ("trainer", "worker")  # where check_hooks_fired runs (see its docstring)
 
 
-def check_written_for(patch_name: str, written_for: Optional[dict]) -> None:
-    """Raise :class:`PatchVersionError` naming the patch when an installed library differs from the version the
-    patch was written for (the one check every patch uses: :func:`mix_src.compat.check_written_for`)."""
-    from mix_src.compat import check_written_for as check
-
-    check(patch_name, written_for, error=PatchVersionError)
-
-
 def _module_file_exists(module_name: str) -> bool:
     """Whether ``module_name`` can be found, without importing it (its top-level package is located, not run)."""
     import importlib.util
@@ -266,21 +215,15 @@ def after_import(
     required_in: tuple = ("trainer",),
 ) -> Patch:
     """Declare a patch: run ``cb(module)`` right after ``module_name`` is first imported (at once if it
-    already is). Fails loudly, by the patch's name:
-
-    * ``written_for={"verl": "0.9.1", "vllm": "0.27.1"}``: the library versions the patch was written
-      against (exact, local tags such as ``+cpu`` ignored, or a specifier such as ``">=2.12,<2.14"``);
-      another installed version raises :class:`PatchVersionError` now;
-    * the module must exist (located without importing it): :class:`PatchTargetMissing` now;
-    * ``required_in``: the checkpoints (:data:`CHECKPOINTS`) by which the module must have been imported
-      and the hook run, checked by :func:`check_hooks_fired` (``()`` for a module only some runs import,
-      such as vLLM's; a hook whose module was imported without it running fails at every checkpoint).
-    """
+    already is). ``written_for``: the library versions it was written against (``{"verl": "0.9.1"}``, or a
+    specifier such as ``">=2.12,<2.14"``), checked now, as is that the module exists (located without importing
+    it). ``required_in``: the :data:`CHECKPOINTS` by which the hook must have run (``()`` for a module only some
+    runs import, such as vLLM's); see the module docstring for the errors."""
     patch = Patch(module_name, cb, dict(written_for or {}), tuple(required_in))
     unknown = [c for c in patch.required_in if c not in CHECKPOINTS]
     if unknown:
         raise ValueError(f"after_import({module_name!r}, {patch.name}): unknown checkpoint(s) {unknown}; use {CHECKPOINTS}")
-    check_written_for(patch.name, patch.written_for)
+    check_written_for(patch.name, patch.written_for, error=PatchVersionError)
     if not _module_file_exists(module_name):
         raise PatchTargetMissing(
             f"mix_src.cpu patch {patch.name} hooks module {module_name!r}, which does not exist in this environment "
@@ -297,11 +240,8 @@ def after_import(
 
 
 def check_hooks_fired(checkpoint: str) -> None:
-    """Raise :class:`HookNotFired` naming every patch registered in this process that has not run although
-    it should have: its module is imported (it was loaded past the hook), or ``checkpoint`` is in its
-    ``required_in``. A no-op when the backend is off (nothing registered). Called where both trainer bases
-    pass: ``"trainer"`` in the trainer process once the workers are up and the MIX loss is installed
-    (:func:`mix_src.worker.loss.install_loss`); ``"worker"`` in each actor worker when that loss arrives."""
+    """Raise :class:`HookNotFired` naming every patch of this process that has not run although its module is
+    imported or ``checkpoint`` is in its ``required_in`` (a no-op when the backend is off: nothing registered)."""
     if checkpoint not in CHECKPOINTS:
         raise ValueError(f"unknown checkpoint {checkpoint!r}; use {CHECKPOINTS}")
     missing = [p for p in PATCHES if not p.fired and (p.module in sys.modules or checkpoint in p.required_in)]
@@ -329,13 +269,10 @@ def _register_engines(mod) -> None:
 
 
 def _patch_gloo(mod) -> None:
-    """Monkeypatches, documented: ``verl/utils/distributed.py`` builds the process-group backend string
-    ``f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}"`` in both ``initialize_global_process_group``
-    (torchrun entry points such as ``verl.trainer.sft_trainer``, line 62) and
-    ``initialize_global_process_group_ray`` (Ray workers, line 89). On the cpu platform that is
-    ``"cpu:gloo,cpu:gloo"`` and torch rejects it ("Duplicate device type cpu"). Both now default to plain
-    "gloo"; Ray callers that pass an explicit backend are untouched. Remove when verl dedups the string.
-    """
+    """``verl/utils/distributed.py`` builds the backend ``f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}"``
+    in ``initialize_global_process_group`` (line 62, torchrun) and ``initialize_global_process_group_ray`` (line
+    89): ``"cpu:gloo,cpu:gloo"`` on cpu, which torch rejects ("Duplicate device type cpu"). Both default to
+    "gloo" (an explicit Ray backend is kept). Remove when verl dedups the string."""
     original_ray = mod.initialize_global_process_group_ray
     if getattr(original_ray, "_mix_src_cpu", False):
         return
@@ -395,13 +332,11 @@ CHECKPOINT_ENGINE_WRITTEN_FOR = {"verl": "0.9.1", "torch": ">=2.12,<2.14"}  # ch
 
 
 def _register_checkpoint_engine(mod) -> None:
-    """Register the ``cpu_gloo`` checkpoint engine (``checkpoint_engine.py``) in verl's registry: importing that
-    module registers the engine and, at the end of its body, checks the registration.
+    """Register ``cpu_gloo`` in verl's registry: importing ``checkpoint_engine.py`` registers and checks it.
 
-    The module is imported by name, never ``from .checkpoint_engine import <name>``: when a process imports
-    ``checkpoint_engine.py`` first (a test, a user's plugin), its own ``import verl.checkpoint_engine.base`` runs
-    this hook while its body is half done; ``import_module`` then returns the half-done module and its end
-    registers and checks, where reading a name from it failed (circular import)."""
+    By module name, never ``from .checkpoint_engine import <name>``: when a process imports that module first,
+    its own ``import verl.checkpoint_engine.base`` runs this hook while its body is half done, and reading a
+    name from it would fail (circular import); its body's end registers and checks."""
     import importlib
 
     importlib.import_module(f"{__name__}.checkpoint_engine")
