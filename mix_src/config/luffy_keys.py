@@ -25,40 +25,25 @@ __all__ = ["LUFFY_KEYS", "translate_overrides"]
 
 A, R, D, T = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "data.", "trainer."
 
+# LUFFY's key -> ours (the value is kept)
 RENAMED = {
-    R + "n_prefix": "mix.n_prefix",
-    R + "prefix_strategy": "mix.prefix_strategy",
-    R + "min_prefix_ratio": "mix.min_prefix_ratio",
-    R + "max_prefix_ratio": "mix.max_prefix_ratio",
-    R + "prefix_steps": "mix.prefix_steps",
-    R + "prefix_linear_max_ratio": "mix.prefix_linear_max_ratio",
-    R + "prefix_fix_ratios": "mix.prefix_fix_ratios",
-    R + "prefix_share_across_samples": "mix.prefix_share_across_samples",
-    R + "prefix_reward_weight_alpha": "mix.prefix_reward_weight_alpha",
-    R + "prefix_reward_weight_beta": "mix.prefix_reward_weight_beta",
+    **{R + k: "mix." + k for k in ("n_prefix", "prefix_strategy", "min_prefix_ratio", "max_prefix_ratio", "prefix_steps",
+                                   "prefix_linear_max_ratio", "prefix_fix_ratios", "prefix_share_across_samples",
+                                   "prefix_reward_weight_alpha", "prefix_reward_weight_beta")},
+    **{A + k: "mix.loss." + k for k in ("clip_upper_bound", "off_policy_reshape", "off_policy_reshape_weight",
+                                        "off_policy_reshape_pow_exp", "on_policy_reshape", "on_policy_reshape_weight",
+                                        "on_policy_reshape_pow_exp", "all_max_clip", "loss_remove_clip",
+                                        "use_sft_multitask_loss", "sft_loss_coef", "alpha_lr")},
+    **{D + k: "mix.data." + k for k in ("max_target_length", "sample_target_ratio")},
     R + "max_prefix_len": "mix.data.max_target_length",
     R + "val_temperature": R + "val_kwargs.temperature",
     R + "n_val": R + "val_kwargs.n",
-    D + "max_target_length": "mix.data.max_target_length",
-    D + "sample_target_ratio": "mix.data.sample_target_ratio",
-    A + "clip_upper_bound": "mix.loss.clip_upper_bound",
-    A + "off_policy_reshape": "mix.loss.off_policy_reshape",
-    A + "off_policy_reshape_weight": "mix.loss.off_policy_reshape_weight",
-    A + "off_policy_reshape_pow_exp": "mix.loss.off_policy_reshape_pow_exp",
-    A + "on_policy_reshape": "mix.loss.on_policy_reshape",
-    A + "on_policy_reshape_weight": "mix.loss.on_policy_reshape_weight",
-    A + "on_policy_reshape_pow_exp": "mix.loss.on_policy_reshape_pow_exp",
     A + "off_policy_max_clip": "mix.loss.off_max_clip",
     A + "off_policy_min_clip": "mix.loss.off_min_clip",
-    A + "all_max_clip": "mix.loss.all_max_clip",
-    A + "loss_remove_clip": "mix.loss.loss_remove_clip",
-    A + "use_sft_multitask_loss": "mix.loss.use_sft_multitask_loss",
-    A + "sft_loss_coef": "mix.loss.sft_loss_coef",
     A + "use_adaptive_temperature": "mix.loss.use_adaptive_entropy",
     A + "use_adaptive_temperature_fixed": "mix.loss.adaptive_entropy_fixed",
     A + "adaptive_temperature_clip": "mix.loss.entropy_coeff_max",
     A + "adaptive_temperature_target_entropy": "mix.loss.target_entropy",
-    A + "alpha_lr": "mix.loss.alpha_lr",
     "algorithm.grpo_use_std": "algorithm.norm_adv_by_std_in_grpo",
     T + "max_optim_to_keep": T + "max_actor_ckpt_to_keep",  # verl keeps optimizer state in the actor checkpoint
     # the scripts add these with "+", which Hydra refuses for keys that verl 0.9.1 already has
@@ -66,40 +51,29 @@ RENAMED = {
     "+" + T + "val_only": T + "val_only",
 }
 
-ANY = None  # every value has no effect
+ANY, DEAD = None, "dead in the original"  # ANY: every value has no effect
 NO_EFFECT: dict[str, tuple[Optional[tuple[str, ...]], str]] = {
     # key: (values accepted without effect (None = any), why); any other value is refused
+    **dict.fromkeys((A + "use_off_policy_clip", A + "use_sft_reward", A + "debug", A + "use_target_lst",
+                     R + "prefix_reward_strategy", "algorithm.surprisal_base", D + "filter_targets",
+                     D + "add_tgt_acc_upper_bound", T + "add_full_target_when_none", T + "skip_by_step"), (ANY, DEAD)),
+    **dict.fromkeys((A + "off_policy_normalize", A + "off_policy_cliprange"), (ANY, "the original's token loss never reads it")),
+    **dict.fromkeys((A + "sft_prefix_reward_weight", D + "add_tgt_with_acc"), (ANY, "only read with use_sft_prefix_reward")),
+    **dict.fromkeys((D + "accuracy_lower_bound", D + "accuracy_upper_bound"), (ANY, "only read with filter_accuracy")),
+    **dict.fromkeys((A + "use_sft_prefix_reward", D + "disable_truncation_advantage", T + "debug"),
+                    (("false",), "not implemented in mix_src")),
     A + "use_off_policy_loss": (ANY, "the mixed on/off-policy loss is always on (PPO-clip where there is no prefix)"),
     A + "off_policy_loss_impl": (("token",), "the token-level off-policy loss is the only one"),
-    A + "off_policy_normalize": (ANY, "the original's token loss never reads it"),
-    A + "off_policy_cliprange": (ANY, "the original's token loss never reads it"),
-    A + "use_off_policy_clip": (ANY, "dead in the original"),
     A + "use_off_policy_probs": (("false",), "the target-probability path needs behaviour probabilities the data does not carry"),
-    A + "use_sft_prefix_reward": (("false",), "not implemented in mix_src"),
-    A + "sft_prefix_reward_weight": (ANY, "only read with use_sft_prefix_reward"),
-    A + "use_sft_reward": (ANY, "dead in the original"),
     A + "use_ppo_kl_loss": (("false",), "use verl's actor_rollout_ref.actor.use_kl_loss / kl_loss_coef"),
     A + "ppo_kl_loss_coef": (ANY, "only read with use_ppo_kl_loss"),
-    A + "debug": (ANY, "dead in the original"),
-    A + "use_target_lst": (ANY, "dead in the original"),
     A + "fsdp_config.grad_offload": (("false",), "verl 0.9.1 has no such key; gradients follow fsdp_config.param_offload"),
     "actor_rollout_ref.ref.use_ref": (ANY, "verl builds the reference policy only for actor.use_kl_loss or algorithm.use_kl_in_reward"),
     R + "prefix_linear_max_var": (ANY, "dead in the original (it read a misspelt key)"),
-    R + "prefix_reward_strategy": (ANY, "dead in the original"),
-    "algorithm.surprisal_base": (ANY, "dead in the original"),
-    D + "filter_targets": (ANY, "dead in the original"),
     D + "reward_impl_version": (ANY, "the reward is reward.custom_reward_function (math-verify after </think> by default)"),
-    D + "add_tgt_with_acc": (ANY, "only read with use_sft_prefix_reward"),
-    D + "add_tgt_acc_upper_bound": (ANY, "dead in the original"),
     D + "filter_accuracy": (("false",), "use algorithm.filter_groups.enable (DAPO-style filtering)"),
-    D + "accuracy_lower_bound": (ANY, "only read with filter_accuracy"),
-    D + "accuracy_upper_bound": (ANY, "only read with filter_accuracy"),
-    D + "disable_truncation_advantage": (("false",), "not implemented in mix_src"),
-    T + "debug": (("false",), "not implemented in mix_src"),
-    T + "add_full_target_when_none": (ANY, "dead in the original"),
     T + "skip_valid_mask": (ANY, "the original's valid mask was never applied; use algorithm.filter_groups.enable"),
     T + "acc_rebatch": (("false",), "use algorithm.filter_groups.enable with mix.filter_groups.carry_over"),
-    T + "skip_by_step": (ANY, "dead in the original"),
 }
 
 
@@ -173,16 +147,19 @@ def translate_overrides(overrides: Sequence[str], log: Callable[[str], None] = p
     return _official_sft_agg(out, log) if A + "use_sft_multitask_loss" in seen else out  # LUFFY's key, not ours
 
 
+def _values(out: list[str]) -> dict[str, str]:
+    """{key: stripped value} of the ``key=value`` overrides in ``out``."""
+    return {key: value.strip() for _, key, value in map(_split, out) if value is not None}
+
+
 def _fit_target_cap(out: list[str], log: Callable[[str], None]) -> list[str]:
     """LUFFY's ``max_prefix_len`` (= its dataset's max_target_length) at or above ``data.max_response_length``
     (train.sh: 8192 and 8192) let a whole target fill the response and cut its EOS (the rollout appends EOS after
     the target, then cuts the response at max_response_length). mix_src refuses such a cap; the original's
     intent, "no cap below the response", is our default (``max_response_length - 1``), so it becomes null."""
-    values = {key: value for _, key, value in map(_split, out) if value is not None}
-    cap, response = values.get("mix.data.max_target_length"), values.get(D + "max_response_length")
-    if cap is None or response is None or not (cap.strip().isdigit() and response.strip().isdigit()):
-        return out
-    if int(cap) < int(response):
+    values = _values(out)
+    cap, response = values.get("mix.data.max_target_length", ""), values.get(D + "max_response_length", "")
+    if not (cap.isdigit() and response.isdigit()) or int(cap) < int(response):
         return out
     log(f"[mix_src] LUFFY cap mix.data.max_target_length={cap} >= data.max_response_length={response} -> null "
         f"(data.max_response_length - 1 = {int(response) - 1}: a whole target keeps its EOS)")
@@ -193,7 +170,7 @@ def _official_loss_scale(out: list[str], log: Callable[[str], None]) -> list[str
     """LUFFY's ``loss_remove_token_mean=True`` divided each GPU's token sum by the response width W and FSDP averaged
     the G GPUs' gradients (luffy/verl/verl/mix_src/mix_core_alg.py:236-237, mix_actor.py:243-244): sum / (G x W).
     Ours divides the global token sum by ``actor.loss_scale_factor``, so G x W reproduces it (unless set already)."""
-    values = {key: value.strip() for _, key, value in map(_split, out) if value is not None}
+    values = _values(out)
     if values.get("mix.loss.loss_agg_mode") != "luffy-token-sum-norm" or A + "loss_scale_factor" in values:
         return out
     gpus, nodes, width = (values.get(T + "n_gpus_per_node"), values.get(T + "nnodes", "1"),
@@ -212,8 +189,8 @@ def _official_sft_agg(out: list[str], log: Callable[[str], None]) -> list[str]:
     micro_batch_token_mean (unless set already; mix_src's default aggregates it like the policy loss). Only for
     LUFFY's own key (``actor_rollout_ref.actor.use_sft_multitask_loss``): ``mix.loss.use_sft_multitask_loss`` on a
     command line is mix_src's key with mix_src's default weighting."""
-    values = {key: value.strip().lower() for _, key, value in map(_split, out) if value is not None}
-    if values.get("mix.loss.use_sft_multitask_loss") != "true" or "mix.loss.sft_loss_agg" in values:
+    values = _values(out)
+    if values.get("mix.loss.use_sft_multitask_loss", "").lower() != "true" or "mix.loss.sft_loss_agg" in values:
         return out
     log("[mix_src] LUFFY SFT term: a token mean per micro-batch -> mix.loss.sft_loss_agg=micro_batch_token_mean")
     return [*out, "mix.loss.sft_loss_agg=micro_batch_token_mean"]
