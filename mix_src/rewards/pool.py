@@ -1,35 +1,23 @@
-"""A persistent pool of grading processes with a hard per-item deadline.
+"""A persistent pool of grading processes with a hard per-item deadline (any picklable module-level function).
 
 Why not ``multiprocessing.Pool`` / ``concurrent.futures``: neither can stop one task that overruns (a
 math-verify call on ``9^{9^{9^9}}`` spins in C and ignores signals), and both start workers by forking
-the caller (unsafe in a multi-threaded Ray/verl process) or by re-importing its ``__main__`` (a Ray
-worker's entry script, or pytest).
+the caller (unsafe in a multi-threaded Ray/verl process) or by re-importing its ``__main__``.
 
-Design:
-
-* a **zygote**: a fresh ``python -c`` process that imports and warms up the grader once
-  (``preload``) and then only forks; it is single-threaded, so forking it is safe and takes
-  milliseconds;
-* **workers**: children of the zygote, each connected to the caller by its own socket pair (the
-  caller's end is passed to the zygote with ``SCM_RIGHTS``). A worker runs one task at a time;
-* **the deadline**: the caller waits ``timeout_s`` for the answer; a worker that overruns is
-  ``SIGKILL``-ed and a new one is forked on the next request. A worker that dies (segfault, memory
-  limit) is replaced the same way. As a backstop, each task also arms ``alarm(ceil(timeout)+5)``
-  in the worker with the default action (process exit), so a worker whose caller has vanished
-  cannot spin forever;
-* **clean-up**: the zygote exits when the caller closes the pool or dies (EOF on its control socket),
-  and workers die with the zygote (``PR_SET_PDEATHSIG`` on Linux) or at EOF on their own socket;
-* **threads**: :meth:`GradingPool.run` is thread-safe (verl calls the reward from executor threads);
-  workers are started lazily, up to ``max_workers``, so an idle pool costs one zygote.
-  :meth:`GradingPool.map` fans a list out over the workers.
-
-Everything here is generic (any picklable module-level function); the reward lives in
-:mod:`mix_src.rewards.math_verify_reward`.
+* a **zygote** (a fresh ``python -c``) imports and warms up the grader once (``preload``), then only forks:
+  it is single-threaded, so forking it is safe and takes milliseconds;
+* **workers** are its children, each with its own socket pair to the caller (the caller's end passed with
+  ``SCM_RIGHTS``), one task at a time, started lazily up to ``max_workers``;
+* **the deadline**: a worker that overruns ``timeout_s`` (or dies) is ``SIGKILL``-ed and replaced on the next
+  request; a backstop ``alarm(ceil(timeout)+5)`` in the worker ends one whose caller has vanished;
+* **clean-up**: the zygote exits at EOF on its control socket (pool closed or caller dead); workers die with
+  it (``PR_SET_PDEATHSIG``) or at EOF on their own socket. :meth:`GradingPool.run` is thread-safe.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import math
@@ -54,9 +42,8 @@ _BACKSTOP_EXTRA_S = 5
 
 @dataclass(frozen=True)
 class Outcome:
-    """Result of one task. ``status``: ``ok`` (``value`` holds the return value), ``error`` (the task
-    raised; ``error`` holds ``Type: message``), ``timeout`` (killed at the deadline) or ``crashed``
-    (the worker died, e.g. hit its memory limit)."""
+    """Result of one task: ``status`` ``ok`` (``value``), ``error`` (the task raised: ``error`` is ``Type: message``),
+    ``timeout`` (killed at the deadline) or ``crashed`` (the worker died, e.g. at its memory limit)."""
 
     status: str
     value: Any = None
@@ -65,22 +52,16 @@ class Outcome:
     cpu_seconds: float = 0.0  # CPU time the worker spent on the task (0 for timeouts and crashes)
 
 
+@dataclass(frozen=True)
 class _Worker:
-    __slots__ = ("pid", "conn")
-
-    def __init__(self, pid: int, conn: Connection):
-        self.pid = pid
-        self.conn = conn
+    pid: int
+    conn: Connection
 
     def kill(self) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)  # the zygote reaps it (SIGCHLD is ignored there)
-        except ProcessLookupError:
-            pass
-        try:
+        with contextlib.suppress(OSError):
             self.conn.close()
-        except OSError:
-            pass
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -157,15 +138,10 @@ class GradingPool:
             executor = self._executor
         return list(executor.map(lambda call: self.run(call[0], call[1], timeout_s), calls))
 
-    def warmup(self, n_workers: int | None = None) -> None:
-        """Start the zygote and ``n_workers`` workers (default: all) now instead of on first use."""
-        n = self.max_workers if n_workers is None else max(0, min(int(n_workers), self.max_workers))
-        workers = [self._acquire() for _ in range(n)]
-        for w in workers:
+    def warmup(self) -> None:
+        """Start the zygote and every worker now instead of on first use."""
+        for w in [self._acquire() for _ in range(self.max_workers)]:
             self._release(w)
-        if n == 0:
-            with self._zygote_lock:
-                self._ensure_zygote()
 
     def close(self) -> None:
         """Kill every worker and the zygote. Safe to call twice."""
@@ -182,10 +158,6 @@ class GradingPool:
             executor.shutdown(wait=False)
         with self._zygote_lock:
             self._stop_zygote()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     @property
     def num_workers(self) -> int:
@@ -394,7 +366,7 @@ def get_pool(max_workers: int, memory_limit_mb: int = 0, preload: str | None = N
     key = (int(max_workers), int(memory_limit_mb), preload or "")
     with _POOLS_LOCK:
         pool = _POOLS.get(key)
-        if pool is None or pool.owner_pid != os.getpid() or pool.closed:
+        if pool is None or pool.owner_pid != os.getpid() or pool._closed:
             pool = GradingPool(max_workers, memory_limit_mb, preload)
             _POOLS[key] = pool
         return pool
