@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, get_args, get_origin, get_type_hints
+from typing import Any, Callable, Literal, Optional, get_args, get_origin, get_type_hints
 
 # The original LUFFY baked gamma into the option name (p_div_p_0.1 ...): accepted as p_div_p + the gamma key.
 from mix_src.algo.core_alg import P_DIV_P_ALIASES as RESHAPE_ALIASES
@@ -122,16 +122,15 @@ class LossConfig:
             return
         if self.sft_loss_agg is None:
             self.sft_loss_agg = "global_token_mean" if self.row_loss is not None else "policy_loss_agg"
-        if self.sft_loss_agg not in SFT_AGGS:
-            raise MixConfigError(SFT_AGGS.unknown(self.sft_loss_agg))
+        _registered(SFT_AGGS, self.sft_loss_agg)
         if self.use_sft_multitask_loss and self.sft_loss_agg == "global_token_mean":
             raise MixConfigError(f"{p}.sft_loss_agg=global_token_mean counts the SFT tokens of {p}.row_loss's rows; with "
                                  f"{p}.use_sft_multitask_loss use policy_loss_agg (the default) or micro_batch_token_mean")
 
     def __post_init__(self):
         p = "mix.loss"
-        if self.prefix_token_select is not None and self.prefix_token_select not in PREFIX_TOKEN_SELECTS:
-            raise MixConfigError(PREFIX_TOKEN_SELECTS.unknown(self.prefix_token_select))
+        if self.prefix_token_select is not None:
+            _registered(PREFIX_TOKEN_SELECTS, self.prefix_token_select)
         for key in ("off_policy_reshape", "on_policy_reshape"):
             value = getattr(self, key)
             if value in RESHAPE_ALIASES:  # the original's names: keep the number in its own key
@@ -148,8 +147,7 @@ class LossConfig:
         except ValueError as e:
             raise e if isinstance(e, MixConfigError) else MixConfigError(str(e)) from e
         if self.row_loss is not None:
-            if self.row_loss not in ROW_LOSSES:
-                raise MixConfigError(ROW_LOSSES.unknown(self.row_loss))
+            _registered(ROW_LOSSES, self.row_loss)
             if self.use_sft_multitask_loss:
                 raise MixConfigError(f"{p}.row_loss={self.row_loss!r} and {p}.use_sft_multitask_loss both choose the "
                                      "SFT rows; pick one")
@@ -162,9 +160,8 @@ class LossConfig:
                                  "prefix rows take the SFT term there, so the selected advantages would be ignored; pick one")
         if self.prefix_token_select is not None and PREFIX_TOKEN_SELECTS.options(self.prefix_token_select).get(
                 "prefix_tokens_on_policy", False):  # fmt: skip
-            ignored = sorted(f.name for f in dataclasses.fields(self) if (f.name.startswith("off_") and f.name not in
-                             ("off_policy_reshape_gamma", "off_policy_reshape_weight", "off_policy_reshape_pow_exp"))
-                             and getattr(self, f.name) != f.default)  # fmt: skip
+            ignored = self._changed(lambda k: k.startswith("off_") and k not in (
+                "off_policy_reshape_gamma", "off_policy_reshape_weight", "off_policy_reshape_pow_exp"))
             if ignored:
                 raise MixConfigError(f"{p}.prefix_token_select={self.prefix_token_select!r} makes prefix tokens "
                                      f"on-policy tokens of the loss, so {ignored} would be ignored; leave them at "
@@ -176,23 +173,24 @@ class LossConfig:
             raise MixConfigError(f"{p}.combine={self.combine!r} and {p}.row_loss={self.row_loss!r} each decide how rows "
                                  "enter the loss; pick one")
         if self.combine is not None:
-            if self.combine not in LOSS_COMBINES:
-                raise MixConfigError(LOSS_COMBINES.unknown(self.combine))
-            ignored = sorted(f.name for f in dataclasses.fields(self) if (f.name.startswith("off_")
-                             or f.name in ("all_max_clip", "use_sft_multitask_loss")) and getattr(self, f.name) != f.default)  # fmt: skip
+            _registered(LOSS_COMBINES, self.combine)
+            ignored = self._changed(lambda k: k.startswith("off_") or k in ("all_max_clip", "use_sft_multitask_loss"))
             if ignored:
                 raise MixConfigError(f"{p}.combine={self.combine!r} makes the policy loss of the on-policy and expert "
                                      f"rows, so {ignored} would be ignored; leave them at their defaults")
         elif self.combine_args:
             raise MixConfigError(f"{p}.combine_args is set but {p}.combine is not; set both or neither")
         if self.use_sft_multitask_loss:
-            shaping = sorted(f.name for f in dataclasses.fields(self)
-                             if f.name.startswith("off_") and getattr(self, f.name) != f.default)  # fmt: skip
+            shaping = self._changed(lambda k: k.startswith("off_"))
             if shaping:
                 raise MixConfigError(
                     f"{p}.use_sft_multitask_loss replaces the off-policy loss, so {shaping} would be ignored; "
                     "remove them or turn use_sft_multitask_loss off"
                 )
+
+    def _changed(self, chosen: Callable[[str], bool]) -> list[str]:
+        """The ``chosen`` field names whose value is not the default, sorted."""
+        return sorted(f.name for f in dataclasses.fields(self) if chosen(f.name) and getattr(self, f.name) != f.default)
 
     @classmethod
     def from_dict(cls, values: Any) -> "LossConfig":
@@ -211,8 +209,7 @@ class FilterGroupsConfig:
     on_policy_only: bool = False  # compute a group's metric std over its on-policy rows only
 
     def check(self, p: str) -> None:
-        if self.rule not in GROUP_FILTERS:
-            raise MixConfigError(GROUP_FILTERS.unknown(self.rule))
+        _registered(GROUP_FILTERS, self.rule)
 
 
 @dataclass
@@ -256,10 +253,8 @@ class MixConfig:
 
     def check(self, p: str = "mix") -> None:
         _in_range(f"{p}.n_prefix", self.n_prefix, -1, None)
-        if self.prefix_strategy not in PREFIX_STRATEGIES:
-            raise MixConfigError(PREFIX_STRATEGIES.unknown(self.prefix_strategy))
-        if self.rollout_policy not in ROLLOUT_POLICIES:
-            raise MixConfigError(ROLLOUT_POLICIES.unknown(self.rollout_policy))
+        _registered(PREFIX_STRATEGIES, self.prefix_strategy)
+        _registered(ROLLOUT_POLICIES, self.rollout_policy)
         _in_range(f"{p}.min_prefix_ratio", self.min_prefix_ratio, 0.0, 1.0)
         _in_range(f"{p}.max_prefix_ratio", self.max_prefix_ratio, 0.0, 1.0)
         if self.min_prefix_ratio > self.max_prefix_ratio:
@@ -295,6 +290,12 @@ class MixConfig:
 # building from a (Omega)dict, with errors that name the key
 
 
+def _registered(registry: Any, name: str) -> None:
+    """Refuse a name ``registry`` does not hold, with its own message (the names it holds)."""
+    if name not in registry:
+        raise MixConfigError(registry.unknown(name))
+
+
 def _in_range(key: str, value: Any, lo: Optional[float], hi: Optional[float]) -> None:
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         bounds = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
@@ -315,31 +316,24 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         return _coerce(key, value, inner)
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, key)
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise MixConfigError(f"{key}={value!r} must be true or false")
+    hint = list if origin is list else hint
+    if hint not in _SCALARS:
         return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise MixConfigError(f"{key}={value!r} must be an integer")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise MixConfigError(f"{key}={value!r} must be a number")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise MixConfigError(f"{key}={value!r} must be a string")
-        return value
-    if hint is dict:
-        if not isinstance(value, dict):
-            raise MixConfigError(f"{key}={value!r} must be a mapping")
-        return {str(k): v for k, v in value.items()}
-    if hint is list or origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise MixConfigError(f"{key}={value!r} must be a list")
-        return list(value)
-    return value
+    accepted, what, convert = _SCALARS[hint]
+    if not isinstance(value, accepted) or (isinstance(value, bool) and hint in (int, float)):
+        raise MixConfigError(f"{key}={value!r} must be {what}")
+    return convert(value)
+
+
+# type hint -> (accepted Python types, what the error says it must be, conversion); a bool is no int or float here
+_SCALARS: dict[Any, tuple[Any, str, Callable[[Any], Any]]] = {
+    bool: (bool, "true or false", lambda v: v),
+    int: (int, "an integer", lambda v: v),
+    float: ((int, float), "a number", float),
+    str: (str, "a string", lambda v: v),
+    dict: (dict, "a mapping", lambda m: {str(k): v for k, v in m.items()}),
+    list: ((list, tuple), "a list", list),
+}
 
 
 def _build(cls: type, values: Any, prefix: str):
