@@ -1,38 +1,39 @@
 """One small registry class behind every extension point of mix_src, and plugin loading.
 
-Each extension point is a :class:`Registry` defined (and its call signature documented) in the module
-that uses it:
+Each extension point is a :class:`Registry` defined (with its call signature) in the module that uses it:
 
-    prefix strategies     mix_src.algo.prefix.register_prefix_strategy          (mix.prefix_strategy)
-    off-policy reshapes   mix_src.algo.core_alg.register_off_policy_reshape     (mix.loss.off_policy_reshape)
-    on-policy reshapes    mix_src.algo.core_alg.register_on_policy_reshape      (mix.loss.on_policy_reshape)
-    advantage estimators  mix_src.trainer.adv_estimators.register_adv_estimator    (algorithm.adv_estimator)
-    group filters         mix_src.algo.filter_groups.register_group_filter      (mix.filter_groups.rule)
-    rollout policies      mix_src.trainer.rollout_policy.register_rollout_policy   (mix.rollout_policy)
-    row losses            mix_src.algo.row_loss.register_row_loss               (mix.loss.row_loss)
-    SFT aggregations      mix_src.algo.row_loss.SFT_AGGS.register                (mix.loss.sft_loss_agg)
-    loss combinations     mix_src.algo.loss_combine.register_loss_combine       (mix.loss.combine)
-    off-policy behaviours mix_src.algo.off_policy_behaviour.register_off_policy_behaviour (mix.loss.off_policy_behaviour)
+    extension point          register with (module.name)                               picked by
+    prefix strategies        algo.prefix.register_prefix_strategy                      mix.prefix_strategy
+    off-policy reshapes      algo.token_maths.register_off_policy_reshape              mix.loss.off_policy_reshape
+    on-policy reshapes       algo.token_maths.register_on_policy_reshape               mix.loss.on_policy_reshape
+    prefix token selections  algo.prefix_select.register_prefix_token_select           mix.loss.prefix_token_select
+    off-policy behaviours    algo.off_policy_behaviour.register_off_policy_behaviour   mix.loss.off_policy_behaviour
+    row losses               algo.row_loss.register_row_loss                           mix.loss.row_loss
+    SFT aggregations         algo.row_loss.SFT_AGGS.register                           mix.loss.sft_loss_agg
+    loss combinations        algo.loss_combine.register_loss_combine                   mix.loss.combine
+    loss terms               algo.loss_terms.register_loss_term                        (every term, always)
+    group filters            algo.filter_groups.register_group_filter                  mix.filter_groups.rule
+    advantage estimators     trainer.adv_estimators.register_adv_estimator             algorithm.adv_estimator
+    rollout policies         trainer.rollout_policy.register_rollout_policy            mix.rollout_policy
+    tool environments        rollout.environments.register_environment                 a row's data_source
 
 Every entry describes itself (:class:`Entry`): the trainer bases it supports (``"legacy"`` =
-:class:`~mix_src.trainer.legacy.MIXRayPPOTrainer`, ``"v1"`` = ``trainer.use_v1=true``) and, for each base it does
-not support, why; its settings (:class:`Setting`: default and check); its own config checks; and the config keys
-it reads. :func:`check_selected_entries`, run by the entry point before Ray starts, looks up the entry each
-registry's key selects, refuses it on a base it does not support (with its reason), validates its settings
-(:func:`resolve_settings`) and runs its checks, so no caller special-cases a name:
+:class:`~mix_src.trainer.legacy.MIXRayPPOTrainer`, ``"v1"`` = ``trainer.use_v1=true``) and why not the others,
+its settings (:class:`Setting`), its own config checks and the keys it reads. Before Ray starts,
+:func:`check_selected_entries` looks up the entry each registry's key selects, refuses it on a base it does not
+support, validates its settings (:func:`resolve_settings`) and runs its checks, so no caller special-cases a name:
 
     @REG.register("mine", bases=("legacy",), why_not={"v1": "needs a second generation pass"},
                   settings={"k": integer(3, 1)}, check=lambda cfg: ..., reads=("mix.my_key",))
 
-Settings take one way, ``mix.plugin_options.<entry name>.<setting>`` (or a registry's older spelling), checked
-once on the driver by :func:`resolve_settings`; the entry reads them with ``REG.settings(name, given)``.
+Settings are given as ``mix.plugin_options.<entry name>.<setting>`` (or a registry's older spelling) and read
+with ``REG.settings(name, given)``.
 
-A plugin is a Python module or a ``.py`` file that registers with these decorators (or verl's own,
-e.g. ``register_policy_loss``); ``mix.plugins=[my_pkg.my_mod, /abs/or/relative/plugin.py]`` loads it.
-The entry point imports the plugins on the driver before the config is validated and exports them in
-``MIX_PLUGINS`` (absolute paths) to every Ray process; there :mod:`mix_src.plugins`, imported by
-verl's ``VERL_USE_EXTERNAL_MODULES`` hook at ``import verl`` (verl/__init__.py), imports them again, and
-every registry lookup re-checks ``MIX_PLUGINS`` first, so nothing is looked up before the plugins are in.
+A plugin is a module or ``.py`` file that registers with these decorators (or verl's own, e.g.
+``register_policy_loss``); ``mix.plugins=[my_pkg.my_mod, path/plugin.py]`` loads it on the driver before the
+config is validated, and ``MIX_PLUGINS`` (absolute paths) carries it to every Ray process, where
+:mod:`mix_src.plugins` (verl's ``VERL_USE_EXTERNAL_MODULES`` hook, verl/__init__.py) imports it again; every
+registry lookup re-checks ``MIX_PLUGINS`` first.
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ class EntryConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Setting:
-    """One setting an entry declares: its ``default``; ``ok(value) -> bool`` and ``want`` (what a good value is,
-    the error's text). ``nullable``: null is a good value too."""
+    """One declared setting: ``default``; ``ok(value) -> bool``; ``want``, a good value in words (the error's text);
+    ``nullable``: null is good too."""
 
     default: Any
     ok: Callable[[Any], bool] = lambda v: True
@@ -99,13 +100,11 @@ def one_of(default: Any, *values: Any) -> Setting:
 
 @dataclass(frozen=True)
 class Entry:
-    """What a registry entry says of itself.
-
-    ``bases``: the trainer bases it supports; ``why_not``: for every other base, why (the refusal's text);
-    ``settings``: what it takes from ``mix.plugin_options.<name>`` (:class:`Setting` per key, checked by
-    :func:`resolve_settings`); ``check(config)``: its own checks across keys on the whole composed config (settings
-    already resolved), raising :class:`EntryConfigError` (or any ValueError) naming the key and value; ``reads``: the
-    config keys (full dotted paths) it reads; ``options``: fixed traits documented by the registry that owns it."""
+    """What a registry entry says of itself: ``bases`` it supports and ``why_not`` for every other (the refusal's
+    text); ``settings`` taken from ``mix.plugin_options.<name>`` (checked by :func:`resolve_settings`);
+    ``check(config)``, its own checks on the whole composed config, raising :class:`EntryConfigError` (or any
+    ValueError) naming the key and value; ``reads``, the dotted config keys it reads; ``options``, fixed traits
+    documented by the registry that owns it."""
 
     name: str
     fn: Callable
@@ -120,10 +119,8 @@ class Entry:
         """The error text if this entry cannot run on ``base``, else None."""
         if base in self.bases:
             return None
-        return (
-            f"{registry.config_key}={self.name!r} is not supported on the {base!r} trainer base "
-            f"({_BASE_SWITCH[base]}): {self.why_not[base]}"
-        )
+        return (f"{registry.config_key}={self.name!r} is not supported on the {base!r} trainer base "
+                f"({_BASE_SWITCH[base]}): {self.why_not[base]}")
 
 
 _BASE_SWITCH = {"legacy": "trainer.use_v1=false", "v1": "trainer.use_v1=true"}
@@ -135,31 +132,21 @@ class Registry(Generic[F]):
 
     def __init__(self, kind: str, config_key: str, selected: Optional[Callable[[Any], list[str]]] = None,
                  old_settings: Optional[Mapping[str, str]] = None):
-        """``selected(config)`` returns the names the config picks from this registry (default: the value
-        at ``config_key``, if set); :func:`check_selected_entries` checks exactly those entries.
-        ``old_settings``: an older spelling of the entry's settings, {setting: key} or {"*": key of a mapping}."""
+        """``selected(config)``: the names the config picks (default: the value at ``config_key``, if set), the
+        entries :func:`check_selected_entries` checks. ``old_settings``: an older spelling of the entries'
+        settings, {setting: key} or {"*": key of a mapping}."""
         self.kind, self.config_key = kind, config_key
         self._selected = selected
         self.old_settings = dict(old_settings or {})
-        self._entries: dict[str, F] = {}
-        self._described: dict[str, Entry] = {}
+        self._entries: dict[str, Entry] = {}
         _REGISTRIES.append(self)
 
-    def register(
-        self,
-        name: str,
-        *,
-        bases: tuple[str, ...] = BASES,
-        why_not: Optional[Mapping[str, str]] = None,
-        check: Optional[Callable[[Any], None]] = None,
-        reads: tuple[str, ...] = (),
-        settings: Optional[Mapping[str, Setting]] = None,
-        **options,
-    ) -> Callable[[F], F]:
-        """Decorator: ``@REG.register("name", ...)`` adds the function under ``name`` with its self-description
-        (:class:`Entry`; ``options`` are stored with it, see the registry's own documentation). Every base
-        left out of ``bases`` needs its reason in ``why_not``. A name registered twice is an error, unless it
-        is the same function again (a module imported twice)."""
+    def register(self, name: str, *, bases: tuple[str, ...] = BASES, why_not: Optional[Mapping[str, str]] = None,
+                 check: Optional[Callable[[Any], None]] = None, reads: tuple[str, ...] = (),
+                 settings: Optional[Mapping[str, Setting]] = None, **options) -> Callable[[F], F]:
+        """Decorator: add the function under ``name`` with its :class:`Entry` (``options``: see the registry's own
+        documentation). Every base left out of ``bases`` needs its reason in ``why_not``. A name registered twice
+        is an error, unless it is the same function again (a module imported twice)."""
         bases = tuple(bases)
         why_not = dict(why_not or {})
         unknown = [b for b in (*bases, *why_not) if b not in BASES]
@@ -171,18 +158,18 @@ class Registry(Generic[F]):
 
         def deco(fn: F) -> F:
             old = self._entries.get(name)
-            if old is not None and _qualname(old) != _qualname(fn):
-                raise ValueError(f"{self.kind} {name!r} is already registered (by {_qualname(old)})")
-            self._entries[name] = fn
-            self._described[name] = Entry(name, fn, bases, why_not, check, tuple(reads), dict(options), dict(settings or {}))
+            if old is not None and _qualname(old.fn) != _qualname(fn):
+                raise ValueError(f"{self.kind} {name!r} is already registered (by {_qualname(old.fn)})")
+            self._entries[name] = Entry(name, fn, bases, why_not, check, tuple(reads), dict(options), dict(settings or {}))
             return fn
 
         return deco
 
     def describe(self, name: str) -> Entry:
-        """The entry registered as ``name``, with its self-description."""
-        self.get(name)
-        return self._described[name]
+        """The entry registered as ``name`` (plugins in ``MIX_PLUGINS`` are imported first)."""
+        if name not in self:
+            raise KeyError(self.unknown(name))
+        return self._entries[name]
 
     def selected(self, config: Any) -> list[str]:
         """The names ``config`` picks from this registry."""
@@ -195,11 +182,7 @@ class Registry(Generic[F]):
 
     def get(self, name: str) -> F:
         """The function registered as ``name`` (plugins in ``MIX_PLUGINS`` are imported first)."""
-        if name not in self._entries:
-            load_plugins_from_env()
-        if name not in self._entries:
-            raise KeyError(self.unknown(name))
-        return self._entries[name]
+        return self.describe(name).fn
 
     def options(self, name: str) -> dict:
         return dict(self.describe(name).options)
@@ -211,10 +194,8 @@ class Registry(Generic[F]):
 
     def unknown(self, name: str) -> str:
         """The error text for an unknown name: the key, the value and every registered name."""
-        return (
-            f"{self.config_key}={name!r} is not a registered {self.kind}; registered: {', '.join(self.names())} "
-            f"(a plugin adds one: see mix_src/extend.py and mix.plugins)"
-        )
+        return (f"{self.config_key}={name!r} is not a registered {self.kind}; registered: {', '.join(self.names())} "
+                f"(a plugin adds one: see mix_src/extend.py and mix.plugins)")
 
     def names(self) -> list[str]:
         load_plugins_from_env()
@@ -238,28 +219,32 @@ def trainer_base(config: Any) -> str:
     return "v1" if bool(trainer.get("use_v1", False)) else "legacy"
 
 
+def _selected_entries(config: Any) -> Iterator[tuple[Registry, Entry]]:
+    """Each registry's entries the config selects; a name no registry knows is left to the caller's own error
+    (e.g. verl's estimators are not in ours)."""
+    for registry in list(_REGISTRIES):
+        for name in registry.selected(config):
+            if name in registry._entries:
+                yield registry, registry._entries[name]
+
+
 def check_selected_entries(config: Any) -> None:
-    """Before Ray starts: for every registry, each entry the config selects must support this trainer base,
-    and its own ``check`` must pass. Raises :class:`EntryConfigError` naming the key and the entry. A name no
-    registry knows is left to the caller's own error (e.g. verl's estimators are not in ours)."""
+    """Before Ray starts: each entry the config selects must support this trainer base, and its own ``check``
+    must pass. Raises :class:`EntryConfigError` naming the key and the entry."""
     load_plugins_from_env()
     base = trainer_base(config)
     resolve_settings(config)
-    for registry in list(_REGISTRIES):
-        for name in registry.selected(config):
-            if name not in registry._entries:
-                continue
-            entry = registry._described[name]
-            why = entry.refusal(registry, base)
-            if why:
-                raise EntryConfigError(why)
-            if entry.check is not None:
-                try:
-                    entry.check(config)
-                except EntryConfigError:
-                    raise
-                except ValueError as e:
-                    raise EntryConfigError(f"{registry.config_key}={name!r}: {e}") from e
+    for registry, entry in _selected_entries(config):
+        why = entry.refusal(registry, base)
+        if why:
+            raise EntryConfigError(why)
+        if entry.check is not None:
+            try:
+                entry.check(config)
+            except EntryConfigError:
+                raise
+            except ValueError as e:
+                raise EntryConfigError(f"{registry.config_key}={entry.name!r}: {e}") from e
 
 
 def resolve_settings(config: Any) -> None:
@@ -268,27 +253,24 @@ def resolve_settings(config: Any) -> None:
     written back to both, so every process reads checked values."""
     from omegaconf import OmegaConf, open_dict
 
-    for registry in list(_REGISTRIES):
-        for name in registry.selected(config):
-            if name not in registry._entries:
-                continue
-            given, where = _given_settings(config, registry, name)
-            declared = registry._described[name].settings
-            unknown = sorted(set(given) - set(declared))
-            if unknown:
-                raise EntryConfigError(f"{registry.config_key}={name!r}: unknown key(s) {[where[k] for k in unknown]}; "
-                                       f"valid: {sorted(declared)}")  # fmt: skip
-            for key, value in given.items():
-                why = declared[key].error(where[key], value)
-                if why:
-                    raise EntryConfigError(why)
-            if not declared:
-                continue
-            full = registry.settings(name, given)
-            with open_dict(config):
-                OmegaConf.update(config, f"mix.plugin_options.{name}", full, merge=False, force_add=True)
-                for key, old in registry.old_settings.items():
-                    OmegaConf.update(config, old, full if key == "*" else full[key], merge=False, force_add=True)
+    for registry, entry in _selected_entries(config):
+        name, declared = entry.name, entry.settings
+        given, where = _given_settings(config, registry, name)
+        unknown = sorted(set(given) - set(declared))
+        if unknown:
+            raise EntryConfigError(f"{registry.config_key}={name!r}: unknown key(s) {[where[k] for k in unknown]}; "
+                                   f"valid: {sorted(declared)}")  # fmt: skip
+        for key, value in given.items():
+            why = declared[key].error(where[key], value)
+            if why:
+                raise EntryConfigError(why)
+        if not declared:
+            continue
+        full = registry.settings(name, given)
+        with open_dict(config):
+            OmegaConf.update(config, f"mix.plugin_options.{name}", full, merge=False, force_add=True)
+            for key, old in registry.old_settings.items():
+                OmegaConf.update(config, old, full if key == "*" else full[key], merge=False, force_add=True)
 
 
 def _given_settings(config: Any, registry: "Registry", name: str) -> tuple[dict, dict]:
@@ -336,8 +318,7 @@ def resolve_plugin(spec: str) -> str:
 
 
 def _module_name(path: str) -> str:
-    """A stable module name for a plugin file, the same in every process (pickled functions defined in
-    the plugin refer to it)."""
+    """A plugin file's module name, the same in every process (pickled functions of the plugin refer to it)."""
     stem = os.path.splitext(os.path.basename(path))[0]
     safe = "".join(c if c.isalnum() else "_" for c in stem)
     return f"mix_plugin_{safe}_{hashlib.sha1(path.encode()).hexdigest()[:8]}"
@@ -370,10 +351,8 @@ def load_plugins(specs) -> list[str]:
                 name = importlib.import_module(spec).__name__
             except ModuleNotFoundError as err:
                 if err.name and spec.startswith(err.name):
-                    raise ModuleNotFoundError(
-                        f"mix.plugins: cannot import plugin module '{spec}' ({err}); give an importable module "
-                        "name or a path to a .py file"
-                    ) from err
+                    raise ModuleNotFoundError(f"mix.plugins: cannot import plugin module '{spec}' ({err}); give an "
+                                              "importable module name or a path to a .py file") from err
                 raise
         _LOADED[spec] = name
         names.append(name)
@@ -385,12 +364,10 @@ class PluginImportError(ImportError):
 
 
 def load_verl_plugins() -> list[str]:
-    """Import every ``verl.plugins`` entry point that verl's own loader imports (``verl/__init__.py``, same
-    ``VERL_USE_EXTERNAL_PLUGINS`` policy), raising :class:`PluginImportError` naming the first that fails.
-    verl's loader logs such a failure only at DEBUG and runs on without the plugin (e.g. the CPU backend),
-    so this runs in every process: from :mod:`mix_src.plugins` (``VERL_USE_EXTERNAL_MODULES``, set for
-    every Ray process by the entry point) and on the driver before the config is checked. A plugin already
-    imported is not imported again. Returns the entry-point names loaded."""
+    """Import the ``verl.plugins`` entry points verl's own loader imports (``verl/__init__.py``, same
+    ``VERL_USE_EXTERNAL_PLUGINS`` policy), raising :class:`PluginImportError` naming the first that fails (verl
+    logs it at DEBUG and runs on without it, e.g. without the CPU backend). Runs on the driver and, through
+    :mod:`mix_src.plugins`, in every Ray process. Returns the entry-point names loaded."""
     from importlib.metadata import entry_points
 
     policy = os.getenv("VERL_USE_EXTERNAL_PLUGINS", "auto").strip().lower()
@@ -416,6 +393,4 @@ def load_verl_plugins() -> list[str]:
 
 def load_plugins_from_env() -> list[str]:
     """Import the plugins listed in ``MIX_PLUGINS`` (set by the entry point for every Ray process)."""
-    value = os.environ.get(PLUGINS_ENV, "")
-    specs = [s for s in value.split(",") if s.strip()]
-    return load_plugins(specs) if specs else []
+    return load_plugins([s for s in os.environ.get(PLUGINS_ENV, "").split(",") if s.strip()])
