@@ -23,10 +23,11 @@ read); a file that cannot be read is left to the data check (slot 4 of :func:`mi
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Iterable, Optional
 
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig
 
+from mix_src.config.data_check import data_files
 from mix_src.config.mix_config import MixConfigError
 
 A = "actor_rollout_ref.actor"
@@ -118,11 +119,6 @@ def _check_mini_batches(config: DictConfig) -> None:
         )
 
 
-def _paths(value) -> list[str]:
-    values = list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
-    return [os.path.expanduser(str(v)) for v in values if v is not None and "://" not in str(v)]
-
-
 def parquet_rows(path: str) -> Optional[int]:
     """Rows in a parquet file (or a directory of them) from the footer, without reading them; None when it
     cannot be read as parquet (the data check names that)."""
@@ -134,13 +130,18 @@ def parquet_rows(path: str) -> Optional[int]:
         return None
 
 
+def rows_of(paths: Iterable[str]) -> Optional[int]:
+    """Rows of these parquet files together (:func:`parquet_rows`); None when there are none or one is unreadable."""
+    counts = [parquet_rows(p) for p in paths]
+    return None if not counts or None in counts else sum(counts)
+
+
 def _check_rows(config: DictConfig) -> None:
     if bool(config.trainer.get("val_only", False)):
         return
-    counts = [parquet_rows(p) for p in _paths(config.data.train_files)]
-    if not counts or any(c is None for c in counts):
+    rows = rows_of(data_files(config.data.train_files))
+    if rows is None:
         return  # remote or unreadable: not countable here
-    rows = sum(counts)
     cap = config.data.get("train_max_samples", -1)
     if cap is not None and int(cap) > 0:
         rows = min(rows, int(cap))

@@ -1,30 +1,16 @@
 """Data contents, checked on the driver before Ray starts (preflight slot 4).
 
-``check_data(config)`` opens each ``data.train_files`` / ``data.val_files`` file the way verl's ``RLHFDataset``
-reads it (``.parquet``, ``.json``, ``.jsonl``; verl/utils/dataset/rl_dataset.py ``_read_files_and_tokenize``) and
+:func:`check_data` opens each ``data.train_files`` / ``data.val_files`` file the way verl's ``RLHFDataset`` reads
+it (verl/utils/dataset/rl_dataset.py ``_read_files_and_tokenize``) and
 
-* **refuses a bad file** (:class:`~mix_src.config.mix_config.MixConfigError` naming the file, the column and what to
-  do): a directory, another extension, an empty or unreadable file, no rows, no ``data.prompt_key`` column, a
-  prompt column of strings, no ``reward_model`` column, a target column (``mix.data.target_key``) that is not
-  text, fewer usable training rows than one batch (``data.train_batch_size``);
-* **drops bad rows and counts them** in one summary line per file, naming the first bad row: a row fails
-  :func:`row_problem` (prompt not a chat list of ``{role, content}`` strings; ``reward_model.ground_truth``
-  missing, empty or NaN/inf text). The workers see the same rows because the dataset class
-  (:class:`mix_src.trainer.dataset.RLHFDatasetWithTarget`) drops rows with this same function when it loads the files;
-  with another ``data.custom_cls`` nothing would drop them, so a bad row is refused instead;
-* **prompts longer than ``data.max_prompt_length``** (verl's count: the chat template with the generation
-  prompt, ``data.apply_chat_template_kwargs``): with ``data.filter_overlong_prompts=true`` verl's dataset drops
-  them (counted here); otherwise ``data.truncation=error`` refuses them here with the count (verl's agent loop
-  does not apply it: it left-truncates, verl/experimental/agent_loop/agent_loop.py ``_cap_text_prompt_length``),
-  and so do ``right`` / ``middle`` (the agent loop would cut from the left instead); ``left`` is what the agent
-  loop does, and is not counted here.
-
-* **targets longer than ``mix.data.max_target_length``** (tokens; the dataset drops their rows at load,
-  mix_src/trainer/dataset.py, unless ``mix.data.truncate_targets=true``): a target of at most that many UTF-8 bytes
-  fits for certain (a token of a byte-level tokenizer covers at least one byte), so only longer ones are
-  tokenised; up to :data:`EXACT_TARGETS` of them exactly (their rows leave the usable count, so a file whose
-  every target is too long is refused here rather than found empty inside Ray), beyond that a seeded sample
-  of :data:`SAMPLED_TARGETS` gives an estimate that is printed, not enforced.
+* **refuses a bad file** (:func:`check_file`, :class:`~mix_src.config.mix_config.MixConfigError` naming the file,
+  the column and what to do), and fewer usable training rows than one batch (``data.train_batch_size``);
+* **drops bad rows and counts them** in one summary line per file (:func:`row_problem`). The workers see the same
+  rows because :class:`mix_src.trainer.dataset.RLHFDatasetWithTarget` drops rows with this same function; with
+  another ``data.custom_cls`` nothing would drop them, so a bad row is refused instead;
+* **counts the prompts over ``data.max_prompt_length``** (:func:`check_prompt_lengths`) and **the targets over
+  ``mix.data.max_target_length``** (:func:`check_target_lengths`) that the dataset drops, so that a file left
+  with no usable rows is refused here rather than found empty inside Ray.
 
 Cost: see scripts/data/README.md ("The data check").
 """
@@ -34,6 +20,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import random
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
@@ -50,6 +37,7 @@ SAMPLED_TARGETS = 2000  # ... else a seeded sample of this many, for an estimate
 
 # ------------------------------------------------------------------------------------------ one row
 def _as_list(value) -> Any:
+    """A numpy array (as parquet gives) as a list; anything else unchanged."""
     return value.tolist() if hasattr(value, "tolist") and not isinstance(value, str) else value
 
 
@@ -58,8 +46,7 @@ def normalize_target(value: Any) -> Optional[str]:
 
     Accepts LUFFY's list-of-one-message form, a message dict, or a plain string.
     """
-    if hasattr(value, "tolist") and not isinstance(value, str):  # numpy arrays from parquet
-        value = value.tolist()
+    value = _as_list(value)  # numpy arrays from parquet
     if isinstance(value, (list, tuple)):
         if len(value) == 0:
             return None
@@ -73,9 +60,7 @@ def normalize_target(value: Any) -> Optional[str]:
 
 def is_episode(text: Optional[str]) -> bool:
     """A multi-turn expert episode (the tool loop's target: a JSON list of ``{role, content}`` messages,
-    mix_src/rollout/agent_loop_tools.py ``parse_episode``). Its length is the tool loop's to measure (its assistant and tool
-    tokens as the loop lays them out; recipes/toy_calculator/prepare.py drops longer ones), not the JSON text's, so
-    the ``mix.data.max_target_length`` rule skips it."""
+    mix_src/rollout/agent_loop_tools.py ``parse_episode``), whose length the tool loop measures, not this check."""
     if not text or not text.lstrip().startswith("["):
         return False
     try:
@@ -242,9 +227,7 @@ def _text_like(arrow_type: str) -> bool:
 # --------------------------------------------------------------------------------------- prompt length
 def prompt_lengths(config: DictConfig, prompts: list) -> list[int]:
     """Token counts of the templated prompts, as verl's ``maybe_filter_out_long_prompts`` counts them."""
-    model = config.actor_rollout_ref.model
-    path = os.path.expanduser(str(model.get("tokenizer_path") or model.path))
-    tok = _tokenizer(path, bool(model.get("trust_remote_code", False)))
+    tok = _tokenizer(config)
     kwargs = dict(config.data.get("apply_chat_template_kwargs") or {})
     for k in ("tokenize", "return_dict", "return_tensors"):
         kwargs.pop(k, None)
@@ -253,17 +236,24 @@ def prompt_lengths(config: DictConfig, prompts: list) -> list[int]:
     return [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
 
 
+def _tokenizer(config: DictConfig):
+    """The policy's tokenizer (``model.tokenizer_path`` or ``model.path``), loaded once for all files."""
+    model = config.actor_rollout_ref.model
+    return _load_tokenizer(os.path.expanduser(str(model.get("tokenizer_path") or model.path)),
+                           bool(model.get("trust_remote_code", False)))
+
+
 @functools.lru_cache(maxsize=2)
-def _tokenizer(path: str, trust_remote_code: bool):
-    """The policy's tokenizer, loaded once for the train and val files."""
+def _load_tokenizer(path: str, trust_remote_code: bool):
     from verl.utils import hf_tokenizer
 
     return hf_tokenizer(path, trust_remote_code=trust_remote_code)
 
 
 def check_prompt_lengths(config: DictConfig, key: str, report: FileReport) -> set[int]:
-    """Apply ``data.truncation`` / ``data.filter_overlong_prompts`` to one file. Returns the rows verl's dataset
-    will filter out; raises for ``truncation=error``."""
+    """Apply ``data.truncation`` / ``data.filter_overlong_prompts`` to one file (verl's count: the chat template
+    with the generation prompt). Returns the rows verl's dataset will filter out; raises for ``truncation=error``,
+    ``right`` and ``middle`` (verl's agent loop left-truncates whatever it says; ``left`` is not checked)."""
     limit = int(config.data.max_prompt_length)
     lengths = prompt_lengths(config, report.prompts)
     over = [report.kept[j] for j, n in enumerate(lengths) if n > limit]
@@ -289,9 +279,11 @@ def check_prompt_lengths(config: DictConfig, key: str, report: FileReport) -> se
 
 # --------------------------------------------------------------------------------------- target length
 def check_target_lengths(config: DictConfig, key: str, report: FileReport) -> set[int]:
-    """Rows the dataset will drop for a target over ``mix.data.max_target_length`` tokens (exact up to
-    :data:`EXACT_TARGETS` candidates, else none with a printed estimate). None with ``truncate_targets=true`` or when
-    ``sample_target_ratio < 1`` (the dataset drops only sampled targets; an upper bound would refuse wrongly)."""
+    """Rows the dataset (mix_src/trainer/dataset.py) will drop for a target over ``mix.data.max_target_length``
+    tokens: only targets longer in UTF-8 bytes are tokenised, exactly up to :data:`EXACT_TARGETS` of them, else a
+    seeded sample of :data:`SAMPLED_TARGETS` gives a printed estimate and none. None with ``truncate_targets=true``
+    or when ``sample_target_ratio < 1`` (the dataset drops only sampled targets; an upper bound would refuse
+    wrongly). Multi-turn episodes are the tool loop's to measure (:func:`is_episode`)."""
     target_cfg = (config.get("mix") or {}).get("data") or {}
     cap = target_cfg.get("max_target_length")
     if cap is None or bool(target_cfg.get("truncate_targets", False)):
@@ -302,15 +294,8 @@ def check_target_lengths(config: DictConfig, key: str, report: FileReport) -> se
     if not candidates:
         return set()
     exact = len(candidates) <= EXACT_TARGETS
-    longer = candidates
-    if not exact:
-        import random
-
-        longer = random.Random(0).sample(candidates, SAMPLED_TARGETS)
-    model = config.actor_rollout_ref.model
-    tok = _tokenizer(os.path.expanduser(str(model.get("tokenizer_path") or model.path)),
-                     bool(model.get("trust_remote_code", False)))
-    ids = tok([report.targets[j] for j in longer], add_special_tokens=False)["input_ids"]
+    longer = candidates if exact else random.Random(0).sample(candidates, SAMPLED_TARGETS)
+    ids = _tokenizer(config)([report.targets[j] for j in longer], add_special_tokens=False)["input_ids"]
     over = [report.kept[j] for j, t in zip(longer, ids) if len(t) > cap]
     if not over:
         return set()
@@ -328,7 +313,7 @@ def check_target_lengths(config: DictConfig, key: str, report: FileReport) -> se
 
 
 # ----------------------------------------------------------------------------------------- the stage
-def _files(value, remote: bool = False) -> list[str]:
+def data_files(value, remote: bool = False) -> list[str]:
     """The local files of a ``data.*_files`` value (``remote=True``: all of them; verl copies hdfs:// ones itself)."""
     values = list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
     return [os.path.expanduser(str(v)) for v in values if v is not None and (remote or "://" not in str(v))]
@@ -344,7 +329,7 @@ def check_data(config: DictConfig) -> dict[str, FileReport]:
     check_length = bool(data.get("filter_overlong_prompts", False)) or str(data.get("truncation", "error")) != "left"
     reports: dict[str, FileReport] = {}
     for key, role in (("data.train_files", "train"), ("data.val_files", "val")):
-        usable, paths = 0, _files(data.get(key.split(".")[1]))
+        usable, paths = 0, data_files(data.get(key.split(".")[1]))
         for path in paths:
             report = check_file(path, key, prompt_key, target_key if role == "train" else None)
             print(report.summary(role), flush=True)
@@ -357,7 +342,7 @@ def check_data(config: DictConfig) -> dict[str, FileReport]:
                 filtered |= check_target_lengths(config, key, report)
             usable += len(report.kept) - len(filtered)
             reports[path] = report
-        if paths and len(paths) == len(_files(data.get(key.split(".")[1]), remote=True)):  # a remote file: not counted
+        if paths and len(paths) == len(data_files(data.get(key.split(".")[1]), remote=True)):  # a remote file: not counted
             _check_enough(config, key, role, usable)
     return reports
 

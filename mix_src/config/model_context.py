@@ -23,16 +23,11 @@ import os
 from typing import Any, Optional
 
 from mix_src.config.mix_config import MixConfigError, uses_critic
+from mix_src.config.verl_parity import _get
 
 
-def _get(cfg: Any, key: str, default=None):
-    if cfg is None:
-        return default
-    value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
-    return default if value is None else value
-
-
-def _is_hub_id(path: str) -> bool:
+def is_hub_id(path: str) -> bool:
+    """'Qwen/Qwen2.5-Math-7B'-style model ids are resolved by transformers, not local paths."""
     return not path.startswith(("/", ".", "~")) and path.count("/") == 1
 
 
@@ -46,7 +41,7 @@ def model_context_length(model_cfg: Any, *, local_files_only: Optional[bool] = N
     path = str(_get(model_cfg, "hf_config_path") or _get(model_cfg, "path"))
     path = os.path.expanduser(path)
     if local_files_only is None:
-        local_files_only = _is_hub_id(path)
+        local_files_only = is_hub_id(path)
     hf_config = AutoConfig.from_pretrained(path, trust_remote_code=bool(_get(model_cfg, "trust_remote_code", False)),
                                            local_files_only=local_files_only)  # fmt: skip
     override = _get(model_cfg, "override_config", {}) or {}

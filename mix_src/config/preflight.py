@@ -22,7 +22,7 @@ from mix_src.config.data_check import check_data
 from mix_src.config.batch_check import check_batch_arithmetic
 from mix_src.cpu import CHECKPOINT_ENGINE as CPU_CHECKPOINT_ENGINE, ROLLOUT_ENV
 from mix_src.config.mix_config import MixConfigError, validate_mix_config
-from mix_src.config.model_context import check_attention, resolve_max_model_len
+from mix_src.config.model_context import check_attention, is_hub_id, resolve_max_model_len
 from mix_src.planner.check import check_memory
 from mix_src.extend import PLUGINS_ENV, check_selected_entries, load_plugins, load_verl_plugins, resolve_plugin
 from mix_src.config.verl_parity import check_verl_keys
@@ -159,7 +159,7 @@ def _check_paths(config: DictConfig) -> None:
         checks["actor_rollout_ref.model.tokenizer_path"] = _local_paths(tok)
     for key, paths in checks.items():
         for path in paths:
-            if not os.path.exists(os.path.expanduser(path)) and (key.startswith("data.") or not _is_hub_id(path)):
+            if not os.path.exists(os.path.expanduser(path)) and (key.startswith("data.") or not is_hub_id(path)):
                 raise FileNotFoundError(f"{key}: '{path}' does not exist (cwd {os.getcwd()}); {_missing_hint(key, path)}")
 
 
@@ -172,11 +172,6 @@ def _missing_hint(key: str, path: str) -> str:
                 "`python -m scripts.data.prepare_openr1 --input Elliott/Openr1-Math-46k-8192 --output data/openr1.parquet`, "
                 "`python -m scripts.data.prepare_eval --input LUFFY/data/valid.parquet --output data/valid.parquet`")
     return "fix the path: a local Hugging Face model folder, or a hub id such as Qwen/Qwen2.5-Math-1.5B"
-
-
-def _is_hub_id(path: str) -> bool:
-    """'Qwen/Qwen2.5-Math-7B'-style model ids are resolved by transformers, not checked here."""
-    return not path.startswith(("/", ".", "~")) and path.count("/") == 1
 
 
 V1_MODES = ("sync", "colocate_async", "separate_async")

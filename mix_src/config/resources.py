@@ -31,6 +31,8 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from mix_src.config.batch_check import rows_of
+from mix_src.config.data_check import data_files
 from mix_src.config.mix_config import MixConfigError
 from mix_src.planner import checkpoint_bytes, count_params
 
@@ -103,13 +105,8 @@ def total_steps(config: DictConfig) -> Optional[int]:
 
 
 def parquet_rows(files: Any) -> Optional[int]:
-    import pyarrow.parquet as pq
-
-    paths = [str(f) for f in (files if not isinstance(files, (str, bytes)) and hasattr(files, "__iter__") else [files])]
-    try:
-        return sum(pq.ParquetFile(os.path.expanduser(p)).metadata.num_rows for p in paths)
-    except Exception:  # a remote path, another format: the count is unknown, said in the printed line
-        return None
+    """Rows of all ``files``; None when one is remote or not parquet (the count is unknown, said in the line)."""
+    return rows_of(data_files(files, remote=True))
 
 
 def model_params(model_cfg: Any) -> Optional[int]:
