@@ -1,8 +1,7 @@
 """Advantage estimators that see ``prefix_mask``: a registry the trainer calls for ``algorithm.adv_estimator``.
 
-verl's own estimators (``verl.trainer.ppo.core_algos.register_adv_est``) never see which tokens came
-from a demonstration. An estimator registered here does; the trainer calls it for
-``algorithm.adv_estimator=<name>`` and falls back to verl's ``compute_advantage`` for every other name.
+verl's own estimators (``verl.trainer.ppo.core_algos.register_adv_est``) never see which tokens came from a
+demonstration; one registered here does. Every other name falls back to verl's ``compute_advantage``.
 
 Signature (one for all)::
 
@@ -37,9 +36,8 @@ ADV_ESTIMATORS: Registry[AdvEstimator] = Registry("prefix-aware advantage estima
 
 
 def register_adv_estimator(name: str, **entry) -> Callable[[AdvEstimator], AdvEstimator]:
-    """Register ``fn(token_level_rewards, response_mask, index, prefix_mask, config)`` under ``name``
-    here and, as a verl-signature wrapper without prefix mask, in verl's estimator registry. ``entry``:
-    the self-description of :meth:`mix_src.extend.Registry.register` (bases, why_not, check, reads)."""
+    """Register ``fn`` under ``name`` here and, as a verl-signature wrapper without prefix mask, in verl's registry.
+    ``entry``: the self-description of :meth:`mix_src.extend.Registry.register`."""
 
     def deco(fn: AdvEstimator) -> AdvEstimator:
         ADV_ESTIMATORS.register(name, **entry)(fn)

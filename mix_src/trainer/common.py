@@ -1,10 +1,8 @@
-"""What both trainer bases (legacy :class:`mix_src.trainer.legacy.MIXRayPPOTrainer`, V1 :class:`mix_src.trainer.v1.
-MixV1Mixin`) do the same way, written once: prefix seeding (each row's prefix ratio and sampling seed), the FLOPs
-meter (``flops/*``, ``mix.flops_budget``), the checkpointed ``mix_state.pt`` (learned entropy coefficient,
-rollout-policy state, FLOPs so far) and the MIX worker loss.
+"""What both trainer bases do the same way, written once: prefix seeding, the FLOPs meter (``flops/*``,
+``mix.flops_budget``), the checkpointed ``mix_state.pt`` and the MIX worker loss.
 
 :class:`MixTrainerCommon` is a mixin of both bases; every attribute has a class default, so the stage tests' trainers
-built without ``__init__`` work. The file format of ``mix_state.pt`` is unchanged (a dict; each base adds its own keys).
+built without ``__init__`` work.
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+from verl.utils.config import omega_conf_to_dataclass
 
 from mix_src.algo.flops import COUNTS, add_step_flops, rollout_flops, shape_unreadable
 from mix_src.worker.loss import MixPolicyLoss, add_combine_inputs, add_kept_token_counts, install_loss, pop_entropy_state
@@ -24,8 +23,8 @@ __all__ = ["MixTrainerCommon"]
 
 
 class MixTrainerCommon:
-    """Prefix seeding, FLOPs meter, ``mix_state.pt`` and the worker loss, shared by both bases (needs ``config``, ``mix``,
-    ``n``, ``prefix_seed``, ``global_steps``, ``actor_rollout_wg``, ``use_reference_policy``)."""
+    """Needs ``config``, ``mix``, ``n``, ``prefix_seed``, ``global_steps``, ``actor_rollout_wg``,
+    ``use_reference_policy``."""
 
     _flops_shape: Any = None  # the actor's ModelShape, read from its config.json on first use (or the read error)
     _flops: Optional[dict] = None  # the run's training FLOPs so far per count (saved: a resumed budget counts them)
@@ -37,8 +36,7 @@ class MixTrainerCommon:
 
     # ---- prefix seeding: keyed by (seed, global_step, gen_index), so a resumed run draws what an uninterrupted one drew
     def _row_ratios(self, num_prompts: int, gen_index: int, targets) -> np.ndarray:
-        """(num_prompts * n,) prefix ratios, rows ``i*n + j`` (:func:`mix_src.trainer.stages.draw_prefix_ratios`; rows without
-        a target get 0). ``targets``: one per row, or None."""
+        """(num_prompts * n,) prefix ratios (:func:`mix_src.trainer.stages.draw_prefix_ratios`)."""
         return draw_prefix_ratios(self.mix, num_prompts, self.n, seed=self.prefix_seed, global_step=self.global_steps,
                                   gen_index=gen_index, targets=targets)  # fmt: skip
 
@@ -56,11 +54,10 @@ class MixTrainerCommon:
         return self._flops
 
     def add_rollout_flops(self, prompt_lens, response_lens, generated_lens) -> None:
-        """Generation FLOPs of rows a rollout pass generated, counted at the next step's :meth:`_count_step_flops`.
-        An unreadable model shape counts nothing here (reported, or fatal with a budget, at the step's count)."""
+        """Generation FLOPs of rows a rollout pass generated, counted at the next step's :meth:`_count_step_flops`."""
         try:
             shape = self._model_shape()
-        except Exception:  # noqa: BLE001 - see the docstring
+        except Exception:  # noqa: BLE001 - reported (fatal with a budget) at the step's count
             return
         if self._rollout_flops is None:
             self._rollout_flops = {c: 0.0 for c in COUNTS}
@@ -94,15 +91,13 @@ class MixTrainerCommon:
     # ---- the worker loss and its learned entropy coefficient -------------------------------------------------
     def _install_mix_loss(self) -> None:
         """The MIX worker loss (mix_src/worker/loss.py) on every actor worker, continuing a restored entropy state."""
-        from verl.utils.config import omega_conf_to_dataclass
-
         actor_cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
         install_loss(self.actor_rollout_wg, MixPolicyLoss(actor_cfg, self.mix.loss, entropy_state=self._entropy_state))
 
     def _add_loss_inputs(self, batch: Any, dp_size) -> None:
-        """The per-row inputs the worker loss reads next to verl's fields, added to the DataProto ``batch`` before the
-        actor update: kept-token counts (``mix.loss.all_max_clip``; with ``row_loss`` the SFT-token counts) and the
-        population counts of ``mix.loss.combine`` (mix_src/worker/loss.py). ``dp_size()``: the actor's data-parallel size."""
+        """The per-row inputs the worker loss reads (mix_src/worker/loss.py: kept-token counts for
+        ``mix.loss.all_max_clip`` / ``row_loss``, ``mix.loss.combine``'s population counts), added to the DataProto
+        ``batch`` before the actor update. ``dp_size()``: the actor's data-parallel size."""
         add_kept_token_counts(batch, self.config, self.mix.loss, dp_size)
         add_combine_inputs(batch, self.config, self.mix.loss, dp_size, self.global_steps)
 
@@ -136,8 +131,8 @@ class MixTrainerCommon:
         torch.save(state, os.path.join(self._step_folder(), MIX_STATE_FILE))
 
     def _load_mix_state(self) -> Optional[dict]:
-        """Restore the shared state from the resumed folder's ``mix_state.pt`` (None when there is none; a file
-        written before this module, by either base, loads the same) and return the whole dict."""
+        """Restore the shared state from the resumed folder's ``mix_state.pt`` and return the whole dict (None when
+        there is none)."""
         path = os.path.join(self._resumed_folder(), MIX_STATE_FILE)
         if not os.path.exists(path):
             return None

@@ -1,9 +1,8 @@
 """One line that says what failed when a Ray worker fails, printed last by the driver.
 
 A failure inside Ray reaches the driver as ``ray.exceptions.RayTaskError`` wrapping the worker's exception
-(nested once per Ray hop: worker -> TaskRunner -> driver; ray/exceptions.py ``RayTaskError.cause``), or as
-``RayActorError``/``ActorDiedError`` when a process died; the log above it holds every worker's output (often
-more than 1,000 lines). :func:`failure_line` walks to the innermost cause and names it:
+(nested once per Ray hop; ray/exceptions.py ``RayTaskError.cause``), or as ``RayActorError`` when a process died.
+:func:`failure_line` walks to the innermost cause and names it:
 
     [mix_src] FAILED in WorkerDict.actor_rollout_update_actor (pid 1234): ZeroDivisionError: division by zero
 
@@ -35,10 +34,8 @@ def _first_line(text: str) -> str:
 
 
 def _task_name(error: BaseException) -> str:
-    """``Class.method (pid N)`` of a RayTaskError. The instance ``ray.get`` raises is Ray's dual class (a
-    subclass of the cause's type) that keeps only ``cause``, so the name comes from its message's innermost
-    ``ray::Class.method() (pid=N, ip=...)`` line."""
-    # the message holds every hop's line, outermost first (a cause that crossed a process keeps only its text)
+    """``Class.method (pid N)`` of a RayTaskError, from its message's innermost ``ray::Class.method() (pid=N, ...)``
+    line (Ray's dual class that ``ray.get`` raises keeps only ``cause``)."""
     found = re.findall(r"ray::([\w.]+)\(\)\W*\(pid=(\d+)", re.sub(r"\x1b\[[0-9;]*m", "", str(error)))
     if found:
         return f"{found[-1][0]} (pid {found[-1][1]})"

@@ -1,14 +1,9 @@
 """``MIXRayPPOTrainer``: LUFFY's off-policy guided GRPO with DAPO-style filter groups, on verl's RayPPOTrainer.
 
-The trainer only orchestrates; the maths lives in :mod:`mix_src.algo`, the worker loss in :mod:`mix_src.worker.loss`
-and the rollout in :mod:`mix_src.rollout.agent_loop`. One training step (``_step``) is the numbered stages of
-mix_src/README.md "The algorithm and its knobs": 1-3 generate, reward, filter groups
-(:class:`mix_src.trainer.legacy_collect.LegacyCollect`); 4 log-probs; 5 advantages; 6 update, checkpoint, weight
-sync; 7 metrics. The pieces both bases share are :mod:`mix_src.trainer.stages` and :mod:`mix_src.trainer.common`.
-
-The loop honours or refuses every setting verl's own ``fit`` reads (:mod:`mix_src.config.verl_parity`); when the
-data runs out first it checkpoints and validates its last step, and a resumed run continues the data where
-it stopped (``mix_state.pt``, which also keeps the rollout policy's own state, e.g. a replay buffer).
+One training step (``_step``) is the numbered stages of mix_src/README.md "The algorithm and its knobs": 1-3
+generate, reward, filter groups (:class:`mix_src.trainer.legacy_collect.LegacyCollect`); 4 log-probs; 5 advantages;
+6 update, checkpoint, weight sync; 7 metrics. The loop honours or refuses every setting verl's own ``fit`` reads
+(:mod:`mix_src.config.verl_parity`).
 
 How it departs from LUFFY's trainer (arXiv 2504.14945, github.com/ElliottYan/LUFFY): ratios are drawn on the driver, not with
 Python's global ``random`` on each TP rank; ratio-1.0 rows never reach the inference server; filter
@@ -27,6 +22,7 @@ from omegaconf import OmegaConf, open_dict
 from tqdm import tqdm
 
 from verl import DataProto
+from verl.protocol import pad_dataproto_to_divisor
 from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.metric_utils import (
     compute_data_metrics,
@@ -36,10 +32,12 @@ from verl.trainer.ppo.metric_utils import (
 )
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer, apply_kl_penalty, compute_advantage, compute_spec_decode_metrics
 from verl.trainer.ppo.reward import extract_reward
+from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
 from verl.utils.checkpoint.checkpoint_manager import should_save_ckpt_esi
 from verl.utils.debug import marked_timer
 from verl.utils.metric import reduce_metrics
 from verl.utils.skip.skip_manager import SkipManager
+from verl.utils.tracking import Tracking
 
 from mix_src.algo.flops import lengths_from_masks
 from mix_src.config.mix_config import MixConfig
@@ -100,8 +98,6 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
     # ------------------------------------------------------------------------------------------------
     # the loop
     def fit(self):
-        from verl.utils.tracking import Tracking
-
         if self._dump_executor._shutdown:
             self._init_dump_executor()
         tracker = Tracking(
@@ -153,9 +149,8 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
             self.actor_rollout_wg.async_calls_finalize_fn_exec(blocking=blocking)
 
     def _end_of_data(self, tracker, first_step: int) -> None:
-        """The data ran out before ``total_training_steps`` (filter groups use more than one batch per step):
-        checkpoint and validate the last finished step unless its own step already did, so that no step
-        since the last ``save_freq`` multiple is lost."""
+        """The data ran out before ``total_training_steps``: checkpoint and validate the last finished step unless
+        its own step already did."""
         self.global_steps -= 1  # the step that could not be filled never ran
         step, cfg = self.global_steps, self.config.trainer
         if step < first_step:
@@ -173,8 +168,7 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
     # ------------------------------------------------------------------------------------------------
     # rollout replicas: generation needs them awake, a colocated reward model or the trainer needs them asleep
     def _wake_rollout(self) -> None:
-        """Weights to the rollout replicas, which wakes them (verl's _validate does the same after a colocated
-        reward model: "replace with wake_up method once supported")."""
+        """Weights to the rollout replicas, which wakes them (as verl's _validate does after a colocated reward model)."""
         self.checkpoint_manager.update_weights(self.global_steps)
         self._rollout_awake = True
 
@@ -185,11 +179,8 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
 
     def _actor_entropy(self, rows: DataProto) -> torch.Tensor:
         """RolloutContext.entropy: (rows, response_len) per-token entropy of generated rows under the current
-        actor, by verl's old-log-prob pass (``calculate_entropy=True``), padded (repeated rows) to a multiple of the
-        world size x the log-prob micro-batch, as verl's static micro-batching requires; the
-        rollout replicas sleep first, as before stage 4 (the next ``generate`` wakes them with the weights)."""
-        from verl.protocol import pad_dataproto_to_divisor
-
+        actor, by verl's old-log-prob pass, padded to a multiple of world size x log-prob micro-batch (verl's
+        static micro-batching); the rollout replicas sleep first, as before stage 4."""
         self._sleep_rollout()
         sub = DataProto(batch=rows.batch, non_tensor_batch=dict(rows.non_tensor_batch), meta_info=dict(rows.meta_info))
         sub.meta_info["temperature"] = self.config.actor_rollout_ref.rollout.temperature
@@ -246,8 +237,7 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
         return self._budget_reached
 
     def _dump_rollouts(self, batch: DataProto, timing: dict, rollout_data_dir: str) -> None:
-        """``trainer.rollout_data_dir``: verl's JSONL dump of the step's training rows, plus each row's
-        prefix ratio and number of prefix (target) tokens."""
+        """``trainer.rollout_data_dir``: verl's JSONL dump of the step's rows, plus their prefix ratio and tokens."""
         _, extra = extract_reward(batch)
         extra = dict(extra)
         extra["prefix_ratio"] = np.asarray(batch.non_tensor_batch["prefix_ratio"], dtype=np.float64)
@@ -282,15 +272,11 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
         return self._apply_rollout_correction(batch, metrics)
 
     def _apply_rollout_correction(self, batch: DataProto, metrics: dict) -> DataProto:
-        """``algorithm.rollout_correction`` in verl's decoupled mode (IS weights and rejection sampling from
-        old vs rollout log-probs), over on-policy tokens only: prefix (target) tokens have no rollout
-        log-prob, keep IS weight 1 and are never rejected. (Bypass mode is refused before Ray:
-        mix_src.config.verl_parity, mix_src.config.mix_config.)"""
+        """``algorithm.rollout_correction`` in verl's decoupled mode over on-policy tokens only
+        (:func:`mix_src.trainer.stages.on_policy_rollout_correction`; bypass mode is refused before Ray)."""
         rc = self.config.algorithm.get("rollout_correction", None)
         if rc is None or "rollout_log_probs" not in batch.batch.keys():
             return batch
-        from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
-
         batch, rc_metrics = on_policy_rollout_correction(batch, batch.batch["prefix_mask"], rc,
                                                          compute_rollout_correction_and_add_to_batch)  # fmt: skip
         metrics.update(rc_metrics)
@@ -343,18 +329,13 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
         metrics.update(reduce_metrics(actor_output.meta_info["metrics"]))
 
     def _save_checkpoint(self):
-        """verl's checkpoint plus ``mix_state.pt`` (mix_src/trainer/common.py) with the epoch, the carried groups and
-        the dataloader position."""
+        """verl's checkpoint plus ``mix_state.pt`` with the epoch, the carried groups and the dataloader position."""
         super()._save_checkpoint()
         self._save_mix_state(epoch=self._epoch, carry=self._carry, dataloader=self.train_dataloader.state_dict())
 
     def _load_checkpoint(self):
-        """verl's loader, then the data position from ``mix_state.pt``. verl's own restore assumes one batch
-        per step (``ray_trainer.py`` ``_load_checkpoint``: it skips the dataloader state when
-        ``global_steps % len(dataloader) == 0`` and its fit starts epoch ``global_steps // len(dataloader)``);
-        with filter groups a step uses several batches, so that replays or skips prompts. Here the saved
-        epoch and dataloader state are restored as they were: a state saved at the end of an epoch yields
-        nothing, and ``_train_batches`` moves on to the next epoch."""
+        """verl's loader, then the epoch and dataloader state from ``mix_state.pt`` as they were: verl's own restore
+        (``ray_trainer.py`` ``_load_checkpoint``) assumes one batch per step, which filter groups break."""
         result = super()._load_checkpoint()
         state = self._load_mix_state() if self.global_steps > 0 else None
         if state is not None:
@@ -385,24 +366,15 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
                 for stat, fn in (("mean", np.mean), ("std", np.std), ("max", np.max), ("min", np.min)):
                     metrics[f"gdpo/{key}/{stat}"] = float(fn(values))
         metrics.update(compute_timing_metrics(batch=batch, timing_raw=timing))
-        metrics.update(
-            compute_throughout_metrics(batch=batch, timing_raw=timing, n_gpus=self.resource_pool_manager.get_n_gpus())
-        )
+        metrics.update(compute_throughout_metrics(batch=batch, timing_raw=timing, n_gpus=self.resource_pool_manager.get_n_gpus()))
         metrics.update(compute_variance_proxy_metrics(batch=batch, gradient_norm=metrics.get("actor/grad_norm", None)))
-        metrics.update(
-            compute_spec_decode_metrics(
-                batch.non_tensor_batch.get("spec_num_draft_tokens", None),
-                batch.non_tensor_batch.get("spec_num_accepted_tokens", None),
-                batch.non_tensor_batch.get("spec_num_verify_steps", None),
-            )
-        )
+        spec = (batch.non_tensor_batch.get(f"spec_num_{k}", None) for k in ("draft_tokens", "accepted_tokens", "verify_steps"))
+        metrics.update(compute_spec_decode_metrics(*spec))
 
 
-# Per-row non-tensor fields the actor/ref/critic workers read (verl 0.9.1: only the model's multimodal inputs,
-# verl/workers/engine/fsdp/transformer_impl.py `extract_multi_modal_inputs`; losses and padding read tensors
-# and the batch-level meta info). verl's worker calls pass DataProto.to_tensordict(), which wraps every other
-# field too, one NonTensorData per row and key, then ships, unpacks and moves them for nothing: on the toy
-# LUFFY step (256 rows, ~20 such fields) about a third of the old-log-prob and update time.
+# Per-row non-tensor fields the actor/ref/critic workers read (verl 0.9.1: only the multimodal inputs,
+# verl/workers/engine/fsdp/transformer_impl.py `extract_multi_modal_inputs`); verl's DataProto.to_tensordict()
+# would wrap and ship every other field per row for nothing.
 WORKER_NON_TENSOR_KEYS = ("multi_modal_inputs",)
 
 

@@ -1,26 +1,19 @@
 """Rollout policies with several generation passes on verl's V1 trainer (``trainer.use_v1=true``).
 
-verl's V1 trainer registers a batch of prompts in TransferQueue and hands it to its agent loop, which runs each
-sample in its own session and writes the scored rows back as keys ``{uid}_{session}_0`` (``verl/trainer/ppo/v1/
-trainer_base.py`` ``_submit_batch_to_rollout``, ``agent_loop_tq.py`` ``_run_prompt`` / ``_agent_loop_postprocess``);
-its replay buffer samples a group once its prompt key says ``finished``. The single-pass ``prefix_guided`` policy
-streams through that path unchanged (its entry says ``v1_stream=True``). Any other policy runs here, through the
-same registry function the legacy trainer calls (:data:`mix_src.trainer.rollout_policy.ROLLOUT_POLICIES`):
+verl's V1 agent loop runs each sample in its own session and writes the scored rows back as keys
+``{uid}_{session}_0`` (``verl/trainer/ppo/v1/trainer_base.py`` ``_submit_batch_to_rollout``, ``agent_loop_tq.py``
+``_run_prompt``); its replay buffer samples a group once its prompt key says ``finished``. ``prefix_guided`` streams
+through that path (``v1_stream=True``); any other policy of :data:`mix_src.trainer.rollout_policy.ROLLOUT_POLICIES`
+runs here:
 
-* :meth:`V1PolicyRunner.generate_sequences` stands in for verl's agent-loop manager in ``_submit_batch_to_rollout``
-  (so verl still registers the prompts, and persists them in the async modes); it builds a
-  :class:`~mix_src.trainer.rollout_policy.RolloutContext` whose ``generate(ratios, rows)`` submits one single-session
-  prompt per row (a fresh scratch uid, ``__rollout_n__=1``, the row's ratio and pass seed) to verl's own agent-loop
-  manager, waits for those scratch groups to finish, and returns a small view of the rows (``prefix_mask``,
-  ``response_mask``, ``token_level_scores`` padded to ``rollout.response_length``, the reward's extra keys, and each
-  row's TransferQueue key) that :func:`~mix_src.trainer.rollout_policy.replace_rows` merges like legacy rows;
-* when the policy returns, each chosen row is copied under its group's key ``{uid}_{j}_0`` (fields ``uid`` and
-  ``session_id`` set to the group's), the scratch keys are cleared and the prompt key is marked ``finished``; the
-  replay buffer, the group filter and every later stage then see an ordinary group.
+* :meth:`V1PolicyRunner.generate_sequences` stands in for verl's agent-loop manager in ``_submit_batch_to_rollout``;
+  its context's ``generate(ratios, rows)`` submits one single-session scratch prompt per row (``__rollout_n__=1``)
+  to verl's manager, waits for them, and returns a view of the rows (:meth:`V1PolicyRunner._view`) that
+  :func:`~mix_src.trainer.rollout_policy.replace_rows` merges like legacy rows;
+* the rows the policy returns are copied under their group's keys ``{uid}_{j}_0``, the scratch keys cleared and
+  the prompt key marked ``finished``: every later stage sees an ordinary group.
 
-The passes block the driver: in ``sync`` mode that is how verl generates anyway (the replicas are awake between
-``prepare_step`` and ``on_sample_end``); in ``colocate_async`` generation of these groups no longer overlaps
-training (the groups submitted as warm-up batches or at a step's start are complete before the step samples).
+The passes block the driver: in ``colocate_async`` generation of these groups no longer overlaps training.
 """
 
 from __future__ import annotations
@@ -32,10 +25,14 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import transfer_queue as tq
+from tensordict import TensorDict
+from verl import DataProto
+from verl.utils import tensordict_utils as tu
 
 from mix_src.trainer.dataset import TARGET_FIELD
 from mix_src.trainer.rollout_policy import ROLLOUT_POLICIES, RolloutContext
-from mix_src.trainer.stages import pass_arguments, pass_row_seeds
+from mix_src.trainer.stages import pass_arguments, pass_row_seeds, prefix_mask_tensor
+from mix_src.trainer.v1_replay import extra_fields, tag_lengths
 
 __all__ = ["TQ_KEY", "V1PolicyRunner"]
 
@@ -50,9 +47,8 @@ VIEW_TENSORS = {"response_mask", "token_level_scores", "prefix_mask", "responses
 class V1PolicyRunner:
     """An agent-loop manager stand-in for one ``_submit_batch_to_rollout`` call (see the module docstring).
 
-    trainer: the V1 mix trainer (reads ``mix``, ``n``, ``global_steps``, ``prefix_seed``, ``tokenizer``, ``config``,
-    the rollout policy's ``state``); manager: verl's agent-loop manager; gen_index: the fetch index the batch's
-    ratios and seeds were drawn with; metrics: a dict the runner adds its pass counts to."""
+    trainer: the V1 mix trainer; manager: verl's agent-loop manager; gen_index: the fetch index the batch's ratios
+    and seeds were drawn with; metrics: a dict the runner adds its pass counts to."""
 
     def __init__(self, trainer: Any, manager: Any, gen_index: int, metrics: dict, poll_s: float = 0.2):
         self.trainer, self.manager, self.gen_index, self.metrics, self.poll_s = trainer, manager, gen_index, metrics, poll_s
@@ -63,8 +59,6 @@ class V1PolicyRunner:
 
     # ---- the agent-loop manager's one method that _submit_batch_to_rollout calls ------------------------
     def generate_sequences(self, batch) -> None:
-        from verl import DataProto
-
         n, P = self.n, len(batch)
         uids = [str(u) for u in _column(batch, "uid")]
         base_seeds = np.asarray(_column(batch, "rollout_seeds"), dtype=np.int64).reshape(-1)  # (P*n,)
@@ -80,7 +74,7 @@ class V1PolicyRunner:
             rows = np.asarray(rows, dtype=np.int64)
             prompts = np.empty(len(rows), dtype=object)
             for k, r in enumerate(rows):
-                prompts[k] = _select(batch, [int(prompt_rows[r])])
+                prompts[k] = tu.index_select_tensor_dict(batch, [int(prompt_rows[r])])
             cols = {k: v[rows] for k, v in view.items()}
             return DataProto(non_tensor_batch={**cols, PROMPT_RECORD: prompts, "rollout_seed": base_seeds[rows]})
 
@@ -91,7 +85,7 @@ class V1PolicyRunner:
                 group_uids = list(prompts.non_tensor_batch["uid"])
             else:
                 idx = np.arange(n * P) if rows is None else np.asarray(rows, dtype=np.int64)
-                tds = [_select(batch, [int(prompt_rows[r])]) for r in idx]
+                tds = [tu.index_select_tensor_dict(batch, [int(prompt_rows[r])]) for r in idx]
                 seeds = pass_row_seeds(base_seeds[idx], self.trainer.global_steps, self._passes, False)
                 group_uids = list(row_uid[idx])
             pass_ratios, targets = pass_arguments(pass_ratios, targets, len(tds), rows is not None, prompts is not None)
@@ -117,8 +111,6 @@ class V1PolicyRunner:
 
     # ---- one pass: one single-session scratch prompt per row ----------------------------------------------
     def _run_pass(self, tds: list, ratios: np.ndarray, seeds: np.ndarray, targets: Optional[list]):
-        from verl.utils import tensordict_utils as tu
-
         scratch = [str(uuid.uuid4()) for _ in tds]
         self._scratch += scratch
         self._passes += 1
@@ -138,15 +130,12 @@ class V1PolicyRunner:
         return view
 
     def _count_flops(self, view, tags: list[dict]) -> None:
-        """The pass's generation FLOPs (every row it generated, kept or not, as the legacy base counts a pass) go to
-        the trainer's next step count (``MixV1Mixin.add_rollout_flops``); lengths from the rows' tags."""
+        """The pass's generation FLOPs (every row it generated, kept or not) to the trainer's next step count."""
         add = getattr(self.trainer, "add_rollout_flops", None)
         if add is None:
             return
-        p = np.array([int(t["prompt_len"]) for t in tags], dtype=np.int64)
-        r = np.array([int(t["response_len"]) for t in tags], dtype=np.int64)
-        g = r - view.batch["prefix_mask"].long().sum(-1).numpy()
-        add(p, r, g)
+        p, r = tag_lengths(tags)
+        add(p, r, r - view.batch["prefix_mask"].long().sum(-1).numpy())
 
     def _wait(self, scratch: list[str]) -> tuple[list[str], dict]:
         """Wait until every scratch group is terminal; return the row keys, one per scratch uid, in order, and the
@@ -175,21 +164,14 @@ class V1PolicyRunner:
         return keys, tags
 
     def _view(self, keys: list[str]):
-        """The pass's rows as a DataProto a rollout policy reads (see the module docstring): per row
-        ``response_mask``, ``token_level_scores``, ``prefix_mask``, ``responses`` and (with
-        ``rollout.calculate_log_probs``) ``rollout_log_probs``, right-padded to ``rollout.response_length``;
-        ``prompts`` right-padded to ``data.max_prompt_length`` and ``attention_mask`` over ``prompts`` then
-        ``responses`` (the prompt's and response's tokens; a different layout from the legacy batch's left-padded
-        prompts, with the same tokens under the mask)."""
-        from verl import DataProto
-
-        from mix_src.trainer.stages import prefix_mask_tensor
-
+        """The pass's rows as a DataProto a rollout policy reads: :data:`VIEW_TENSORS` right-padded to
+        ``rollout.response_length`` (``prompts`` to ``data.max_prompt_length``; ``attention_mask`` over ``prompts``
+        then ``responses``, unlike the legacy batch's left-padded prompts), the reward's extra keys and :data:`TQ_KEY`."""
         fields = ["rm_scores", "response_mask", "extra_fields", "prompts", "responses"]
         if self.trainer.config.actor_rollout_ref.rollout.get("calculate_log_probs", False):
             fields.append("rollout_log_probs")
         data = tq.kv_batch_get(keys=keys, partition_id=PARTITION, select_fields=fields)
-        extra = [getattr(e, "data", e) if isinstance(getattr(e, "data", e), dict) else {} for e in list(data.pop("extra_fields"))]
+        extra = extra_fields(data.pop("extra_fields"))
         prompt_lens, response_lens = _row_lengths(data["prompts"]), _row_lengths(data["responses"])
         padded = data.to_padded_tensor()
         width = max(self.response_length, padded["response_mask"].shape[-1], padded["responses"].shape[-1])
@@ -214,16 +196,12 @@ class V1PolicyRunner:
         for key in set().union(*infos) if infos else ():
             if all(key in i for i in infos):
                 non_tensor[key] = np.asarray([i[key] for i in infos])
-        from tensordict import TensorDict
-
         batch = TensorDict({"response_mask": response_mask, "token_level_scores": scores, "prefix_mask": prefix_mask,
                             **tensors}, batch_size=[len(keys)])  # fmt: skip
         return DataProto(batch=batch, non_tensor_batch=non_tensor)
 
     # ---- the chosen rows become the groups' rows -----------------------------------------------------------
     def _commit(self, out, uids: list[str]) -> None:
-        from verl.utils import tensordict_utils as tu
-
         n = self.n
         if TQ_KEY not in out.non_tensor_batch or any(k is None for k in out.non_tensor_batch[TQ_KEY]):
             raise ValueError(f"rollout policy {self.trainer.mix.rollout_policy!r} returned rows that no ctx.generate "
@@ -244,11 +222,8 @@ class V1PolicyRunner:
 
     def _added_fields(self, out, response_lens: list[int]):
         """The per-row tensors the policy added to its rows (e.g. HPT's ``sft_row`` (rows,), ExGRPO's
-        ``behaviour_log_prob`` (rows, L)), as TransferQueue fields of the rows, from where verl's ``update_actor``
-        hands every field of its rows to the worker loss: a (rows,) tensor as is, a (rows, L) tensor over the
-        response nested like ``response_mask``; None when the policy added none."""
-        from tensordict import TensorDict
-
+        ``behaviour_log_prob`` (rows, L)) as TransferQueue fields for the worker loss: (rows,) as is, (rows, L)
+        nested like ``response_mask``; None when the policy added none."""
         width = out.batch["response_mask"].shape[-1]
         fields = {}
         for key in sorted(set(out.batch.keys()) - VIEW_TENSORS):
@@ -288,10 +263,3 @@ def _column(batch, key: str) -> list:
     if isinstance(value, torch.Tensor):
         return value.tolist()
     return list(value.tolist()) if hasattr(value, "tolist") else list(value)
-
-
-def _select(batch, rows: list[int]):
-    from verl.utils import tensordict_utils as tu
-
-    return tu.index_select_tensor_dict(batch, rows)
-

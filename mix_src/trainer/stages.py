@@ -1,9 +1,8 @@
-"""LUFFY's per-step pieces, called by both trainer bases (:mod:`mix_src.trainer.legacy` on verl's legacy
-``RayPPOTrainer`` and :mod:`mix_src.trainer.v1` on verl's V1 ``PPOTrainer``).
+"""LUFFY's per-step pieces, called by both trainer bases (:mod:`mix_src.trainer.legacy`, :mod:`mix_src.trainer.v1`),
+independent of how the trainer stores its batch (``DataProto`` in the legacy loop, TransferQueue fields in V1).
 
-Each function is numpy/torch only and independent of how the trainer stores its batch (``DataProto`` in the
-legacy loop, TransferQueue fields in V1): prefix-ratio drawing, the ``prefix_mask`` tensor, LUFFY's
-advantages (``grpo_split`` + the alpha/beta prefix weights) and LUFFY's metrics.
+``mix`` arguments are the validated ``mix:`` section (``MixConfig``), typed ``Any``: this module does not import the
+config schema, which imports the rollout policies, which import this module.
 """
 
 from __future__ import annotations
@@ -21,32 +20,11 @@ from mix_src.algo import core_alg, seeding
 from mix_src.algo.core_alg import apply_prefix_advantage_weights
 from mix_src.algo.prefix import compute_prefix_ratios
 
-# ``mix`` arguments are the validated ``mix:`` section (``mix_src.config.mix_config.MixConfig``), typed ``Any`` here: this
-# module does not import the config schema, which imports the rollout policies, which import this module.
-
-__all__ = [
-    "MIX_STATE_FILE",
-    "FilterGroupsExhausted",
-    "model_shape",
-    "DATA_DROP",
-    "DATA_EPOCH",
-    "SUMMED_REWARD_METRICS",
-    "draw_prefix_ratios",
-    "filter_metric_values",
-    "group_ids",
-    "length_clip_metrics",
-    "luffy_advantage_stage",
-    "luffy_advantages",
-    "luffy_metrics",
-    "pass_arguments", "pass_row_seeds",
-    "on_policy_rollout_metrics",
-    "on_policy_rollout_correction",
-    "prefix_mask_tensor",
-    "prefix_step_metrics",
-    "prompt_data_key",
-    "solve_metrics",
-    "start_data_epoch",
-]
+__all__ = ["MIX_STATE_FILE", "FilterGroupsExhausted", "model_shape", "DATA_DROP", "DATA_EPOCH", "SUMMED_REWARD_METRICS",
+           "draw_prefix_ratios", "filter_metric_values", "group_ids", "length_clip_metrics", "luffy_advantage_stage",
+           "luffy_advantages", "luffy_metrics", "pass_arguments", "pass_row_seeds", "on_policy_rollout_metrics",
+           "on_policy_rollout_correction", "prefix_mask_tensor", "prefix_step_metrics", "prompt_data_key",
+           "solve_metrics", "start_data_epoch"]  # fmt: skip
 
 
 # ---- shared by both trainer bases (mix_src/trainer/legacy.py, mix_src/trainer/v1.py: neither imports the other)
@@ -59,8 +37,7 @@ class FilterGroupsExhausted(RuntimeError):
 
 def model_shape(trainer: Any):
     """The actor's :class:`~mix_src.algo.flops.ModelShape`, read once from its ``config.json`` and cached on the trainer
-    (``_flops_shape``; a read failure is kept and raised again on every use). Both bases take it as their
-    ``_model_shape`` method."""
+    (``_flops_shape``; a read failure is kept and raised again on every use)."""
     if trainer._flops_shape is None:
         from transformers import AutoConfig
 
@@ -85,26 +62,16 @@ def group_ids(uids: Sequence) -> np.ndarray:
 def draw_prefix_ratios(
     mix: Any, num_prompts: int, n: int, *, seed: int, global_step: int, gen_index: int, targets: Optional[Sequence]
 ) -> np.ndarray:
-    """One prefix ratio per row, float64 (num_prompts * n,), rows ``i*n + j`` (prompt i, sample j).
-
-    Drawn from ``np.random.default_rng([seed, global_step, gen_index])``, so a resumed run draws what an
-    uninterrupted one drew. ``targets`` has one entry per row (or None); rows without a non-empty string
-    target get 0 (no prefix).
-    """
+    """One prefix ratio per row, float64 (num_prompts * n,), rows ``i*n + j`` (prompt i, sample j), drawn from
+    ``np.random.default_rng([seed, global_step, gen_index])`` (a resumed run draws what an uninterrupted one drew).
+    ``targets``: one per row (or None); rows without a non-empty string target get 0."""
     ratios = compute_prefix_ratios(
-        num_prompts,
-        n,
-        strategy=mix.prefix_strategy,
-        n_prefix=mix.n_prefix,
-        min_prefix_ratio=mix.min_prefix_ratio,
-        max_prefix_ratio=mix.max_prefix_ratio,
-        prefix_steps=mix.prefix_steps,
-        prefix_linear_max_ratio=mix.prefix_linear_max_ratio,
-        prefix_fix_ratios=mix.prefix_fix_ratios,
-        share_across_samples=mix.prefix_share_across_samples,
-        global_step=global_step,
+        num_prompts, n, strategy=mix.prefix_strategy, n_prefix=mix.n_prefix, min_prefix_ratio=mix.min_prefix_ratio,
+        max_prefix_ratio=mix.max_prefix_ratio, prefix_steps=mix.prefix_steps,
+        prefix_linear_max_ratio=mix.prefix_linear_max_ratio, prefix_fix_ratios=mix.prefix_fix_ratios,
+        share_across_samples=mix.prefix_share_across_samples, global_step=global_step,
         rng=np.random.default_rng([seed, global_step, gen_index]),
-    )
+    )  # fmt: skip
     if targets is None:
         return np.zeros(num_prompts * n, dtype=np.float64)
     has_target = np.array([isinstance(t, str) and len(t) > 0 for t in targets], dtype=bool)
@@ -113,10 +80,8 @@ def draw_prefix_ratios(
 
 def pass_arguments(ratios: Sequence[float], targets: Optional[Sequence], num_rows: int, rows_given: bool = False,
                    prompts_given: bool = False) -> tuple[np.ndarray, Optional[list]]:
-    """A rollout policy's ``generate(ratios, rows=None, targets=None, prompts=None)`` arguments
-    (:class:`mix_src.trainer.rollout_policy.RolloutContext`), checked the same on both bases: ``prompts`` takes no ``rows``,
-    one ratio and (if given) one target per row of the pass. Returns the (num_rows,) float64 ratios and the targets
-    as a list (or None)."""
+    """A rollout policy's ``generate(ratios, rows=None, targets=None, prompts=None)`` arguments, checked: ``prompts``
+    takes no ``rows``, one ratio and (if given) one target per row. Returns (num_rows,) float64 ratios, targets list."""
     if prompts_given and rows_given:
         raise ValueError("rollout policy: generate(prompts=...) takes no rows")
     ratios = np.asarray(ratios, dtype=np.float64).reshape(-1)
@@ -129,10 +94,8 @@ def pass_arguments(ratios: Sequence[float], targets: Optional[Sequence], num_row
 
 
 def prefix_mask_tensor(row_masks: Sequence, response_mask: torch.Tensor) -> torch.Tensor:
-    """(bsz, response_len) bool: the rows' ``prefix_token_mask`` arrays, right-padded, within the response.
-
-    ``row_masks`` has one 0/1 array (or None / empty for an on-policy row) per row.
-    """
+    """(bsz, response_len) bool: the rows' ``prefix_token_mask`` arrays (one 0/1 array, or None / empty for an
+    on-policy row, per row), right-padded, within the response."""
     bsz, width = response_mask.shape
     out = torch.zeros(bsz, width, dtype=torch.bool)
     for i, m in enumerate(row_masks):
@@ -151,21 +114,13 @@ def luffy_advantages(
     mix: Any,
     verl_estimator: Callable[[], tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages and returns, each (bsz, response_len).
+    """Advantages and returns, each (bsz, response_len): a prefix-aware estimator of
+    :data:`mix_src.trainer.adv_estimators.ADV_ESTIMATORS` with ``prefix_mask``, any other ``verl_estimator()``; then
+    LUFFY's prefix weights ``A <- A * (alpha * g + beta * (1 - g))``.
 
-    A prefix-aware estimator registered in :data:`mix_src.trainer.adv_estimators.ADV_ESTIMATORS` (``grpo_split``: the
-    group baseline over the on-policy rows only) is called with ``prefix_mask``; any other estimator:
-    ``verl_estimator()``, the trainer's call into verl. Then LUFFY's prefix weights ``A <- A * (alpha * g + beta * (1 - g))``.
-
-    Args:
-        token_level_rewards: (bsz, response_len) float.
-        response_mask: (bsz, response_len) 0/1.
-        uids: (bsz,) prompt-group id per row.
-        prefix_mask: (bsz, response_len) bool.
-        algorithm: verl's ``algorithm`` config (adv_estimator, norm_adv_by_std_in_grpo).
-        mix: the validated ``mix:`` section (prefix_reward_weight_alpha/beta).
-    """
-    if algorithm.adv_estimator in ADV_ESTIMATORS:  # prefix-aware estimators (mix_src.trainer.adv_estimators, plugins)
+    token_level_rewards: (bsz, L) float; response_mask: (bsz, L) 0/1; uids: (bsz,) prompt-group ids; prefix_mask:
+    (bsz, L) bool; algorithm: verl's ``algorithm`` config; mix: prefix_reward_weight_alpha/beta."""
+    if algorithm.adv_estimator in ADV_ESTIMATORS:
         advantages, returns = ADV_ESTIMATORS.get(algorithm.adv_estimator)(
             token_level_rewards, response_mask, core_alg.group_ids(np.asarray(uids, dtype=object)), prefix_mask, algorithm
         )
@@ -179,9 +134,8 @@ def luffy_advantages(
 
 def luffy_advantage_stage(verl_advantage: Callable, prefix_mask: torch.Tensor, algorithm: Any, mix: Any) -> Callable:
     """A stand-in for verl's advantage call ``verl_advantage(data, **kwargs) -> data`` (legacy: ``ray_trainer.py``
-    ``compute_advantage``; V1: ``trainer_base.compute_advantage_for_multi_trajectories``) that writes LUFFY's
-    advantages and returns (:func:`luffy_advantages`) into ``data.batch``: a prefix-aware estimator (``grpo_split``)
-    is called once, with ``prefix_mask`` (bsz, L); verl's function only for other estimators. Both bases call it."""
+    ``compute_advantage``; V1: ``trainer_base.compute_advantage_for_multi_trajectories``) writing
+    :func:`luffy_advantages` into ``data.batch``; ``prefix_mask``: (bsz, L)."""
 
     def advantages(data, **kwargs):
         def verl_estimator():
@@ -199,21 +153,16 @@ def luffy_advantage_stage(verl_advantage: Callable, prefix_mask: torch.Tensor, a
 
 
 def solved_rows(acc: Optional[Sequence], scores: Callable[[], np.ndarray]) -> np.ndarray:
-    """Which rows count as solved: ``acc > 0`` when the reward reported an ``acc`` for every row, else a summed
-    score ``> 0``. acc: (bsz,) or None (rows without one: None entries); scores: returns the (bsz,) summed
-    token scores (called only when needed). Returns (bsz,) bool. Both trainers' LUFFY metrics and the
-    rollout policies use it (legacy: ``acc`` from the batch, V1: from each row's reward_extra_info)."""
+    """(bsz,) bool: ``acc > 0`` when the reward reported an ``acc`` for every row, else a summed score ``> 0``.
+    acc: (bsz,) or None (None entries: rows without one); scores: returns the (bsz,) summed token scores."""
     if acc is not None and all(a is not None for a in acc):
         return np.array([float(a) > 0 for a in acc], dtype=bool)  # NaN counts as unsolved
     return np.asarray(scores()) > 0
 
 
 def solve_metrics(solved: np.ndarray, off_policy_rows: np.ndarray, uids: Sequence) -> dict[str, float]:
-    """LUFFY's solve metrics: ``batch/solve_none``, ``solve_all`` (fractions of prompt groups), ``solved``,
-    ``on_solved``, ``off_solved`` (fractions of rows). ``solved``, ``off_policy_rows``: (bsz,) bool.
-
-    One population on both bases: the rows the step trains on (after group filtering; V1: verl's padding rows
-    excluded), never the generated rows a filter dropped."""
+    """LUFFY's solve metrics over the rows the step trains on: ``batch/solve_none``, ``solve_all`` (fractions of
+    prompt groups), ``solved``, ``on_solved``, ``off_solved`` (of rows). ``solved``, ``off_policy_rows``: (bsz,) bool."""
     solved = np.asarray(solved, dtype=bool)
     off = np.asarray(off_policy_rows, dtype=bool)
     gid = group_ids(uids)
@@ -243,10 +192,9 @@ def prefix_step_metrics(ratios: Sequence[float], prefix_mask: torch.Tensor, resp
 def luffy_metrics(solved: np.ndarray, prefix_mask: torch.Tensor, response_mask: torch.Tensor, uids: Sequence,
                   ratios: Sequence[float], truncated: Optional[Sequence] = None,
                   ungradable: Optional[Sequence] = None) -> dict[str, float]:
-    """LUFFY's metrics of the rows a step trains on, one function for both bases: :func:`solve_metrics`,
-    :func:`prefix_step_metrics`, ``batch/prefix_truncated`` and ``reward/ungradable`` (rows the reward could not grade,
-    scored wrong), each of the last two when the rows report it. ``solved``: (bsz,) bool; ``prefix_mask``,
-    ``response_mask``: (bsz, L); ``uids``, ``ratios``, ``truncated``, ``ungradable``: (bsz,)."""
+    """LUFFY's metrics of the rows a step trains on: :func:`solve_metrics`, :func:`prefix_step_metrics`, and when the
+    rows report them ``batch/prefix_truncated`` and ``reward/ungradable`` (rows the reward could not grade).
+    ``solved``: (bsz,) bool; ``prefix_mask``, ``response_mask``: (bsz, L); the others (bsz,)."""
     out = solve_metrics(solved, prefix_mask.any(-1).numpy(), uids)
     out.update(prefix_step_metrics(ratios, prefix_mask, response_mask))
     if truncated is not None:
@@ -270,11 +218,8 @@ def filter_metric_values(
     extra_keys: Sequence[str] = (),
 ) -> np.ndarray:
     """(rows,) float64: each row's value of the group-filter metric ``metric`` (unset: ``reward``).
-
-    ``summed_reward()`` returns the rows' summed token scores (called only for :data:`SUMMED_REWARD_METRICS`);
-    ``extra(name)`` the rows' values of the reward's extra key ``name`` (None when some row lacks it: legacy,
-    the batch's ``non_tensor_batch``; V1, each row's ``reward_extra_info``). ``extra_keys`` name the reward's
-    extra keys, for the error."""
+    ``summed_reward()``: the rows' summed token scores; ``extra(name)``: the rows' values of the reward's extra key
+    ``name`` (None when some row lacks it); ``extra_keys``: the reward's extra keys, for the error."""
     name = metric or "reward"
     if name in SUMMED_REWARD_METRICS:
         return np.asarray(summed_reward(), dtype=np.float64)
@@ -292,13 +237,10 @@ def length_clip_metrics(
     prompt_length: torch.Tensor, response_length: torch.Tensor, max_prompt_length: int, max_response_length: int
 ) -> dict[str, float]:
     """``prompt_length/clip_ratio``, ``response_length/clip_ratio``, ``response_length_non_aborted/clip_ratio``:
-    the fraction of rows whose prompt (response) is as long as the configured limit (``data.max_prompt_length``,
-    ``rollout.response_length``), i.e. was cut there. ``prompt_length``, ``response_length``: (bsz,) token counts.
+    the fraction of rows cut at the configured limit. ``prompt_length``, ``response_length``: (bsz,) token counts.
 
-    verl's ``compute_data_metrics`` (``metric_utils.py`` 459, 592) compares with the width of the batch's
-    ``prompts`` / ``responses`` tensors: on the legacy base that width is the limit (the agent loop pads to it),
-    on V1 the longest row of the step (``to_padded_tensor``), where the longest prompt counts as clipped (tiny
-    assets: 0.0 legacy, 1.0 V1). Both bases overwrite verl's three values with these."""
+    verl's ``compute_data_metrics`` (``metric_utils.py`` 459, 592) compares with the batch tensors' width: the limit
+    on the legacy base, the step's longest row on V1. Both bases overwrite verl's three values with these."""
     prompt_length, response_length = prompt_length.float(), response_length.float()
     non_aborted = response_length[response_length > 0]
     out = {
@@ -312,10 +254,8 @@ def length_clip_metrics(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# rollout vs actor: on-policy tokens only, on both bases. A prefix (target) token was never sampled by the
-# rollout: it has no rollout log-prob (the agent loop writes 0), so verl's metrics over the whole response mask
-# would compare the actor with a probability of 1 there (``training/rollout_probs_diff_*`` ~1, ``rollout_corr/kl``
-# large) and report a rollout/actor mismatch that does not exist.
+# rollout vs actor: on-policy tokens only. A prefix (target) token has no rollout log-prob (the agent loop writes
+# 0): verl's metrics over the whole response would report a rollout/actor mismatch that does not exist.
 def on_policy_rollout_metrics(data: Any, prefix_mask: torch.Tensor) -> dict[str, float]:
     """verl's ``calculate_debug_metrics`` (``training/rollout_probs_diff_*``, ``rollout_actor_probs_pearson_corr``)
     over the on-policy tokens. ``data``: a DataProto with (bsz, L) ``rollout_log_probs``, ``old_log_probs``,
@@ -336,9 +276,8 @@ def on_policy_rollout_metrics(data: Any, prefix_mask: torch.Tensor) -> dict[str,
 
 def on_policy_rollout_correction(data: Any, prefix_mask: torch.Tensor, rc: Any, correct: Callable) -> tuple[Any, dict]:
     """``correct(data, rc) -> (data, metrics)`` (verl's ``compute_rollout_correction_and_add_to_batch``, decoupled
-    mode: IS weights, rejection sampling and the ``rollout_corr/*`` metrics from old vs rollout log-probs) over the
-    on-policy tokens: prefix tokens keep IS weight 1 and are never rejected. Returns (data, metrics); ({} metrics
-    and ``data`` unchanged when every token is a prefix token)."""
+    mode) over the on-policy tokens: prefix tokens keep IS weight 1 and are never rejected. ({} metrics and ``data``
+    unchanged when every token is a prefix token.)"""
     full_mask = data.batch["response_mask"]
     prefix = prefix_mask.bool() & full_mask.bool()
     if not (full_mask.bool() & ~prefix).any():
@@ -367,8 +306,8 @@ def prompt_data_key(messages: Sequence) -> str:
 
 
 def start_data_epoch(dataloader: Any, dataset: Any, state: dict) -> Optional[int]:
-    """Called by both trainer bases just before each pass over the training data (before ``iter(dataloader)``):
-    the prompts a rollout policy listed in ``state[DATA_DROP]`` leave the dataset for this epoch.
+    """Before each pass over the training data: the prompts a rollout policy listed in ``state[DATA_DROP]`` leave the
+    dataset for this epoch.
 
     ExGRPO's official ``fit`` (LUFFY repo 01f4ae0, ``ExGRPO/exgrpo/verl/verl/mix_src/mix_trainer_experience.py:245-250``
     with ``experience/rl_dataset_with_experience.py:40-45`` ``set_skip_uid_set``): at each epoch start, if the data
@@ -394,8 +333,7 @@ def start_data_epoch(dataloader: Any, dataset: Any, state: dict) -> Optional[int
 
 
 def pass_row_seeds(seeds: Sequence[int], global_step: int, num_passes: int, prompts_given: bool) -> np.ndarray:
-    """(rows,) int64 sampling seeds of a rollout policy's next ``generate`` pass, the same rule on both bases: a later
-    pass over the batch's rows draws new samples (:func:`mix_src.algo.seeding.pass_seeds`, pass ``num_passes``); prompt
-    rows kept from an earlier step (``prompts=``) take a pass index of this step, so they never redraw that step's."""
+    """(rows,) int64 sampling seeds of a rollout policy's next ``generate`` pass (:func:`mix_src.algo.seeding.pass_seeds`,
+    pass ``num_passes``); prompt rows kept from an earlier step (``prompts=``) take a pass index of this step."""
     index = (int(global_step) << 16) + num_passes + 1 if prompts_given else num_passes
     return seeding.pass_seeds(np.asarray(seeds, dtype=np.int64), index)

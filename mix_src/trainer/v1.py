@@ -3,9 +3,8 @@
 
 Each is :class:`MixV1Mixin` in front of verl's trainer for that mode (``verl/trainer/ppo/v1/trainer_sync.py``,
 ``trainer_colocate_async.py``, ``trainer_separate_async.py``): verl keeps the loop, the replay buffer, the weight
-sync and the checkpoints; the mixin fills LUFFY into verl's overridable steps (``verl/trainer/ppo/v1/trainer_base.py``),
-each method's docstring says which. The maths and everything the legacy base does too live in :mod:`mix_src.trainer.stages`,
-:mod:`mix_src.trainer.common` (FLOPs, ``mix_state.pt``, the worker loss) and :mod:`mix_src.algo.core_alg`.
+sync and the checkpoints; the mixin fills LUFFY into verl's overridable steps (``verl/trainer/ppo/v1/trainer_base.py``).
+What the legacy base does too lives in :mod:`mix_src.trainer.stages` and :mod:`mix_src.trainer.common`.
 
 Which policy the log-probs come from (``trainer_base.py`` ``_compute_old_log_prob``): ``old_log_probs`` are
 recomputed by the actor at the start of each step in every mode, for expert and on-policy rows alike (V1's
@@ -19,34 +18,38 @@ from __future__ import annotations
 
 import logging
 import os
+from pprint import pprint
 from typing import Any, Optional
 
-import numpy as np
-import torch
 import transfer_queue as tq
 from omegaconf import OmegaConf, open_dict
 from tensordict import TensorDict
 
 from verl import DataProto
 from verl.trainer.main_ppo import TaskRunnerV1
-from verl.trainer.ppo.v1 import trainer_base
+from verl.trainer.ppo.v1 import get_trainer_cls, trainer_base, trainer_separate_async
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
 from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils import tensordict_utils as tu
 from verl.utils.debug import marked_timer
+from verl.utils.logging_utils import configure_verl_logging
 from verl.workers.utils.padding import response_to_nested
 
+from mix_src.algo.row_loss import SFT_ROW, SFT_TOKENS
 from mix_src.trainer import adv_estimators  # noqa: F401  (registers grpo_split with verl)
 from mix_src.trainer.dataset import TARGET_FIELD
 from mix_src.compat import swapped
 from mix_src.config.mix_config import MixConfig, validate_mix_config
+from mix_src.trainer.rollout_policy import streams_on_v1
+from mix_src.trainer.rollout_policy_v1 import V1PolicyRunner
 from mix_src.trainer.stages import (length_clip_metrics, luffy_advantage_stage, luffy_metrics, on_policy_rollout_correction,
-                            on_policy_rollout_metrics, prefix_mask_tensor, solved_rows, start_data_epoch)  # fmt: skip
+                            on_policy_rollout_metrics, solved_rows, start_data_epoch)  # fmt: skip
 from mix_src.trainer.common import MixTrainerCommon
 from mix_src.trainer.v1_replay import V1ReplayBufferRules, make_dapo_filtered_keys  # noqa: F401  (re-exported)
-from mix_src.trainer.v1_replay import extra_fields as _extra_fields
+from mix_src.trainer.v1_replay import extra_fields as _extra_fields, tag_lengths, tq_prefix_mask
+from mix_src.worker.loss import COMBINE_FIELDS, KEPT_TOKENS
 
 __all__ = ["MixTaskRunnerV1", "MixV1Mixin", "MixPPOTrainerSync", "MixPPOTrainerColocateAsync", "MixPPOTrainerSeparateAsync",
            "mix_trainer_name"]  # fmt: skip
@@ -99,9 +102,8 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
 
     # ---- the learned entropy coefficient (mix.loss.use_adaptive_entropy): checkpointed with V1's checkpoints ---
     def _update_actor(self, batch, metrics: dict):
-        """verl's stage; the coefficient's state, which the workers' loss returns in the update metrics
-        (``mix_entropy_state/*``, :func:`mix_src.worker.loss.pop_entropy_state`), is taken out before verl averages the
-        metrics (``trainer_base`` ``reduce_metrics``, swapped for this call) and kept for the checkpoint."""
+        """verl's stage; the coefficient's state (:func:`mix_src.worker.loss.pop_entropy_state`) is kept for the
+        checkpoint before verl averages the metrics (``trainer_base`` ``reduce_metrics``, swapped for this call)."""
         verl_reduce = trainer_base.reduce_metrics
 
         def reduce(output):
@@ -113,14 +115,9 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
             return super()._update_actor(batch, metrics)
 
     def _add_update_inputs(self, batch):
-        """The per-row loss inputs the legacy base adds before its update (``MIXRayPPOTrainer._update``): with
-        ``mix.loss.all_max_clip`` (token-mean) ``mix_kept_tokens``, with ``mix.loss.row_loss`` ``mix_sft_tokens``
-        (from the rows' ``sft_row``), with ``mix.loss.combine`` the population counts (mix_src/worker/loss.py), computed from
-        the rows' TransferQueue fields in verl's mini-batch order (``batch.keys``; ``actor.shuffle`` is refused with
-        these) and written back as fields of the same rows. Returns the meta naming them."""
-        from mix_src.worker.loss import COMBINE_FIELDS, KEPT_TOKENS
-        from mix_src.algo.row_loss import SFT_ROW, SFT_TOKENS
-
+        """The per-row loss inputs the legacy base adds before its update (:meth:`MixTrainerCommon._add_loss_inputs`),
+        from the rows' TransferQueue fields in verl's mini-batch order (``batch.keys``; ``actor.shuffle`` is refused
+        with these), written back as fields of the same rows. Returns the meta naming them."""
         loss = self.mix.loss
         if loss.all_max_clip is None and loss.row_loss is None and loss.combine is None:
             return batch
@@ -143,24 +140,19 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
 
     # ---- mix.flops_budget: the step's FLOPs (mix_src/trainer/common.py), counted as the legacy base counts them ---
     def step(self, metrics: dict, timing_raw: dict):
-        """verl's step (sample, log-probs, advantages, update); then the step's FLOPs (:meth:`_count_flops`)."""
+        """verl's step, then its FLOPs."""
         batch = super().step(metrics, timing_raw)
         self._count_flops(batch, metrics)
         return batch
 
     def _count_flops(self, batch, metrics: dict) -> None:
-        """``flops/*`` of the step (:class:`~mix_src.trainer.common.MixTrainerCommon`, as on the legacy base) over the
-        rows the step trained on (verl's padding rows excluded; lengths from their TransferQueue tags), plus every row
-        generated since the last count (the replay buffer's metadata sync, or V1PolicyRunner per pass). Sets
-        ``_budget_step`` when ``mix.flops_budget`` is reached with this step."""
-        from mix_src.trainer.rollout_policy import streams_on_v1
-
+        """``flops/*`` of the step over its trained rows, plus every row generated since the last count (the replay
+        buffer's metadata sync, or V1PolicyRunner per pass). Sets ``_budget_step`` when ``mix.flops_budget`` is
+        reached with this step."""
         if self._flops_off(metrics):
             return
-        keep = [i for i, tag in enumerate(batch.tags) if not tag.get("is_padding", False)]
-        tags = [batch.tags[i] for i in keep]
-        p = np.array([int(t["prompt_len"]) for t in tags], dtype=np.int64)
-        r = np.array([int(t["response_len"]) for t in tags], dtype=np.int64)
+        keep = _trained_rows(batch)
+        p, r = tag_lengths([batch.tags[i] for i in keep])
         if streams_on_v1(self.mix.rollout_policy) and not getattr(self, "_counts_generation", False):
             # a custom sampler without verl's metadata sync: generation counted over the trained rows
             data = tq.kv_batch_get(keys=[batch.keys[i] for i in keep], partition_id=batch.partition_id,
@@ -170,9 +162,9 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
             self._budget_step = self.global_steps
 
     def on_step_end(self):
-        """verl's (weight sync). A step that reached ``mix.flops_budget`` is the run's last, as on the legacy base: verl's
-        ``fit`` (``trainer_base.py`` 467-523) fixed ``is_last_step`` before the step ran, so its checkpoint and
-        validation run here unless verl's loop runs them, and ``total_training_steps`` becomes this step."""
+        """verl's (weight sync). A step that reached ``mix.flops_budget`` is the run's last: verl's ``fit``
+        (``trainer_base.py`` 467-523) fixed ``is_last_step`` before the step ran, so its checkpoint and validation
+        run here unless verl's loop runs them."""
         step, cfg = self.global_steps, self.config.trainer
         last = getattr(self, "_budget_step", None) == step and step < self.total_training_steps
         if last and cfg.save_freq > 0 and step % cfg.save_freq != 0:
@@ -218,7 +210,7 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
 
     def _resolve_filter_groups_metric(self):
         """verl's (trainer_base.py 187-213), with an unset ``algorithm.filter_groups.metric`` meaning ``reward`` as on
-        the legacy base (:func:`mix_src.trainer.stages.filter_metric_values`) where verl raises once Ray has started."""
+        the legacy base, where verl raises once Ray has started."""
         fg = self.config.algorithm.get("filter_groups", None)
         if fg is not None and fg.get("enable", False) and not fg.get("metric", None):
             with open_dict(fg):
@@ -226,14 +218,12 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
         return super()._resolve_filter_groups_metric()
 
     def _build_replay_buffer(self):
-        """verl's replay buffer with mix_src's rules (the group-filter registry; sync mode: the generation budget and the
-        carried groups; a streamed policy's generation FLOPs), listed in :mod:`mix_src.trainer.v1_replay`."""
+        """verl's replay buffer with mix_src's rules (:mod:`mix_src.trainer.v1_replay`)."""
         return self._mix_replay_buffer(super()._build_replay_buffer())
 
     def _add_prompts_to_generate(self, num_prompts: int) -> int:
         """verl's refill (the replay buffer's ``refill_fn``) in whole generation batches of ``data.gen_batch_size``
-        prompts, within the step's generation budget: what exceeds it is not dispatched, and the budget is marked
-        spent (the buffer's wait then raises, see :meth:`_build_replay_buffer`)."""
+        prompts, within the step's generation budget (once spent, the buffer's wait raises)."""
         if getattr(self.replay_buffer, "filter_groups_metric", None) is not None:
             # verl's sync buffer refills in single prompts (its gen_batch_size is 1 with filter groups) while
             # _next_train_batch fetches whole data.gen_batch_size batches only (ValueError otherwise): round up
@@ -251,8 +241,8 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
 
     # ---- the data: each pass over it starts with mix_src's epoch stage ---------------------------------------
     def _fetch_one_gen_batch(self):
-        """verl's (``trainer_base.py`` ``_fetch_one_gen_batch``: a new iterator once the last is exhausted), with
-        :func:`mix_src.trainer.stages.start_data_epoch` (prompts a rollout policy retired leave the data) before each new one."""
+        """verl's (``trainer_base.py`` ``_fetch_one_gen_batch``), with :func:`mix_src.trainer.stages.start_data_epoch`
+        before each new iterator."""
         it = self.train_dataloader_it
         if it is None or it._num_yielded >= len(it):  # torch's _BaseDataLoaderIter: batches yielded / per pass
             start_data_epoch(self.train_dataloader, self.train_dataset, self._policy_state())
@@ -276,12 +266,8 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
         return batch
 
     def _submit_batch_to_rollout(self, batch):
-        """verl's stage; a rollout policy that V1 does not stream (:func:`mix_src.trainer.rollout_policy.streams_on_v1`)
-        generates pass by pass through :class:`mix_src.trainer.rollout_policy_v1.V1PolicyRunner`, which stands in for the
-        agent-loop manager for this call and drives verl's own."""
-        from mix_src.trainer.rollout_policy import streams_on_v1
-        from mix_src.trainer.rollout_policy_v1 import V1PolicyRunner
-
+        """verl's stage; a rollout policy that V1 does not stream generates pass by pass through
+        :class:`mix_src.trainer.rollout_policy_v1.V1PolicyRunner`, the agent-loop manager for this call."""
         if streams_on_v1(self.mix.rollout_policy):
             return super()._submit_batch_to_rollout(batch)
         manager = self.agent_loop_manager
@@ -298,17 +284,8 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
         batch.extra_info.pop("no_lora_adapter", None)
         return super()._compute_values(batch, metrics)
 
-    def _prefix_mask(self, batch) -> tuple[torch.Tensor, Any]:
-        """(bsz, L) bool prefix mask of ``batch``'s rows (from each row's ``prefix_token_mask``), and the rows'
-        nested response mask."""
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["response_mask", "extra_fields"])
-        extra = _extra_fields(data.pop("extra_fields"))
-        nested = data["response_mask"]
-        return prefix_mask_tensor([e.get("prefix_token_mask") for e in extra], data.to_padded_tensor()["response_mask"]), nested
-
     def _compute_old_log_prob(self, batch, metrics: dict):
-        """verl's stage; its ``training/rollout_*`` metrics (over the whole response mask, where prefix tokens
-        carry rollout log-prob 0) are replaced by the same metrics over the on-policy tokens, as on the legacy base
+        """verl's stage, with its ``training/rollout_*`` metrics over the on-policy tokens only
         (:func:`mix_src.trainer.stages.on_policy_rollout_metrics`)."""
         before = set(metrics)
         batch = super()._compute_old_log_prob(batch, metrics)
@@ -318,16 +295,15 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
             del metrics[key]
         fields = ["old_log_probs", "rollout_log_probs", "response_mask", "responses"]
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
-        prefix_mask, _ = self._prefix_mask(batch)
+        prefix_mask, _ = tq_prefix_mask(batch.keys, batch.partition_id)
         metrics.update(on_policy_rollout_metrics(DataProto(batch=data.to_padded_tensor()), prefix_mask))
         return batch
 
     def _compute_advantage(self, batch, metrics: dict):
-        """verl's stage (KL-in-reward, rollout correction, advantages, the TransferQueue write; ``trainer_base.py``
-        1743-1802) with, for this call, its advantage call replaced by :func:`mix_src.trainer.stages.luffy_advantage_stage` and
-        its rollout correction by :func:`mix_src.trainer.stages.on_policy_rollout_correction`, as on the legacy base; then the
-        rows' ``prefix_mask`` is written to TransferQueue (nested like ``response_mask``) for the loss."""
-        prefix_mask, nested_response_mask = self._prefix_mask(batch)
+        """verl's stage (``trainer_base.py`` 1743-1802) with its advantage call and rollout correction swapped for
+        :func:`~mix_src.trainer.stages.luffy_advantage_stage` and :func:`~mix_src.trainer.stages.on_policy_rollout_correction`;
+        then the rows' ``prefix_mask`` is written to TransferQueue (nested like ``response_mask``) for the loss."""
+        prefix_mask, nested_response_mask = tq_prefix_mask(batch.keys, batch.partition_id)
         algo, mix = self.config.algorithm, self.mix
         verl_advantage = trainer_base.compute_advantage_for_multi_trajectories
         verl_correction = trainer_base.compute_rollout_correction_and_add_to_batch
@@ -359,8 +335,7 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
 
     def _luffy_metrics(self, batch) -> dict[str, Any]:
         """LUFFY's metrics over the step's trained rows (verl's padding rows excluded)."""
-        keep = [i for i, tag in enumerate(batch.tags) if not tag.get("is_padding", False)]
-        keys = [batch.keys[i] for i in keep]
+        keys = [batch.keys[i] for i in _trained_rows(batch)]
         fields = ["uid", "response_mask", "prefix_mask", "rm_scores", "extra_fields", "prompts", "responses"]
         data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=fields)
         extra = _extra_fields(data.pop("extra_fields"))
@@ -374,6 +349,11 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
                                  [e.get("prefix_ratio", 0.0) for e in extra],
                                  [e.get("prefix_truncated", False) for e in extra], [i.get("ungradable") for i in info]))
         return out
+
+
+def _trained_rows(batch) -> list[int]:
+    """Indices of the rows the step trained on (verl's padding rows excluded)."""
+    return [i for i, tag in enumerate(batch.tags) if not tag.get("is_padding", False)]
 
 
 def _actor_dp_size(worker_group) -> int:
@@ -406,12 +386,8 @@ class MixPPOTrainerSeparateAsync(MixV1Mixin, PPOTrainerSeparateAsync):
     """LUFFY on verl's separate asynchronous V1 trainer (standalone rollout pool)."""
 
     def _setup(self):
-        """verl's. With ``actor_rollout_ref.hybrid_engine=false`` (rollout served by the standalone pool only) verl
-        0.9.1 logs ``logger.info(..., flush=True)`` (``verl/trainer/ppo/v1/trainer_separate_async.py`` 181-186), which
-        the stdlib logger refuses with a TypeError on any device; during this call the module's logger drops
-        ``flush``."""
-        from verl.trainer.ppo.v1 import trainer_separate_async
-
+        """verl's, whose ``logger.info(..., flush=True)`` with ``hybrid_engine=false`` (``trainer_separate_async.py``
+        181-186) the stdlib logger refuses with a TypeError; during this call the module's logger drops ``flush``."""
         drop_flush = _DropFlush(trainer_separate_async.logger, {})
         with swapped(trainer_separate_async, "logger", drop_flush, patch="v1.separate_async.logger"):
             super()._setup()
@@ -422,11 +398,6 @@ class MixTaskRunnerV1(TaskRunnerV1.__ray_actor_class__):
     under it) with one change in ``run``: the LUFFY trainer of the configured mode."""
 
     def run(self, config):
-        from pprint import pprint
-
-        from verl.trainer.ppo.v1 import get_trainer_cls
-        from verl.utils.logging_utils import configure_verl_logging
-
         configure_verl_logging()
         trainer_cls = get_trainer_cls(mix_trainer_name(config.trainer.v1.trainer_mode))
         config.transfer_queue.enable = True

@@ -1,11 +1,6 @@
-"""mix_src's rules in verl's V1 replay buffer (``verl/trainer/ppo/v1/replay_buffer.py``), for the V1 base
-(:class:`mix_src.trainer.v1.MixV1Mixin`, whose ``_build_replay_buffer`` hook lists them): the group-filter registry
-decides which finished groups are evicted (:func:`make_dapo_filtered_keys`), and in sync mode the step's generation
-budget (``algorithm.filter_groups.max_num_gen_batches``), the carried surplus groups (``mix.filter_groups.carry_over``)
-and, for a streamed rollout policy, the generation FLOPs of every trajectory the buffer sees.
-
-The legacy base has no replay buffer: its loop filters and carries groups itself (``MIXRayPPOTrainer._collect_batch``),
-through the same :func:`mix_src.algo.filter_groups.filter_groups` and :func:`mix_src.trainer.stages.filter_metric_values`.
+"""mix_src's rules in verl's V1 replay buffer (``verl/trainer/ppo/v1/replay_buffer.py``), listed in
+:meth:`V1ReplayBufferRules._mix_replay_buffer`, and the V1 base's TransferQueue row readers. The legacy base filters
+and carries groups in its own loop (``LegacyCollect._collect_batch``) with the same stage functions.
 """
 
 from __future__ import annotations
@@ -20,9 +15,10 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from mix_src.compat import checked
 from mix_src.algo.filter_groups import filter_groups
+from mix_src.trainer.rollout_policy import streams_on_v1
 from mix_src.trainer.stages import SUMMED_REWARD_METRICS, FilterGroupsExhausted, filter_metric_values, prefix_mask_tensor
 
-__all__ = ["V1ReplayBufferRules", "extra_fields", "make_dapo_filtered_keys"]
+__all__ = ["V1ReplayBufferRules", "extra_fields", "make_dapo_filtered_keys", "tag_lengths", "tq_prefix_mask"]
 
 
 class V1ReplayBufferRules:
@@ -31,15 +27,12 @@ class V1ReplayBufferRules:
 
     @property
     def _steps_in_sync(self) -> bool:
-        """verl's synchronous trainer (``PPOTrainerSync``, with its sync ``ReplayBuffer``): each step dispatches its
-        own generation batches, which the step's generation budget and the carried groups hook into."""
+        """verl's ``PPOTrainerSync``: each step dispatches its own generation batches (budget and carried groups)."""
         return isinstance(self, PPOTrainerSync)
 
     def _install_generation_count(self, buffer) -> None:
-        """With a streamed rollout policy, wrap the replay buffer's metadata sync so that each new ``train``
-        trajectory's generation is counted once (see :meth:`_build_replay_buffer`)."""
-        from mix_src.trainer.rollout_policy import streams_on_v1
-
+        """With a streamed rollout policy, count each new ``train`` trajectory's generation once, at the buffer's
+        metadata sync."""
         self._counts_generation = False
         verl_sync = getattr(buffer, "_sync_metadata_from_transfer_queue", None)
         if verl_sync is None or not streams_on_v1(self.mix.rollout_policy):
@@ -61,17 +54,14 @@ class V1ReplayBufferRules:
         self._counts_generation = True
 
     def _count_generated_rows(self, keys: list[str], tags: list[dict]) -> None:
-        """Generation FLOPs of newly generated ``train`` trajectories: ``F(P + R)`` for each that generated a token
-        (R minus its prefix tokens), as the legacy base counts every row of a rollout pass."""
+        """Generation FLOPs of newly generated ``train`` trajectories (their response minus prefix tokens), as the
+        legacy base counts every row of a rollout pass."""
         try:
             self._model_shape()
         except Exception:  # noqa: BLE001 - reported by _count_flops (and fatal there with a budget)
             return
-        data = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["response_mask", "extra_fields"])
-        extra = extra_fields(data.pop("extra_fields"))
-        prefix = prefix_mask_tensor([e.get("prefix_token_mask") for e in extra], data.to_padded_tensor()["response_mask"])
-        p = np.array([int(t["prompt_len"]) for t in tags], dtype=np.int64)
-        r = np.array([int(t["response_len"]) for t in tags], dtype=np.int64)
+        prefix, _ = tq_prefix_mask(keys, "train")
+        p, r = tag_lengths(tags)
         self.add_rollout_flops(p, r, r - prefix.long().sum(-1).numpy())
 
     def _carries_in_tq(self) -> bool:
@@ -80,8 +70,8 @@ class V1ReplayBufferRules:
             self.replay_buffer, "filter_groups_metric", None) is not None  # fmt: skip
 
     def _restore_carried_groups(self, path: str) -> None:
-        """Load the checkpoint's TransferQueue state and keep only whole carried groups (their prompt key and rows);
-        the rows of the batch the step trained on, whose prompt keys verl's sample had already removed, go."""
+        """Load the checkpoint's TransferQueue state, keeping only whole carried groups (the trained batch's rows,
+        whose prompt keys verl's sample removed, go)."""
         tq.load_checkpoint(path)
         tags = (tq.kv_list("train") or {}).get("train", {})
         prompts = {k for k, t in tags.items() if t.get("is_prompt", False)}
@@ -95,21 +85,16 @@ class V1ReplayBufferRules:
         ``trainer.v1.sampler.custom_sampler``, owns its filtering and is left alone):
 
         * its DAPO classification (``ReplayBuffer._dapo_filtered_keys``, ``verl/trainer/ppo/v1/replay_buffer.py``
-          261-315: evict a finished group whose metric has std 0) is :func:`mix_src.algo.filter_groups.filter_groups` with
-          ``mix.filter_groups.rule`` and, with ``on_policy_only``, only the group's on-policy rows deciding;
-        * sync mode, ``algorithm.filter_groups.max_num_gen_batches`` (``MixV1Mixin._add_prompts_to_generate``, the
-          buffer's ``refill_fn``): a step dispatches at most that many generation batches of ``data.gen_batch_size``
-          (default ``data.train_batch_size``) prompts; once they are spent and nothing is in flight, the buffer's
-          wait (``_wait_for_next_poll``, reached only while too few groups are sampleable) raises
-          :class:`~mix_src.trainer.legacy.FilterGroupsExhausted`, as the legacy loop does;
-        * sync mode, ``mix.filter_groups.carry_over``: the surplus groups verl's ``sample`` discards once it has
-          selected the batch (``self._clear_groups(partition_id, surplus_uids)``, replay_buffer.py 502-507) stay
-          in TransferQueue as finished groups; the next step's ``sample`` takes them first (oldest prompt step
-          first, ``_select_prompt_uids``), as the legacy loop puts carried groups first. They are saved with the
-          checkpoint (verl's ``tq.save_checkpoint``, which verl itself calls in the async modes only);
-        * a streamed rollout policy: every trajectory the buffer's metadata sync (``_sync_metadata_from_transfer_queue``,
-          replay_buffer.py 201-235) sees for the first time has its generation FLOPs counted
-          (:meth:`_count_generated_rows`), whether it is later trained, evicted by the group filter or discarded."""
+          261-315) is :func:`make_dapo_filtered_keys`;
+        * sync mode, ``algorithm.filter_groups.max_num_gen_batches``: a step dispatches at most that many generation
+          batches (``MixV1Mixin._add_prompts_to_generate``, the buffer's ``refill_fn``); once they are spent and
+          nothing is in flight, the buffer's wait (``_wait_for_next_poll``) raises ``FilterGroupsExhausted``, as the
+          legacy loop does;
+        * sync mode, ``mix.filter_groups.carry_over``: the surplus groups verl's ``sample`` discards
+          (``_clear_groups``, replay_buffer.py 502-507) stay in TransferQueue as finished groups, taken first by the
+          next step's ``sample`` (oldest prompt step first), and saved with the checkpoint (``tq.save_checkpoint``);
+        * a streamed rollout policy: every trajectory the metadata sync (``_sync_metadata_from_transfer_queue``,
+          replay_buffer.py 201-235) sees first has its generation FLOPs counted, trained, evicted or discarded."""
         self._install_generation_count(buffer)
         if getattr(buffer, "filter_groups_metric", None) is None or not hasattr(buffer, "_dapo_filtered_keys"):
             return buffer
@@ -179,12 +164,10 @@ class V1ReplayBufferRules:
 
 
 def make_dapo_filtered_keys(rule: str, on_policy_only: bool) -> Callable:
-    """A ``ReplayBuffer._dapo_filtered_keys(partition_id) -> (evicted uids, Counter)`` (verl 0.9.1 contract: the
-    finished groups to evict and a ``{shared metric value: group count}`` breakdown of them) whose decision is
-    :func:`mix_src.algo.filter_groups.filter_groups` (``rule``; ``on_policy_only``: rows without a prefix token decide).
-    Each finished group is classified once (verl's cache), from its rows' values of the metric as the legacy base
-    reads it (:func:`mix_src.trainer.stages.filter_metric_values`: ``reward``/``seq_reward`` the summed ``rm_scores``,
-    another name ``reward_extra_info[metric]``), and ``prefix_token_mask``."""
+    """A ``ReplayBuffer._dapo_filtered_keys(partition_id) -> (evicted uids, Counter of their metric values)`` (verl
+    0.9.1 contract) deciding by :func:`mix_src.algo.filter_groups.filter_groups` (``rule``; ``on_policy_only``: rows
+    without a prefix token decide), each finished group once (verl's cache), on the metric as the legacy base reads
+    it (:func:`mix_src.trainer.stages.filter_metric_values`)."""
     def _dapo_filtered_keys(self, partition_id: str):
         if partition_id == "val" or self.filter_groups_metric is None:
             return set(), Counter()
@@ -229,3 +212,17 @@ def make_dapo_filtered_keys(rule: str, on_policy_only: bool) -> Callable:
 def extra_fields(stack) -> list[dict]:
     """The per-row ``extra_fields`` dicts out of a TransferQueue non-tensor field."""
     return [getattr(e, "data", e) if isinstance(getattr(e, "data", e), dict) else {} for e in list(stack)]
+
+
+def tag_lengths(tags: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """(rows,) int64 prompt and response lengths from the rows' TransferQueue tags."""
+    return tuple(np.array([int(t[k]) for t in tags], dtype=np.int64) for k in ("prompt_len", "response_len"))
+
+
+def tq_prefix_mask(keys: list[str], partition_id: str):
+    """(rows, L) bool prefix mask of the TransferQueue rows ``keys`` (each row's ``prefix_token_mask``), and their
+    nested ``response_mask``."""
+    data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["response_mask", "extra_fields"])
+    extra = extra_fields(data.pop("extra_fields"))
+    nested = data["response_mask"]
+    return prefix_mask_tensor([e.get("prefix_token_mask") for e in extra], data.to_padded_tensor()["response_mask"]), nested
