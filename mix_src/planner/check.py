@@ -1,7 +1,5 @@
-"""The planner's reading of a composed config, its report, and the check before Ray (preflight slot 6).
-
-Orchestration: reads the (Omega)config and the model's ``config.json``; the arithmetic is in
-:mod:`mix_src.planner.estimate`."""
+"""The planner's reading of a composed config and the model's ``config.json``, its report, and the check before
+Ray (preflight slot 6); the arithmetic is in :mod:`mix_src.planner.estimate`."""
 
 from __future__ import annotations
 
@@ -9,9 +7,9 @@ import json
 import os
 from typing import Any, Mapping, Optional
 
-from mix_src.planner.estimate import (ALLOCATOR_FRAGMENTATION_BYTES, CUDA_CONTEXT_BYTES, ERROR_BOUND, GB, GIB, GPUS,
-                                      Gpu, MemoryPlan, RunShape, TimePlan, count_params, plan_memory, plan_time, state_terms, states_bytes,
-                                      step_terms, PARAM_BYTES, GRAD_BYTES, ADAM_BYTES, ADAM_STEP_TEMP_BYTES)
+from mix_src.planner.estimate import (ADAM_BYTES, ADAM_STEP_TEMP_BYTES, ALLOCATOR_FRAGMENTATION_BYTES, CUDA_CONTEXT_BYTES,
+                                      ERROR_BOUND, GB, GIB, GPUS, GRAD_BYTES, PARAM_BYTES, Gpu, MemoryPlan, RunShape,
+                                      TimePlan, count_params, plan_memory, states_bytes, step_terms)
 from mix_src.config.mix_config import MixConfigError
 from mix_src.planner.presets import PRESETS
 
@@ -86,11 +84,10 @@ def load_model_config(path: str) -> tuple[Optional[dict], str]:
     """The model's ``config.json`` as a dict and where it came from; ``(None, why)`` when it cannot be read here
     (a Hub id that is neither a preset nor in the local Hugging Face cache: nothing is downloaded)."""
     expanded = os.path.expanduser(str(path))
-    candidates = [expanded] if expanded.endswith(".json") else [os.path.join(expanded, "config.json")]
-    for c in candidates:
-        if os.path.isfile(c):
-            with open(c) as f:
-                return json.load(f), c
+    local = expanded if expanded.endswith(".json") else os.path.join(expanded, "config.json")
+    if os.path.isfile(local):
+        with open(local) as f:
+            return json.load(f), local
     if str(path) in PRESETS:
         return dict(PRESETS[str(path)]), f"preset {path} (mix_src/planner/presets.py)"
     try:

@@ -1,8 +1,6 @@
-"""Memory and GPU-hour estimates of a run, from the model's shape and the recipe's numbers. Pure arithmetic:
-no torch, verl or Ray imports (the CLI, :mod:`mix_src.planner.__main__`, and the pre-Ray check,
-:mod:`mix_src.planner.check`, read the configs).
-
-Units: bytes (``int``) for memory, parameters as counts, hours for time. GB below means 1e9 bytes.
+"""Memory and GPU-hour estimates of a run, from the model's shape and the recipe's numbers. Pure arithmetic: no
+torch, verl or Ray imports (:mod:`mix_src.planner.check` reads the configs). Units: bytes (``int``), parameter
+counts, hours; GB means 1e9 bytes. Every term, its source and the GPU calibration: mix_src/planner/README.md.
 """
 
 from __future__ import annotations
@@ -20,18 +18,16 @@ GB = 10**9
 PARAM_BYTES = 4  # fp32 parameter
 GRAD_BYTES = 4  # fp32 gradient
 ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32 each
-# torch.optim.AdamW's step on CUDA (foreach, the default verl's FSDP engine gets) holds one fp32 temporary per
-# parameter (the denominator) on top of params, grads and moments: measured on an H200 by
-# scripts/gpu/calibrate_memory.py (1.5B: 30.95 GB peak at the step = 20.05 B/param; mix_src/planner/README.md)
+# AdamW's foreach step on CUDA (verl's FSDP engine's default) holds one fp32 temporary per parameter (measured on
+# an H200 by scripts/gpu/calibrate_memory.py: 20.05 B/param at the step; mix_src/planner/README.md)
 ADAM_STEP_TEMP_BYTES = 4
 # A checkpoint's extra_state (lr scheduler + RNG states) and the huggingface/ config + tokenizer files: a few MB.
 CHECKPOINT_EXTRA_BYTES = 64 * 2**20
 
 
 def count_params(hf_config: Mapping) -> int:
-    """Parameters of a decoder-only HF model (Qwen2/Llama family) from its ``config.json`` dict: the token
-    embedding (``vocab x hidden``), every decoder layer and the final norm (:class:`mix_src.algo.flops.ModelShape`),
-    and the LM head unless ``tie_word_embeddings`` (Qwen2.5-7B: 7,615,616,512)."""
+    """Parameters of a decoder-only HF model (Qwen2/Llama family) from its ``config.json`` dict: embedding, decoder
+    layers and final norm (:class:`mix_src.algo.flops.ModelShape`), LM head unless tied (Qwen2.5-7B: 7,615,616,512)."""
     shape = ModelShape.from_hf_config(hf_config)
     embed = shape.vocab * shape.d_model
     head = 0 if hf_config.get("tie_word_embeddings", False) else embed
@@ -39,19 +35,13 @@ def count_params(hf_config: Mapping) -> int:
 
 
 def checkpoint_bytes(num_params: int, with_optimizer: bool = True) -> int:
-    """Bytes one verl FSDP actor checkpoint (``global_step_N/actor``) holds, summed over ranks: the model shards
-    (``model_world_size_W_rank_R.pt``, fp32: 4 B/param), the AdamW states (``optim_world_size_W_rank_R.pt``, two
-    fp32 moments: 8 B/param) when ``with_optimizer`` (verl's default ``checkpoint.save_contents`` includes
-    ``optimizer``), and :data:`CHECKPOINT_EXTRA_BYTES` for ``extra_state_*.pt`` and ``huggingface/`` (verl/utils/
-    checkpoint/fsdp_checkpoint_manager.py save_checkpoint). So 12 B/param with the optimizer, 4 without."""
+    """Bytes of one verl FSDP actor checkpoint (``global_step_N/actor``) over all ranks: fp32 model shards (4 B/param),
+    AdamW moments (8 B/param) when ``with_optimizer`` (verl's default ``checkpoint.save_contents``), and
+    :data:`CHECKPOINT_EXTRA_BYTES` (verl/utils/checkpoint/fsdp_checkpoint_manager.py save_checkpoint)."""
     if num_params < 0:
         raise ValueError(f"num_params={num_params} must be >= 0")
     per_param = PARAM_BYTES + (ADAM_BYTES if with_optimizer else 0)
     return int(num_params) * per_param + CHECKPOINT_EXTRA_BYTES
-
-
-# --------------------------------------------------------------------------------------------------------
-# the run's shape
 
 
 GIB = 2**30
@@ -67,16 +57,12 @@ class Gpu:
     hbm_bytes_per_s: float
 
 
-# NVIDIA datasheets (A100: "NVIDIA A100 Tensor Core GPU" datasheet, 80GB SXM; H100: "NVIDIA H100 Tensor Core GPU"
-# datasheet, SXM): dense bf16 (without sparsity) and HBM bandwidth. The A100 "80GB": 80 GiB (not measured here).
+# Dense bf16 (without sparsity) and HBM bandwidth from NVIDIA's A100 / H100 / H200 SXM datasheets. Memory: the
+# A100's 80 GiB (not measured); the H100's torch total_memory and the H200's nvidia-smi MiB on the GPUs the
+# calibration ran on (mix_src/planner/README.md, calibration; calibration/h200_2026-11-26_*.txt).
 GPUS: dict[str, Gpu] = {
     "a100-80gb": Gpu("A100-SXM4-80GB", 80 * GIB, 312e12, 2.039e12),
-    # torch.cuda.get_device_properties(0).total_memory of the H100 80GB HBM3 the calibration ran on (nvidia-smi:
-    # 81559 MiB; torch 79.18 GiB): 80 GiB overstated it by 0.9 GB (mix_src/planner/README.md, calibration)
     "h100-80gb": Gpu("H100-SXM5-80GB", 85_017_493_504, 989e12, 3.35e12),
-    # "NVIDIA H200 Tensor Core GPU" datasheet (SXM): 141 GB HBM3e, 4.8 TB/s; dense bf16 as the H100's. The memory is
-    # nvidia-smi's 143771 MiB on the H200 the calibration ran on; torch's total_memory there printed 150.1 GB, about
-    # 0.6 GB less (as on the H100), not exact enough to the byte to replace it (calibration/h200_2026-11-26_*.txt)
     "h200-141gb": Gpu("H200-SXM-141GB", 143771 * 2**20, 989e12, 4.8e12),
 }
 
@@ -116,8 +102,6 @@ class RunShape:
 
 # --------------------------------------------------------------------------------------------------------
 # memory terms, bytes per GPU
-
-
 @dataclass(frozen=True)
 class Term:
     """One memory term: ``bytes`` on one GPU, how it is counted (``basis``)."""
@@ -171,13 +155,10 @@ def activation_bytes(shape: ModelShape, tokens: int, checkpointing: bool) -> int
 
 
 def entropy_bytes(shape: ModelShape, run: RunShape, tokens: int, grad: bool) -> int:
-    """What verl's entropy of a ``[tokens, vocab]`` bf16 logits tensor adds (verl/utils/torch_functional.py
-    entropy_from_logits / entropy_from_logits_with_chunking). Compiled (fsdp_config.use_torch_compile, verl's
-    default): a fused reduction, nothing of size tokens x vocab. Eager: with a gradient, the tensors autograd
-    saves (bf16 softmax: 2 B per logit; chunked: each chunk's fp32 copy and fp32 softmax, 8 B per logit, all
-    chunks kept until the backward); without, the peak of the temporaries (softmax and softmax x logits, 4 B per
-    logit; chunked: one chunk's fp32 copy, softmax and product, 12 B x chunk x vocab). Measured on verl's own
-    functions by tests/test_planner.py::test_entropy_bytes_match_verl."""
+    """What verl's entropy of ``[tokens, vocab]`` bf16 logits adds (verl/utils/torch_functional.py
+    entropy_from_logits[_with_chunking]): 0 compiled (a fused reduction); eager with a gradient, what autograd saves
+    (2 B per logit; chunked 8 B); without, the temporaries' peak (4 B per logit; chunked 12 B x chunk x vocab).
+    Why each figure: mix_src/planner/README.md "Entropy"; tests/test_planner.py::test_entropy_bytes_match_verl."""
     if run.entropy_compiled:
         return 0
     tv = tokens * shape.vocab
@@ -204,8 +185,7 @@ def update_terms(shape: ModelShape, n_params: int, run: RunShape) -> list[Term]:
 
 def step_terms(n_params: int, run: RunShape) -> list[Term]:
     """AdamW's step, per GPU: the states (logits and activations are gone by then) and the foreach step's fp32
-    temporary. Alone it decides whether a whole model fits one GPU: 7B on one H200 (150 GB) ran out of memory at
-    any micro-batch size while the update's other terms fit (mix_src/planner/README.md, calibration)."""
+    temporary; alone it decides whether a whole model fits one GPU (mix_src/planner/README.md, calibration)."""
     terms = state_terms(n_params, run)
     if not run.offload_policy:
         s = run.fsdp_shards
@@ -264,15 +244,10 @@ def rollout_terms(shape: ModelShape, n_params: int, run: RunShape, gpu: Gpu) -> 
 
 VLLM_ACTIVATION_BYTES = 4 * GIB  # vLLM's profiled activation peak and CUDA graphs: a few GiB at 8192 batched tokens
 CUDA_CONTEXT_BYTES = 1 * GIB  # per process: CUDA context, NCCL buffers, allocator slack (outside torch's count)
-# What torch's caching allocator holds but cannot hand out near the limit: at AdamW's first step on one H100 80GB
-# (4.07B-4.30B params, 4096 tokens) the out-of-memory report said 2.61-2.74 GiB "reserved by PyTorch but
-# unallocated", and a step of 80.55 GB ran while 81.4 GB did not (scripts/gpu/calibrate_memory.py,
-# mix_src/planner/calibration/h100_2026-11-26_boundary.txt). Counted in the "fits" verdict, not in the refusal.
+# What torch's caching allocator holds but cannot hand out near the limit (2.61-2.74 GiB "reserved but unallocated"
+# at AdamW's first step on an H100: calibration/h100_2026-11-26_boundary.txt). In the "fits" verdict, not the refusal.
 ALLOCATOR_FRAGMENTATION_BYTES = 11 * GIB // 4
-
-# The error bound claimed for a phase's total, until a GPU measurement calibrates it (mix_src/planner/README.md):
-# states are exact arithmetic; activations, logits and the gathers are counted from the shapes (allocator
-# fragmentation and temporaries not counted).
+# The error bound claimed for a phase's total (states are exact; the rest is counted from shapes; README).
 ERROR_BOUND = 0.25
 
 
@@ -320,8 +295,6 @@ def plan_memory(hf_config: Mapping, run: RunShape, gpu: Gpu) -> MemoryPlan:
 
 # --------------------------------------------------------------------------------------------------------
 # GPU-hours
-
-
 @dataclass(frozen=True)
 class TimePlan:
     """Seconds per step on the whole cluster (wall clock) and GPU-hours of the run."""

@@ -4,15 +4,14 @@
 
 _QWEN2 = {"model_type": "qwen2", "hidden_act": "silu", "torch_dtype": "bfloat16"}
 
+_QWEN25_7B = {**_QWEN2, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+              "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False}
+
 PRESETS: dict[str, dict] = {
     # https://huggingface.co/Qwen/Qwen2.5-7B/blob/main/config.json
-    "Qwen/Qwen2.5-7B": {**_QWEN2, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-                        "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
-                        "max_position_embeddings": 131072, "tie_word_embeddings": False},
+    "Qwen/Qwen2.5-7B": {**_QWEN25_7B, "max_position_embeddings": 131072},
     # https://huggingface.co/Qwen/Qwen2.5-Math-7B/blob/main/config.json (LUFFY's base model): the 7B shape, a 4k context
-    "Qwen/Qwen2.5-Math-7B": {**_QWEN2, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-                             "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
-                             "max_position_embeddings": 4096, "tie_word_embeddings": False},
+    "Qwen/Qwen2.5-Math-7B": {**_QWEN25_7B, "max_position_embeddings": 4096},
     # https://huggingface.co/Qwen/Qwen2.5-1.5B/blob/main/config.json
     "Qwen/Qwen2.5-1.5B": {**_QWEN2, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
                           "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936,
