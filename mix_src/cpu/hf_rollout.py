@@ -2,20 +2,12 @@
 
 Three pieces, mirroring verl's vLLM backend (``verl/workers/rollout/vllm_rollout/``):
 
-* ``HFRolloutServer`` -- Ray actor holding an fp32 copy of the policy. ``generate`` is token-in /
-  token-out (``TokenOutput`` with ids, log-probs, ``extra_fields["global_steps"]``); concurrent requests
-  are decoded together in one batch (see ``sampling.generate_batch``). Reproducible: each request samples
-  from its own ``sampling_params["seed"]`` and is padded to a width set by its own length, so its tokens
-  and log-probs are bit-identical whatever arrives with it. Memory lifecycle calls
-  (sleep, wake_up, kv-cache release, abort ...) are no-ops: there is no device memory to juggle.
-* ``HFReplica`` (``RolloutReplicaRegistry["hf"]``) -- starts one server per replica; verl's
-  ``LLMServerManager`` routes the agent loops' requests to it.
-* ``HFServerAdapter`` (``_ROLLOUT_REGISTRY[("hf", "async")]``) -- lives in the actor worker (hybrid
-  engine), or in verl's ``CheckpointEngineWorker`` next to a standalone server (separate_async, weights from the
-  ``cpu_gloo`` checkpoint engine); ``update_weights`` receives the full tensors and pushes them to the server
-  (through the Ray object store: fine for tiny models), so the server samples from the current policy. With
-  LoRA (verl's adapter sync, ``model.lora.merge=False``) the base weights come once and then the adapter
-  tensors, which the server applies with peft's LoRA layers (``update_lora``); merged LoRA weights are full weights.
+* ``HFRolloutServer``: Ray actor holding an fp32 copy of the policy; token-in / token-out ``generate``,
+  concurrent requests decoded in one batch, bit-identical whatever shares it (``sampling.generate_batch``).
+* ``HFReplica`` (``RolloutReplicaRegistry["hf"]``): one server per replica.
+* ``HFServerAdapter`` (``_ROLLOUT_REGISTRY[("hf", "async")]``): in the actor worker, or in verl's
+  ``CheckpointEngineWorker`` beside a standalone server (separate_async); pushes the weights (full, or with
+  LoRA the base once and then the adapter, applied with peft's LoRA layers) to its server through Ray.
 
 Only text prompts; rollout TP/DP/PP must be 1 per replica.
 """
@@ -44,11 +36,13 @@ logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
 # Requests are gathered into one decoding batch until none has arrived for this long (or max_num_seqs are
-# pending). verl's agent loop sends a batch's requests one by one, a few ms apart on a small CPU host, so a
-# fixed 10 ms window split the toy step's 224 requests into 3-6 batches, each paying the whole per-token
-# cost of a decoding loop (1.0 s in all vs ~0.3 s for one batch). The results do not depend on the
-# grouping (see generate_batch), only the time does.
+# pending): verl's agent loop sends them one by one, a few ms apart, and each batch pays a whole decoding
+# loop (measured: scripts/bench/README.md). Results do not depend on the grouping (generate_batch), only the time.
 _BATCH_QUIET_S = 0.03
+
+
+async def _nothing(self, *args, **kwargs) -> None:
+    """A lifecycle call verl makes on a server with device memory; there is none on CPU."""
 
 
 def server_name(replica_rank: int, name_suffix: str = "") -> str:
@@ -107,14 +101,8 @@ class HFRolloutServer:
         self._pending: list[tuple[list[int], SamplingSpec, asyncio.Future]] = []
         self._worker: Optional[asyncio.Task] = None
         self._model_lock: Optional[asyncio.Lock] = None
-        logger.info(
-            "mix_src.cpu: hf rollout server %d ready (%s, attn=%s, %s, eos=%s)",
-            replica_rank,
-            self.model_config.local_path,
-            attn,
-            self.dtype,
-            sorted(self.eos_token_ids),
-        )
+        logger.info("mix_src.cpu: hf rollout server %d ready (%s, attn=%s, %s, eos=%s)", replica_rank,
+                    self.model_config.local_path, attn, self.dtype, sorted(self.eos_token_ids))  # fmt: skip
 
     def ready(self) -> bool:
         return True
@@ -196,16 +184,8 @@ class HFRolloutServer:
                 async with self._lock():
                     t0 = loop.time()
                     version = self.global_steps  # the weights this batch is decoded with
-                    results = await asyncio.to_thread(
-                        generate_batch,
-                        self.model,
-                        list(prompts),
-                        list(specs),
-                        self.eos_token_ids,
-                        self.pad_token_id,
-                        self.generator,
-                        width,
-                    )
+                    results = await asyncio.to_thread(generate_batch, self.model, list(prompts), list(specs),
+                                                      self.eos_token_ids, self.pad_token_id, self.generator, width)
             except Exception as e:  # hand the error to every waiting request
                 for f in futures:
                     if not f.done():
@@ -251,9 +231,8 @@ class HFRolloutServer:
             raise KeyError(f"hf rollout: actor sent no value for {missing[:5]} ...")
 
     async def update_lora(self, tensors: dict[str, torch.Tensor], peft_config: Any, global_steps: Optional[int] = None):
-        """Load the actor's LoRA adapter (verl's adapter sync, ``model.lora.merge=False``): the tensors of
-        ``peft.get_peft_model_state_dict`` on the actor, applied on top of the base weights as the actor applies
-        them (the same peft LoRA layers), as verl's vLLM rollout adds them with ``add_lora``."""
+        """Load the actor's LoRA adapter (``peft.get_peft_model_state_dict`` tensors) with the actor's peft LoRA
+        layers, as verl's vLLM rollout adds them with ``add_lora``."""
         async with self._lock():
             await asyncio.to_thread(self._load_lora, tensors, peft_config)
             if global_steps is not None:
@@ -285,20 +264,8 @@ class HFRolloutServer:
         self.global_steps = global_steps
 
     # ------------------------------------------------------------------ lifecycle: nothing to free on CPU
-    async def wake_up(self, tags: Optional[list[str]] = None):
-        pass
-
-    async def sleep(self):
-        pass
-
-    async def clear_kv_cache(self):
-        pass
-
-    async def release_kv_cache(self):
-        pass
-
-    async def resume_kv_cache(self):
-        pass
+    wake_up = sleep = clear_kv_cache = release_kv_cache = resume_kv_cache = _nothing
+    resume_generation = start_profile = stop_profile = _nothing
 
     async def wait_for_requests_to_drain(self):
         while self._pending or (self._worker is not None and not self._worker.done()):
@@ -309,15 +276,6 @@ class HFRolloutServer:
 
     async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict:
         return {}
-
-    async def resume_generation(self):
-        pass
-
-    async def start_profile(self, **kwargs):
-        pass
-
-    async def stop_profile(self):
-        pass
 
 
 class HFReplica(RolloutReplica):
@@ -352,11 +310,8 @@ class HFServerAdapter(BaseRollout):
 
     def __init__(self, config: RolloutConfig, model_config: HFModelConfig, device_mesh, replica_rank: int = -1):
         super().__init__(config, model_config, device_mesh)
-        rollout_world_size = (
-            self.config.tensor_model_parallel_size
-            * self.config.data_parallel_size
-            * self.config.pipeline_model_parallel_size
-        )
+        c = self.config
+        rollout_world_size = c.tensor_model_parallel_size * c.data_parallel_size * c.pipeline_model_parallel_size
         rank = int(os.environ.get("RANK", 0))
         self.replica_rank = rank // rollout_world_size if replica_rank == -1 else replica_rank
         self.rollout_rank = rank % rollout_world_size
@@ -367,11 +322,7 @@ class HFServerAdapter(BaseRollout):
             self._server = ray.get_actor(server_name(self.replica_rank))
         return self._server
 
-    async def resume(self, tags: list[str]):
-        pass
-
-    async def release(self):
-        pass
+    resume = release = _nothing  # the server holds no device memory
 
     async def update_weights(
         self,
@@ -383,9 +334,7 @@ class HFServerAdapter(BaseRollout):
         **kwargs,
     ):
         """verl's weight sync (``verl/workers/engine_workers.py`` ``update_weights``, 786-806): full weights, or
-        with LoRA (``model.lora.merge=False``) the base weights once (``base_sync_done=False``, names
-        ``<module>.base_layer.weight``) and then the adapter tensors with their ``peft_config`` at every sync;
-        with ``model.lora.merge=True`` the merged full weights and ``peft_config=None``."""
+        with LoRA (``model.lora.merge=False``) the base weights once, then the adapter tensors every sync."""
         if wire_format != "named_tensors":
             raise NotImplementedError(f"hf rollout: wire_format={wire_format!r} (only named_tensors)")
         state_dict = {}

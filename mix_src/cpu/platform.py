@@ -48,12 +48,9 @@ def _make_device_module() -> types.ModuleType:
     mod.is_available = lambda: True
     mod.device_count = lambda: 1
     mod.current_device = lambda: "cpu"
-    mod.set_device = _noop
-    mod.synchronize = _noop
-    mod.empty_cache = _noop
-    mod.ipc_collect = _noop
-    mod.reset_peak_memory_stats = _noop
-    mod.set_per_process_memory_fraction = _noop
+    for name in ("set_device", "synchronize", "empty_cache", "ipc_collect", "reset_peak_memory_stats",
+                 "set_per_process_memory_fraction"):
+        setattr(mod, name, _noop)
     mod.mem_get_info = _host_mem_get_info
     for name in ("memory_allocated", "memory_reserved", "max_memory_allocated", "max_memory_reserved"):
         setattr(mod, name, lambda device=None: 0)
@@ -83,38 +80,25 @@ class PlatformCPU(PlatformBase):
     def device_module(self) -> types.ModuleType:
         return DEVICE_MODULE
 
+    # no device to select, synchronise, free, profile or load a runtime for
+    set_device = synchronize = set_allocator_settings = empty_cache = profiler_start = profiler_stop = cudart = _noop
+
     def is_available(self) -> bool:
         return True
 
     def is_platform_available(self, use_smi_check=False) -> bool:
-        # Only registered when the CPU backend is selected (see mix_src.cpu), so always the answer then.
-        return True
+        return True  # registered only when the CPU backend is selected (mix_src.cpu)
 
     def current_device(self):
-        # verl passes this straight to ``tensor.to(...)`` / ``device=`` (e.g. FSDPEngine.forward_step,
-        # fsdp_utils); an int 0 would mean cuda:0, so return the CPU device string.
-        return "cpu"
+        return "cpu"  # verl passes it to ``tensor.to(...)`` (FSDPEngine.forward_step): an int 0 would mean cuda:0
 
     def device_count(self) -> int:
         return 1
 
-    def set_device(self, device_index: int) -> None:
-        return None
-
-    def synchronize(self, device_index: Optional[int] = None) -> None:
-        return None
-
     def manual_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
 
-    def manual_seed_all(self, seed: int) -> None:
-        torch.manual_seed(seed)
-
-    def set_allocator_settings(self, settings: str) -> None:
-        return None
-
-    def empty_cache(self) -> None:
-        return None
+    manual_seed_all = manual_seed  # one CPU generator
 
     def get_device_capability(self, device_index: int = 0) -> tuple[Optional[int], Optional[int]]:
         return None, None
@@ -130,12 +114,6 @@ class PlatformCPU(PlatformBase):
     def nvtx_range(self, msg: str):
         yield
 
-    def profiler_start(self) -> None:
-        return None
-
-    def profiler_stop(self) -> None:
-        return None
-
     def ray_resource_name(self) -> str:
         return "GPU"
 
@@ -147,6 +125,3 @@ class PlatformCPU(PlatformBase):
 
     def is_ipc_supported(self) -> bool:
         return False
-
-    def cudart(self) -> Any:
-        return None
