@@ -1,14 +1,10 @@
 """Entry point: ``python -m mix_src.main_mix_ppo key=value ...`` (Hydra; config ``mix_src/config/mix_ppo_trainer.yaml``,
 composed through the primary ``mix_ppo.yaml``; a recipe passes ``--config-path recipes/NAME --config-name config``).
 
-On the driver, before Ray starts: validate the ``mix:`` section and its ties to verl's keys, refuse the
-verl settings the MIX trainer cannot honour (:mod:`mix_src.config.verl_parity`, each error names the key), check
-that the data and model paths exist and that ``+backend=cpu`` has the CPU backend active, resolve
-``rollout.max_model_len`` from the model's context (:mod:`mix_src.config.model_context`), then run verl's
-own ``run_ppo`` with :class:`MixTaskRunner`, which builds :class:`~mix_src.trainer.legacy.MIXRayPPOTrainer`, or with
-``trainer.use_v1=true`` :class:`~mix_src.trainer.v1.MixTaskRunnerV1` (LUFFY on verl's V1 trainer).
-The ``prefix_guided`` agent loop needs no config path: it registers itself in each AgentLoopWorker
-(see :mod:`mix_src.rollout.agent_loop`).
+On the driver, every check before Ray (:func:`mix_src.config.preflight.run`: paths, keys, registry entries, data,
+batch arithmetic, resources); then verl's own ``run_ppo`` with :class:`MixTaskRunner` (building
+:class:`~mix_src.trainer.legacy.MIXRayPPOTrainer`) or, with ``trainer.use_v1=true``,
+:class:`~mix_src.trainer.v1.MixTaskRunnerV1` (LUFFY on verl's V1 trainer).
 """
 
 from __future__ import annotations
@@ -35,11 +31,8 @@ from mix_src.config.mix_config import validate_mix_config
 
 
 class MixTaskRunner(BaseTaskRunner):
-    """verl's legacy TaskRunner flow (``main_ppo_v0.TaskRunner.run``) with MIXRayPPOTrainer.
-
-    ``main_ppo_v0.TaskRunner`` is already a Ray actor class and cannot be subclassed, so this subclasses
-    its ``BaseTaskRunner`` (worker/resource-pool set-up) and keeps ``run`` short.
-    """
+    """verl's legacy TaskRunner flow (``main_ppo_v0.TaskRunner.run``) with MIXRayPPOTrainer (``TaskRunner`` is
+    already a Ray actor class and cannot be subclassed, hence its ``BaseTaskRunner``)."""
 
     def run(self, config: DictConfig) -> None:
         from verl.trainer.ppo.utils import create_rl_dataset, create_rl_sampler, need_critic, need_reference_policy
@@ -67,27 +60,15 @@ class MixTaskRunner(BaseTaskRunner):
         train_data_cfg = copy.deepcopy(config.data)
         with open_dict(train_data_cfg):
             train_data_cfg.mix = copy.deepcopy(config.mix)
-        train_dataset = create_rl_dataset(
-            config.data.train_files, train_data_cfg, tokenizer, processor, is_train=True,
-            max_samples=config.data.get("train_max_samples", -1),
-        )  # fmt: skip
-        val_dataset = create_rl_dataset(
-            config.data.val_files, config.data, tokenizer, processor, is_train=False,
-            max_samples=config.data.get("val_max_samples", -1),
-        )  # fmt: skip
-
+        train_dataset = create_rl_dataset(config.data.train_files, train_data_cfg, tokenizer, processor, is_train=True,
+                                          max_samples=config.data.get("train_max_samples", -1))
+        val_dataset = create_rl_dataset(config.data.val_files, config.data, tokenizer, processor, is_train=False,
+                                        max_samples=config.data.get("val_max_samples", -1))
         trainer = MIXRayPPOTrainer(
-            config=config,
-            tokenizer=tokenizer,
-            processor=processor,
-            role_worker_mapping=self.role_worker_mapping,
-            resource_pool_manager=self.init_resource_pool_mgr(config),
-            ray_worker_group_cls=ray_worker_group_cls,
-            train_dataset=train_dataset,
-            val_dataset=val_dataset,
-            collate_fn=collate_fn,
-            train_sampler=create_rl_sampler(config.data, train_dataset),
-            mix_config=mix,
+            config=config, tokenizer=tokenizer, processor=processor, role_worker_mapping=self.role_worker_mapping,
+            resource_pool_manager=self.init_resource_pool_mgr(config), ray_worker_group_cls=ray_worker_group_cls,
+            train_dataset=train_dataset, val_dataset=val_dataset, collate_fn=collate_fn,
+            train_sampler=create_rl_sampler(config.data, train_dataset), mix_config=mix,
         )
         trainer.init_workers()
         trainer.fit()

@@ -95,7 +95,7 @@ def normalize_choice(value: str, numbers: bool = False) -> str | None:
 
 
 def gold_choice(ground_truth: str) -> str | None:
-    """The option label of a ground truth: ``"A"``-``"Z"`` or ``"1"``-``"26"`` (``"(B)"``, ``"4."`` are fine), else None."""
+    """A ground truth's option label, ``"A"``-``"Z"`` or ``"1"``-``"26"`` (``"(B)"``, ``"4."`` are fine), else None."""
     label = normalize_choice(ground_truth, numbers=True)
     if label is not None and label.isdigit() and not 1 <= int(label) <= MAX_NUMBER_LABEL:
         return None
@@ -137,7 +137,7 @@ _NUMBER_FULL = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 
 
 def parse_number(s: str) -> float | None:
-    """``"1,234"``, ``"$72$"``, ``"3.5\\%"``, ``"72."`` -> float; anything but a number -> ``None`` (never evaluates)."""
+    """``"1,234"``, ``"$72$"``, ``"3.5\\%"``, ``"72."`` -> float; anything but a number -> None (never evaluates)."""
     t = _TEXT_WRAP.sub(r"\1", s).strip().strip("$").strip()
     t = t.replace("\\%", "").replace("%", "").replace("\\$", "").replace("\\!", "").replace("{,}", ",")
     t = "".join(t.split()).rstrip(".")
