@@ -1,23 +1,20 @@
 """``RLHFDatasetWithTarget``: verl's RLHFDataset for rows that carry an off-policy target (expert solution).
 
-Selected with ``data.custom_cls.{path: pkg://mix_src.trainer.dataset, name: RLHFDatasetWithTarget}`` (the MIX
-config does this). It reads its settings from ``data.mix`` (the main entry point copies the validated
-``mix:`` section there for the training set, and leaves it out for validation sets).
+Selected with ``data.custom_cls`` (the MIX config does this); its settings come from ``data.mix`` (the validated
+``mix:`` section, copied there for the training set only). Each row's ``target`` is normalised once, at load, into
+a plain string that travels with the row to the agent loop (which tokenises it, appends EOS and cuts the prefix):
 
-Each row's ``target`` is normalised once, when the files are loaded, into a plain string that travels with
-the row to the agent loop (which tokenises it, appends EOS and cuts the prefix):
-
-* accepted forms: LUFFY's ``[{"role": "assistant", "content": str}]``, a ``{"content": str}`` dict, or a
-  plain string;
-* a missing ``target`` column is an error when ``mix.n_prefix != 0`` (it names the file and the column);
-* an empty or non-string target makes that prompt on-policy only (target ``""``), counted in the log;
+* accepted forms: LUFFY's ``[{"role": "assistant", "content": str}]``, a ``{"content": str}`` dict, or a string;
+* a missing ``target`` column is an error when ``mix.n_prefix != 0``;
+* an empty or non-string target makes that prompt on-policy only (target ``""``);
 * a target that starts with ``<think>\\n`` loses it when the templated prompt already ends with it;
-* ``mix.data.sample_target_ratio``: each row keeps its target with this probability, drawn once per row
-  from a generator seeded with ``data.seed`` (reproducible; LUFFY drew again at every access);
-* a target longer than ``mix.data.max_target_length`` tokens drops its row (counted), or is truncated to
-  that length when ``mix.data.truncate_targets=true`` (also counted). Never silently. A multi-turn expert
-  episode (the tool loop's JSON target, :func:`~mix_src.config.data_check.is_episode`) is measured by the
-  tool loop instead.
+* ``mix.data.sample_target_ratio``: each row keeps its target with this probability, drawn once per row (seeded
+  with ``data.seed``; LUFFY drew again at every access);
+* a target over ``mix.data.max_target_length`` tokens drops its row, or is truncated with
+  ``mix.data.truncate_targets=true`` (a multi-turn expert episode, :func:`~mix_src.config.data_check.is_episode`,
+  is measured by the tool loop instead).
+
+Every case is counted in the load's log line.
 """
 
 from __future__ import annotations
@@ -49,8 +46,7 @@ TARGET_FIELD = "target"
 
 
 class RLHFDatasetWithTarget(RLHFDataset):
-    """RLHFDataset whose rows carry ``target`` (str, ``""`` = no target) for prefix-guided rollouts, read
-    from the column ``mix.data.target_key``."""
+    """RLHFDataset whose rows carry ``target`` (str, ``""`` = no target), read from ``mix.data.target_key``."""
 
     def __init__(self, data_files, tokenizer, config: DictConfig, processor=None, max_samples: int = -1):
         mix = config.get("mix", None)
@@ -66,8 +62,8 @@ class RLHFDatasetWithTarget(RLHFDataset):
 
     # -- prompts left out of an epoch (mix_src.trainer.stages.start_data_epoch) ----------------------------------------
     def leave_out(self, keys: set) -> int:
-        """Train only on the rows whose prompt (``mix_src.trainer.stages.prompt_data_key``) is not in ``keys`` (an empty
-        set: every row again). Returns the number of rows left."""
+        """Train only on the rows whose prompt (:func:`~mix_src.trainer.stages.prompt_data_key`) is not in ``keys`` (empty:
+        every row). Returns the number of rows left."""
         if self._data_keys is None:
             self._data_keys = [prompt_data_key(m) for m in self.dataframe[self.prompt_key]]
         self._rows = [i for i, k in enumerate(self._data_keys) if k not in keys] if keys else None
@@ -86,8 +82,7 @@ class RLHFDatasetWithTarget(RLHFDataset):
             self._prepare_targets()
 
     def _drop_bad_rows(self) -> None:
-        """Drop the rows the driver's data check counted (the same :func:`~mix_src.config.data_check.row_problem`),
-        so the workers train on the rows the summary line promised."""
+        """Drop the rows the driver's data check counted (:func:`~mix_src.config.data_check.row_problem`)."""
         cols = self.dataframe.column_names
         if self.prompt_key not in cols or "reward_model" not in cols:
             return  # refused before Ray by check_data; a direct user of the class keeps verl's behaviour

@@ -66,8 +66,7 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
         self.max_steps_duration = 0.0  # longest step so far (seconds), for verl's ESI expiry checkpoint
         self._flops_totals()  # training FLOPs so far, both counts (mix_src/algo/flops.py)
 
-    # ------------------------------------------------------------------------------------------------
-    # worker calls: verl's own, on the batch's tensors plus the per-row fields the workers read
+    # ---- worker calls: verl's own, on the tensors plus the per-row fields workers read -------------------------------
     def _compute_old_log_prob(self, batch: DataProto):
         return super()._compute_old_log_prob(worker_view(batch))
 
@@ -83,8 +82,7 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
     def _update_critic(self, batch: DataProto) -> DataProto:
         return super()._update_critic(worker_view(batch))
 
-    # ------------------------------------------------------------------------------------------------
-    # set-up
+    # ---- set-up ------------------------------------------------------------------------------------------------------
     def init_workers(self):
         agent_cfg = self.config.actor_rollout_ref.rollout.agent
         if not agent_cfg.get("agent_loop_manager_class"):  # verl's option; one set by the user is kept
@@ -95,8 +93,7 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
         super().init_workers()
         self._install_mix_loss()  # pickled once to every actor worker by set_loss_fn
 
-    # ------------------------------------------------------------------------------------------------
-    # the loop
+    # ---- the loop ----------------------------------------------------------------------------------------------------
     def fit(self):
         if self._dump_executor._shutdown:
             self._init_dump_executor()
@@ -165,8 +162,7 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
             pprint(f"Final validation metrics: {val_metrics}")
             tracker.log(data=val_metrics, step=step)
 
-    # ------------------------------------------------------------------------------------------------
-    # rollout replicas: generation needs them awake, a colocated reward model or the trainer needs them asleep
+    # ---- rollout replicas: awake to generate, asleep for a colocated reward model or the trainer ---------------------
     def _wake_rollout(self) -> None:
         """Weights to the rollout replicas, which wakes them (as verl's _validate does after a colocated reward model)."""
         self.checkpoint_manager.update_weights(self.global_steps)
@@ -244,8 +240,7 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
         extra["prefix_tokens"] = batch.batch["prefix_mask"].sum(-1).numpy()
         self._log_rollout_data(batch, extra, timing, rollout_data_dir)
 
-    # ------------------------------------------------------------------------------------------------
-    # stage 4: old and reference log-probs
+    # ---- stage 4: old and reference log-probs ------------------------------------------------------------------------
     def _compute_log_probs(self, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
         if self.config.trainer.balance_batch:
             self._balance_batch(batch, metrics=metrics)
@@ -282,8 +277,7 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
         metrics.update(rc_metrics)
         return batch
 
-    # ------------------------------------------------------------------------------------------------
-    # stage 5: advantages
+    # ---- stage 5: advantages -----------------------------------------------------------------------------------------
     def _compute_advantages(self, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
         algo = self.config.algorithm
         with marked_timer("adv", timing):
@@ -301,8 +295,7 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
             batch = luffy_advantage_stage(verl_advantage, batch.batch["prefix_mask"], algo, self.mix)(batch)
         return batch
 
-    # ------------------------------------------------------------------------------------------------
-    # stage 6: update, checkpoint, weight sync
+    # ---- stage 6: update, checkpoint, weight sync --------------------------------------------------------------------
     def _update(self, batch: DataProto, metrics: dict, timing: dict, is_last_step: bool) -> None:
         if self.use_critic:
             with marked_timer("update_critic", timing):
@@ -346,8 +339,7 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
                 self._install_mix_loss()
         return result
 
-    # ------------------------------------------------------------------------------------------------
-    # stage 7: metrics
+    # ---- stage 7: metrics --------------------------------------------------------------------------------------------
     def _add_step_metrics(self, batch: DataProto, metrics: dict, timing: dict) -> None:
         metrics["training/global_step"] = self.global_steps
         metrics["training/epoch"] = self._epoch

@@ -1,11 +1,6 @@
-"""Stages 1-3 of the legacy loop (:class:`mix_src.trainer.legacy.MIXRayPPOTrainer`): generate with prefixes
-through the rollout policy, extract the reward, filter groups and accumulate until ``data.train_batch_size`` prompt
-groups are collected (mix_src/README.md "The algorithm and its knobs", steps 1-3).
-
-:class:`LegacyCollect` is a mixin of the legacy trainer only (the V1 base collects in verl's replay buffer,
-mix_src/trainer/v1_replay.py); it needs the trainer's ``config``, ``mix``, ``n``, ``filter_cfg``, ``_carry``,
-``global_steps``, ``_wake_rollout``/``_sleep_rollout``, ``_actor_entropy`` and verl's ``RayPPOTrainer`` helpers.
-Moved out of mix_src/trainer/legacy.py unchanged (issue #38: no module over 500 lines).
+"""Stages 1-3 of the legacy loop (mix_src/README.md "The algorithm and its knobs"): generate with prefixes through
+the rollout policy, extract the reward, filter groups and accumulate until ``data.train_batch_size`` prompt groups
+are collected. The V1 base collects in verl's replay buffer instead (mix_src/trainer/v1_replay.py).
 """
 
 from __future__ import annotations
@@ -32,7 +27,8 @@ __all__ = ["LegacyCollect", "merge_rollout_timing"]
 
 
 class LegacyCollect:
-    """Stages 1-3 of :class:`mix_src.trainer.legacy.MIXRayPPOTrainer` (generate, reward, filter groups)."""
+    """Stages 1-3 of :class:`mix_src.trainer.legacy.MIXRayPPOTrainer` (needs its ``config``, ``mix``, ``n``,
+    ``filter_cfg``, ``_carry``, ``global_steps``, rollout wake/sleep, ``_actor_entropy`` and verl's helpers)."""
 
     def _collect_batch(self, batches: Iterator[dict], metrics: dict, timing: dict) -> Optional[DataProto]:
         target_groups = int(self.config.data.train_batch_size)
@@ -60,10 +56,8 @@ class LegacyCollect:
             batch_dict = next(batches, None)
             if batch_dict is None:
                 if pool:
-                    print(
-                        f"[mix_src] the training data ran out with {n_groups} of {target_groups} prompt groups "
-                        f"collected for step {self.global_steps}; those {n_groups} groups are dropped and training ends."
-                    )
+                    print(f"[mix_src] the training data ran out with {n_groups} of {target_groups} prompt groups "
+                          f"collected for step {self.global_steps}; those {n_groups} groups are dropped and training ends.")
                 return None
             gen_timing: dict[str, float] = {}
             with marked_timer("gen", timing):
@@ -99,9 +93,8 @@ class LegacyCollect:
         return batch
 
     def _generate(self, batch_dict: dict, gen_index: int, timing: dict) -> DataProto:
-        """Stage 1: one generation batch of ``len(batch_dict) * n`` rows, rows ``i*n + j`` of prompt i,
-        produced by the rollout policy ``mix.rollout_policy`` (mix_src/trainer/rollout_policy.py; default: one
-        prefix-guided pass)."""
+        """Stage 1: one generation batch of ``len(batch_dict) * n`` rows, rows ``i*n + j`` of prompt i, produced by
+        the rollout policy ``mix.rollout_policy``."""
         batch = DataProto.from_single_dict(batch_dict)
         batch.meta_info["temperature"] = self.config.actor_rollout_ref.rollout.temperature
         batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
@@ -142,9 +135,8 @@ class LegacyCollect:
             part = (batch[idx] if src is None else src).union(out)
             if "response_mask" not in part.batch.keys():
                 part.batch["response_mask"] = compute_response_mask(part)
-            part.batch["prefix_mask"] = prefix_mask_tensor(
-                part.non_tensor_batch.pop("prefix_token_mask"), part.batch["response_mask"]
-            )
+            part.batch["prefix_mask"] = prefix_mask_tensor(part.non_tensor_batch.pop("prefix_token_mask"),
+                                                           part.batch["response_mask"])  # fmt: skip
             self._count_rollout_flops(part)
             return self._extract_reward(part)
 
@@ -163,9 +155,8 @@ class LegacyCollect:
         return out
 
     def _extract_reward(self, batch: DataProto) -> DataProto:
-        """Stage 2: the rule reward was computed in the agent loop (``rm_scores``); move it into place. A reward
-        model colocated with the rollout runs after the replicas sleep (verl's fit sleeps them right after
-        generating); the next generation batch wakes them."""
+        """Stage 2: the agent loop's reward (``rm_scores``) into place; a reward model colocated with the rollout runs
+        after the replicas sleep (as verl's fit does)."""
         if self.use_rm and "rm_scores" not in batch.batch.keys():
             self._sleep_rollout()
             batch = batch.union(self._compute_reward_colocate(batch))
@@ -185,17 +176,14 @@ class LegacyCollect:
 
     def _filter_metric(self, batch: DataProto) -> np.ndarray:
         """(rows,) the group-filter metric's values, as on V1 (:func:`mix_src.trainer.stages.filter_metric_values`)."""
-        return filter_metric_values(
-            self.filter_cfg.metric, lambda: batch.batch["token_level_scores"].sum(-1).numpy(),
-            batch.non_tensor_batch.get, batch.meta_info.get("reward_extra_keys", []),
-        )  # fmt: skip
+        return filter_metric_values(self.filter_cfg.metric, lambda: batch.batch["token_level_scores"].sum(-1).numpy(),
+                                    batch.non_tensor_batch.get, batch.meta_info.get("reward_extra_keys", []))  # fmt: skip
 
     def _add_rollout_metrics(self, batch: DataProto, metrics: dict) -> None:
         """LUFFY's solve metrics over the rows the step trains on (after filtering), as on V1 (stages.luffy_metrics)."""
         rows = batch.non_tensor_batch
         metrics.update(luffy_metrics(rows_solved(batch), batch.batch["prefix_mask"], batch.batch["response_mask"],
                                      rows["uid"], rows["prefix_ratio"], rows.get("prefix_truncated"), rows.get("ungradable")))
-
 
     def _count_rollout_flops(self, part: DataProto) -> None:
         """Generation FLOPs of one rollout pass (every row it generated, kept or not)."""

@@ -1,11 +1,6 @@
-"""Rollout policies: how the trainer's generate stage turns one batch of prompts into ``n`` scored rows each.
-
-The built-in ``prefix_guided`` (LUFFY) draws one prefix ratio per row from ``mix.prefix_strategy`` and
-generates once. A policy can instead generate several times and choose rows from each pass, e.g.
-guidance on failure (first pass on-policy, prefixes only where every sample failed; see
-recipes/guide_on_failure). Pick one with ``mix.rollout_policy=name``.
-
-Signature (one for all)::
+"""Rollout policies (``mix.rollout_policy=name``): how the generate stage turns one batch of prompts into ``n``
+scored rows each: ``prefix_guided`` (LUFFY) in one pass, or several passes choosing rows from each (e.g.
+recipes/guide_on_failure). Signature (one for all)::
 
     @register_rollout_policy("name")
     def fn(ctx: RolloutContext) -> DataProto     # len(ctx.batch) rows, in the order i*n + j
@@ -73,11 +68,8 @@ ROLLOUT_POLICIES: Registry[RolloutPolicy] = Registry("rollout policy", "mix.roll
 
 
 def register_rollout_policy(name: str, *, bases=("legacy", "v1"), why_not=None, **entry):
-    """``@register_rollout_policy("name")``: the policy runs on both trainer bases (the legacy generate stage
-    calls it; on V1, :class:`mix_src.trainer.rollout_policy_v1.V1PolicyRunner` calls it pass by pass, unless the entry
-    says ``v1_stream=True``: a one-pass policy whose ratios are ``mix.prefix_strategy``'s, which the V1 trainer
-    streams through verl's agent loop). Other keywords: the entry's self-description
-    (:meth:`mix_src.extend.Registry.register`)."""
+    """``@register_rollout_policy("name")``: runs on both bases (on V1 pass by pass, unless the entry says
+    ``v1_stream=True``, see :func:`streams_on_v1`). Other keywords: :meth:`mix_src.extend.Registry.register`'s."""
     return ROLLOUT_POLICIES.register(name, bases=bases, why_not=why_not, **entry)
 
 
@@ -94,11 +86,8 @@ def prefix_guided(ctx: RolloutContext):
 
 
 def replace_rows(first, rows: np.ndarray, second):
-    """``first`` (B rows) with rows ``rows`` replaced, in order, by the rows of ``second``; row order kept.
-
-    A per-row field that only one pass has (e.g. an extra field of the inference server, absent when no
-    row of a pass reached the server) is None on the other pass's rows, as verl's agent loop fills it
-    within one batch."""
+    """``first`` (B rows) with rows ``rows`` replaced, in order, by the rows of ``second``. A per-row field only one
+    pass has is None on the other pass's rows, as verl's agent loop fills it within one batch."""
     from verl import DataProto
 
     rows = np.asarray(rows, dtype=np.int64)
@@ -121,8 +110,7 @@ def replace_rows(first, rows: np.ndarray, second):
 
 
 def solved(batch) -> np.ndarray:
-    """(rows,) bool: the reward's ``acc`` when it has one, else a positive sequence score
-    (:func:`mix_src.trainer.stages.solved_rows`, the rule both trainers' metrics use)."""
+    """(rows,) bool: :func:`mix_src.trainer.stages.solved_rows` of a scored DataProto."""
     from mix_src.trainer.stages import solved_rows  # lazily: stages imports torch and verl's estimators
 
     return solved_rows(batch.non_tensor_batch.get("acc"), lambda: batch.batch["token_level_scores"].sum(-1).numpy())

@@ -27,7 +27,6 @@ __all__ = ["MIX_STATE_FILE", "FilterGroupsExhausted", "model_shape", "DATA_DROP"
            "solve_metrics", "start_data_epoch"]  # fmt: skip
 
 
-# ---- shared by both trainer bases (mix_src/trainer/legacy.py, mix_src/trainer/v1.py: neither imports the other)
 MIX_STATE_FILE = "mix_state.pt"  # the MIX loop's own state, saved beside verl's checkpoint of each step
 
 
@@ -204,8 +203,7 @@ def luffy_metrics(solved: np.ndarray, prefix_mask: torch.Tensor, response_mask: 
     return out
 
 
-# ---------------------------------------------------------------------------------------------------------
-# group filtering: which per-row value ``algorithm.filter_groups.metric`` names, the same on both bases.
+# ---- group filtering: which per-row value ``algorithm.filter_groups.metric`` names ---------------------------
 #: the names of a row's summed token reward: verl's canonical ``reward`` (V1 ``replay_buffer.py`` 278: the sum of
 #: ``rm_scores``) and ``seq_reward``, which verl's DAPO recipe computes as ``token_level_scores.sum(-1)``
 #: (``recipe/dapo/dapo_ray_trainer.py``, its ``elif metric_name == "seq_reward"`` branch). V1's built-in buffer
@@ -253,8 +251,7 @@ def length_clip_metrics(
     return out
 
 
-# ---------------------------------------------------------------------------------------------------------
-# rollout vs actor: on-policy tokens only. A prefix (target) token has no rollout log-prob (the agent loop writes
+# ---- rollout vs actor: on-policy tokens only. A prefix (target) token has no rollout log-prob (the agent loop writes
 # 0): verl's metrics over the whole response would report a rollout/actor mismatch that does not exist.
 def on_policy_rollout_metrics(data: Any, prefix_mask: torch.Tensor) -> dict[str, float]:
     """verl's ``calculate_debug_metrics`` (``training/rollout_probs_diff_*``, ``rollout_actor_probs_pearson_corr``)
