@@ -11,20 +11,12 @@ from mix_src.planner.estimate import (ADAM_BYTES, ADAM_STEP_TEMP_BYTES, ALLOCATO
                                       ERROR_BOUND, GB, GIB, GPUS, GRAD_BYTES, PARAM_BYTES, Gpu, MemoryPlan, RunShape,
                                       TimePlan, count_params, plan_memory, states_bytes, step_terms)
 from mix_src.config.mix_config import MixConfigError
+from mix_src.config.verl_parity import _get  # a dotted key of a DictConfig or dict, else the default
 from mix_src.planner.presets import PRESETS
 
 
 class PlannerRefusal(MixConfigError):
     """The run cannot fit: raised before Ray (a :class:`~mix_src.config.mix_config.MixConfigError` in preflight)."""
-
-
-def _get(config, dotted: str, default=None):
-    node = config
-    for part in dotted.split("."):
-        if node is None:
-            return default
-        node = node.get(part) if hasattr(node, "get") else None
-    return default if node is None else node
 
 
 def run_shape(config: Mapping, steps: Optional[int] = None) -> RunShape:

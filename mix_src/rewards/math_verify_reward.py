@@ -25,6 +25,7 @@ import os
 import re
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
@@ -272,11 +273,7 @@ def _pool(cfg: RewardConfig) -> GradingPool:
 # -------------------------------------------------------------------------------------------- API
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> dict:
     """verl custom-reward entry point; see the module docstring. Thread-safe."""
-    cfg = make_config(**_split_options(kwargs))  # bad options are configuration errors: they raise
-    job = _prepare_or_ungradable(data_source, solution_str, ground_truth, extra_info, cfg)
-    if isinstance(job, dict):
-        return job
-    return _finish(cfg, data_source, job, _pool(cfg).run(grade_math, (job.answer, job.ground_truth), cfg.timeout_s))
+    return compute_score_batch([data_source], [solution_str], [ground_truth], [extra_info], **kwargs)[0]
 
 
 def _prepare_or_ungradable(data_source, solution_str, ground_truth, extra_info, cfg: RewardConfig) -> dict | _Pending:
@@ -297,7 +294,7 @@ def compute_score_batch(data_sources: Sequence, solution_strs: Sequence[str], gr
         raise ValueError(f"compute_score_batch: lengths differ: data_sources {len(data_sources)}, solution_strs {n}, "
                          f"ground_truths {len(ground_truths)}, extra_infos "
                          f"{None if extra_infos is None else len(extra_infos)}")
-    cfg = make_config(**_split_options(kwargs))
+    cfg = make_config(**_split_options(kwargs))  # bad options are configuration errors: they raise
     extra_infos = extra_infos if extra_infos is not None else [None] * n
     jobs = [_prepare_or_ungradable(d, s, g, e, cfg)
             for d, s, g, e in zip(data_sources, solution_strs, ground_truths, extra_infos)]
@@ -318,8 +315,7 @@ def warmup(**kwargs) -> None:
 
 def grading_stats() -> dict:
     """Outcome counts of this process's grading pools: ok / error / timeout / crashed / workers_started."""
-    total: dict[str, int] = {}
+    total: Counter = Counter()
     for p in pools():
-        for k, v in p.stats.items():
-            total[k] = total.get(k, 0) + v
-    return total
+        total.update(p.stats)
+    return dict(total)
