@@ -49,18 +49,14 @@ def register_adv_estimator(name: str, **entry) -> Callable[[AdvEstimator], AdvEs
         verl_signature.__name__ = verl_signature.__qualname__ = f"{name}_verl_signature"
         verl_signature.mix_estimator = fn
         checked("adv_estimators.registry")
-        old = core_algos.ADV_ESTIMATOR_REGISTRY.get(name)
-        if old is not None and _same_function(getattr(old, "mix_estimator", None), fn):
+        old = getattr(core_algos.ADV_ESTIMATOR_REGISTRY.get(name), "mix_estimator", None)
+        if old is not None and (old.__module__, old.__qualname__) == (fn.__module__, fn.__qualname__):
             core_algos.ADV_ESTIMATOR_REGISTRY[name] = verl_signature  # the same module imported again
         else:
             core_algos.register_adv_est(name)(verl_signature)
         return fn
 
     return deco
-
-
-def _same_function(a: Any, b: Any) -> bool:
-    return a is not None and (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
 
 
 @register_adv_estimator("grpo_split")

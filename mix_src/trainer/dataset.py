@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
@@ -158,15 +158,10 @@ class RLHFDatasetWithTarget(RLHFDataset):
         if drop_rows:
             self.dataframe = self.dataframe.select([i for i in range(n_rows) if i not in drop_rows])
 
-        self.target_stats = {
-            "rows": n_rows,
-            "with_target": sum(1 for i, t in enumerate(final) if t and i not in drop_rows),
-            "invalid_target": n_invalid,
-            "unsampled_target": n_unsampled,
-            "think_prefix_stripped": n_think,
-            "dropped_too_long": len(drop_rows),
-            "truncated": n_truncated,
-        }
+        self.target_stats = {"rows": n_rows, "with_target": sum(1 for i, t in enumerate(final) if t and i not in drop_rows),
+                             "invalid_target": n_invalid, "unsampled_target": n_unsampled,
+                             "think_prefix_stripped": n_think, "dropped_too_long": len(drop_rows),
+                             "truncated": n_truncated}  # fmt: skip
         msg = (
             f"[mix_src.trainer.dataset] {files}: {n_rows} rows; {self.target_stats['with_target']} with a target; "
             f"{n_invalid} empty/non-string targets -> on-policy only; {n_unsampled} targets not sampled "

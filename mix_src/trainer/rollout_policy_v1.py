@@ -45,10 +45,8 @@ VIEW_TENSORS = {"response_mask", "token_level_scores", "prefix_mask", "responses
 
 
 class V1PolicyRunner:
-    """An agent-loop manager stand-in for one ``_submit_batch_to_rollout`` call (see the module docstring).
-
-    trainer: the V1 mix trainer; manager: verl's agent-loop manager; gen_index: the fetch index the batch's ratios
-    and seeds were drawn with; metrics: a dict the runner adds its pass counts to."""
+    """An agent-loop manager stand-in for one ``_submit_batch_to_rollout`` call: ``manager`` is verl's, ``gen_index``
+    the fetch index of the batch's ratios and seeds, ``metrics`` gets the pass counts."""
 
     def __init__(self, trainer: Any, manager: Any, gen_index: int, metrics: dict, poll_s: float = 0.2):
         self.trainer, self.manager, self.gen_index, self.metrics, self.poll_s = trainer, manager, gen_index, metrics, poll_s

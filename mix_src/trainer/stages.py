@@ -21,7 +21,7 @@ from mix_src.algo.core_alg import apply_prefix_advantage_weights
 from mix_src.algo.prefix import compute_prefix_ratios
 
 __all__ = ["MIX_STATE_FILE", "FilterGroupsExhausted", "model_shape", "DATA_DROP", "DATA_EPOCH", "SUMMED_REWARD_METRICS",
-           "draw_prefix_ratios", "filter_metric_values", "group_ids", "length_clip_metrics", "luffy_advantage_stage",
+           "draw_prefix_ratios", "filter_metric_values", "length_clip_metrics", "luffy_advantage_stage",
            "luffy_advantages", "luffy_metrics", "pass_arguments", "pass_row_seeds", "on_policy_rollout_metrics",
            "on_policy_rollout_correction", "prefix_mask_tensor", "prefix_step_metrics", "prompt_data_key",
            "solve_metrics", "start_data_epoch"]  # fmt: skip
@@ -51,11 +51,6 @@ def model_shape(trainer: Any):
     if isinstance(trainer._flops_shape, Exception):
         raise trainer._flops_shape
     return trainer._flops_shape
-
-
-def group_ids(uids: Sequence) -> np.ndarray:
-    """Dense int64 group id per row from the per-prompt uid strings. (bsz,) -> (bsz,)"""
-    return core_alg.group_ids(np.asarray(uids, dtype=object)).numpy()
 
 
 def draw_prefix_ratios(
@@ -113,12 +108,9 @@ def luffy_advantages(
     mix: Any,
     verl_estimator: Callable[[], tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages and returns, each (bsz, response_len): a prefix-aware estimator of
-    :data:`mix_src.trainer.adv_estimators.ADV_ESTIMATORS` with ``prefix_mask``, any other ``verl_estimator()``; then
-    LUFFY's prefix weights ``A <- A * (alpha * g + beta * (1 - g))``.
-
-    token_level_rewards: (bsz, L) float; response_mask: (bsz, L) 0/1; uids: (bsz,) prompt-group ids; prefix_mask:
-    (bsz, L) bool; algorithm: verl's ``algorithm`` config; mix: prefix_reward_weight_alpha/beta."""
+    """(bsz, L) advantages and returns: a prefix-aware estimator of :data:`~mix_src.trainer.adv_estimators.ADV_ESTIMATORS`
+    with ``prefix_mask`` (bsz, L) bool, any other ``verl_estimator()``; then LUFFY's prefix weights
+    ``A <- A * (alpha * g + beta * (1 - g))``. token_level_rewards, response_mask: (bsz, L); uids: (bsz,)."""
     if algorithm.adv_estimator in ADV_ESTIMATORS:
         advantages, returns = ADV_ESTIMATORS.get(algorithm.adv_estimator)(
             token_level_rewards, response_mask, core_alg.group_ids(np.asarray(uids, dtype=object)), prefix_mask, algorithm
@@ -164,7 +156,7 @@ def solve_metrics(solved: np.ndarray, off_policy_rows: np.ndarray, uids: Sequenc
     prompt groups), ``solved``, ``on_solved``, ``off_solved`` (of rows). ``solved``, ``off_policy_rows``: (bsz,) bool."""
     solved = np.asarray(solved, dtype=bool)
     off = np.asarray(off_policy_rows, dtype=bool)
-    gid = group_ids(uids)
+    gid = core_alg.group_ids(np.asarray(uids, dtype=object)).numpy()
     n_groups = int(gid.max()) + 1 if len(gid) else 0
     solved_per_group = np.bincount(gid, weights=solved, minlength=n_groups)
     size = np.bincount(gid, minlength=n_groups)
@@ -307,12 +299,10 @@ def start_data_epoch(dataloader: Any, dataset: Any, state: dict) -> Optional[int
     dataset for this epoch.
 
     ExGRPO's official ``fit`` (LUFFY repo 01f4ae0, ``ExGRPO/exgrpo/verl/verl/mix_src/mix_trainer_experience.py:245-250``
-    with ``experience/rl_dataset_with_experience.py:40-45`` ``set_skip_uid_set``): at each epoch start, if the data
-    left holds more than ``batch + 20`` prompts (``min_left``), it becomes the full data minus every retired prompt;
-    otherwise the previous epoch's choice stays. The choice is recorded in ``state[DATA_EPOCH]`` (saved with the
-    rollout policy's state), and a run resumed mid-epoch (the dataloader holds a loaded state: torchdata's
-    ``StatefulDataLoader.next_iter_state``) applies the recorded choice again instead of making a new one, so the
-    restored sampler walks the same rows. No-op (None) when no policy filled ``DATA_DROP``; else the rows left."""
+    with ``experience/rl_dataset_with_experience.py:40-45`` ``set_skip_uid_set``): if more than ``min_left`` prompts
+    are left, the epoch's data is the full data minus every retired prompt, else the previous epoch's choice stays.
+    The choice is saved in ``state[DATA_EPOCH]``; a run resumed mid-epoch (torchdata's ``next_iter_state`` is set)
+    applies it again, so the restored sampler walks the same rows. Returns the rows left (None: no-op)."""
     drop = state.get(DATA_DROP)
     if drop is None and DATA_EPOCH not in state:
         return None

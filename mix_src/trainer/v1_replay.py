@@ -84,17 +84,14 @@ class V1ReplayBufferRules:
         """verl's replay buffer with mix_src's filter-group settings, on this instance only (a custom sampler,
         ``trainer.v1.sampler.custom_sampler``, owns its filtering and is left alone):
 
-        * its DAPO classification (``ReplayBuffer._dapo_filtered_keys``, ``verl/trainer/ppo/v1/replay_buffer.py``
-          261-315) is :func:`make_dapo_filtered_keys`;
-        * sync mode, ``algorithm.filter_groups.max_num_gen_batches``: a step dispatches at most that many generation
-          batches (``MixV1Mixin._add_prompts_to_generate``, the buffer's ``refill_fn``); once they are spent and
-          nothing is in flight, the buffer's wait (``_wait_for_next_poll``) raises ``FilterGroupsExhausted``, as the
-          legacy loop does;
-        * sync mode, ``mix.filter_groups.carry_over``: the surplus groups verl's ``sample`` discards
-          (``_clear_groups``, replay_buffer.py 502-507) stay in TransferQueue as finished groups, taken first by the
-          next step's ``sample`` (oldest prompt step first), and saved with the checkpoint (``tq.save_checkpoint``);
+        * its DAPO classification (``_dapo_filtered_keys``, ``verl/trainer/ppo/v1/replay_buffer.py`` 261-315) is
+          :func:`make_dapo_filtered_keys`;
+        * sync mode, ``algorithm.filter_groups.max_num_gen_batches``: once the step's generation batches are spent
+          and nothing is in flight, the buffer's wait (``_wait_for_next_poll``) raises ``FilterGroupsExhausted``;
+        * sync mode, ``mix.filter_groups.carry_over``: the surplus groups verl's ``sample`` discards (``_clear_groups``,
+          replay_buffer.py 502-507) stay in TransferQueue, taken first by the next step's ``sample``;
         * a streamed rollout policy: every trajectory the metadata sync (``_sync_metadata_from_transfer_queue``,
-          replay_buffer.py 201-235) sees first has its generation FLOPs counted, trained, evicted or discarded."""
+          replay_buffer.py 201-235) sees first has its generation FLOPs counted."""
         self._install_generation_count(buffer)
         if getattr(buffer, "filter_groups_metric", None) is None or not hasattr(buffer, "_dapo_filtered_keys"):
             return buffer
