@@ -97,22 +97,19 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
     def fit(self):
         if self._dump_executor._shutdown:
             self._init_dump_executor()
-        tracker = Tracking(
-            project_name=self.config.trainer.project_name,
-            experiment_name=self.config.trainer.experiment_name,
-            default_backend=self.config.trainer.logger,
-            config=OmegaConf.to_container(self.config, resolve=True),
-        )
+        cfg = self.config.trainer
+        tracker = Tracking(project_name=cfg.project_name, experiment_name=cfg.experiment_name, default_backend=cfg.logger,
+                           config=OmegaConf.to_container(self.config, resolve=True))
         self.global_steps = 0
         self._load_checkpoint()
         self._wake_rollout()
         SkipManager.init(self.config)
 
-        if self.config.trainer.get("val_before_train", True):
+        if cfg.get("val_before_train", True):
             val_metrics = self._validate()
             pprint(f"Initial validation metrics: {val_metrics}")
             tracker.log(data=val_metrics, step=self.global_steps)
-            if self.config.trainer.get("val_only", False):
+            if cfg.get("val_only", False):
                 self._shutdown_dump_executor()
                 return
 
