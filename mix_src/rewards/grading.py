@@ -10,12 +10,6 @@ import functools
 import logging
 
 
-def _quiet() -> None:
-    # With the timeouts off, math-verify warns once per process that "you must provide the logic for
-    # timeout interruption yourself" -- the pool does exactly that.
-    logging.getLogger("math_verify").setLevel(logging.ERROR)
-
-
 @functools.lru_cache(maxsize=4096)
 def _parse_gold(ground_truth: str):
     """Parse a ground truth the way LUFFY does (``parse("$" + gt + "$")``); a ground truth that already
@@ -65,6 +59,7 @@ _WARMUP = [("so \\boxed{\\frac{1}{2}}", "0.5"), ("\\boxed{\\sqrt{12}}", "2\\sqrt
 
 def warmup() -> None:
     """Import math-verify and grade one answer of each common shape, so forked workers start warm."""
-    _quiet()
+    # with its timeouts off, math-verify warns that "you must provide the logic for timeout interruption": the pool does
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
     for answer, gold in _WARMUP:
         grade_math(answer, gold)

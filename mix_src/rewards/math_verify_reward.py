@@ -6,12 +6,6 @@ Use it in verl 0.9.1 with ``reward.custom_reward_function.path=pkg://mix_src.rew
 copies every key into ``reward_extra_info``. How a response is graded, the multiple-choice labels and the
 ungradable rows (scored ``wrong_score``, never raised; bad *options* do raise): mix_src/rewards/README.md.
 
-In short: the answer is the text after the last ``</think>`` (:func:`mix_src.rewards.answers.split_response`);
-the kind (``extra_info["answer_type"]`` > option > data source words, :func:`answer_type_for`) picks the
-grader; multiple choice, plain numbers, exact ``\\boxed{}`` matches and integer pairs are decided here in
-linear-time string code; the rest goes to math-verify (``parse("$" + gt + "$")``, ``verify(gold, parse(answer))``)
-in a :mod:`mix_src.rewards.pool` worker with a hard deadline of ``timeout_s``.
-
 Departures from LUFFY (github.com/ElliottYan/LUFFY): the answer is the text after the *last* ``</think>``
 (LUFFY: between the first and second); format errors can score differently from wrong answers; the last
 ``\\boxed{}`` outranks "the final answer is ..." phrases (math-verify's default ranks it after them);

@@ -244,7 +244,7 @@ class GradingPool:
             proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
-        ours.settimeout(self.start_timeout_s)
+        ours.settimeout(self.start_timeout_s)  # bounds the start and then each fork request
         try:
             _recv_exact(ours, _PID.size)  # "ready", sent after the preload
         except (OSError, ConnectionError) as exc:
@@ -256,7 +256,6 @@ class GradingPool:
                 f"within {self.start_timeout_s:.0f}s (exit code {code}, {type(exc).__name__}); its error "
                 "output is above. Check that math-verify is installed (pip install 'math-verify>=0.7') "
                 "and that mix_src is importable.") from exc
-        ours.settimeout(self.start_timeout_s)  # bounds each fork request too
         self._zygote, self._ctrl = proc, ours
 
     def _stop_zygote(self) -> None:
