@@ -25,12 +25,14 @@ from __future__ import annotations
 import os
 from typing import Iterable, Optional
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from mix_src.config.data_check import data_files
 from mix_src.config.mix_config import MixConfigError
 
 A = "actor_rollout_ref.actor"
+MICRO_BATCH_KEYS = (f"{A}.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu")
 
 
 def check_batch_arithmetic(config: DictConfig) -> None:
@@ -49,7 +51,8 @@ def _check_positive(config: DictConfig) -> None:
         raise MixConfigError(f"data.train_batch_size={config.data.train_batch_size}: set it >= 1 (prompts per step)")
     if not int(actor.ppo_mini_batch_size) >= 1:
         raise MixConfigError(f"{A}.ppo_mini_batch_size={actor.ppo_mini_batch_size}: set it >= 1 (prompts per optimiser step)")
-    for key, value in _micro_batch_keys(config):
+    for key in MICRO_BATCH_KEYS:
+        value = OmegaConf.select(config, key)
         if value is not None and not int(value) >= 1:
             raise MixConfigError(f"{key}={value}: a micro-batch of {value} rows divides by zero in the worker; "
                                  "set it >= 1 (or null with use_dynamic_bsz=true)")
@@ -57,19 +60,9 @@ def _check_positive(config: DictConfig) -> None:
     if not float(lr) > 0 and not bool(config.trainer.get("val_only", False)):
         raise MixConfigError(f"{A}.optim.lr={lr}: the actor would not learn (0) or would ascend its loss (< 0); "
                              "set it > 0, or trainer.val_only=true to only evaluate")
-    if config.get("critic") is not None and bool(config.critic.get("enable", False)):
-        clr = config.critic.optim.lr
-        if not float(clr) > 0:
-            raise MixConfigError(f"critic.optim.lr={clr}: set it > 0")
-
-
-def _micro_batch_keys(config: DictConfig) -> list[tuple[str, Optional[int]]]:
-    aref = config.actor_rollout_ref
-    return [
-        (f"{A}.ppo_micro_batch_size_per_gpu", aref.actor.get("ppo_micro_batch_size_per_gpu")),
-        ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", aref.rollout.get("log_prob_micro_batch_size_per_gpu")),
-        ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", aref.ref.get("log_prob_micro_batch_size_per_gpu")),
-    ]
+    critic = config.get("critic") or {}
+    if bool(critic.get("enable", False)) and not float(config.critic.optim.lr) > 0:
+        raise MixConfigError(f"critic.optim.lr={config.critic.optim.lr}: set it > 0")
 
 
 def _check_training_length(config: DictConfig) -> None:
@@ -142,14 +135,13 @@ def _check_rows(config: DictConfig) -> None:
     rows = rows_of(data_files(config.data.train_files))
     if rows is None:
         return  # remote or unreadable: not countable here
-    cap = config.data.get("train_max_samples", -1)
-    if cap is not None and int(cap) > 0:
-        rows = min(rows, int(cap))
+    cap = int(config.data.get("train_max_samples", -1) or -1)
+    rows = min(rows, cap) if cap > 0 else rows
     batch = int(config.data.get("gen_batch_size", None) or config.data.train_batch_size)
     if rows < batch:
         key = "data.gen_batch_size" if config.data.get("gen_batch_size", None) else "data.train_batch_size"
         raise MixConfigError(
-            f"data.train_files has {rows} rows{f' (data.train_max_samples={cap})' if cap is not None and int(cap) > 0 else ''}, "
+            f"data.train_files has {rows} rows{f' (data.train_max_samples={cap})' if cap > 0 else ''}, "
             f"fewer than one batch ({key}={batch}): verl's loader drops the partial batch, so the run would train "
             f"nothing; lower {key} to <= {rows} or add rows"
         )

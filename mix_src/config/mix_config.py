@@ -1,16 +1,10 @@
 """The ``mix:`` config section: one typed, validated place for every key mix_src adds to verl's config.
 
 verl's own dataclasses reject unknown keys under ``actor_rollout_ref.*`` and ``algorithm.*``, so our keys
-live in a top-level ``mix:`` section. Key names follow LUFFY's (``n_prefix``, ``prefix_strategy``,
-``off_policy_reshape`` ...) so users of the original can find them. Where verl already has a key we use
-verl's (``actor_rollout_ref.rollout.n``, ``algorithm.adv_estimator``, ``algorithm.filter_groups.*``,
-``actor_rollout_ref.actor.{clip_ratio, entropy_coeff, use_kl_loss, kl_loss_coef, kl_loss_type}``).
-
-:func:`validate_mix_config` runs on the driver before Ray starts. It rejects unknown keys (listing the
-valid ones), wrong types and out-of-range values, naming the full key, the value and the allowed range,
-and checks the few cross-section rules (e.g. ``n_prefix <= rollout.n``).
-
-This module imports no verl (torch only through the pure core_alg, for its option names).
+live in a top-level ``mix:`` section, named as LUFFY named them (``n_prefix``, ``off_policy_reshape`` ...); where
+verl already has a key we use verl's (``actor_rollout_ref.rollout.n``, ``algorithm.filter_groups.*`` ...).
+:func:`validate_mix_config` runs on the driver before Ray starts and names the full key, the value and the
+allowed range of what it refuses. This module imports no verl at import time.
 """
 
 from __future__ import annotations
@@ -76,11 +70,7 @@ class DataConfig:
 @dataclass
 class LossConfig:
     """``mix.loss``: the actor loss on the worker (:mod:`mix_src.worker.loss`; formulas in core_alg and the README).
-
-    Clip range, dual clip, entropy_coeff and the KL settings come from verl's actor config. Checked when
-    built; the original's ``p_div_p_0.1/0.3/0.5`` names become ``p_div_p`` + the gamma key, and its ``-1``
-    for "no clip" becomes null.
-    """
+    Clip range, dual clip, entropy_coeff and the KL settings come from verl's actor config. Checked when built."""
 
     off_policy_reshape: str = "p_div_p"  # f(p) on prefix tokens (LUFFY's recipe: p/(p+0.1))
     off_policy_reshape_gamma: float = 0.1  # gamma of p/(p+gamma), > 0
@@ -183,10 +173,8 @@ class LossConfig:
         if self.use_sft_multitask_loss:
             shaping = self._changed(lambda k: k.startswith("off_"))
             if shaping:
-                raise MixConfigError(
-                    f"{p}.use_sft_multitask_loss replaces the off-policy loss, so {shaping} would be ignored; "
-                    "remove them or turn use_sft_multitask_loss off"
-                )
+                raise MixConfigError(f"{p}.use_sft_multitask_loss replaces the off-policy loss, so {shaping} would be "
+                                     "ignored; remove them or turn use_sft_multitask_loss off")
 
     def _changed(self, chosen: Callable[[str], bool]) -> list[str]:
         """The ``chosen`` field names whose value is not the default, sorted."""
@@ -400,10 +388,8 @@ def uses_critic(config: Any) -> bool:
 
 
 def validate_mix_config(config: Any) -> MixConfig:
-    """Validate ``config.mix`` and its ties to verl's keys; return the typed :class:`MixConfig`.
-
-    ``config`` is the whole composed (Omega)config. Raises :class:`MixConfigError` naming the key.
-    """
+    """Validate ``config.mix`` (``config``: the whole composed config) and its ties to verl's keys; return the
+    typed :class:`MixConfig`. Raises :class:`MixConfigError` naming the key."""
     from omegaconf import OmegaConf  # hydra's dependency; imported here to keep the module import-light
 
     mix_values = OmegaConf.to_container(config.get("mix"), resolve=True) if config.get("mix") is not None else {}
@@ -417,17 +403,14 @@ def validate_mix_config(config: Any) -> MixConfig:
         rc = config.algorithm.get("rollout_correction") or {}
         # decoupled rollout_is / rollout_rs run over on-policy tokens only (stages.on_policy_rollout_correction)
         if rc.get("bypass_mode"):
-            raise MixConfigError(
-                "algorithm.rollout_correction.bypass_mode=true replaces old log-probs by rollout log-probs for every "
-                "token, and target (prefix) tokens have none; use decoupled mode (bypass_mode=false with rollout_is / "
-                "rollout_rs), which keeps prefix tokens out, or set mix.n_prefix=0"
-            )
+            raise MixConfigError("algorithm.rollout_correction.bypass_mode=true replaces old log-probs by rollout "
+                                 "log-probs for every token, and target (prefix) tokens have none; use decoupled mode "
+                                 "(bypass_mode=false with rollout_is / rollout_rs), which keeps prefix tokens out, or "
+                                 "set mix.n_prefix=0")
     actor = config.actor_rollout_ref.actor
     if mix.loss.use_adaptive_entropy and not (actor.get("calculate_entropy", False) or actor.entropy_coeff != 0):
-        raise MixConfigError(
-            "mix.loss.use_adaptive_entropy=true needs the entropy on the worker: set "
-            "actor_rollout_ref.actor.entropy_coeff (its initial value) to a value > 0"
-        )
+        raise MixConfigError("mix.loss.use_adaptive_entropy=true needs the entropy on the worker: set "
+                             "actor_rollout_ref.actor.entropy_coeff (its initial value) to a value > 0")
     agg_mode = mix.loss.loss_agg_mode or actor.get("loss_agg_mode", "token-mean")
     counted = [f"mix.loss.{k}={getattr(mix.loss, k)!r}" for k in ("row_loss", "combine") if getattr(mix.loss, k)]
     counted += ["mix.loss.all_max_clip with token-mean"] if mix.loss.all_max_clip and agg_mode == "token-mean" else []
@@ -436,19 +419,16 @@ def validate_mix_config(config: Any) -> MixConfig:
                              "verl's unshuffled mini-batches: set actor_rollout_ref.actor.shuffle=false")
     fg = config.algorithm.get("filter_groups") or {}
     if mix.filter_groups != FilterGroupsConfig() and not fg.get("enable", False):  # any mix.filter_groups key set
-        raise MixConfigError(
-            "mix.filter_groups.* is set but algorithm.filter_groups.enable=false; set algorithm.filter_groups.enable=true"
-        )
+        raise MixConfigError("mix.filter_groups.* is set but algorithm.filter_groups.enable=false; set "
+                             "algorithm.filter_groups.enable=true")
     if mix.flops_budget is not None and uses_critic(config):
-        raise MixConfigError(
-            "mix.flops_budget counts the actor's compute only (mix_src/algo/flops.py); a critic (algorithm.adv_estimator=gae "
-            "or critic.enable=true) would go uncounted: unset mix.flops_budget or use a critic-free estimator"
-        )
+        raise MixConfigError("mix.flops_budget counts the actor's compute only (mix_src/algo/flops.py); a critic "
+                             "(algorithm.adv_estimator=gae or critic.enable=true) would go uncounted: unset "
+                             "mix.flops_budget or use a critic-free estimator")
     _check_adv_estimator(str(config.algorithm.adv_estimator))
     gen_bs = config.data.get("gen_batch_size", None)
     if gen_bs is not None and gen_bs != config.data.train_batch_size and not fg.get("enable", False):
-        raise MixConfigError(
-            f"data.gen_batch_size={gen_bs} differs from data.train_batch_size={config.data.train_batch_size} but "
-            "algorithm.filter_groups.enable=false; a generation batch is the training batch then: unset it or enable filter groups"
-        )
+        raise MixConfigError(f"data.gen_batch_size={gen_bs} differs from data.train_batch_size="
+                             f"{config.data.train_batch_size} but algorithm.filter_groups.enable=false; a generation "
+                             "batch is the training batch then: unset it or enable filter groups")
     return mix

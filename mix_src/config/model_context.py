@@ -1,26 +1,21 @@
-"""Model settings the driver resolves and checks before Ray: ``rollout.max_model_len`` (the model context the
-prefix-guided agent loop clamps to) and the attention implementation (:func:`check_attention`).
+"""Model settings the driver resolves and checks before Ray: ``rollout.max_model_len`` and the attention
+implementation (:func:`check_attention`).
 
 verl fills a null ``rollout.max_model_len`` only inside its server actor, from the model config's
 ``max_position_embeddings`` (``vllm_async_server.py`` ``_validate_configs``, same in ``async_sglang_server.py``),
-and its server raises when a prompt leaves no room. The agent loop runs in another process and would
-see ``null``, so its "no room left -> no server call" clamp (:mod:`mix_src.rollout.agent_loop`) never fired.
-
-* :func:`resolve_max_model_len` runs on the driver before Ray (``mix_src.main_mix_ppo.prepare_config``):
-  a null value becomes the model's context, as verl's server would set it; ``data.max_prompt_length +
-  data.max_response_length`` beyond that context is refused, naming the keys (an explicit
-  ``max_model_len`` below it is taken as deliberate: answers are clamped to the room left); an explicit
-  value beyond the context is refused, as verl's server refuses it.
-* :func:`model_context_length` is verl's rule itself (``HFModelConfig``: ``AutoConfig`` of
-  ``hf_config_path`` or ``path``, then ``override_config``; ``get_max_position_embeddings``). The agent loop
-  calls it in its worker when the driver could not (a hub id not cached on the driver: the driver never
-  downloads), so stock ``verl.trainer.main_ppo`` with our loop clamps too.
+and its server raises when a prompt leaves no room. The prefix-guided agent loop (:mod:`mix_src.rollout.agent_loop`)
+runs in another process and would see ``null``, so its "no room left -> no server call" clamp would never fire:
+:func:`resolve_max_model_len` fills it on the driver, and the agent loop calls :func:`model_context_length` in its
+worker when the driver could not (a hub id not cached on the driver: the driver never downloads).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any, Optional
+
+import torch
 
 from mix_src.config.mix_config import MixConfigError, uses_critic
 from mix_src.config.verl_parity import _get
@@ -56,8 +51,10 @@ def model_context_length(model_cfg: Any, *, local_files_only: Optional[bool] = N
 
 
 def resolve_max_model_len(config) -> Optional[int]:
-    """Fill or check ``actor_rollout_ref.rollout.max_model_len`` on the driver (see the module docstring).
-    Returns the value the rollout will use, or None where the model config cannot be read here."""
+    """Fill a null ``actor_rollout_ref.rollout.max_model_len`` with the model's context, as verl's server would, and
+    refuse a prompt + response that does not fit it, or an explicit value beyond it (verl's server refuses that too);
+    an explicit value below prompt + response is deliberate (answers are clamped to the room left). Returns the value
+    the rollout will use, or None where the model config cannot be read here."""
     from omegaconf import open_dict
 
     rollout = config.actor_rollout_ref.rollout
@@ -105,40 +102,25 @@ SDPA_OVERRIDES = (
 
 
 def check_attention(config, *, cuda: Optional[bool] = None) -> None:
-    """Refuse, before Ray, attention settings that cannot work; the path without flash-attn is
-    ``override_config.attn_implementation=sdpa`` (or ``eager``, as the CPU backend uses) with
-    ``use_remove_padding=false``.
-
-    * ``use_remove_padding=true`` packs a batch's sequences into one row and relies on flash-attn's varlen
-      kernels to keep them apart (verl/models/transformers/monkey_patch.py patches transformers'
-      ``_flash_attention_forward``); under sdpa/eager the packed sequences would attend to each other.
-    * ``flash_attention_2`` (verl's default) where ``flash_attn`` is not importable, on a CUDA machine: verl
-      would fail when its workers load the model (``make install-gpu NO_FLASH_ATTN=1`` skips flash-attn).
-      Checked on the driver, in the driver's environment (``cuda``: default ``torch.cuda.is_available()``).
-    """
+    """Refuse, before Ray, attention settings that cannot work (each error says why): ``use_remove_padding=true``
+    without flash-attn's varlen kernels, and ``flash_attention_2`` (verl's default) on a CUDA machine where
+    ``flash_attn`` is not importable (``cuda``: default ``torch.cuda.is_available()``, the driver's)."""
     sections = [("actor_rollout_ref.model", config.actor_rollout_ref.model)]
     if uses_critic(config) and (config.get("critic") or {}).get("model") is not None:
         sections.append(("critic.model", config.critic.model))
     for key, model in sections:
         impl = str((model.get("override_config") or {}).get("attn_implementation") or VERL_DEFAULT_ATTN)
-        varlen = impl.startswith("flash_attention")
-        if not varlen and model.get("use_remove_padding", True):
+        if not impl.startswith("flash_attention") and model.get("use_remove_padding", True):  # no varlen kernels
             raise MixConfigError(
                 f"{key}.override_config.attn_implementation={impl} with {key}.use_remove_padding=true: remove-padding "
                 "packs the batch's sequences into one row and only flash-attn's varlen kernels keep them apart "
                 "(verl/models/transformers/monkey_patch.py); set "
                 f"{key}.use_remove_padding=false (the path without flash-attn: {SDPA_OVERRIDES})"
             )
-        if impl == VERL_DEFAULT_ATTN:
-            import importlib.util
-
-            if cuda is None:
-                import torch
-
-                cuda = torch.cuda.is_available()
-            if cuda and importlib.util.find_spec("flash_attn") is None:
-                raise MixConfigError(
-                    f"{key}.override_config.attn_implementation={impl} (verl's default) but flash_attn is not installed "
-                    "here (`make install-gpu NO_FLASH_ATTN=1` skips it: it has no wheel for torch 2.11 + CUDA 13). "
-                    f"Install it (scripts/gpu/README.md), or train without it: {SDPA_OVERRIDES}"
-                )
+        if impl == VERL_DEFAULT_ATTN and (torch.cuda.is_available() if cuda is None else cuda) \
+                and importlib.util.find_spec("flash_attn") is None:  # fmt: skip
+            raise MixConfigError(
+                f"{key}.override_config.attn_implementation={impl} (verl's default) but flash_attn is not installed "
+                "here (`make install-gpu NO_FLASH_ATTN=1` skips it: it has no wheel for torch 2.11 + CUDA 13). "
+                f"Install it (scripts/gpu/README.md), or train without it: {SDPA_OVERRIDES}"
+            )

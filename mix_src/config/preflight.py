@@ -1,12 +1,9 @@
-"""The checks the driver runs before Ray starts, in one stage that reads top to bottom.
+"""The checks the driver runs before Ray starts, in one stage that reads top to bottom (the order and its
+costs: mix_src/config/README.md).
 
 ``run(config)`` is what ``python -m mix_src.main_mix_ppo`` calls before ``ray.init``; each step raises
 :class:`~mix_src.config.mix_config.MixConfigError` (or ``FileNotFoundError`` for a path, :class:`~mix_src.extend.
-EntryConfigError` for a registry entry) naming the key, file or value and what to do. Order: installed versions
-and plugins → paths → keys (the ``mix:`` section, verl keys our loop replaces, the backend, the trainer base,
-verl's own ``validate_config``, the model context) → registry entries (bases, settings, own checks) → data
-contents → batch arithmetic → resources (checkpoint disk, GPU memory). A check that needs the data or the disk
-is cheap next to a Ray start-up (seconds, measured in its module).
+EntryConfigError` for a registry entry) naming the key, file or value and what to do.
 """
 
 from __future__ import annotations
@@ -44,8 +41,7 @@ def run(config: DictConfig) -> Any:
 
 
 def prepare_config(config: DictConfig) -> Any:
-    """Steps 0-3 of :func:`run` (plugins, paths, our keys, registry entries), without verl's validate_config, the
-    data, batch and resources."""
+    """Steps 0-3 of :func:`run` (plugins, paths, our keys, registry entries), without verl's validate_config."""
     export_plugins(config)
     _check_paths(config)
     mix = check_keys(config)
@@ -62,9 +58,8 @@ def check_versions() -> None:
 
 
 def check_keys(config: DictConfig) -> Any:
-    """The keys: the ``mix:`` section (LUFFY's "off" values translated), verl keys our loop replaces, the backend,
-    the trainer base's and the tool loop's refusals, the model context. Returns the validated
-    :class:`~mix_src.config.mix_config.MixConfig`."""
+    """Step 2 of :func:`run` (its comment lists the parts). Returns the validated :class:`~mix_src.config.mix_config.
+    MixConfig`."""
     from mix_src.rollout.agent_loop_tools import check_config as check_tool_loop_config
 
     mix = validate_mix_config(config)
@@ -112,12 +107,10 @@ def _check_backend(config: DictConfig) -> None:
 
 def export_plugins(config: DictConfig) -> list[str]:
     """Make every Ray process load what this one did, and fail as loudly: ``mix_src.plugins`` goes into verl's
-    ``VERL_USE_EXTERNAL_MODULES`` (imported by verl/__init__.py in each process, where it imports verl's
-    ``verl.plugins`` entry points raising on a failure, :func:`mix_src.extend.load_verl_plugins`, and the
-    ``mix.plugins``); ``mix.plugins`` are imported here and their specs (paths made absolute) go into
-    ``MIX_PLUGINS``; the rollout name goes into ``MIX_CPU_ROLLOUT`` (the CPU backend's "active" line). All
-    of it in this process's environment (inherited by a local Ray cluster) and in
-    ``ray_kwargs.ray_init.runtime_env.env_vars``. Returns the plugin specs."""
+    ``VERL_USE_EXTERNAL_MODULES`` (imported by verl/__init__.py in each process; it loads verl's entry points,
+    :func:`mix_src.extend.load_verl_plugins`, and the ``mix.plugins``, whose specs go into ``MIX_PLUGINS``); the
+    rollout name into ``MIX_CPU_ROLLOUT`` (the CPU backend's "active" line). Both in this process's environment (a
+    local Ray cluster inherits it) and ``ray_kwargs.ray_init.runtime_env.env_vars``. Returns the plugin specs."""
     load_verl_plugins()  # this process imported verl before the environment said so
     mix = config.get("mix") or {}
     specs = [resolve_plugin(s) for s in (mix.get("plugins") or [])]
@@ -149,16 +142,12 @@ def _local_paths(value) -> list[str]:
 
 
 def _check_paths(config: DictConfig) -> None:
-    checks = {
-        "data.train_files": _local_paths(config.data.train_files),
-        "data.val_files": _local_paths(config.data.val_files),
-        "actor_rollout_ref.model.path": _local_paths(config.actor_rollout_ref.model.path),
-    }
-    tok = config.actor_rollout_ref.model.get("tokenizer_path")
-    if tok:
-        checks["actor_rollout_ref.model.tokenizer_path"] = _local_paths(tok)
-    for key, paths in checks.items():
-        for path in paths:
+    model = config.actor_rollout_ref.model
+    checks = {"data.train_files": config.data.train_files, "data.val_files": config.data.val_files,
+              "actor_rollout_ref.model.path": model.path,
+              "actor_rollout_ref.model.tokenizer_path": model.get("tokenizer_path") or None}  # fmt: skip
+    for key, value in checks.items():
+        for path in _local_paths(value):
             if not os.path.exists(os.path.expanduser(path)) and (key.startswith("data.") or not is_hub_id(path)):
                 raise FileNotFoundError(f"{key}: '{path}' does not exist (cwd {os.getcwd()}); {_missing_hint(key, path)}")
 
@@ -185,16 +174,13 @@ def check_separate_async(config: DictConfig) -> None:
     sync_steps = config.trainer.v1.separate_async.parameter_sync_step
     mini = config.actor_rollout_ref.actor.ppo_mini_batch_size
     if config.data.train_batch_size != sync_steps * mini:
-        raise MixConfigError(
-            f"data.train_batch_size={config.data.train_batch_size} must equal trainer.v1.separate_async."
-            f"parameter_sync_step ({sync_steps}) x actor_rollout_ref.actor.ppo_mini_batch_size ({mini}) in separate_async"
-        )
+        raise MixConfigError(f"data.train_batch_size={config.data.train_batch_size} must equal trainer.v1."
+                             f"separate_async.parameter_sync_step ({sync_steps}) x actor_rollout_ref.actor."
+                             f"ppo_mini_batch_size ({mini}) in separate_async")
     for key in ("nnodes", "n_gpus_per_node"):
         if not int(rollout.get(key) or 0) > 0:
-            raise MixConfigError(
-                f"actor_rollout_ref.rollout.{key}={rollout.get(key)}: separate_async runs a standalone rollout pool "
-                f"of rollout.nnodes x rollout.n_gpus_per_node devices; set it > 0"
-            )
+            raise MixConfigError(f"actor_rollout_ref.rollout.{key}={rollout.get(key)}: separate_async runs a "
+                                 "standalone rollout pool of rollout.nnodes x rollout.n_gpus_per_node devices; set it > 0")
     backend = rollout.checkpoint_engine.backend
     if config.trainer.device == "cpu":
         if backend != CPU_CHECKPOINT_ENGINE:
@@ -216,10 +202,8 @@ def check_separate_async(config: DictConfig) -> None:
 
 
 def check_v1_config(config: DictConfig, mix: Any) -> None:
-    """Refuse, before Ray starts, what LUFFY on verl's V1 trainer (mix_src/trainer/v1.py) cannot honour.
-    ``mix``: the validated :class:`~mix_src.config.mix_config.MixConfig` (values as the trainers read them). Registry
-    entries (rollout policies, group filters, ...) declare their own bases (:func:`check_selected_entries`);
-    the settings are in :data:`V1_REFUSALS`."""
+    """Refuse, before Ray starts, the settings (:data:`V1_REFUSALS`) LUFFY on verl's V1 trainer (mix_src/trainer/v1.py)
+    cannot honour; registry entries declare their own bases (:func:`check_selected_entries`)."""
     mode = config.trainer.v1.trainer_mode
     if mode not in V1_MODES:
         raise MixConfigError(f"trainer.v1.trainer_mode={mode!r}: use one of {', '.join(V1_MODES)}")

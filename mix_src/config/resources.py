@@ -1,11 +1,7 @@
 """Resources checked before Ray starts (preflight slot 6): the checkpoint directory.
 
-:func:`check_checkpoint_dir` creates ``trainer.default_local_dir``, writes and deletes a probe file in it, and
-compares its free space (``shutil.disk_usage``) with what the run keeps there at once; it prints one line with
-the number and size of the checkpoints the run will write, and refuses, naming ``trainer.default_local_dir``,
-a directory that cannot be written or cannot hold them. A 7B actor checkpoint with its AdamW state is ~91 GB
-(:func:`mix_src.planner.checkpoint_bytes`), so a run that fills its disk fails at its first or tenth save,
-hours in; this fails in seconds.
+A 7B actor checkpoint with its AdamW state is ~91 GB (:func:`mix_src.planner.checkpoint_bytes`), so a run that
+fills its disk fails at its first or tenth save, hours in; :func:`check_checkpoint_dir` fails in seconds.
 
 verl 0.9.1's rules that set the count (verl/trainer/ppo/ray_trainer.py fit, _save_checkpoint; verl/utils/
 checkpoint/checkpoint_manager.py ensure_checkpoint_capacity, register_checkpoint):
@@ -40,8 +36,9 @@ GB = 10**9
 
 
 def check_checkpoint_dir(config: DictConfig) -> Optional[dict]:
-    """Create ``trainer.default_local_dir``, probe it with a write, and refuse it when its free space cannot
-    hold the checkpoints the run keeps at once. Returns the plan it printed (None when the run saves none)."""
+    """Create ``trainer.default_local_dir``, probe it with a write, print the number and size of the checkpoints
+    the run writes, and refuse a directory whose free space cannot hold those it keeps at once. Returns the plan it
+    printed (None when the run saves none)."""
     trainer = config.trainer
     save_freq = int(trainer.get("save_freq", -1) or -1)
     if save_freq <= 0:

@@ -22,29 +22,22 @@ from mix_src.config.mix_config import MixConfigError
 
 # Keys verl's fit reads -> the MIXRayPPOTrainer method(s) whose source reads them too (honoured).
 HONOURED: dict[str, tuple[str, ...]] = {
-    "trainer.project_name": ("fit",),
-    "trainer.experiment_name": ("fit",),
-    "trainer.logger": ("fit",),
-    "trainer.val_before_train": ("fit",),
-    "trainer.val_only": ("fit",),
+    **dict.fromkeys(("trainer.project_name", "trainer.experiment_name", "trainer.logger", "trainer.val_before_train",
+                     "trainer.val_only"), ("fit",)),
+    **dict.fromkeys(("trainer.critic_warmup", "trainer.save_freq"), ("_update", "_end_of_data")),
     "trainer.total_epochs": ("_train_batches",),
     "trainer.balance_batch": ("_compute_log_probs",),
-    "trainer.critic_warmup": ("_update", "_end_of_data"),
-    "trainer.save_freq": ("_update", "_end_of_data"),
     "trainer.test_freq": ("_step", "_end_of_data"),
     "trainer.esi_redundant_time": ("_update",),
     "trainer.rollout_data_dir": ("_step",),
     "actor_rollout_ref.rollout.n": ("__init__",),
     "actor_rollout_ref.rollout.temperature": ("_generate",),
-    "actor_rollout_ref.actor.loss_agg_mode": ("_compute_log_probs",),  # the entropy metric's aggregation
-    "actor_rollout_ref.actor.loss_scale_factor": ("_compute_log_probs",),
+    # the entropy metric's aggregation
+    **dict.fromkeys(("actor_rollout_ref.actor.loss_agg_mode", "actor_rollout_ref.actor.loss_scale_factor"),
+                    ("_compute_log_probs",)),
     "algorithm": ("_compute_advantages",),  # the whole section goes to verl's compute_advantage as `config`
-    "algorithm.adv_estimator": ("_compute_advantages",),
-    "algorithm.gamma": ("_compute_advantages",),
-    "algorithm.lam": ("_compute_advantages",),
-    "algorithm.kl_penalty": ("_compute_advantages",),
-    "algorithm.use_kl_in_reward": ("_compute_advantages",),
-    "algorithm.norm_adv_by_std_in_grpo": ("_compute_advantages",),
+    **{f"algorithm.{k}": ("_compute_advantages",) for k in ("adv_estimator", "gamma", "lam", "kl_penalty",
+                                                            "use_kl_in_reward", "norm_adv_by_std_in_grpo")},
     "algorithm.rollout_correction": ("_apply_rollout_correction",),  # decoupled mode; see REFUSED
     "algorithm.gdpo_reward_keys": ("_add_step_metrics",),
 }
@@ -59,12 +52,9 @@ REFUSED_KEYS: dict[str, str] = {
 }
 
 # Calls verl's fit makes on the trainer: the MIX loop makes them too, or they belong to a refused key.
-FIT_CALLS_REFUSED: dict[str, str] = {
-    "_start_profiling": "global_profiler.steps",
-    "_stop_profiling": "global_profiler.steps",
-    "llm_server_manager.start_profile": "global_profiler.steps",
-    "llm_server_manager.stop_profile": "global_profiler.steps",
-}
+FIT_CALLS_REFUSED: dict[str, str] = dict.fromkeys(
+    ("_start_profiling", "_stop_profiling", "llm_server_manager.start_profile", "llm_server_manager.stop_profile"),
+    "global_profiler.steps")
 
 SGLANG_UNRESOLVABLE = (
     "actor_rollout_ref.rollout.name=sglang: verl[sglang]==0.9.1 pins sglang==0.5.12, which requires "
@@ -229,9 +219,7 @@ def _refuse_layered_summon_base_sync(config: Any, mix: Any) -> Optional[str]:
     the base model (``verl/workers/engine_workers.py`` 793-801, ``base_sync_done`` starts False when
     ``"dummy" in load_format``, 673), and ``collect_lora_params`` refuses that under layered summon
     (``verl/utils/fsdp_utils.py`` 725-730) -- a crash at the first sync, after Ray and every worker started."""
-    lora = (_get(config, "actor_rollout_ref.model.lora_rank", 0) or 0) > 0 or (
-        _get(config, "actor_rollout_ref.model.lora.rank", 0) or 0
-    ) > 0
+    lora = any((_get(config, f"actor_rollout_ref.model.{k}", 0) or 0) > 0 for k in ("lora_rank", "lora.rank"))
     merge = _get(config, "actor_rollout_ref.model.lora.merge", False)
     load_format = str(_get(config, "actor_rollout_ref.rollout.load_format", "dummy"))
     if lora and not merge and _get(config, "actor_rollout_ref.rollout.layered_summon", False) and "dummy" in load_format:
