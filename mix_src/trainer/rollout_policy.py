@@ -25,11 +25,9 @@ __all__ = ["ROLLOUT_POLICIES", "RolloutContext", "register_rollout_policy", "rep
 class RolloutContext:
     """What a rollout policy gets for one generation batch.
 
-    batch: the prompts repeated n times (a DataProto of B = num_prompts * n rows, row i*n + j = sample j of
-        prompt i; ``non_tensor_batch["uid"]`` is the prompt's group id). Read it; do not modify it. On the V1
-        trainer it holds the ``uid`` and ``target`` columns only (the prompts stay in TransferQueue).
-    n: samples per prompt (rollout.n). global_step: the trainer's step (from 1). mix: the MixConfig
-        (plugins may read their own settings from the strategy keys, e.g. n_prefix).
+    batch: the prompts repeated n times (a read-only DataProto of B = num_prompts * n rows, row i*n + j = sample j
+        of prompt i; ``non_tensor_batch["uid"]``: the prompt's group id; on V1 only the ``uid`` and ``target`` columns).
+    n: samples per prompt (rollout.n). global_step: the trainer's step (from 1). mix: the MixConfig.
     generate(ratios, rows=None, targets=None, prompts=None) -> DataProto: generate the rows ``rows`` (int
         array; None = all B) with one prefix ratio each (ratios: float array of len(rows), 0 = on-policy) and
         score them; the result has the rows' tensors, ``prefix_mask`` (rows, response_len), ``response_mask``,
@@ -39,11 +37,10 @@ class RolloutContext:
         None) generates for those prompt rows instead of this batch's (new rollout seeds).
     records(rows) -> DataProto: self-contained copies of the rows ``rows`` (prompt, reward keys, target),
         to keep (e.g. in ``state``) and pass to ``generate(prompts=...)`` later.
-    state: the rollout policy's own dict, kept by the trainer across steps, saved with its checkpoint
-        (``mix_state.pt``, key ``rollout_policy``) and restored on resume; keep its contents picklable.
+    state: the policy's own dict, kept across steps and saved with the checkpoint (``mix_state.pt``); picklable.
     tokenizer: the trainer's tokenizer (e.g. to turn recorded token ids back into a target string).
     prefix_ratios() -> (B,) float array: the configured strategy's ratios for this batch (seeded from
-        (seed, global_step, gen batch), as the default policy uses them; 0 for rows without a target).
+        (seed, global_step, gen batch); 0 for rows without a target).
     rng: a generator seeded like the ratios, for the policy's own draws.
     entropy(rows) -> (rows, response_len) float tensor: per-token entropy of rows that ``generate`` returned,
         under the current actor (verl's old-log-prob pass with ``calculate_entropy``); None where the trainer
