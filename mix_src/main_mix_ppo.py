@@ -74,9 +74,7 @@ class MixTaskRunner(BaseTaskRunner):
         trainer.fit()
 
 
-def config_stage(config: DictConfig) -> None:
-    """Everything the driver checks before Ray starts: :func:`mix_src.config.preflight.run`."""
-    preflight.run(config)
+config_stage = preflight.run  # everything the driver checks before Ray starts
 
 
 def run_mix_ppo(config: DictConfig) -> None:

@@ -110,12 +110,10 @@ def extract_choice(answer: str, numbers: bool = False) -> str | None:
         label = normalize_choice(boxed, numbers)
         if label is not None:
             return label
-    found = None
-    for m in (_ANSWER_IS_LABEL if numbers else _ANSWER_IS).finditer(answer[-_MC_SCAN_CHARS:]):
-        if m.group(1).isupper() or m.group(1).isdigit():
-            found = m.group(1)
-    if found is not None:
-        return found
+    found = [m.group(1) for m in (_ANSWER_IS_LABEL if numbers else _ANSWER_IS).finditer(answer[-_MC_SCAN_CHARS:])
+             if m.group(1).isupper() or m.group(1).isdigit()]
+    if found:
+        return found[-1]
     return normalize_choice(answer, numbers) if len(answer) < 64 else None
 
 
