@@ -305,10 +305,8 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
             actor_output = self._update_actor(batch)
         self._keep_entropy_state(actor_output.meta_info["metrics"])  # the learned entropy coefficient
         save_freq = self.config.trainer.save_freq
-        # verl's ESI rule: save early when the capacity block / training plan expires before another step
-        esi_expiring = should_save_ckpt_esi(
-            max_steps_duration=self.max_steps_duration, redundant_time=self.config.trainer.esi_redundant_time
-        )
+        esi_expiring = should_save_ckpt_esi(max_steps_duration=self.max_steps_duration,  # verl's ESI expiry rule
+                                            redundant_time=self.config.trainer.esi_redundant_time)
         if save_freq > 0 and (is_last_step or self.global_steps % save_freq == 0 or esi_expiring):
             if esi_expiring:
                 print("Force saving checkpoint: ESI instance expiration approaching.")
