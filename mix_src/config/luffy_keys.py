@@ -77,18 +77,11 @@ NO_EFFECT: dict[str, tuple[Optional[tuple[str, ...]], str]] = {
 }
 
 
-def _loss_remove_token_mean(value: str) -> Optional[tuple[str, str]]:
-    return ("mix.loss.loss_agg_mode", "luffy-token-sum-norm") if _bool(value) else None
-
-
-def _resume_from_path(value: str) -> Optional[tuple[str, str]]:
-    return (T + "resume_from_path", "null") if value.strip().lower() in ("false", "none", "null", "") else (T + "resume_from_path", value)
-
-
 CONVERTED: dict[str, Callable[[str], Optional[tuple[str, str]]]] = {
     # key: value -> (new key, new value), or None when the value is our default (dropped, printed)
-    A + "loss_remove_token_mean": _loss_remove_token_mean,
-    T + "resume_from_path": _resume_from_path,
+    A + "loss_remove_token_mean": lambda v: ("mix.loss.loss_agg_mode", "luffy-token-sum-norm") if _bool(v) else None,
+    T + "resume_from_path": lambda v: (T + "resume_from_path",
+                                       "null" if v.strip().lower() in ("false", "none", "null", "") else v),
 }
 
 LUFFY_KEYS = sorted({*RENAMED, *NO_EFFECT, *CONVERTED})

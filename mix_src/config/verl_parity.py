@@ -4,12 +4,9 @@
 (``verl/trainer/ppo/ray_trainer.py``, verl 0.9.1) with its own loop, so every key that changes verl's fit
 must be honoured by that loop or refused here, by name. ``tests/test_verl_key_parity.py`` reads verl's
 ``fit`` source and fails on any config key it reads, or any trainer method it calls, that is not listed
-below: after a verl upgrade that test names what is new. It reads the sources with :func:`config_reads` (an AST
-scan: attribute, ``.get`` and ``[...]`` reads, also through local variables), and an honoured key must be read by
-its full path in the named MIX method.
-
-:func:`check_verl_keys` runs on the driver before Ray starts (``mix_src.main_mix_ppo.prepare_config``).
-This module imports no verl.
+below: after a verl upgrade that test names what is new. An honoured key must be read by its full path
+(:func:`config_reads`) in the named MIX method. :func:`check_verl_keys` runs on the driver before Ray starts
+(:func:`mix_src.config.preflight.check_keys`). This module imports no verl.
 """
 
 from __future__ import annotations
@@ -161,34 +158,28 @@ def _refuse_estimator(config: Any, mix: Any) -> Optional[str]:
 
 
 def _refuse_bypass_mode(config: Any, mix: Any) -> Optional[str]:
-    if _get(config, "algorithm.rollout_correction.bypass_mode", False):
-        return (
-            "algorithm.rollout_correction.bypass_mode=true replaces old log-probs by rollout log-probs and the "
+    if not _get(config, "algorithm.rollout_correction.bypass_mode", False):
+        return None
+    return ("algorithm.rollout_correction.bypass_mode=true replaces old log-probs by rollout log-probs and the "
             "policy loss by actor.policy_loss; the MIX loss needs recomputed old log-probs (target tokens have "
-            "no rollout log-prob). Set it to false: decoupled mode (rollout_is / rollout_rs) is supported."
-        )
-    return None
+            "no rollout log-prob). Set it to false: decoupled mode (rollout_is / rollout_rs) is supported.")
 
 
 def _refuse_correction_without_logprobs(config: Any, mix: Any) -> Optional[str]:
     active = [k for k in ("rollout_is", "rollout_rs") if _get(config, f"algorithm.rollout_correction.{k}")]
-    if active and not _get(config, "actor_rollout_ref.rollout.calculate_log_probs", False):
-        return (
-            f"algorithm.rollout_correction.{active[0]} is set but actor_rollout_ref.rollout.calculate_log_probs="
+    if not active or _get(config, "actor_rollout_ref.rollout.calculate_log_probs", False):
+        return None
+    return (f"algorithm.rollout_correction.{active[0]} is set but actor_rollout_ref.rollout.calculate_log_probs="
             "false: there are no rollout log-probs to correct with (verl would skip it silently). Set "
-            "actor_rollout_ref.rollout.calculate_log_probs=true."
-        )
-    return None
+            "actor_rollout_ref.rollout.calculate_log_probs=true.")
 
 
 def _refuse_profiler(config: Any, mix: Any) -> Optional[str]:
     steps = _get(config, "global_profiler.steps")
-    if steps:
-        return (
-            f"global_profiler.steps={list(steps)}: the MIX trainer's loop does not drive verl's profiler "
-            "(ray_trainer.py _start_profiling / _stop_profiling); set global_profiler.steps=null."
-        )
-    return None
+    if not steps:
+        return None
+    return (f"global_profiler.steps={list(steps)}: the MIX trainer's loop does not drive verl's profiler "
+            "(ray_trainer.py _start_profiling / _stop_profiling); set global_profiler.steps=null.")
 
 
 def _refuse_policy_loss_mode(config: Any, mix: Any) -> Optional[str]:
