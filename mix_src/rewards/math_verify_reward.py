@@ -280,9 +280,8 @@ def _prepare_or_ungradable(data_source, solution_str, ground_truth, extra_info, 
 
 def compute_score_batch(data_sources: Sequence, solution_strs: Sequence[str], ground_truths: Sequence,
                         extra_infos: Sequence | None = None, **kwargs) -> list[dict]:
-    """Grade many responses at once (same options for all), in parallel worker processes.
-
-    The signature matches verl's batch reward functions. Results are in input order."""
+    """Grade many responses at once (same options for all) in parallel worker processes; verl's batch reward
+    signature, results in input order."""
     n = len(solution_strs)
     if not (len(data_sources) == len(ground_truths) == n) or (extra_infos is not None and len(extra_infos) != n):
         raise ValueError(f"compute_score_batch: lengths differ: data_sources {len(data_sources)}, solution_strs {n}, "

@@ -75,10 +75,9 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 class GradingPool:
-    """Up to ``max_workers`` grading processes. ``preload`` is ``"module:function"`` run once in the
-    zygote before it forks (imports and warm caches are then shared by every worker);
-    ``memory_limit_mb`` > 0 caps each worker's address space (``RLIMIT_AS``), so a runaway
-    computation fails with ``MemoryError`` instead of swapping the machine."""
+    """Up to ``max_workers`` grading processes. ``preload``: ``"module:function"`` run once in the zygote before it
+    forks (imports and warm caches shared by every worker); ``memory_limit_mb`` > 0 caps each worker's address
+    space (``RLIMIT_AS``): a runaway computation fails with ``MemoryError`` instead of swapping the machine."""
 
     def __init__(self, max_workers: int, memory_limit_mb: int = 0, preload: str | None = None,
                  start_timeout_s: float = 120.0):
@@ -307,21 +306,13 @@ def _zygote_main(ctrl_fd: int, preload: str, memory_limit_mb: int) -> None:  # p
     os._exit(0)
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent (the single-threaded zygote) exits."""
-    try:
+def _worker_loop(fd: int, memory_limit_mb: int) -> None:  # pragma: no cover (subprocess)
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the backstop alarm still bounds an orphan's life
         import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the zygote
         if os.getppid() == 1:  # the zygote is already gone
             os._exit(0)
-    except (OSError, AttributeError):  # not Linux: the backstop alarm still bounds an orphan's life
-        pass
-
-
-def _worker_loop(fd: int, memory_limit_mb: int) -> None:  # pragma: no cover (subprocess)
-    _die_with_parent()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the backstop alarm ends the process
     if memory_limit_mb > 0:
