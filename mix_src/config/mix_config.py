@@ -150,12 +150,9 @@ class LossConfig:
                                  "prefix rows take the SFT term there, so the selected advantages would be ignored; pick one")
         if self.prefix_token_select is not None and PREFIX_TOKEN_SELECTS.options(self.prefix_token_select).get(
                 "prefix_tokens_on_policy", False):  # fmt: skip
-            ignored = self._changed(lambda k: k.startswith("off_") and k not in (
-                "off_policy_reshape_gamma", "off_policy_reshape_weight", "off_policy_reshape_pow_exp"))
-            if ignored:
-                raise MixConfigError(f"{p}.prefix_token_select={self.prefix_token_select!r} makes prefix tokens "
-                                     f"on-policy tokens of the loss, so {ignored} would be ignored; leave them at "
-                                     "their defaults")
+            self._refuse_changed(lambda k: k.startswith("off_") and k not in (
+                "off_policy_reshape_gamma", "off_policy_reshape_weight", "off_policy_reshape_pow_exp"),
+                f"{p}.prefix_token_select={self.prefix_token_select!r} makes prefix tokens on-policy tokens of the loss")
         if self.combine is not None and self.prefix_token_select is not None:
             raise MixConfigError(f"{p}.combine={self.combine!r} makes the expert rows' loss itself, so "
                                  f"{p}.prefix_token_select={self.prefix_token_select!r} would be ignored; pick one")
@@ -164,21 +161,19 @@ class LossConfig:
                                  "enter the loss; pick one")
         if self.combine is not None:
             _registered(LOSS_COMBINES, self.combine)
-            ignored = self._changed(lambda k: k.startswith("off_") or k in ("all_max_clip", "use_sft_multitask_loss"))
-            if ignored:
-                raise MixConfigError(f"{p}.combine={self.combine!r} makes the policy loss of the on-policy and expert "
-                                     f"rows, so {ignored} would be ignored; leave them at their defaults")
+            self._refuse_changed(lambda k: k.startswith("off_") or k in ("all_max_clip", "use_sft_multitask_loss"),
+                                 f"{p}.combine={self.combine!r} makes the policy loss of the on-policy and expert rows")
         elif self.combine_args:
             raise MixConfigError(f"{p}.combine_args is set but {p}.combine is not; set both or neither")
         if self.use_sft_multitask_loss:
-            shaping = self._changed(lambda k: k.startswith("off_"))
-            if shaping:
-                raise MixConfigError(f"{p}.use_sft_multitask_loss replaces the off-policy loss, so {shaping} would be "
-                                     "ignored; remove them or turn use_sft_multitask_loss off")
+            self._refuse_changed(lambda k: k.startswith("off_"), f"{p}.use_sft_multitask_loss replaces the off-policy "
+                                 "loss", "remove them or turn use_sft_multitask_loss off")
 
-    def _changed(self, chosen: Callable[[str], bool]) -> list[str]:
-        """The ``chosen`` field names whose value is not the default, sorted."""
-        return sorted(f.name for f in dataclasses.fields(self) if chosen(f.name) and getattr(self, f.name) != f.default)
+    def _refuse_changed(self, chosen: Callable[[str], bool], why: str, remedy: str = "leave them at their defaults"):
+        """Refuse the ``chosen`` fields set away from their defaults, which ``why`` says the loss would ignore."""
+        ignored = sorted(f.name for f in dataclasses.fields(self) if chosen(f.name) and getattr(self, f.name) != f.default)
+        if ignored:
+            raise MixConfigError(f"{why}, so {ignored} would be ignored; {remedy}")
 
     @classmethod
     def from_dict(cls, values: Any) -> "LossConfig":
