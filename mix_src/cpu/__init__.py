@@ -66,9 +66,7 @@ def _torch_sees_accelerator() -> bool:
     import torch
 
     accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None and accelerator.is_available():
-        return True
-    return torch.cuda.is_available()
+    return (accelerator is not None and accelerator.is_available()) or torch.cuda.is_available()
 
 
 def accelerator_signs() -> list[str]:
@@ -136,6 +134,7 @@ CHECKPOINTS = ("trainer", "worker")  # where check_hooks_fired runs (see its doc
 
 def _module_file_exists(module_name: str) -> bool:
     """Whether ``module_name`` can be found, without importing it (its top-level package is located, not run)."""
+    import importlib.machinery
     import importlib.util
 
     if module_name in sys.modules:
@@ -150,20 +149,9 @@ def _module_file_exists(module_name: str) -> bool:
         locations = list(spec.submodule_search_locations or [])
     if not rest:
         return True
-    for base in locations:
-        stem = os.path.join(base, *rest)
-        if os.path.isfile(stem + ".py") or os.path.isfile(os.path.join(stem, "__init__.py")) or any(
-            n.startswith(rest[-1] + ".") and n.endswith((".so", ".pyd")) for n in _listdir(os.path.dirname(stem))
-        ):
-            return True
-    return False
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
+    # the module's file (.py, package, extension) in its parent's directories; a bare directory is not one
+    spec = importlib.machinery.PathFinder.find_spec(module_name, [os.path.join(b, *rest[:-1]) for b in locations])
+    return spec is not None and spec.loader is not None
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -342,17 +330,12 @@ def _register_checkpoint_engine(mod) -> None:
     importlib.import_module(f"{__name__}.checkpoint_engine")
 
 
-def rollout_name() -> str:
-    """The rollout this process runs, as the entry point exported it (:data:`ROLLOUT_ENV`)."""
-    return os.environ.get(ROLLOUT_ENV) or "not chosen yet (set from actor_rollout_ref.rollout.name before Ray starts)"
-
-
 def log_active() -> None:
-    """The one line saying the backend is on in this process, and which rollout it runs."""
-    logger.info(
-        "mix_src.cpu: CPU backend active (pid %d; platform cpu/gloo, fsdp engines on cpu, rollout %s; %d patches)",
-        os.getpid(), repr(os.environ[ROLLOUT_ENV]) if os.environ.get(ROLLOUT_ENV) else rollout_name(), len(PATCHES),
-    )  # fmt: skip
+    """The one line saying the backend is on in this process, and which rollout it runs (:data:`ROLLOUT_ENV`)."""
+    chosen = os.environ.get(ROLLOUT_ENV)
+    rollout = repr(chosen) if chosen else "not chosen yet (set from actor_rollout_ref.rollout.name before Ray starts)"
+    logger.info("mix_src.cpu: CPU backend active (pid %d; platform cpu/gloo, fsdp engines on cpu, rollout %s; "
+                "%d patches)", os.getpid(), rollout, len(PATCHES))  # fmt: skip
 
 
 def activate() -> None:

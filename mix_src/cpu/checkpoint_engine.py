@@ -1,31 +1,14 @@
 """``cpu_gloo``: a verl checkpoint engine for the CPU backend, so ``trainer.v1.trainer_mode=separate_async`` trains.
 
-Why it is needed. verl's separate-async trainer pushes the actor's weights to its standalone rollout pool through
-a checkpoint engine (``verl/trainer/ppo/v1/trainer_separate_async.py``: ``CheckpointEngineManager`` in ``_setup``,
-``update_weights`` in ``on_init_end`` / ``on_step_end``) and refuses the in-process ``naive`` engine (67-69). Each of
-verl 0.9.1's other engines needs an accelerator or RDMA: ``nccl`` (cupy, CUDA buffers), ``hccl`` (Ascend), ``nixl``,
-``mooncake``, ``kimi`` (RDMA transfer engines).
-
-What it does. The topology of verl's ``nccl`` engine (``verl/checkpoint_engine/nccl_checkpoint_engine.py``, single
-sender): actor rank 0 is rank 0 of a new group, the rollout pool's ``CheckpointEngineWorker``\\s are ranks 1..R, and
-each bucket of weights is one broadcast from rank 0. The collective is a torch ``ProcessGroupGloo`` (CPU tensors,
-TCP, any number of nodes) built on a ``TCPStore`` that actor rank 0 opens in ``prepare`` (a free port chosen by the
-OS, handed to the others through ``build_topology``); the store also carries each bucket's metadata (where verl's
-nccl engine uses a ZeroMQ PUB socket). Why gloo over torch.distributed rather than the Ray object store: verl's
-``CheckpointEngine`` interface is that of a collective group (``prepare`` -> metadata, ``build_topology`` on the
-driver -> per-rank kwargs, ``init_process_group``, then ``send_weights`` / ``receive_weights`` running concurrently
-in the two worker groups), which gloo fills one to one, with no extra rendezvous actor; it is the stack torch and
-verl already use on this backend (the FSDP workers' own group is gloo).
-
-Every sync builds the group and ``finalize`` tears it down (``CheckpointEngineManager.update_weights`` calls
-``prepare`` / ``init_process_group`` / ``finalize`` on every sync; the rollout worker group is rebuilt each time).
-Each receiver acknowledges through the store how many tensors and bytes it took; the sender checks them against
-what it sent (a mismatch raises) and returns ``checkpoint_engine/*`` metrics, which verl logs with the next step.
-
-Registered like verl's own engines (``@CheckpointEngineRegistry.register``), when the CPU backend's hook on
-``verl.checkpoint_engine`` imports this module (:func:`mix_src.cpu.activate`). Select it with
-``actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_gloo``; options through
-``checkpoint_engine.engine_kwargs.cpu_gloo`` (``timeout_s``).
+verl's separate-async trainer pushes the actor's weights to its standalone rollout pool through a checkpoint
+engine (``verl/trainer/ppo/v1/trainer_separate_async.py``: ``_setup``, ``on_init_end`` / ``on_step_end``) and
+refuses ``naive`` (67-69); verl 0.9.1's others need CUDA, Ascend or RDMA. This one has the topology of verl's
+``nccl`` engine (``verl/checkpoint_engine/nccl_checkpoint_engine.py``, single sender): actor rank 0 is rank 0 of a
+torch ``ProcessGroupGloo``, the pool's ``CheckpointEngineWorker``\s are ranks 1..R, each bucket is one broadcast,
+and a ``TCPStore`` opened by rank 0 carries the buckets' metadata and the receivers' acknowledgements (why gloo,
+and the measured payload: mix_src/cpu/README.md). The group is rebuilt on every sync (verl calls ``prepare`` /
+``init_process_group`` / ``finalize`` each time). Select it with
+``actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_gloo``; ``engine_kwargs.cpu_gloo.timeout_s``.
 """
 
 from __future__ import annotations
@@ -54,10 +37,8 @@ from verl.checkpoint_engine.base import (
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
-# the engine's name, and the versions it was written for (verl's CheckpointEngine interface, torch's gloo/TCPStore
-# API): declared in mix_src.cpu, which imports this module lazily and the entry point reads the name from
+# the engine's name, declared in mix_src.cpu (which imports this module lazily, with its written_for versions)
 from . import CHECKPOINT_ENGINE as BACKEND  # noqa: E402
-from . import CHECKPOINT_ENGINE_WRITTEN_FOR as WRITTEN_FOR  # noqa: E402,F401
 
 _ALIGN = 16  # byte alignment of every tensor in a bucket, so ``.view(dtype)`` of a received chunk is always legal
 
@@ -78,12 +59,8 @@ def _round_up(n: int, k: int = _ALIGN) -> int:
 class GlooCheckpointEngine(CheckpointEngine):
     """Broadcast the actor's weights to the rollout pool over a gloo group (see the module docstring).
 
-    Args:
-        bucket_size: bytes per broadcast (``checkpoint_engine.update_weights_bucket_megabytes``); a bucket is
-            allocated at the size it needs, not at this size.
-        is_master: actor rank 0 (verl passes it to the actor side's engine).
-        timeout_s: how long a rank waits for the others (store connection, rendezvous, a broadcast).
-    """
+    ``bucket_size``: most bytes per broadcast (``update_weights_bucket_megabytes``; a bucket is allocated at the
+    size it needs); ``is_master``: actor rank 0; ``timeout_s``: how long a rank waits for the others."""
 
     def __init__(self, bucket_size: int, is_master: bool = False, timeout_s: float = 600.0) -> None:
         self.bucket_size = int(bucket_size)
@@ -109,17 +86,12 @@ class GlooCheckpointEngine(CheckpointEngine):
         if master is None:
             raise RuntimeError("cpu_gloo checkpoint engine: actor rank 0 did not open the store (is_master unset)")
         world_size = 1 + rollout_world_size
-        actor_kwargs = {
-            "rank": [0] + [-1] * (actor_wg_world_size - 1),  # the other actor ranks only walk their generator
-            "world_size": [world_size] * actor_wg_world_size,
-            "master": [master] * actor_wg_world_size,
-        }
-        rollout_kwargs = {
-            "rank": list(range(1, world_size)),
-            "world_size": [world_size] * rollout_world_size,
-            "master": [master] * rollout_world_size,
-        }
-        return actor_kwargs, rollout_kwargs
+
+        def kwargs(ranks: list[int]) -> dict:
+            return {"rank": ranks, "world_size": [world_size] * len(ranks), "master": [master] * len(ranks)}
+
+        # the other actor ranks only walk their generator
+        return kwargs([0] + [-1] * (actor_wg_world_size - 1)), kwargs(list(range(1, world_size)))
 
     def init_process_group(self, rank: int, world_size: int, master: MasterAddress):
         self.rank, self.world_size = rank, world_size
@@ -187,13 +159,9 @@ class GlooCheckpointEngine(CheckpointEngine):
         seconds = time.perf_counter() - start
         logger.info("cpu_gloo checkpoint engine: sent %d tensors (%.2f MiB) in %d buckets to %d rollout ranks in %.2f s",
                     n_tensors, n_bytes / 2**20, index + 1, len(acks), seconds)  # fmt: skip
-        return {
-            "checkpoint_engine/payload_mbytes": n_bytes / 2**20,
-            "checkpoint_engine/tensors": float(n_tensors),
-            "checkpoint_engine/buckets": float(index + 1),
-            "checkpoint_engine/receivers": float(len(acks)),
-            "checkpoint_engine/seconds": seconds,
-        }
+        metrics = {"payload_mbytes": n_bytes / 2**20, "tensors": n_tensors, "buckets": index + 1,
+                   "receivers": len(acks), "seconds": seconds}  # fmt: skip
+        return {f"checkpoint_engine/{k}": float(v) for k, v in metrics.items()}
 
     def _wait_for_acks(self) -> dict[int, tuple[int, int]]:
         keys = [f"ack/{rank}" for rank in range(1, self.world_size)]
@@ -224,9 +192,8 @@ class GlooCheckpointEngine(CheckpointEngine):
 
 
 def check_registered() -> None:
-    """``cpu_gloo`` is ``GlooCheckpointEngine`` in verl's registry (``verl.checkpoint_engine``, the package where verl
-    registers its engines), so a registry that moved fails loudly. Run at the end of this module's body: importing
-    the module (the CPU backend's hook on ``verl.checkpoint_engine``) registers and checks, in either import order."""
+    """``cpu_gloo`` is ``GlooCheckpointEngine`` in verl's registry (a registry that moved fails loudly); run at the
+    end of this module's body, so importing it registers and checks, in either import order."""
     from verl.checkpoint_engine import CheckpointEngineRegistry
 
     registered = CheckpointEngineRegistry.get(BACKEND)

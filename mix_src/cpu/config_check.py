@@ -1,12 +1,8 @@
 """Worker settings the CPU backend cannot honour, refused on the driver before Ray starts, naming the key.
 
-verl would otherwise fail inside a Ray worker, after the cluster and every worker started (or, for some, at the
-first weight sync). :func:`check_worker_keys` runs in ``mix_src.main_mix_ppo.prepare_config`` when
-``trainer.device=cpu`` and, for stock ``verl.trainer.main_ppo``, inside ``verl.utils.config.validate_config``
-(patched by ``vllm_cpu.patch_validate_config``, which runs before ``ray.init``).
-
-Each entry of :data:`CHECKS` reads the keys it names and returns the refusal, or None. Everything not refused
-here runs on the CPU backend (mix_src/cpu/README.md: reference policy, critic, LoRA, dynamic batch sizes).
+verl would fail inside a Ray worker instead. :func:`check_worker_keys` runs in ``mix_src.main_mix_ppo`` and, for
+stock ``verl.trainer.main_ppo``, in ``verl.utils.config.validate_config`` (``vllm_cpu.patch_validate_config``).
+Each entry of :data:`CHECKS` returns the refusal, or None.
 """
 
 from __future__ import annotations
@@ -15,11 +11,11 @@ from typing import Any, Callable, Optional
 
 from mix_src.config.mix_config import MixConfigError, uses_critic
 from mix_src.config.verl_parity import _get
+from mix_src.cpu.worker_patches import CPU_ATTENTION
 
 # Model sections the FSDP workers build (actor/rollout/ref share one model config; the critic has its own).
 MODEL_SECTIONS = ("actor_rollout_ref.model", "critic.model")
 STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy")
-CPU_ATTENTION = ("eager", "sdpa", "flex_attention")
 
 
 def _sections(config: Any) -> list[str]:
@@ -71,9 +67,8 @@ CHECKS: dict[str, Callable[[Any], Optional[str]]] = {
 
 
 def check_worker_keys(config: Any) -> None:
-    """Raise :class:`MixConfigError` naming the first worker setting the CPU backend cannot honour. Only a run on
-    the CPU backend (``trainer.device=cpu``, as ``+backend=cpu`` sets it) is checked: composing a GPU recipe on a
-    CPU-only machine (the recipe tests, a dry config check) is not a CPU run."""
+    """Raise :class:`MixConfigError` naming the first worker setting the CPU backend cannot honour; only on a CPU
+    run (``trainer.device=cpu``): composing a GPU recipe on a CPU-only machine is not one."""
     if _get(config, "trainer.device") != "cpu":
         return
     for check in CHECKS.values():

@@ -82,11 +82,9 @@ class HFRolloutServer:
         attn = dict(self.model_config.override_config or {}).get("attn_implementation", "eager")
         self.dtype = PrecisionType.to_dtype(self.config.dtype)
         self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_config.local_path,
-            dtype=self.dtype,
-            attn_implementation=attn,
+            self.model_config.local_path, dtype=self.dtype, attn_implementation=attn,
             trust_remote_code=self.model_config.trust_remote_code,
-        )
+        )  # fmt: skip
         self.model.eval()
         self.eos_token_ids = _eos_ids(self.model_config)
         tok = self.model_config.tokenizer
@@ -132,9 +130,8 @@ class HFRolloutServer:
         prompt_ids = [int(t) for t in prompt_ids]
         max_possible = self.max_model_len - len(prompt_ids)
         if max_possible < 0:
-            raise ValueError(
-                f"hf rollout: prompt of {len(prompt_ids)} tokens exceeds max_model_len {self.max_model_len}"
-            )
+            raise ValueError(f"hf rollout: prompt of {len(prompt_ids)} tokens exceeds max_model_len "
+                             f"{self.max_model_len}")  # fmt: skip
         spec = SamplingSpec.from_params(sampling_params, self._default_max_tokens(len(prompt_ids)), max_possible)
 
         future = asyncio.get_running_loop().create_future()
@@ -207,10 +204,8 @@ class HFRolloutServer:
                 self.global_steps = global_steps
         new = {k: self.stats[k] - self._logged[k] for k in self.stats}
         if new["requests"]:
-            logger.info(
-                "mix_src.cpu: hf rollout %d served %d requests in %d decoding batches (%.2f s) since the last sync",
-                self.replica_rank, new["requests"], new["batches"], new["decode_s"],
-            )
+            logger.info("mix_src.cpu: hf rollout %d served %d requests in %d decoding batches (%.2f s) since the last "
+                        "sync", self.replica_rank, new["requests"], new["batches"], new["decode_s"])  # fmt: skip
         self._logged = dict(self.stats)
 
     def _load(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -287,18 +282,15 @@ class HFReplica(RolloutReplica):
                 f"hf rollout needs one rank per replica, got tensor*data*pipeline parallel = {self.world_size}; "
                 "set actor_rollout_ref.rollout.tensor_model_parallel_size=1 (the CPU backend config does)"
             )
-        options: dict[str, Any] = {"name": server_name(self.replica_rank, self.name_suffix)}
-        options["max_concurrency"] = self.max_concurrency
+        options: dict[str, Any] = {"name": server_name(self.replica_rank, self.name_suffix),
+                                   "max_concurrency": self.max_concurrency}  # fmt: skip
         if self.workers:  # place the server next to the worker that pushes weights to it
             node_id = await self.workers[0].__ray_call__.remote(lambda w: ray.get_runtime_context().get_node_id())
             options["scheduling_strategy"] = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
                 node_id=node_id, soft=False
             )
-        server = (
-            ray.remote(HFRolloutServer)
-            .options(**options)
-            .remote(config=self.config, model_config=self.model_config, replica_rank=self.replica_rank)
-        )
+        server = ray.remote(HFRolloutServer).options(**options).remote(
+            config=self.config, model_config=self.model_config, replica_rank=self.replica_rank)  # fmt: skip
         await server.ready.remote()
         self.servers = [server]
         self._server_handle = server

@@ -1,12 +1,9 @@
 """Token log-probs without verl's per-row loop, for the CPU backend.
 
-verl 0.9.1's fallback when flash-attn's cross-entropy is absent (always on CPU),
-``verl/utils/torch_functional.py::logprobs_from_logits_v2``, computes ``logsumexp`` one token row at a time
-to bound peak memory at large vocabularies: 10,240 separate calls (and autograd nodes) for the toy step's
-256 x 40 tokens, about as long as the model's own forward. ``logprobs_from_logits_chunked`` does the same
-maths in row blocks of at most ``_CHUNK_ELEMENTS`` logits (one block for a small vocabulary, ~110 rows per
-block at 152k), so peak memory stays bounded. Per row the reduction is the same kernel over the same
-values: the results are bit-identical to verl's (tests/test_determinism.py checks it).
+verl 0.9.1's fallback without flash-attn (always on CPU), ``verl/utils/torch_functional.py::logprobs_from_logits_v2``,
+computes ``logsumexp`` one token row at a time (10,240 calls for the toy step). ``logprobs_from_logits_chunked``
+does the same maths in row blocks of at most ``_CHUNK_ELEMENTS`` logits, so peak memory stays bounded; per row it
+is the same kernel over the same values: bit-identical to verl's (tests/test_determinism.py checks it).
 """
 
 from __future__ import annotations

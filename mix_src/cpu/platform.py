@@ -34,13 +34,8 @@ def _host_mem_get_info(device=None) -> tuple[int, int]:
 
 
 def _make_device_module() -> types.ModuleType:
-    """``torch.cpu`` plus the ``torch.cuda``-style calls verl makes on ``get_torch_device()``.
-
-    verl calls (grep ``get_torch_device()\\.`` in verl 0.9.1): empty_cache, synchronize, is_available,
-    current_stream, set_device, mem_get_info, stream, Stream, set_rng_state, get_rng_state,
-    set_per_process_memory_fraction, ipc_collect, device_count, memory_{allocated,reserved},
-    max_memory_{allocated,reserved}, get_device_name, Event, manual_seed(_all).
-    """
+    """``torch.cpu`` plus the ``torch.cuda``-style calls verl 0.9.1 makes on ``get_torch_device()`` (grep
+    ``get_torch_device()\\.``; ``torch.cpu`` itself has current_stream, stream, Stream and Event)."""
     mod = types.ModuleType("mix_src.cpu.device_module", "torch.cpu with torch.cuda-style memory/RNG no-ops")
     for name in dir(torch.cpu):
         if not name.startswith("_"):
@@ -68,13 +63,7 @@ DEVICE_MODULE = _make_device_module()
 class PlatformCPU(PlatformBase):
     """CPU platform: ``device_name="cpu"``, gloo, no profiler, no IPC."""
 
-    @property
-    def device_name(self) -> str:
-        return "cpu"
-
-    @property
-    def vendor_name(self) -> str:
-        return "cpu"
+    device_name = vendor_name = property(lambda self: "cpu")
 
     @property
     def device_module(self) -> types.ModuleType:

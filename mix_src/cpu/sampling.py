@@ -1,21 +1,13 @@
 """Batched token-in/token-out sampling with a Hugging Face causal LM (no ``model.generate``).
 
-Own decoding loop instead of ``generate()`` so that nothing from a ``generation_config`` (top_k=50,
-repetition penalty, ...) can leak into sampling, and so that log-probs come from the raw logits:
+Own decoding loop so that nothing from a ``generation_config`` (top_k=50, repetition penalty, ...) leaks into
+sampling, and log-probs come from the raw logits, as verl's actor computes ``old_log_probs``:
 
     logprob(token) = log_softmax(logits / T)[token]          (T = 1 for greedy, temperature <= 0)
 
-i.e. exactly what verl's actor computes for ``old_log_probs`` (it divides the logits by the rollout
-temperature and applies no top-k / top-p). top-k / top-p only restrict *which* token is drawn (vLLM
-order: top-k, renormalise, top-p); they do not change the reported log-prob.
-
-Requests in one batch may have different prompts and sampling params; prompts are left-padded and
-decoded together with a KV cache, each row stopping at its own ``max_tokens`` or stop token.
-
-Randomness is per request: a request's ``seed`` (vLLM's ``SamplingParams.seed``) seeds its own generator,
-which draws one uniform per decoded token; the token is the first one whose cumulative probability exceeds
-it (inverse CDF). So a row's tokens depend on its seed and its logits only, not on arrival order or on the
-other rows of the batch. Requests without a seed get one from the server's generator (arrival order).
+top-k / top-p (vLLM order: top-k, renormalise, top-p) only restrict which token is drawn. Each request's
+``seed`` (vLLM's ``SamplingParams.seed``) seeds its own generator, one uniform per token, inverse CDF: a row's
+tokens depend on its seed and logits only, not on arrival order or batch-mates.
 """
 
 from __future__ import annotations
@@ -30,9 +22,8 @@ _NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penal
 _IGNORED = {"n", "skip_special_tokens", "spaces_between_special_tokens", "detokenize", "prompt_logprobs"}
 
 
-# A float32 matmul's row i is bit-identical for every number of rows M only when M is a multiple of the
-# CPU kernel's row block: with MKL's AVX-512 sgemm (torch 2.13, 1 to 16 threads) rows 1-3, 5-7, 9-11,
-# 17-19, 25-27 take other paths, multiples of 4 never did. Batches are padded to a multiple of 8 rows.
+# A float32 matmul's row i is bit-identical for every number of rows M only when M is a multiple of the CPU
+# kernel's row block (MKL's AVX-512 sgemm, torch 2.13; measured: mix_src/cpu/README.md "Seeded runs reproduce").
 ROW_MULTIPLE = 8
 
 
@@ -51,11 +42,8 @@ class SamplingSpec:
 
     @classmethod
     def from_params(cls, params: dict[str, Any], default_max_tokens: int, max_possible_tokens: int) -> "SamplingSpec":
-        """Parse a verl/vLLM-style ``sampling_params`` dict.
-
-        ``max_tokens`` (or sglang's ``max_new_tokens``) is honoured, clamped to ``[0, max_possible_tokens]``
-        (the room left in the context window); without it ``default_max_tokens`` is used.
-        """
+        """Parse a verl/vLLM-style ``sampling_params`` dict; ``max_tokens`` (or sglang's ``max_new_tokens``, else
+        ``default_max_tokens``) is clamped to ``[0, max_possible_tokens]`` (the room left in the context)."""
         params = dict(params)
         for key, neutral in _NEUTRAL.items():
             value = params.pop(key, None)
@@ -63,13 +51,8 @@ class SamplingSpec:
                 raise ValueError(f"hf rollout: sampling param {key}={value} is not supported (only {neutral})")
         for key in _IGNORED:
             params.pop(key, None)
-        max_tokens = params.pop("max_tokens", None)
-        if max_tokens is None:
-            max_tokens = params.pop("max_new_tokens", None)
-        else:
-            params.pop("max_new_tokens", None)
-        if max_tokens is None:
-            max_tokens = default_max_tokens
+        given = (params.pop("max_tokens", None), params.pop("max_new_tokens", None), default_max_tokens)
+        max_tokens = next(v for v in given if v is not None)
         top_k = params.pop("top_k", -1)
         top_p = params.pop("top_p", 1.0)
         temperature = params.pop("temperature", 1.0)
@@ -129,34 +112,20 @@ def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
 
 def request_generators(specs: list[SamplingSpec], fallback: Optional[torch.Generator]) -> list[torch.Generator]:
     """One CPU generator per request, seeded with its ``seed`` (or a seed drawn from ``fallback``)."""
-    gens = []
-    for s in specs:
-        seed = s.seed
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (), generator=fallback))
-        gens.append(torch.Generator().manual_seed(seed))
-    return gens
+    seeds = [s.seed if s.seed is not None else int(torch.randint(0, 2**62, (), generator=fallback)) for s in specs]
+    return [torch.Generator().manual_seed(seed) for seed in seeds]
 
 
 @torch.no_grad()
-def generate_batch(
-    model,
-    prompts: list[list[int]],
-    specs: list[SamplingSpec],
-    eos_token_ids: set[int],
-    pad_token_id: int,
-    generator: Optional[torch.Generator] = None,
-    width: Optional[int] = None,
-) -> list[tuple[list[int], list[float]]]:
+def generate_batch(model, prompts: list[list[int]], specs: list[SamplingSpec], eos_token_ids: set[int],
+                   pad_token_id: int, generator: Optional[torch.Generator] = None,
+                   width: Optional[int] = None) -> list[tuple[list[int], list[float]]]:  # fmt: skip
     """Decode ``prompts`` (token ids) with per-row ``specs``; returns ``[(token_ids, logprobs)]``.
 
-    Each row stops after ``max_tokens`` tokens or right after emitting a stop token (EOS unless
-    ``ignore_eos``, plus ``stop_token_ids``); the stop token is included, as vLLM does. ``generator``
-    seeds the requests that carry no ``seed`` of their own.
-
-    Batch invariance: prompts are left-padded to ``width`` (default: the longest prompt) and the batch is
-    filled up with idle rows to a multiple of ``ROW_MULTIPLE``. Given the same width, a row's tokens and
-    log-probs are then bit-identical whichever other rows share its batch (see ``ROW_MULTIPLE``).
+    Each row stops after ``max_tokens`` tokens or right after a stop token (EOS unless ``ignore_eos``, plus
+    ``stop_token_ids``), which is included, as vLLM does. ``generator`` seeds requests without a ``seed``.
+    Prompts are left-padded to ``width`` (default: the longest) and the batch filled with idle rows to a multiple
+    of ``ROW_MULTIPLE``: given the width, a row's tokens and log-probs do not depend on its batch-mates.
     """
     bsz = len(prompts)
     assert bsz == len(specs) and bsz > 0
@@ -213,12 +182,7 @@ def generate_batch(
             break
         feed = torch.where(torch.tensor(done, device=device), pad_token_id, tokens).unsqueeze(1)
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, 1)], dim=1)
-        out = model(
-            input_ids=feed,
-            attention_mask=attention_mask,
-            position_ids=next_pos,
-            past_key_values=out.past_key_values,
-            use_cache=True,
-        )
+        out = model(input_ids=feed, attention_mask=attention_mask, position_ids=next_pos,
+                    past_key_values=out.past_key_values, use_cache=True)  # fmt: skip
         next_pos = next_pos + 1
     return outputs[:bsz]

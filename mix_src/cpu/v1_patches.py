@@ -1,11 +1,10 @@
-"""CPU-backend patches for verl's V1 trainer (``trainer.use_v1=true``), applied by :func:`mix_src.cpu.activate`.
+"""CPU-backend patch for verl's V1 trainer (``trainer.use_v1=true``), applied by :func:`mix_src.cpu.activate`.
 
-``patch_replay_buffer_poll`` — ``verl/trainer/ppo/v1/replay_buffer.py:144``: ``ReplayBuffer.__init__`` polls
-TransferQueue every ``poll_interval=2.0`` s while it waits for finished rollouts (``_wait_for_next_poll``, 408),
-and the trainer never passes another value (``verl/trainer/ppo/v1/trainer_base.py`` 154-162), so no config key
-can change it. A tiny CPU model finishes a batch in well under 2 s, so every sync step waited for the next poll
-(measured on cpu_tiny: ``timing_s/gen`` 2.01-2.36 s in every step). On the CPU backend the default becomes
-:data:`CPU_POLL_INTERVAL_S`; one poll is one ``tq.kv_list`` call. An explicit ``poll_interval`` still wins.
+``patch_replay_buffer_poll``: ``ReplayBuffer.__init__`` (``verl/trainer/ppo/v1/replay_buffer.py:144``) polls
+TransferQueue every ``poll_interval=2.0`` s (``_wait_for_next_poll``, 408) and the trainer passes no other value
+(``verl/trainer/ppo/v1/trainer_base.py`` 154-162); a tiny CPU model finishes a batch in well under 2 s, so every
+step waited for the poll (measured: scripts/bench/README.md). The default becomes :data:`CPU_POLL_INTERVAL_S`;
+an explicit ``poll_interval`` wins.
 """
 
 from __future__ import annotations

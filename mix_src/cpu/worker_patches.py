@@ -1,29 +1,7 @@
 """CPU-backend patches for verl's FSDP workers: the reference policy and the critic on a CPU-only host.
 
-Each patch is one function, registered by :func:`mix_src.cpu.activate` with ``after_import`` on the verl
-module it changes, and declares in ``WRITTEN_FOR`` the library versions whose source it was checked
-against (a verl or torch upgrade must re-check the lines quoted in its docstring).
-
-``unpin_reference_offload`` (on ``verl.workers.engine.fsdp.transformer_impl``)
-    The forward-only engine (the reference policy, ``actor.use_kl_loss`` / ``algorithm.use_kl_in_reward``)
-    is sharded with FSDP2 ``offload_policy = CPUOffloadPolicy(pin_memory=True)``
-    (``verl/workers/engine/fsdp/transformer_impl.py`` 459-462, verl 0.9.1). torch pins each sharded
-    parameter (``torch/distributed/fsdp/_fully_shard/_fsdp_param.py`` 314-315,
-    ``padded_sharded_param.pin_memory()``), and pinning needs an accelerator: a CPU-only torch raises
-    "Cannot access accelerator device when none is available" during worker init. On CPU, where the
-    "offloaded" parameters already live in host memory, the module's ``CPUOffloadPolicy`` becomes a subclass
-    that always has ``pin_memory=False`` (still a ``CPUOffloadPolicy`` for torch's and verl's isinstance
-    checks); nothing else changes.
-
-``cpu_attention_critic`` (on ``verl.utils.model``)
-    ``load_valuehead_model`` (``verl/utils/model.py`` 641-652) loads verl's primary critic,
-    ``AutoModelForTokenClassification``, with ``attn_implementation="flash_attention_2"`` hard-coded; without
-    flash-attn it falls back to trl's ``AutoModelForCausalLMWithValueHead`` or raises "is not a value head
-    model, please install trl" (654-657). On CPU the same ``AutoModelForTokenClassification`` is loaded with the
-    attention implementation of the critic's own config (``critic.model.override_config.attn_implementation``,
-    which verl's ``HFModelConfig`` puts into ``hf_config._attn_implementation``, ``verl/workers/config/model.py``
-    185-190; eager in ``backend/cpu.yaml``). A config that still asks for flash-attention gets ``eager``. The
-    trl fallback is not used: a critic no GPU run uses would be tested.
+Registered by :func:`mix_src.cpu.activate` with ``after_import``; a verl or torch upgrade must re-check the lines
+each docstring quotes (``*_WRITTEN_FOR``). What each enables: mix_src/cpu/README.md "What runs on CPU".
 """
 
 from __future__ import annotations
@@ -34,16 +12,19 @@ import os
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
-# Library versions each patch was written against (their quoted lines were read in these versions).
 UNPIN_REFERENCE_OFFLOAD_WRITTEN_FOR = {"verl": "0.9.1", "torch": "2.13"}
 CPU_ATTENTION_CRITIC_WRITTEN_FOR = {"verl": "0.9.1", "transformers": ">=5,<6"}
 
-# Attention implementations that run on a CPU-only torch (flash-attention variants do not).
 CPU_ATTENTION = ("eager", "sdpa", "flex_attention")
 
 
 def unpin_reference_offload(mod) -> None:
-    """``transformer_impl.CPUOffloadPolicy`` -> a subclass with ``pin_memory=False`` (see module docstring)."""
+    """``transformer_impl.CPUOffloadPolicy`` -> a subclass with ``pin_memory=False``.
+
+    The reference policy's FSDP2 engine uses ``CPUOffloadPolicy(pin_memory=True)``
+    (``verl/workers/engine/fsdp/transformer_impl.py`` 459-462) and torch pins each shard
+    (``torch/distributed/fsdp/_fully_shard/_fsdp_param.py`` 314-315), which needs an accelerator ("Cannot access
+    accelerator device when none is available"). Still a ``CPUOffloadPolicy`` for isinstance checks."""
     original = mod.CPUOffloadPolicy
     if original is None or getattr(original, "_mix_src_cpu", False):
         return
@@ -67,7 +48,12 @@ def critic_attention(model_config) -> str:
 
 
 def cpu_attention_critic(mod) -> None:
-    """``verl.utils.model.load_valuehead_model`` -> the same primary critic with a CPU attention (docstring)."""
+    """``verl.utils.model.load_valuehead_model`` -> the same primary critic with a CPU attention.
+
+    verl loads ``AutoModelForTokenClassification`` with ``attn_implementation="flash_attention_2"`` hard-coded
+    (``verl/utils/model.py`` 641-652, then a trl fallback or "please install trl", 654-657); here with the
+    critic config's own (``critic.model.override_config.attn_implementation``, which ``HFModelConfig`` puts in
+    ``hf_config._attn_implementation``, ``verl/workers/config/model.py`` 185-190), flash-attention -> eager."""
     original = mod.load_valuehead_model
     if getattr(original, "_mix_src_cpu", False):
         return
@@ -78,12 +64,8 @@ def cpu_attention_critic(mod) -> None:
         attn = critic_attention(model_config)
         logger.info("mix_src.cpu: critic AutoModelForTokenClassification with attn_implementation=%s", attn)
         return AutoModelForTokenClassification.from_pretrained(
-            pretrained_model_name_or_path=local_path,
-            torch_dtype=torch_dtype,
-            config=model_config,
-            attn_implementation=attn,
-            trust_remote_code=trust_remote_code,
-        )
+            pretrained_model_name_or_path=local_path, torch_dtype=torch_dtype, config=model_config,
+            attn_implementation=attn, trust_remote_code=trust_remote_code)  # fmt: skip
 
     load_valuehead_model._mix_src_cpu = True
     load_valuehead_model.__wrapped_original__ = original  # verl's own, for the test that shows its failure
