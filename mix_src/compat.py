@@ -1,16 +1,10 @@
 """Every place mix_src changes another library's code at run time, with the library versions it was read against.
 
-A *patch* here is any assignment into a module or object we do not own (a verl module function swapped for one
-call, a method bound onto one of verl's instances, a client's private method replaced). Each is declared once in
-:data:`PATCHES` with the versions whose source it was written against, and its site asks :func:`checked` (or uses
-:func:`swapped`) before changing anything, so a different installed version stops the run with the patch named
-instead of training on code nobody read. :func:`check_all` runs before Ray starts (``mix_src/config/preflight.py``).
-
-The CPU backend's post-import hooks (``mix_src/cpu``) declare their versions through ``after_import(...,
-written_for=...)`` and are checked by the same :func:`check_written_for`.
-
-Version strings: an exact version (``"0.9.1"``; a local tag such as ``+cpu`` is ignored) or a specifier set
-(``">=5,<6"``).
+A *patch* is any assignment into a module or object we do not own. Each is declared once in :data:`PATCHES` and its
+site calls :func:`checked` (or uses :func:`swapped`) first, so another installed version stops the run naming the
+patch; :func:`check_all` runs before Ray starts (``mix_src/config/preflight.py``). The CPU backend's post-import
+hooks (``mix_src.cpu.after_import(..., written_for=...)``) are checked by the same :func:`check_written_for`.
+Versions: exact (``"0.9.1"``, a local tag such as ``+cpu`` ignored) or a specifier set (``">=5,<6"``).
 """
 
 from __future__ import annotations
@@ -93,8 +87,7 @@ def installed_version(dist: str) -> Optional[str]:
 
 
 def version_matches(installed: str, wanted: str) -> bool:
-    """``wanted`` is an exact version ("0.9.1", compared without a local tag such as ``+cpu``) or a
-    specifier set (">=2.12,<2.14")."""
+    """Whether ``installed`` is ``wanted`` (see the module docstring)."""
     from packaging.specifiers import SpecifierSet
     from packaging.version import Version
 
@@ -138,8 +131,8 @@ def check_all() -> list[Patch]:
 
 @contextlib.contextmanager
 def swapped(owner: Any, attribute: str, replacement: Any, patch: str) -> Iterator[Any]:
-    """``owner.attribute = replacement`` for the ``with`` block only (the original is restored on any exit);
-    yields the original. ``patch`` names the declared :data:`PATCHES` entry."""
+    """``owner.attribute = replacement`` for the ``with`` block only (restored on any exit); yields the original.
+    ``patch`` names the declared :data:`PATCHES` entry."""
     checked(patch)
     original = getattr(owner, attribute)
     setattr(owner, attribute, replacement)

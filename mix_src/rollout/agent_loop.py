@@ -1,39 +1,25 @@
 """Prefix-guided agent loop: a rollout that starts from a prefix of the row's off-policy target.
 
-Registered as ``prefix_guided`` with verl's ``@register``, in every process that imports this module:
-verl's AgentLoopWorker imports it through the MIX dataset class (``data.custom_cls`` ->
-:mod:`mix_src.trainer.dataset`), so no file path has to be valid on every node. (``mix_src/config/agent_loops.yaml``
-does the same for stock verl via ``actor_rollout_ref.rollout.agent.agent_loop_config_path``.) Per row it receives, as keyword arguments from the batch's non-tensor fields:
+Registered as ``prefix_guided`` with verl's ``@register`` wherever this module is imported: verl's
+AgentLoopWorker imports it through the MIX dataset class (``data.custom_cls`` -> :mod:`mix_src.trainer.dataset`);
+``mix_src/config/agent_loops.yaml`` does the same for stock verl. Per row it reads, from the batch's non-tensor
+fields: ``raw_prompt``; ``target`` (``""`` = none); ``prefix_ratio`` (drawn by the trainer, absent in
+validation); ``rollout_seed`` (:mod:`mix_src.algo.seeding`, sent as ``sampling_params["seed"]``). On verl's V1
+trainer, which runs the loop once per sample with ``session_id`` 0..n-1, the prompt carries ``prefix_ratios`` and
+``rollout_seeds`` (n each) instead.
 
-* ``raw_prompt`` — the chat messages (verl's RLHFDataset);
-* ``target`` — the expert solution text (``""`` = none; :class:`mix_src.trainer.dataset.RLHFDatasetWithTarget`);
-* ``prefix_ratio`` — drawn on the driver by the trainer (absent in validation, where no row is prefixed);
-* ``rollout_seed`` — the row's sampling seed from the trainer (:mod:`mix_src.algo.seeding`), sent to the server
-  as ``sampling_params["seed"]``; rows without one (validation) are seeded from their batch position.
+The response is ``prefix + generate(prompt + prefix)`` with ``prefix = target_ids[:floor(ratio * len)]``
+(:func:`mix_src.algo.prefix.build_prefix`). A prefix that fills the response (ratio 1.0) makes **no server
+call** (LUFFY generated a full, discarded continuation there); such a row's ``min/max_global_steps`` are the
+dispatching step - 1 (V1 casts these tags to int, ``verl/trainer/ppo/v1/trainer_base.py`` 1897). Prefix tokens
+have rollout log-prob 0.0 (kept out of rollout metrics by the trainer). ``extra_fields``: ``prefix_token_mask``
+(uint8, response length), ``prefix_ratio``, ``prefix_truncated`` (the prefix was cut to the response length).
 
-On verl's V1 trainer, which runs the loop once per sample of a prompt with ``session_id`` 0..n-1, the prompt
-carries ``prefix_ratios`` and ``rollout_seeds`` (n each) instead, and sample ``session_id`` takes its own.
-
-With ``target_ids = tokenize(target) + [eos]`` and ``prefix = target_ids[:floor(ratio * len)]``
-(:func:`mix_src.algo.prefix.build_prefix`), the response is ``prefix + generate(prompt + prefix)`` with
-``max_tokens`` reduced by the prefix length. A row whose prefix fills the response (ratio 1.0: the whole
-target + EOS) makes **no server call** — LUFFY generated a full, discarded continuation there.
-
-Returned ``extra_fields``: ``prefix_token_mask`` (uint8 array, 1 on prefix tokens, length of the
-response), ``prefix_ratio`` (float) and ``prefix_truncated`` (bool: the prefix did not fit the response
-length and was cut, counted by the trainer), and for a row that made no server call ``min_global_steps`` =
-``max_global_steps`` = the dispatching step - 1 (the weight version the trainer held when it dispatched the
-prompt; V1 casts these tags to int, ``verl/trainer/ppo/v1/trainer_base.py`` 1897). Rollout log-probs of prefix tokens do not exist; when the
-server returns log-probs, prefix positions hold 0.0 and the trainer keeps them out of rollout metrics.
-
-As verl's ``single_turn_agent_loop.py``: the per-row ``priority`` (set by verl's AgentLoopManager) goes to
-the server, and ``rollout.full_determinism`` makes the request id ``det-{priority}``. ``rollout.max_model_len``
-is the model's context when left null (resolved on the driver, :mod:`mix_src.config.model_context`, or here by verl's
-server rule: verl fills it only inside its server actor). With a ``max_model_len`` below prompt + response length, ``max_tokens`` is clamped to the room left
-after prompt + prefix (vLLM: ``max_model_len - len``, at least 1; SGLang: ``max_model_len - len - 1``,
-see verl's ``async_sglang_server.py``), and a row with no room makes no call and answers with its
-prefix alone: a shorter answer, as verl's servers give, instead of their ValueError. SGLang's answer
-to a length mismatch between tokens and log-probs (both lists empty) is kept as an empty continuation.
+As verl's ``single_turn_agent_loop.py``: ``priority`` goes to the server and ``rollout.full_determinism`` makes
+the request id ``det-{priority}``. A null ``rollout.max_model_len`` is the model's context (resolved on the
+driver, :mod:`mix_src.config.model_context`, or here by verl's server rule). ``max_tokens`` is clamped to the
+room left after prompt + prefix (vLLM: ``max_model_len - len``; SGLang one less, ``async_sglang_server.py``);
+a row with no room answers with its prefix alone, where verl's servers raise.
 """
 
 from __future__ import annotations
@@ -82,9 +68,8 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
         self._prompt_cache: dict[str, asyncio.Future] = {}
 
     async def prompt_token_ids(self, messages: list) -> list[int]:
-        """verl's ``ct_build_initial_tokens(messages)``, once per distinct prompt of a reused instance: the n
-        samples of a prompt share it (rows run concurrently: they await one rendering task), and each call
-        renders the chat template in an executor thread."""
+        """verl's ``ct_build_initial_tokens(messages)``, once per distinct prompt of a reused instance (the n
+        samples of a prompt, running concurrently, await one rendering task)."""
         try:
             key = json.dumps(messages, sort_keys=True)
         except TypeError:  # not plain JSON (e.g. image objects): no caching
@@ -108,9 +93,8 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
         return list(build_prefix(target_ids, ratio, self.eos_token_id))
 
     def max_model_len(self) -> Optional[int]:
-        """``rollout.max_model_len`` (the driver resolves a null one, :mod:`mix_src.config.model_context`); still null
-        (stock verl's entry point, a hub id the driver had not cached): the model's context by verl's server
-        rule, read once here. None only where no model config is readable (no clamp, as before)."""
+        """``rollout.max_model_len``; still null (stock verl's entry point, a hub id the driver had not cached):
+        the model's context by verl's server rule, read once per process. None: no model config readable."""
         value = getattr(self.rollout_config, "max_model_len", None)
         if value:
             return int(value)
@@ -159,10 +143,9 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
 
     async def run(self, sampling_params: dict[str, Any], priority: int = 0, **kwargs) -> AgentLoopOutput:
         priority = int(priority)  # may arrive as np.int64 from the batch's non-tensor fields
-        messages = list(kwargs["raw_prompt"])
         # vLLM's per-request SamplingParams.seed; the hf server honours it too
         sampling_params = {**sampling_params, "seed": self.request_seed(kwargs, priority)}
-        prompt_ids = await self.prompt_token_ids(messages)
+        prompt_ids = await self.prompt_token_ids(list(kwargs["raw_prompt"]))
 
         ratio = kwargs.get("prefix_ratio")
         if ratio is None and kwargs.get("prefix_ratios") is not None:  # V1: one list per prompt
@@ -177,8 +160,7 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
         metrics: dict[str, Any] = {}
         gen_ids: list[int] = []
         gen_logprobs = None
-        # Same keys on every row, served or not: DataProto.concat asserts equal keys across worker chunks,
-        # and a chunk of whole-target rows alone would otherwise lack the server's fields.
+        # Same keys on every row, served or not: DataProto.concat asserts equal keys across worker chunks.
         extra: dict[str, Any] = dict.fromkeys(SERVER_EXTRA_KEYS)
         room = self.generation_room(len(prompt_ids) + len(prefix_ids))
         max_tokens = remaining if room is None else min(remaining, room)
@@ -187,10 +169,8 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
             with simple_timer("generate_sequences", metrics):
                 out = await self.server_manager.generate(
                     request_id=self.deterministic_request_id(kwargs, priority) if full_determinism else uuid4().hex,
-                    prompt_ids=prompt_ids + prefix_ids,
-                    sampling_params={**sampling_params, "max_tokens": max_tokens},
-                    priority=priority,
-                )
+                    prompt_ids=prompt_ids + prefix_ids, sampling_params={**sampling_params, "max_tokens": max_tokens},
+                    priority=priority)  # fmt: skip
             gen_ids = list(out.token_ids)[:max_tokens]
             gen_logprobs = list(out.log_probs)[:max_tokens] if out.log_probs else None
             extra.update(out.extra_fields or {})
@@ -205,17 +185,10 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
         if self.rollout_config.calculate_log_probs:
             gen_logprobs = gen_logprobs if gen_logprobs is not None else [0.0] * len(gen_ids)
             response_logprobs = [0.0] * len(prefix_ids) + gen_logprobs
-        prefix_mask = np.zeros(len(response_ids), dtype=np.uint8)
-        prefix_mask[: len(prefix_ids)] = 1
+        prefix_mask = (np.arange(len(response_ids)) < len(prefix_ids)).astype(np.uint8)
         extra.update(prefix_token_mask=prefix_mask, prefix_ratio=ratio, prefix_truncated=truncated)
         extra.update(turn_scores=[], tool_rewards=[])  # same schema as verl's single/tool agent loops
 
-        return AgentLoopOutput(
-            prompt_ids=prompt_ids,
-            response_ids=response_ids,
-            response_mask=[1] * len(response_ids),
-            response_logprobs=response_logprobs,
-            num_turns=2,
-            metrics=AgentLoopMetrics(**metrics),
-            extra_fields=extra,
-        )
+        return AgentLoopOutput(prompt_ids=prompt_ids, response_ids=response_ids, response_mask=[1] * len(response_ids),
+                               response_logprobs=response_logprobs, num_turns=2, metrics=AgentLoopMetrics(**metrics),
+                               extra_fields=extra)  # fmt: skip

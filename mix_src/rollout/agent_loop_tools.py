@@ -1,48 +1,24 @@
 """Prefix-guided multi-turn, tool-calling rollouts: verl's ``ToolAgentLoop`` started from a prefix of an
 expert episode.
 
-Registered as ``prefix_guided_tool`` with verl's ``@register`` (select it with
-``actor_rollout_ref.rollout.agent.default_agent_loop=prefix_guided_tool``; the module is imported with the
-MIX dataset class, as :mod:`mix_src.rollout.agent_loop` is). Tools come from verl's own tool loading
-(``rollout.multi_turn.tool_config_path`` / ``function_tool_path``), tool calls are parsed by verl's
-``ToolParser`` named in ``rollout.multi_turn.format`` (``hermes`` for the toy calculator), and the episode
-runs in verl's state machine (``verl/experimental/agent_loop/tool_agent_loop.py``).
+Registered as ``prefix_guided_tool`` (``rollout.agent.default_agent_loop``), like :mod:`mix_src.rollout.agent_loop`;
+tools, parser and state machine are verl's (``verl/experimental/agent_loop/tool_agent_loop.py``). **The expert
+episode** is the row's ``target``, a JSON list of messages (assistant: the raw text the model would emit)::
 
-**The expert episode** is the row's ``target``: a JSON list of messages (a string, so it travels through
-:mod:`mix_src.trainer.dataset` unchanged)::
-
-    [{"role": "assistant", "content": "<tool_call>{...}</tool_call>"},   # raw text the model would emit
-     {"role": "tool", "content": "56088"},                                # the recorded tool result
+    [{"role": "assistant", "content": "<tool_call>{...}</tool_call>"}, {"role": "tool", "content": "56088"},
      {"role": "assistant", "content": "56088"}]
 
-Each assistant turn is ``tokenize(content) + [eos]`` (what the server returns for a turn that stops on EOS).
+**The prefix is a ratio of the episode's assistant tokens** (:func:`plan_prefix`), a tool result replayed iff
+the turn that called it is: LUFFY's prefix (:func:`mix_src.algo.prefix.build_prefix`) on the episode's trainable
+tokens, so every rollout policy that draws a ratio per row works unchanged (a turn-level prefix would give k+1
+distinct ratios to a k-turn episode).
 
-**The prefix is a ratio of the episode's assistant tokens** (:func:`plan_prefix`): ``floor(ratio * A)``
-of its ``A`` assistant tokens, counted over the turns in order; a recorded tool result is replayed iff the
-whole assistant turn that called it is. Why tokens, not turns: it is LUFFY's prefix (``floor(ratio * len(
-target + EOS))``, :func:`mix_src.algo.prefix.build_prefix`) on the episode's trainable tokens, so every rollout
-policy and prefix strategy that draws a ratio per row (:mod:`mix_src.trainer.rollout_policy`) works unchanged, and
-ratio 1.0 is the whole episode, as it is the whole target in single turn. A turn-level prefix would give an
-episode of k turns only k+1 distinct ratios.
-
-**States overridden** (verl's loop is not copied):
-
-* ``PENDING`` (:meth:`_handle_pending_state`): verl builds the prompt (with the tool schemas), then the
-  prefix is replayed into the context through verl's own Continuous-Token merges, exactly as the loop
-  records a live episode: expert assistant tokens with ``ct_merge_assistant_token`` (response mask 1),
-  recorded tool results with ``ct_merge_context_msg`` (response mask 0: never trained). Next state:
-  ``TERMINATED`` when the prefix is the whole episode (no server call) or fills the response; otherwise
-  ``GENERATING``.
-* ``GENERATING`` (:meth:`_handle_generating_state`): verl's handler, unchanged, except when the prefix ends
-  inside an assistant turn: the model continues that turn, and the tool parser sees the whole turn (expert
-  head + continuation), so a tool call the expert opened and the model closes is parsed and run.
-* ``PROCESSING_TOOLS``: verl's, unchanged: tools the model calls after the prefix are real calls.
-
-``extra_fields`` as :mod:`mix_src.rollout.agent_loop`: ``prefix_token_mask`` (uint8, response length, 1 on expert
-assistant tokens), ``prefix_ratio``, ``prefix_truncated`` (the prefix did not fit ``response_length``).
-With ``calculate_log_probs``, expert tokens carry rollout log-prob 0.0 (the trainer keeps them out of
-rollout metrics). Expert tokens get the shaped off-policy loss, on-policy continuations the PPO term,
-tool-result tokens neither (response mask 0), as in single turn.
+**States overridden** (verl's loop is not copied): ``PENDING`` replays the prefix through verl's own
+Continuous-Token merges (assistant tokens with ``ct_merge_assistant_token``, response mask 1; tool results with
+``ct_merge_context_msg``, mask 0), then ``TERMINATED`` (whole episode, or the response is full) or
+``GENERATING``; ``GENERATING`` is verl's, except that a turn the prefix ends inside is parsed whole (expert head +
+continuation); ``PROCESSING_TOOLS`` is verl's. ``extra_fields`` as :mod:`mix_src.rollout.agent_loop`; expert
+tokens get rollout log-prob 0.0 and the off-policy loss, continuations the PPO term, tool results neither.
 """
 
 from __future__ import annotations
@@ -50,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -153,9 +129,7 @@ class PrefixGuidedToolAgentLoop(ToolAgentLoop):
             # ended on replayed tokens) get 0.0 there too, as the single-turn loop does
             lp = list(out.response_logprobs or [])
             out.response_logprobs = (lp + [0.0] * (n - len(lp)))[:n]
-        flags = np.zeros(n, dtype=np.uint8)
-        k = min(n, len(self._prefix_flags))
-        flags[:k] = self._prefix_flags[:k]
+        flags = np.array((self._prefix_flags + [0] * n)[:n], dtype=np.uint8)
         extra = out.extra_fields
         for key in SERVER_EXTRA_KEYS:  # same keys on every row (DataProto.concat), served or not
             extra.setdefault(key, None)

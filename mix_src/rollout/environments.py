@@ -1,9 +1,9 @@
 """Tool-use environments in one file: a class a researcher subclasses to bring a multi-turn task.
 
-An environment gives items (problems), the tools the model may call, an expert episode per item (the
-off-policy guidance, replayed by :mod:`mix_src.rollout.agent_loop_tools`), a score for a finished episode, and an
-evaluation. Register it by name (the name is the rows' ``data_source``), put its file in ``mix.plugins``,
-and :func:`compute_score` (verl's custom-reward signature) scores its rows::
+An environment gives items (problems), the tools the model may call, an expert episode per item (the off-policy
+guidance, replayed by :mod:`mix_src.rollout.agent_loop_tools`), a score and an evaluation. Register it by name
+(the rows' ``data_source``), put its file in ``mix.plugins``, and :func:`compute_score` (verl's custom-reward
+signature) scores its rows::
 
     from mix_src.rollout.environments import ToolEnv, register_environment
 
@@ -13,21 +13,16 @@ and :func:`compute_score` (verl's custom-reward signature) scores its rows::
         def expert_episode(self, item): ...           # the off-policy target (assistant + tool messages)
         def score(self, item, response): ...          # Atropos collect_trajectory's scoring; Trinity reward
 
-``tools()`` returns plain Python functions with Google docstrings and type hints; a two-line file that
-applies verl's ``@function_tool`` to them is what ``rollout.multi_turn.function_tool_path`` loads (see
-``recipes/toy_calculator/tools.py``: the functions live in an importable module, so loading that file in
-every agent-loop worker registers the same function objects).
-:meth:`ToolEnv.rows` builds verl's parquet rows (prompt, reward_model, extra_info) with the episode as a JSON
-``target``, dropping episodes that do not fit ``max_response_length`` tokens, with a count.
-
-The registry entry is self-describing (:mod:`mix_src.extend`); every environment runs on both trainer
-bases unless it says otherwise (the agent loop is verl's, the same on both).
+``tools()`` returns plain functions (Google docstrings, type hints) for verl's ``@function_tool``
+(``rollout.multi_turn.function_tool_path``; see ``recipes/toy_calculator/tools.py``). :meth:`ToolEnv.rows` builds
+verl's parquet rows with the episode as a JSON ``target``. The registry entry is self-describing
+(:mod:`mix_src.extend`); environments run on both trainer bases unless they say otherwise.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from mix_src.extend import Registry
 
