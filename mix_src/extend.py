@@ -317,13 +317,6 @@ def resolve_plugin(spec: str) -> str:
     return os.path.abspath(os.path.expanduser(spec)) if _is_path(spec) else spec
 
 
-def _module_name(path: str) -> str:
-    """A plugin file's module name, the same in every process (pickled functions of the plugin refer to it)."""
-    stem = os.path.splitext(os.path.basename(path))[0]
-    safe = "".join(c if c.isalnum() else "_" for c in stem)
-    return f"mix_plugin_{safe}_{hashlib.sha1(path.encode()).hexdigest()[:8]}"
-
-
 def load_plugins(specs) -> list[str]:
     """Import each plugin (module name or .py path) once; return the module names. Errors name the spec."""
     names = []
@@ -335,7 +328,9 @@ def load_plugins(specs) -> list[str]:
         if _is_path(spec):
             if not os.path.isfile(spec):
                 raise FileNotFoundError(f"mix.plugins: plugin file '{raw}' does not exist (resolved to {spec})")
-            name = _module_name(spec)
+            # a module name the same in every process (pickled functions of the plugin refer to it)
+            stem = "".join(c if c.isalnum() else "_" for c in os.path.splitext(os.path.basename(spec))[0])
+            name = f"mix_plugin_{stem}_{hashlib.sha1(spec.encode()).hexdigest()[:8]}"
             module_spec = importlib.util.spec_from_file_location(name, spec)
             module = importlib.util.module_from_spec(module_spec)
             sys.modules[name] = module

@@ -46,6 +46,7 @@ def run_shape(config: Mapping, steps: Optional[int] = None) -> RunShape:
     full_target = (n if n_prefix == -1 else n_prefix) if whole else 0
     kl = bool(actor.get("use_kl_loss")) or bool(_get(config, "algorithm.use_kl_in_reward", False))
     total = steps if steps is not None else _get(config, "trainer.total_training_steps")
+    attn = _get(config, "actor_rollout_ref.model.override_config.attn_implementation", None)
     return RunShape(
         world_size=world, fsdp_shards=world if shards <= 0 else shards,
         offload_policy=bool(fsdp.get("offload_policy", False)), param_offload=bool(fsdp.get("param_offload", False)),
@@ -61,15 +62,10 @@ def run_shape(config: Mapping, steps: Optional[int] = None) -> RunShape:
         max_num_seqs=int(rollout.get("max_num_seqs", 256) or 256), prompt_len=p, response_len=r, n=n,
         n_full_target=full_target, batch_size=bs, ppo_epochs=int(actor.get("ppo_epochs", 1)),
         steps=int(total) if total else 0,
-        flash_ce=_flash_ce(config),
+        # verl takes flash-attn's cross-entropy for log-probs unless an sdpa/eager override says flash-attn is not
+        # installed (recipes/common.sh's NO_FLASH_ATTN=1) or VERL_DISABLE_FLASH_ATTN_CE=1
+        flash_ce=attn in (None, "flash_attention_2") and os.environ.get("VERL_DISABLE_FLASH_ATTN_CE", "0") != "1",
     )
-
-
-def _flash_ce(config: Mapping) -> bool:
-    """Whether verl takes flash-attn's cross-entropy for log-probs: flash-attn is installed (the sdpa/eager
-    override is how recipes/common.sh's NO_FLASH_ATTN=1 runs without it) and VERL_DISABLE_FLASH_ATTN_CE is not 1."""
-    attn = _get(config, "actor_rollout_ref.model.override_config.attn_implementation", None)
-    return attn in (None, "flash_attention_2") and os.environ.get("VERL_DISABLE_FLASH_ATTN_CE", "0") != "1"
 
 
 def load_model_config(path: str) -> tuple[Optional[dict], str]:

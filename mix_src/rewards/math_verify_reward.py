@@ -129,22 +129,6 @@ _ungradable_counts: dict[str, int] = {}  # per data_source, this process
 _ungradable_log: dict[tuple[str, str], list] = {}  # (data_source, kind) -> [last log time, rows since]
 
 
-def _report_ungradable(data_source, kind: str, reason: str) -> None:
-    """Count the row and log it, rate-limited per (data_source, kind)."""
-    source = str(data_source)
-    now = time.monotonic()
-    with _ungradable_lock:
-        _ungradable_counts[source] = _ungradable_counts.get(source, 0) + 1
-        state = _ungradable_log.setdefault((source, kind), [None, 0])
-        state[1] += 1
-        if state[0] is not None and now - state[0] < _LOG_EVERY_S:
-            return
-        since, state[0], state[1] = state[1], now, 0
-    more = f" ({since - 1} more such rows since the last message)" if since > 1 else ""
-    logger.warning("reward: ungradable row, scored as wrong (data_source %r, %s): %s%s", source, kind,
-                   reason[:300], more)
-
-
 def ungradable_counts() -> dict[str, int]:
     """Rows that could not be graded in this process, per data_source."""
     with _ungradable_lock:
@@ -152,11 +136,22 @@ def ungradable_counts() -> dict[str, int]:
 
 
 def _ungradable(cfg: RewardConfig, data_source, exc: Exception, format_ok: bool = False) -> dict:
+    """Count the row, log it (rate-limited per data_source and kind) and score it as wrong."""
     if isinstance(exc, Ungradable):
         kind, reason = exc.kind, str(exc)
     else:  # a bug or an input nobody foresaw: still one row, never the run
         kind, reason = "error", f"{type(exc).__name__}: {exc}"
-    _report_ungradable(data_source, kind, reason)
+    source, now, since = str(data_source), time.monotonic(), 0
+    with _ungradable_lock:
+        _ungradable_counts[source] = _ungradable_counts.get(source, 0) + 1
+        state = _ungradable_log.setdefault((source, kind), [None, 0])
+        state[1] += 1
+        if state[0] is None or now - state[0] >= _LOG_EVERY_S:
+            since, state[0], state[1] = state[1], now, 0
+    if since:
+        more = f" ({since - 1} more such rows since the last message)" if since > 1 else ""
+        logger.warning("reward: ungradable row, scored as wrong (data_source %r, %s): %s%s", source, kind,
+                       reason[:300], more)
     return _row(cfg.wrong_score, False, format_ok, ungradable=True)
 
 
