@@ -1,40 +1,19 @@
 """Training compute (FLOPs) of a run, counted from its own tokens and the model's shape. Pure: numpy only.
 
-Two counts, both per token and summed over the tokens a step actually processes:
+Forward FLOPs of one sequence of ``T`` tokens, in two counts; a training pass costs ``3 F(T)`` in both::
 
-* ``"6n"`` — the 6N rule (Kaplan et al. 2020, arXiv 2001.08361, sec. 2.1): a forward pass costs
-  ``2 N`` FLOPs per token and a training pass (forward + backward) ``6 N``, where ``N`` is the number of
-  **non-embedding** parameters (every decoder-layer weight and bias, the norms; not the token embedding,
-  not the LM head).
-* ``"full"`` — the 6N count plus what it leaves out, which at a 0.5M-parameter model is not negligible:
+    F(T) = 2 N T                                      ("6n": Kaplan et al. 2020, arXiv 2001.08361, sec. 2.1)
+    F(T) = 2 N T + 2 d V T + 2 L H d_head T (T + 1)   ("full")
 
-  - the LM head, a ``d_model x vocab`` matmul on every token: ``2 d V`` per token forward;
-  - attention scores and the weighted sum of values: a token at position ``p`` (0-based) attends to
-    ``p + 1`` positions, ``2 (p+1) d_head`` FLOPs for ``q.k`` and ``2 (p+1) d_head`` for ``softmax.v`` per
-    head and layer, so a causal sequence of ``T`` tokens costs ``4 L H d_head * T (T+1) / 2``
-    (Kaplan's ``2 n_layer n_ctx d_attn`` term, with the real causal context instead of ``n_ctx``);
-  - the token-embedding lookup is a gather: 0 FLOPs (its backward, a scatter-add, is not counted either).
+N = non-embedding parameters (decoder layers and norms; not the embedding, not the LM head). "full" adds what
+6N leaves out, not negligible at 0.5M parameters: the LM head (``2 d V`` per token) and attention over the real
+causal context (a token at position p attends to p + 1 positions: ``4 (p+1) d_head`` per head and layer, i.e.
+Kaplan's ``2 n_layer n_ctx d_attn`` with the causal context for ``n_ctx``); the embedding lookup is a gather (0).
 
-  Forward FLOPs of one sequence of ``T`` tokens::
-
-      F(T) = 2 N T                              ("6n")
-      F(T) = 2 N T + 2 d V T + 2 L H d_head T (T + 1)   ("full")
-
-  and a training pass costs ``3 F(T)`` (backward = 2 x forward), in both counts.
-
-An RL step of the legacy trainer (:meth:`mix_src.trainer.legacy.MIXRayPPOTrainer._step`) is counted as
-(:func:`rl_step_flops`; the V1 trainer, :meth:`mix_src.trainer.v1.MixV1Mixin._count_flops`, the same):
-
-* rollout: ``F(P + R)`` for every generated row of every generation pass (a KV-cached decode does the work
-  of one forward over prompt + response; a prefix of target tokens is prefilled, which is the same work);
-  rows that generated nothing (a whole target + EOS, LUFFY's expert row) cost 0; rows a rollout policy or
-  the group filter later dropped are counted (they were generated);
-* old log-probs: ``F(P + R)`` per training row; reference log-probs: the same again when a reference
-  policy is used;
-* actor update: ``ppo_epochs x 3 F(P + R)`` per training row.
-
-Padding is not counted (the useful work, not what a padded batch computes), nor validation (evaluation is
-not training compute). An SFT step is ``3 F(T)`` per sequence of the batch (:func:`sft_step_flops`).
+An RL step (both trainer bases, :func:`add_step_flops`): rollout ``F(P + R)`` per row that generated a token, in
+every generation pass (KV-cached decode; a prefilled prefix is the same work; rows dropped later still count);
+old log-probs ``F(P + R)`` per training row, reference log-probs the same when used; the update
+``ppo_epochs x 3 F(P + R)``. Padding and validation are not counted. An SFT step: ``3 F(T)`` per sequence.
 """
 
 from __future__ import annotations
@@ -86,9 +65,7 @@ class ModelShape:
 
 
 def forward_flops(shape: ModelShape, seq_lens, count: str = "full") -> float:
-    """Forward FLOPs of sequences of ``seq_lens`` tokens each (array-like of ints, shape ``[rows]``), summed.
-
-    ``count``: ``"6n"`` = ``2 N T`` per sequence; ``"full"`` adds ``2 d V T + 2 L H d_head T (T+1)``."""
+    """Forward FLOPs F(T) (module docstring, ``count`` "6n" or "full") of sequences of ``seq_lens`` [rows], summed."""
     if count not in COUNTS:
         raise ValueError(f"FLOPs count {count!r}: use one of {COUNTS}")
     t = np.asarray(seq_lens, dtype=np.float64).reshape(-1)
@@ -101,38 +78,29 @@ def forward_flops(shape: ModelShape, seq_lens, count: str = "full") -> float:
     return float(total)
 
 
-def train_flops(shape: ModelShape, seq_lens, count: str = "full") -> float:
-    """Forward + backward (3 x forward) FLOPs of sequences of ``seq_lens`` tokens."""
-    return 3.0 * forward_flops(shape, seq_lens, count)
-
-
 def rollout_flops(shape: ModelShape, prompt_lens, response_lens, generated_lens, count: str = "full") -> float:
-    """Generation FLOPs of rows ``[rows]``: ``F(P + R)`` for each row that generated at least one token
-    (``generated_lens > 0``; a row that is a whole target generated nothing)."""
+    """Generation FLOPs of rows ``[rows]``: ``F(P + R)`` per row that generated a token (``generated_lens > 0``)."""
     p, r, g = (np.asarray(x, dtype=np.int64).reshape(-1) for x in (prompt_lens, response_lens, generated_lens))
     return forward_flops(shape, (p + r)[g > 0], count)
 
 
 def rl_step_flops(shape: ModelShape, prompt_lens, response_lens, *, ppo_epochs: int = 1,
                   ref_policy: bool = False, count: str = "full") -> float:
-    """Training-side FLOPs of one RL step on rows ``[rows]`` (prompt / response token counts): old
-    log-probs (one forward), reference log-probs (one forward, when ``ref_policy``), and ``ppo_epochs``
-    training passes. Generation is counted separately (:func:`rollout_flops`), per generation pass."""
+    """Training-side FLOPs of one RL step on rows ``[rows]``: old log-probs, reference log-probs (``ref_policy``)
+    and ``ppo_epochs`` training passes (generation: :func:`rollout_flops`)."""
     t = np.asarray(prompt_lens, dtype=np.int64).reshape(-1) + np.asarray(response_lens, dtype=np.int64).reshape(-1)
     fwd = forward_flops(shape, t, count)
     return fwd * (1 + int(bool(ref_policy))) + 3.0 * int(ppo_epochs) * fwd
 
 
 def sft_step_flops(shape: ModelShape, seq_lens: Sequence[int], count: str = "full") -> float:
-    """One SFT optimiser step on a batch of sequences of ``seq_lens`` tokens (prompt + response, as trained)."""
-    return train_flops(shape, seq_lens, count)
+    """One SFT optimiser step (forward + backward = 3 x forward) on sequences of ``seq_lens`` tokens."""
+    return 3.0 * forward_flops(shape, seq_lens, count)
 
 
 def lengths_from_masks(attention_mask, response_mask_or_len, prefix_mask=None):
-    """``(prompt_lens, response_lens, generated_lens)`` per row from verl's batch tensors (numpy or torch):
-    ``attention_mask [rows, P_max + R_max]``; the response is its last ``R_max`` columns (an int, or a
-    ``response_mask``/``responses`` tensor of width ``R_max``); ``prefix_mask [rows, R_max]`` marks target
-    (not generated) tokens."""
+    """``(prompt_lens, response_lens, generated_lens)`` per row from ``attention_mask [rows, P_max + R_max]``, whose
+    last ``R_max`` columns (an int, or a tensor of that width) are the response; ``prefix_mask [rows, R_max]``."""
     am = np.asarray(attention_mask).astype(np.int64)
     width = response_mask_or_len if isinstance(response_mask_or_len, int) else np.asarray(response_mask_or_len).shape[-1]
     resp = am[:, am.shape[1] - width:].sum(-1)
@@ -144,9 +112,8 @@ def lengths_from_masks(attention_mask, response_mask_or_len, prefix_mask=None):
 
 def add_step_flops(shape: ModelShape, prompt_lens, response_lens, rollout: Mapping[str, float], totals: dict,
                    metrics: dict, *, ppo_epochs: int = 1, ref_policy: bool = False) -> None:
-    """One RL step of both trainer bases: its training passes over the rows (lengths ``prompt_lens``,
-    ``response_lens``: (rows,)) plus ``rollout`` (per count, the step's generation), added to ``totals`` (per count,
-    the run so far) and logged as ``flops/rollout_*``, ``flops/step_*``, ``flops/total_*`` and ``flops/num_tokens``."""
+    """One RL step of both trainer bases: its training passes over the rows (rows,) plus ``rollout`` (per count),
+    added to ``totals`` (per count) and logged as ``flops/{rollout,step,total}_*`` and ``flops/num_tokens``."""
     p, r = np.asarray(prompt_lens, dtype=np.int64), np.asarray(response_lens, dtype=np.int64)
     for c in COUNTS:
         step = rl_step_flops(shape, p, r, ppo_epochs=ppo_epochs, ref_policy=ref_policy, count=c) + rollout[c]
@@ -161,8 +128,8 @@ _UNREADABLE_WARNED: list[bool] = []
 
 
 def shape_unreadable(read_shape, metrics: dict) -> bool:
-    """With no ``mix.flops_budget`` counting is only metrics, so a model config this module cannot read is no
-    error: True (``flops/unavailable`` = 1, and one printed line per process) when ``read_shape()`` raises."""
+    """True (``flops/unavailable`` = 1, one printed line per process) when ``read_shape()`` raises: without
+    ``mix.flops_budget`` the count is only metrics, so an unreadable model config is no error."""
     try:
         read_shape()
     except Exception as e:  # noqa: BLE001

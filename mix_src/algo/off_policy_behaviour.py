@@ -5,21 +5,12 @@ that replays the model's OWN earlier samples (ExGRPO, recipes/exgrpo) knows the 
 l_b of those tokens, recorded when they were sampled, and weighs them by w = exp(l - l_b) instead (ExGRPO's
 official ``mix_trainer_experience.py`` puts the recorded log-probs in ``old_log_probs`` of the replayed rows,
 and its ``mix_core_alg.py`` shapes ``exp(log_prob - old_log_prob)``). ``mix.loss.off_policy_behaviour=name``
-picks an entry of :data:`OFF_POLICY_BEHAVIOURS` (null = LUFFY); the worker loss
-(:class:`mix_src.worker.loss.MixPolicyLoss`) passes what it returns to
-``core_alg.compute_token_on_off_policy_loss(behaviour_log_prob=...)``.
+picks an entry of :data:`OFF_POLICY_BEHAVIOURS` (null = LUFFY); the worker loss passes what it returns to
+``loss_terms.token_loss`` as ``TokenBatch.behaviour_log_prob``. The log-probs travel with the batch as the
+per-token field ``behaviour_log_prob`` ((bsz, L) float, 0 where unknown), set by a rollout policy.
 
-The log-probs travel with the batch as the per-token field ``behaviour_log_prob`` ((bsz, L) float, 0 where
-unknown), set by a rollout policy next to ``prefix_mask`` (the replayed rows' tokens).
-
-Signature (one for all)::
-
-    @register_off_policy_behaviour("name", bases=..., why_not=..., check=..., reads=...)
-    def fn(prefix_mask, fields) -> behaviour_log_prob
-        prefix_mask: (bsz, L) bool; fields: the worker batch (a mapping of (bsz, L) tensors).
-        Returns (bsz, L) float l_b, read on the prefix tokens only.
-
-Torch only (no verl).
+Signature: ``fn(prefix_mask (bsz, L) bool, fields: the worker batch) -> (bsz, L) float l_b`` (read on the prefix
+tokens only). Torch only (no verl).
 """
 
 from __future__ import annotations
@@ -39,10 +30,7 @@ OFF_POLICY_BEHAVIOURS: Registry[Behaviour] = Registry("off-policy behaviour", "m
 register_off_policy_behaviour = OFF_POLICY_BEHAVIOURS.register
 
 
-@register_off_policy_behaviour(
-    "stored_log_prob",
-    reads=("mix.loss.off_policy_behaviour",),
-)  # fmt: skip
+@register_off_policy_behaviour("stored_log_prob", reads=("mix.loss.off_policy_behaviour",))
 def stored_log_prob(prefix_mask: torch.Tensor, fields: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The recorded log-probs in the batch field ``behaviour_log_prob``: (bsz, L) bool, mapping -> (bsz, L)."""
     if BEHAVIOUR_LOG_PROB not in fields.keys():

@@ -6,17 +6,10 @@ the loss's token count, so the aggregation's denominator does not change: that i
 code drops low-entropy prefix tokens, recipe/prefix_rft/dp_actor.py ``reshape_func``/``entropy``).
 ``mix.loss.prefix_token_select=null`` (the default) keeps every prefix token.
 
-Signature (one for all)::
-
-    @register_prefix_token_select("name", bases=..., why_not=..., check=..., reads=..., prefix_tokens_on_policy=False)
-    def fn(view: PrefixTokenView) -> torch.Tensor   # keep: (B, L) bool, True = the token keeps its advantage
-
 Entry option ``prefix_tokens_on_policy`` (default False): True makes the loss treat the prefix tokens (after
 the selection) like on-policy tokens, i.e. PPO-clip on exp(log_prob - old_log_probs) (the actor recomputes
 ``old_log_probs`` for every response token, prefix tokens included), instead of the off-policy shaping
--A * f(p) of ``mix.loss.off_policy_reshape``.
-
-Only torch here (no verl), so the maths can be read and tested alone.
+-A * f(p) of ``mix.loss.off_policy_reshape``. Torch only (no verl).
 """
 
 from __future__ import annotations
@@ -34,15 +27,10 @@ __all__ = ["PREFIX_TOKEN_SELECTS", "PrefixTokenView", "apply_prefix_token_select
 
 @dataclass(frozen=True)
 class PrefixTokenView:
-    """What a selection entry sees for one micro-batch. All tensors (B, L), B = rows of the micro-batch,
-    L = response width; none of them carries a gradient.
-
-    entropy: float, the current policy's token entropy (None when the worker computed none: the entry's
-        check should require ``actor.calculate_entropy=true``); log_prob: float, the current policy's
-        log-probs; old_log_prob: float, ``old_log_probs``; advantages: float; response_mask: bool;
-    prefix_mask: bool, the prefix tokens (a subset of response_mask); ratio: the entry's setting ``ratio``
-        (``mix.plugin_options.<name>.ratio``, older spelling ``mix.loss.prefix_token_select_ratio``; its meaning is
-        the entry's)."""
+    """What a selection entry sees for one micro-batch: (B, L) tensors without gradient (entropy None when the
+    worker computed none: the entry's check should require ``actor.calculate_entropy=true``; the masks bool,
+    prefix_mask within response_mask); ratio: the entry's setting ``mix.plugin_options.<name>.ratio`` (older
+    spelling ``mix.loss.prefix_token_select_ratio``; its meaning is the entry's)."""
 
     entropy: Optional[torch.Tensor]
     log_prob: torch.Tensor
@@ -56,15 +44,12 @@ class PrefixTokenView:
 PrefixTokenSelect = Callable[[PrefixTokenView], torch.Tensor]
 PREFIX_TOKEN_SELECTS: Registry[PrefixTokenSelect] = Registry(
     "prefix token selection", "mix.loss.prefix_token_select", old_settings={"ratio": "mix.loss.prefix_token_select_ratio"})
-"""Prefix token selections. Signature: ``fn(view: PrefixTokenView) -> keep`` with keep a (B, L) bool tensor
-(only its values on prefix tokens matter). Register with ``@register_prefix_token_select("name")``; pick with
-``mix.loss.prefix_token_select=name``. Entry option ``prefix_tokens_on_policy`` (bool): see the module docstring."""
+"""``fn(view: PrefixTokenView) -> keep``, (B, L) bool, True = the prefix token keeps its advantage."""
 register_prefix_token_select = PREFIX_TOKEN_SELECTS.register
 
 
 def apply_prefix_token_selection(advantages: torch.Tensor, prefix_mask: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """advantages (B, L) float, prefix_mask (B, L) bool, keep (B, L) bool -> (B, L) advantages with 0 on the
-    prefix tokens that are not kept (a new tensor; other tokens unchanged)."""
+    """(B, L) advantages, prefix_mask, keep -> new (B, L) advantages with 0 on the prefix tokens not kept."""
     if keep.shape != advantages.shape or prefix_mask.shape != advantages.shape:
         raise ValueError(f"expected (B, L) tensors of one shape, got advantages {tuple(advantages.shape)}, "
                          f"prefix_mask {tuple(prefix_mask.shape)}, keep {tuple(keep.shape)}")  # fmt: skip
@@ -73,8 +58,8 @@ def apply_prefix_token_selection(advantages: torch.Tensor, prefix_mask: torch.Te
 
 
 def select_prefix_tokens(name: str, view: PrefixTokenView) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """Run the entry ``name`` on ``view``: returns (advantages with the dropped prefix tokens zeroed, (B, L);
-    the kept prefix tokens, (B, L) bool; the entry's ``prefix_tokens_on_policy`` option)."""
+    """Entry ``name`` on ``view`` -> (advantages (B, L), dropped prefix tokens zeroed; kept prefix tokens (B, L) bool;
+    the entry's ``prefix_tokens_on_policy``)."""
     entry = PREFIX_TOKEN_SELECTS.describe(name)
     keep = entry.fn(view)
     if not isinstance(keep, torch.Tensor) or keep.shape != view.prefix_mask.shape:

@@ -1,18 +1,11 @@
 """Per-request sampling seeds: what a rollout draws depends on *which* sample it is, never on when it ran.
 
-The trainer gives every row of a generation batch a seed derived from
-
-    (rollout seed, global step, generation batch of the step, prompt index in that batch, sample index)
-
-(``actor_rollout_ref.rollout.seed``; the generation-batch index counts the extra batches that filter groups
-draw within one step). The agent loop passes it to the inference server as ``sampling_params["seed"]``:
-vLLM's per-request ``SamplingParams.seed`` (https://docs.vllm.ai/en/latest/api/vllm/sampling_params.html)
-and the CPU backend's hf server both seed a private generator for that request with it, so a request's
-tokens do not depend on arrival order or on which other requests share its decoding batch.
-
-Rows that come without a trainer seed (verl's validation batches) get one from
-``(rollout seed, "validate", row position)``: every validation samples with the same numbers, which makes
-checkpoints comparable on the same draws.
+The trainer gives every row of a generation batch a seed derived from (``actor_rollout_ref.rollout.seed``, global
+step, generation batch of the step (filter groups draw extra ones), prompt index, sample index). The agent loop
+passes it to the inference server as ``sampling_params["seed"]``: vLLM's per-request ``SamplingParams.seed``
+(https://docs.vllm.ai/en/latest/api/vllm/sampling_params.html) and the CPU backend's hf server seed a private
+generator for that request, so its tokens do not depend on arrival order or on its decoding batch. Rows without a
+trainer seed (validation) get one from (rollout seed, "validate", position): checkpoints compare on the same draws.
 """
 
 from __future__ import annotations
@@ -30,11 +23,7 @@ def _seed63(*entropy: int) -> int:
 
 
 def request_seeds(rollout_seed: int, global_step: int, gen_index: int, num_prompts: int, n: int) -> np.ndarray:
-    """Seeds of a generation batch whose rows are ``i * n + j`` (prompt ``i``, sample ``j``).
-
-    Returns:
-        (num_prompts * n,) int64 array, one 63-bit seed per row.
-    """
+    """(num_prompts * n,) int64 63-bit seeds of a generation batch whose rows are ``i * n + j`` (prompt i, sample j)."""
     base = [int(rollout_seed), int(global_step), int(gen_index)]
     if min(base) < 0:
         raise ValueError(f"seeds need non-negative (rollout seed, step, batch), got {base}")
@@ -42,8 +31,8 @@ def request_seeds(rollout_seed: int, global_step: int, gen_index: int, num_promp
 
 
 def fallback_seed(rollout_seed: int, *position: int) -> int:
-    """Seed of a row the trainer did not seed (validation): from its position, e.g. its place in the batch
-    (verl's ``priority``, legacy trainer) or its data index and sample (V1, where verl sets no priority)."""
+    """Seed of a row the trainer did not seed (validation), from its position (legacy: verl's ``priority``; V1:
+    its data index and sample)."""
     return _seed63(int(rollout_seed), _VALIDATION_TAG, *(int(p) for p in position))
 
 

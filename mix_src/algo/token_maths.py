@@ -1,10 +1,7 @@
-"""Pure torch pieces of LUFFY's loss shared by mix_src/algo/core_alg.py and mix_src/algo/loss_terms.py: masked sums, verl's
-`agg_loss` (plus LUFFY's token sum / L), and the registries of the on- and off-policy reshapes (the options of the
-``ppo_clip`` and ``shaped_off_policy`` loss terms). Imports only torch (and mix_src.extend).
-
-Reference: the LUFFY paper (arXiv 2504.14945, section 3) and the original code (https://github.com/ElliottYan/LUFFY:
-luffy/verl/verl/mix_src/mix_core_alg.py); verl 0.9.1 verl/trainer/ppo/core_algos.py (agg_loss, masked_sum).
-Shapes: B rows, L response width; masks (B, L), non-zero = valid.
+"""Pure torch pieces of LUFFY's loss (arXiv 2504.14945 section 3; the original's mix_core_alg.py): masked sums,
+verl 0.9.1's `agg_loss` (verl/trainer/ppo/core_algos.py, plus LUFFY's token sum / L), and the registries of the on-
+and off-policy reshapes (options of the ``ppo_clip`` and ``shaped_off_policy`` loss terms). Shapes: B rows, L
+response width; masks (B, L), non-zero = valid.
 """
 
 from __future__ import annotations
@@ -19,21 +16,11 @@ __all__ = ["LOG_RATIO_CLAMP", "LOSS_AGG_MODES", "OFF_POLICY_RESHAPES", "ON_POLIC
            "ReshapeParams", "agg_loss", "masked_mean", "masked_sum", "off_policy_shape", "on_policy_ratio",
            "register_off_policy_reshape", "register_on_policy_reshape"]  # fmt: skip
 
-LOSS_AGG_MODES = (
-    "token-mean",
-    "token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-sum-norm",
-    "luffy-token-sum-norm",
-)
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                  "luffy-token-sum-norm")
 # The original baked gamma into the option name; these names stay accepted as aliases.
 P_DIV_P_ALIASES = {"p_div_p_0.1": 0.1, "p_div_p_0.3": 0.3, "p_div_p_0.5": 0.5}
 LOG_RATIO_CLAMP = 20.0  # |l - l_old| is clamped before exp, as verl's vanilla PPO loss does
-
-# --------------------------------------------------------------------------------------------------
-# small helpers
-# --------------------------------------------------------------------------------------------------
 
 
 def _bool_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -53,9 +40,8 @@ def _check_same_shape(**tensors: torch.Tensor | None) -> None:
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
-    """Sum of `values` where `mask` is non-zero, exactly as verl's `masked_sum` (NaN outside the mask is
-    ignored; a non-binary numeric mask also weights the values). values, mask: same shape; returns the
-    sum over `axis` (all elements when None)."""
+    """Sum over `axis` (all when None) of `values` where `mask` is non-zero, exactly as verl's `masked_sum` (NaN
+    outside the mask is ignored; a non-binary numeric mask also weights the values)."""
     if mask.dtype == torch.bool:  # same numbers as verl's where(...) * mask, without the bool multiply
         return torch.where(mask, values, 0.0).sum(dim=axis)
     return (torch.where(mask.bool(), values, 0.0) * mask).sum(dim=axis)
@@ -77,21 +63,9 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked_sum(values, mask) / _nonzero(_count(mask))
 
 
-
-# --------------------------------------------------------------------------------------------------
-# loss aggregation (verl's agg_loss semantics + LUFFY's sum / L)
-# --------------------------------------------------------------------------------------------------
-
-
-def agg_loss(
-    loss_mat: torch.Tensor,
-    loss_mask: torch.Tensor,
-    loss_agg_mode: str,
-    dp_size: int = 1,
-    batch_num_tokens: int | torch.Tensor | None = None,
-    global_batch_size: int | torch.Tensor | None = None,
-    loss_scale_factor: float | None = None,
-) -> torch.Tensor:
+def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str, dp_size: int = 1,
+             batch_num_tokens: int | torch.Tensor | None = None, global_batch_size: int | torch.Tensor | None = None,
+             loss_scale_factor: float | None = None) -> torch.Tensor:
     """Aggregate a (B, L) per-token loss into a scalar, with exactly the semantics of verl 0.9.1's
     `core_algos.agg_loss` (same arguments; when the global-batch numbers are given, the micro-batch
     losses summed over micro-batches and averaged over DP ranks give the global-batch loss).
@@ -116,35 +90,25 @@ def agg_loss(
         return masked_sum(loss_mat, loss_mask) / batch_num_tokens * dp_size
     if loss_agg_mode == "token-sum":
         return masked_sum(loss_mat, loss_mask) * dp_size
+    horizon = loss_scale_factor if loss_scale_factor is not None else loss_mask.shape[-1]
     if loss_agg_mode == "luffy-token-sum-norm":
-        horizon = loss_scale_factor if loss_scale_factor is not None else loss_mask.shape[-1]
         return masked_sum(loss_mat, loss_mask) / horizon * dp_size
-    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
+    if loss_agg_mode == "seq-mean-token-mean":
+        seq_tokens = loss_mask.sum(dim=-1)
+        seq_losses = masked_sum(loss_mat, loss_mask, axis=-1) / (seq_tokens + 1e-8)
+        seq_mask = (seq_tokens > 0).to(loss_mat.dtype)
+    else:  # seq-mean-token-sum(-norm)
         seq_losses = masked_sum(loss_mat, loss_mask, axis=-1)
         seq_mask = (loss_mask.sum(dim=-1) > 0).to(loss_mat.dtype)
-        if global_batch_size is None:
-            if dp_size > 1:
-                raise ValueError(f"global_batch_size is required for {loss_agg_mode} when dp_size > 1")
-            global_batch_size = _nonzero(seq_mask.sum())
-        loss = masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size
-        if loss_agg_mode == "seq-mean-token-sum-norm":
-            loss = loss / (loss_scale_factor if loss_scale_factor is not None else loss_mask.shape[-1])
-        return loss
-    # seq-mean-token-mean
-    seq_tokens = loss_mask.sum(dim=-1)
-    seq_losses = masked_sum(loss_mat, loss_mask, axis=-1) / (seq_tokens + 1e-8)
-    seq_mask = (seq_tokens > 0).to(loss_mat.dtype)
     if global_batch_size is None:
         if dp_size > 1:
-            raise ValueError("global_batch_size is required for seq-mean-token-mean when dp_size > 1")
+            raise ValueError(f"global_batch_size is required for {loss_agg_mode} when dp_size > 1")
         global_batch_size = _nonzero(seq_mask.sum())
-    return masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size
+    loss = masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size
+    return loss / horizon if loss_agg_mode == "seq-mean-token-sum-norm" else loss
 
 
-# --------------------------------------------------------------------------------------------------
-# the reshapes of the mixed token loss (its terms and composer: mix_src/algo/loss_terms.py)
-# --------------------------------------------------------------------------------------------------
-
+# ---- the reshapes of the mixed token loss (its terms and composer: mix_src/algo/loss_terms.py)
 
 class ReshapeParams(NamedTuple):
     """The knobs of one side's reshape (mix.loss.{off,on}_policy_reshape_{gamma,weight,pow_exp})."""
@@ -158,21 +122,16 @@ OffPolicyReshape = Callable[[torch.Tensor, torch.Tensor, ReshapeParams], tuple]
 OnPolicyReshape = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ReshapeParams], tuple]
 
 OFF_POLICY_RESHAPES: Registry[OffPolicyReshape] = Registry("off-policy reshape", "mix.loss.off_policy_reshape")
-"""Off-policy shaping f(p) of prefix (demonstration) tokens; the token loss is -A * f.
-Signature: ``fn(log_prob, prob, params: ReshapeParams) -> (f, df_dlogp)`` on 1-D tensors of the prefix
-tokens (prob = exp(log_prob)); df_dlogp is the derivative of f w.r.t. log_prob (a tensor or a number),
-or None to let autograd compute it (the function is then called a second time with grad enabled).
-Register with ``@register_off_policy_reshape("name")``; pick with ``mix.loss.off_policy_reshape=name``."""
+"""Off-policy shaping f(p) of prefix tokens (token loss -A * f): ``fn(log_prob, prob, params) -> (f, df_dlogp)``
+on 1-D tensors of the prefix tokens; df_dlogp a tensor or a number, or None for autograd (fn is then called again
+with grad enabled)."""
 register_off_policy_reshape = OFF_POLICY_RESHAPES.register
 
 ON_POLICY_RESHAPES: Registry[OnPolicyReshape] = Registry("on-policy reshape", "mix.loss.on_policy_reshape")
-"""On-policy 'ratio' r that replaces exp(l - l_old) in PPO-clip on on-policy tokens.
-Signature: ``fn(log_ratio, log_prob, old_log_prob, params: ReshapeParams) -> (r, dr_dlogp)`` on (B, L)
-tensors; log_ratio = l - l_old clamped to +-20 as verl does. dr_dlogp: the derivative w.r.t. log_prob
-(a tensor or a number), or None for autograd (called again with grad enabled; the clamp is then
-differentiated too). Option ``through_log_ratio`` (default True): r depends on log_prob through
-log_ratio, so a closed-form derivative is zeroed where the clamp is active; False when r is computed
-from log_prob / old_log_prob directly (p_div_p)."""
+"""On-policy 'ratio' r in place of exp(l - l_old) in PPO-clip: ``fn(log_ratio, log_prob, old_log_prob, params) ->
+(r, dr_dlogp)`` on (B, L) tensors (log_ratio clamped to +-20 as verl does); dr_dlogp as above (autograd then
+differentiates the clamp too). Option ``through_log_ratio`` (default True): a closed-form derivative is zeroed
+where the clamp is active; False when r is computed from log_prob / old_log_prob directly (p_div_p)."""
 register_on_policy_reshape = ON_POLICY_RESHAPES.register
 
 

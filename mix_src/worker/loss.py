@@ -1,64 +1,32 @@
 """The actor's loss on the worker: LUFFY's mixed on/off-policy loss in verl 0.9.1's engine workers.
 
-verl's registered policy losses never see `prefix_mask` (its `ppo_loss` passes a fixed set of fields),
-so the trainer replaces the whole worker loss after `init_workers()`:
+verl's registered policy losses never see `prefix_mask` (its `ppo_loss` passes a fixed set of fields), so the
+trainer replaces the whole worker loss after `init_workers()` (:func:`install_loss`).
+`MixPolicyLoss.__call__(model_output, data, dp_group=None) -> (loss, metrics)` has the signature of verl's
+`workers/utils/losses.py::ppo_loss` and mirrors it: log-probs and entropy back to padded (bsz, response_len), then
+the scalar terms of mix_src/algo/loss_terms.py's LOSS_TERMS summed in their order, each aggregated by `agg_loss`
+with the engine's global batch numbers (dp_size, batch_num_tokens, global_batch_size), so a mini-batch's gradient
+does not depend on its micro-batch split. With an all-zero prefix_mask it equals verl's ppo_loss.
 
-    actor_cfg = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
-    actor_rollout_wg.set_loss_fn(MixPolicyLoss(actor_cfg, MixLossConfig(**config.mix.loss)))
-
-`MixPolicyLoss.__call__(model_output, data, dp_group=None) -> (loss, metrics)` has the signature of
-verl's `workers/utils/losses.py::ppo_loss` (with `config` bound at construction) and mirrors it step by
-step: log-probs and entropy back to padded (bsz, response_len); then the scalar terms of
-mix_src/algo/loss_terms.py's LOSS_TERMS, summed in their order (the policy loss; the SFT term; minus the entropy
-bonus; plus the KL loss: each one registry entry stating its inputs and config checks); every term aggregated
-by `agg_loss` with the global batch numbers the engine puts in `data` (dp_size, batch_num_tokens, global_batch_size), so the gradient of a mini-batch does not
-depend on how it is split into micro-batches. With an all-zero prefix_mask it equals verl's ppo_loss.
-
-Policy loss (from `mix.loss`):
-    default                 loss_terms.token_loss: PPO-clip on on-policy tokens, -A * f(p) on prefix tokens
-                            (the token terms ppo_clip and shaped_off_policy; reshapes, clips: see loss_terms).
-                            With actor.policy_loss.loss_mode other than vanilla, verl's registered loss of that
-                            name takes the on-policy tokens instead of PPO-clip (mix_src/worker/onpolicy_losses.py: how
-                            the two terms add up, sequence-level losses, which LUFFY knobs apply).
-    use_sft_multitask_loss  PPO-clip on the on-policy rows + sft_loss_coef * NLL of the prefix tokens,
-                            aggregated by mix.loss.sft_loss_agg (mix_src/algo/row_loss.py SFT_AGGS): by default exactly
-                            like the policy loss (policy_loss_agg: one scale, micro-batch invariant); the
-                            original's per-micro-batch token mean is micro_batch_token_mean.
-    off_policy_behaviour    the prefix tokens' shaping takes w = exp(l - l_b) with recorded behaviour log-probs
-                            l_b (mix_src/algo/off_policy_behaviour.py, e.g. ExGRPO's replayed samples) instead of p.
-    row_loss                a per-row choice (mix_src/algo/row_loss.py): the rows a rollout policy marked with
-                            `sft_row` take sft_loss_coef * the NLL aggregated by mix.loss.sft_loss_agg (default: the
-                            token mean over the SFT tokens of the global mini-batch, count `mix_sft_tokens`, added
-                            by add_kept_token_counts; HPT's official per-micro-batch mean: row_loss.py); the other
-                            rows take the default loss above (prefix tokens there keep the off-policy loss).
+Policy loss (``mix.loss``; each option's maths is documented in the module named):
+    default                 loss_terms.token_loss (another loss_mode on on-policy tokens: worker/onpolicy_losses.py)
+    use_sft_multitask_loss  PPO-clip on the on-policy rows + sft_loss_coef * NLL of the prefix tokens, aggregated by
+                            mix.loss.sft_loss_agg (mix_src/algo/row_loss.py SFT_AGGS).
+    off_policy_behaviour    w = exp(l - l_b) in place of p on prefix tokens (mix_src/algo/off_policy_behaviour.py).
+    row_loss                a per-row policy-loss / SFT choice (mix_src/algo/row_loss.py).
+    combine                 PPO-clip on on-policy rows combined with expert tokens (mix_src/algo/loss_combine.py).
+    prefix_token_select     which prefix tokens keep their advantage (mix_src/algo/prefix_select.py).
 Entropy bonus: -c * entropy_loss with c = actor.entropy_coeff, or learned (use_adaptive_entropy:
-    core_alg.AdaptiveEntropyCoef, stepped once per mini-batch on the mini-batch's token-mean entropy,
-    all-reduced over DP so every rank keeps the same c), or c = entropy_coeff * target_entropy / H with H
-    this micro-batch's token-mean entropy (adaptive_entropy_fixed, as the original; this one variant
-    depends on the micro-batch split).
-all_max_clip with token-mean: tokens with p > c leave the policy loss, and the token mean is over the kept
-    tokens of the whole mini-batch (verl's batch_num_tokens counts every token, which would leave the
-    loss (kept/total) times too small). That count must be known before the first micro-batch, so it is
-    taken at the start of the step, from old_log_probs: the trainer adds each row's global mini-batch
-    count as `mix_kept_tokens` (add_kept_token_counts). A token whose p crosses c during the step's
-    updates still follows the current p in the numerator (LUFFY's rule); on the first mini-batch of an
-    on-policy step p = p_old and the mean is exact.
-Per-row clip choice: a rollout policy may put REMOVE_CLIP (bsz,) 0/1 into the batch; it replaces
-    mix.loss.loss_remove_clip row by row (recipes/exgrpo: PPO clip during its warm-up, none afterwards).
-Loss combination (mix.loss.combine, a registered mix_src.algo.loss_combine entry): PPO-clip on the on-policy rows,
-    combined with the expert rows' tokens by the entry (e.g. recipes/chord: (1-mu)*RL + mu*SFT); each population
-    normalised by its own global mini-batch size, counted on the driver (add_combine_inputs).
-Prefix token selection (mix.loss.prefix_token_select, a registry in mix_src.algo.prefix_select): per micro-batch,
-    the prefix tokens the entry does not keep get advantage 0 before the policy loss (they stay in its token
-    count); an entry with option prefix_tokens_on_policy=True also makes the prefix tokens on-policy tokens of
-    the loss (PPO-clip on exp(l - l_old)). Metric actor/prefix_kept_frac.
+    core_alg.AdaptiveEntropyCoef, stepped once per mini-batch on its token-mean entropy, all-reduced over DP),
+    or entropy_coeff * target_entropy / H with H this micro-batch's token-mean entropy (adaptive_entropy_fixed,
+    as the original; the one variant that depends on the micro-batch split).
+all_max_clip with token-mean: the mean is over the kept tokens of the whole mini-batch, counted from old_log_probs
+    (loss_inputs.add_kept_token_counts); a token whose p crosses c during the step follows the current p (LUFFY's).
+Per-row clip choice: a rollout policy may put REMOVE_CLIP (bsz,) 0/1 into the batch in place of
+    mix.loss.loss_remove_clip (recipes/exgrpo).
 KL loss (actor.use_kl_loss): loss_terms.kl_term, over every valid token (the original crashes with the off-policy loss).
-
-Metrics: verl's names (actor/pg_loss, actor/pg_clipfrac, actor/ppo_kl, actor/pg_clipfrac_lower,
-actor/entropy_loss, kl_loss, kl_coef; the trainer prefixes "actor/" to keys without it) plus LUFFY's
-actor/off_policy_prob, actor/on_policy_prob, actor/off_pg_loss, actor/on_pg_loss, actor/off_ratio_mean,
-actor/off_ratio_max_clip_frac, actor/off_ratio_min_clip_frac, and actor/sft_loss, actor/entropy_coeff,
-actor/alpha_loss, actor/log_alpha when those features are on.
+Metrics: verl's names (actor/pg_loss, actor/pg_clipfrac, actor/ppo_kl, actor/pg_clipfrac_lower, actor/entropy_loss,
+kl_loss, kl_coef) plus LUFFY's (loss_terms.TOKEN_METRICS as actor/<name>) and those of the features above.
 """
 
 from __future__ import annotations
@@ -80,7 +48,7 @@ from mix_src.worker.loss_inputs import (  # noqa: F401 (re-exported: the trainer
     COMBINE_FIELDS, ENTROPY_STATE, EXPERT_ROWS, EXPERT_TOKENS, GLOBAL_STEP, KEPT_TOKENS, ON_ROWS, ON_TOKENS, REMOVE_CLIP,
     add_combine_inputs, add_kept_token_counts, add_sft_token_counts, pop_entropy_state, uses_kept_token_counts,
 )  # fmt: skip
-from mix_src.algo.loss_terms import LOSS_TERMS, TermInputs, TokenBatch, TokenLossConfig, token_loss
+from mix_src.algo.loss_terms import LOSS_TERMS, TOKEN_METRICS, TermInputs, TokenBatch, TokenLossConfig, token_loss
 from mix_src.algo.loss_combine import LOSS_COMBINES, CombineInputs
 from mix_src.worker.onpolicy_losses import knob_refusals, mode_entry, on_policy_config, on_policy_term
 from mix_src.config.mix_config import LossConfig as MixLossConfig  # the `mix.loss` section, checked when built
@@ -90,6 +58,14 @@ from mix_src.algo.row_loss import ROW_LOSSES, SFT_AGGS, SFT_ROW, SFT_TOKENS, Sft
 
 __all__ = ["COMBINE_FIELDS", "ENTROPY_STATE", "KEPT_TOKENS", "MixLossConfig", "MixPolicyLoss", "REMOVE_CLIP",
            "add_combine_inputs", "add_kept_token_counts", "add_sft_token_counts", "pop_entropy_state"]
+
+_VERL_NAMES = {"on_pg_clipfrac": "pg_clipfrac", "on_pg_clipfrac_lower": "pg_clipfrac_lower"}  # the kernel's -> verl's
+
+
+def _metric_name(token_metric: str) -> str:
+    """The logged name of a TOKEN_METRICS entry: verl's where verl has one, else LUFFY's, under actor/."""
+    return f"actor/{_VERL_NAMES.get(token_metric, token_metric)}"
+
 
 _ON_KEYS = ("on_policy_reshape", "on_policy_reshape_gamma", "on_policy_reshape_weight", "on_policy_reshape_pow_exp")
 _OFF_KEYS = ("off_policy_reshape", "off_policy_reshape_gamma", "off_policy_reshape_weight", "off_policy_reshape_pow_exp",
@@ -111,10 +87,14 @@ def _row_values(data: TensorDict, keys, feature: str, helper: str) -> dict[str, 
     return values
 
 
+def _row_count(data: TensorDict, key: str, feature: str, helper: str) -> float:
+    """A global mini-batch count of ``_row_values``, at least 1 (a count of 0 has a numerator of 0 too)."""
+    return max(_row_values(data, (key,), feature, helper)[key], 1.0)
+
+
 def install_loss(worker_group: Any, loss: "MixPolicyLoss") -> None:
-    """``worker_group.set_loss_fn(loss)``, the point both trainer bases pass once their workers are up:
-    each actor worker checks its CPU-backend patches when the loss arrives (``MixPolicyLoss.__setstate__``),
-    and this process checks its own (:func:`mix_src.cpu.check_hooks_fired`; no-ops off the CPU backend)."""
+    """``worker_group.set_loss_fn(loss)`` once the workers are up (both bases); each actor worker checks its CPU-backend
+    patches on arrival (``__setstate__``), this process its own (no-ops off the CPU backend)."""
     from mix_src.cpu import check_hooks_fired
 
     worker_group.set_loss_fn(loss)
@@ -141,20 +121,9 @@ class _LossContext:
 class MixPolicyLoss:
     """Worker loss for `actor_rollout_wg.set_loss_fn` (see the module docstring).
 
-    Args:
-        config: verl's ActorConfig (omega_conf_to_dataclass of actor_rollout_ref.actor); read for
-            clip_ratio(_low/_high), clip_ratio_c, loss_agg_mode, loss_scale_factor, entropy_coeff,
-            use_kl_loss, kl_loss_coef, kl_loss_type and policy_loss.loss_mode (any registered verl policy loss the
-            knob table of mix_src/worker/onpolicy_losses.py allows with ``loss_config``).
-        loss_config: the `mix.loss` section: MixLossConfig, a dataclass or mapping with its field names
-            (e.g. mix_config.LossConfig), or None for the defaults.
-
-        entropy_state: the learned entropy coefficient's state to continue from (a resumed run), as
-            `AdaptiveEntropyCoef.state()`; None = start at actor.entropy_coeff.
-
-    State: the learned entropy coefficient (use_adaptive_entropy) lives in this object on each worker. After
-    each update its state goes back to the driver in the metrics (`mix_entropy_state/*`, removed there by
-    `pop_entropy_state`); the trainer saves it with its checkpoint and re-installs the loss with it on resume.
+    config: verl's ActorConfig; loss_config: the `mix.loss` section (MixLossConfig, a mapping, or None); entropy_state:
+    the learned entropy coefficient's `AdaptiveEntropyCoef.state()` to resume from, which goes back to the driver
+    in each update's metrics (`mix_entropy_state/*`, see `pop_entropy_state`) and is saved with the checkpoint.
     """
 
     def __init__(self, config: Any, loss_config: Any = None, entropy_state: dict | None = None):
@@ -169,18 +138,15 @@ class MixPolicyLoss:
         self.cliprange = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
         clip_high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
         if clip_high < self.cliprange:
-            raise ValueError(
-                f"actor.clip_ratio_high ({clip_high}) < clip_ratio_low ({self.cliprange}) is not supported: the "
-                "upper clip bound is max(mix.loss.clip_upper_bound, 1 + clip_ratio_high, 1 + clip_ratio_low)"
-            )
+            raise ValueError(f"actor.clip_ratio_high ({clip_high}) < clip_ratio_low ({self.cliprange}) is not "
+                             "supported: the upper clip bound is max(mix.loss.clip_upper_bound, 1 + clip_ratio_high, "
+                             "1 + clip_ratio_low)")
         self.clip_upper_bound = max(self.mix.clip_upper_bound, 1.0 + clip_high)
         self.clip_ratio_c = config.get("clip_ratio_c", 3.0)
         self.loss_agg_mode = self.mix.loss_agg_mode or config.loss_agg_mode
         if (self.mix.use_adaptive_entropy or self.mix.adaptive_entropy_fixed) and not config.entropy_coeff > 0:
-            raise ValueError(
-                f"the adaptive entropy coefficient starts from / scales actor.entropy_coeff, which must be > 0 "
-                f"(got {config.entropy_coeff})"
-            )
+            raise ValueError(f"the adaptive entropy coefficient starts from / scales actor.entropy_coeff, which "
+                             f"must be > 0 (got {config.entropy_coeff})")
         self.kept_token_counts = uses_kept_token_counts(self.mix, self.loss_agg_mode)
         # the kernel's options, built (and checked) once: PPO-clip alone, and with the prefix tokens' term
         ppo = dict(cliprange=self.cliprange, clip_upper_bound=self.clip_upper_bound, clip_ratio_c=self.clip_ratio_c,
@@ -259,7 +225,7 @@ class MixPolicyLoss:
             if prefix_on_policy:  # the entry's option: prefix tokens get the on-policy PPO-clip loss
                 ctx.prefix_mask = torch.zeros_like(ctx.prefix_mask)
         ctx.rl_mask, sft_mask = response_mask, None
-        if mix.row_loss is not None:  # the rows' own choice (mix_src/algo/row_loss.py)
+        if mix.row_loss is not None:  # the rows' own choice
             ctx.rl_mask, sft_mask = self._row_masks(data, response_mask, ctx.prefix_mask)
         elif mix.use_sft_multitask_loss:  # the prefix tokens take the SFT term, the on-policy rows PPO-clip
             sft_mask = ctx.prefix_mask
@@ -281,19 +247,19 @@ class MixPolicyLoss:
             entropy=entropy, entropy_coef=lambda: self._entropy_coefficient(entropy, response_mask, info, dp_group,
                                                                             ctx.metrics),
             sft_mask=sft_mask,
-            sft_agg=lambda lp, mask: SFT_AGGS.get(mix.sft_loss_agg)(lp, mask, self._sft_scale(data, info)),
+            sft_agg=lambda lp, mask: SFT_AGGS.get(mix.sft_loss_agg)(lp, mask, self._sft_scale(data, info, agg)),
             sft_coef=mix.sft_loss_coef, kld=kld if config.use_kl_loss else None, kl_coef=config.kl_loss_coef, log=log,
         )  # fmt: skip
         return ctx
 
     def _policy_loss(self, ctx: "_LossContext") -> torch.Tensor:
-        """The policy loss: a loss combination (mix.loss.combine), PPO-clip on the on-policy rows (the SFT multitask
-        loss; its SFT term is the sft term), or the LUFFY kernel over rl_mask (+ verl's loss_mode on the on-policy
-        tokens). Logs the kernel's metrics under verl's and LUFFY's names."""
+        """The policy loss: a loss combination, PPO-clip on the on-policy rows (use_sft_multitask_loss), or the LUFFY
+        kernel over rl_mask (+ verl's loss_mode on the on-policy tokens); logs TOKEN_METRICS."""
         mix, batch, prefix_mask = self.mix, ctx.batch, ctx.prefix_mask
         policy_info = ctx.info
         if self.kept_token_counts:
-            policy_info = dict(ctx.info, batch_num_tokens=self._kept_tokens(ctx.data))
+            kept = _row_count(ctx.data, KEPT_TOKENS, "mix.loss.all_max_clip with token-mean", "add_kept_token_counts")
+            policy_info = dict(ctx.info, batch_num_tokens=kept)
         token_batch = partial(TokenBatch, batch["old_log_probs"], ctx.log_prob,
                               loss_remove_clip=self._remove_clip(ctx.data, ctx.response_mask),
                               rollout_is_weights=batch.get("rollout_is_weights", None), **policy_info)  # fmt: skip
@@ -319,20 +285,14 @@ class MixPolicyLoss:
             if self.on_policy_config is not None:
                 pg_loss = pg_loss + self._verl_on_policy_term(batch, ctx.log_prob, ctx.advantages, rl_mask, prefix_mask,
                                                               policy_info, out)  # fmt: skip
-        mean_metrics = {
-            "actor/pg_clipfrac": out["on_pg_clipfrac"], "actor/ppo_kl": out["ppo_kl"],
-            "actor/pg_clipfrac_lower": out["on_pg_clipfrac_lower"],
-            **{f"actor/{k}": out[k] for k in ("off_policy_prob", "on_policy_prob", "off_pg_loss", "on_pg_loss",
-                                               "off_ratio_mean", "off_ratio_max_clip_frac", "off_ratio_min_clip_frac")},
-        }  # fmt: skip
-        values = torch.stack([v.float() for v in mean_metrics.values()]).tolist()  # one host sync
-        ctx.metrics.update(Metric.from_dict(dict(zip(mean_metrics, values)), aggregation=AggregationType.MEAN))
+        values = torch.stack([out[k].float() for k in TOKEN_METRICS]).tolist()  # one host sync
+        names = [_metric_name(k) for k in TOKEN_METRICS]
+        ctx.metrics.update(Metric.from_dict(dict(zip(names, values)), aggregation=AggregationType.MEAN))
         return pg_loss
 
     def _verl_on_policy_term(self, batch, log_prob, advantages, rl_mask, prefix_mask, policy_info, out):
-        """verl's registered ``policy_loss.loss_mode`` on the on-policy tokens of ``rl_mask``, aggregated to add to
-        the kernel's prefix-token term (mix_src/worker/onpolicy_losses.py); its metrics replace the kernel's on-policy
-        ones in ``out`` (on_pg_loss is the on-term's share of pg_loss)."""
+        """verl's ``policy_loss.loss_mode`` on the on-policy tokens of ``rl_mask`` (mix_src/worker/onpolicy_losses.py);
+        its metrics replace the kernel's on-policy ones in ``out`` (on_pg_loss: the on-term's share of pg_loss)."""
         valid = rl_mask
         if self.mix.all_max_clip is not None:  # tokens with p > c leave the loss, as in the kernel
             valid = rl_mask & (log_prob.detach() <= math.log(self.mix.all_max_clip))
@@ -341,9 +301,8 @@ class MixPolicyLoss:
             self.on_policy_config, batch["old_log_probs"], log_prob, advantages, on_mask, valid, self.loss_agg_mode,
             policy_info, batch.get("rollout_is_weights", None),
         )  # fmt: skip
-        for key, name in (("on_pg_clipfrac", "actor/pg_clipfrac"), ("on_pg_clipfrac_lower", "actor/pg_clipfrac_lower"),
-                          ("ppo_kl", "actor/ppo_kl")):  # fmt: skip
-            out[key] = torch.as_tensor(float(verl_metrics.get(name, 0.0)))
+        for key in ("on_pg_clipfrac", "on_pg_clipfrac_lower", "ppo_kl"):
+            out[key] = torch.as_tensor(float(verl_metrics.get(_metric_name(key), 0.0)))
         out["on_pg_loss"] = loss.detach()
         return loss
 
@@ -363,28 +322,19 @@ class MixPolicyLoss:
             return self.mix.loss_remove_clip
         return data[REMOVE_CLIP].to(response_mask.device).reshape(-1, 1).bool()
 
-    @staticmethod
-    def _sft_tokens(data: TensorDict) -> float:
-        """The SFT tokens of this micro-batch's global mini-batch (see add_sft_token_counts)."""
-        return max(_row_values(data, (SFT_TOKENS,), "mix.loss.row_loss", "add_sft_token_counts")[SFT_TOKENS], 1.0)
-
-    def _sft_scale(self, data: TensorDict, info: dict) -> SftScale:
-        """The numbers of ``mix.loss.sft_loss_agg`` (mix_src/algo/row_loss.py SftScale): the official gradient-accumulation
-        divisor is the rank's rows / micro-batch rows with static micro-batches, 1 with dynamic ones."""
+    def _sft_scale(self, data: TensorDict, info: dict, policy_agg: Callable) -> SftScale:
+        """The numbers of ``mix.loss.sft_loss_agg`` (mix_src/algo/row_loss.py SftScale)."""
         grad_accum = 1.0
         micro_rows = tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=None)
         if not tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True) and micro_rows and info["global_batch_size"]:
             grad_accum = max(float(info["global_batch_size"]) / info["dp_size"] / float(micro_rows), 1.0)
-        sft_tokens = self._sft_tokens(data) if SFT_TOKENS in data.keys() else None
-
-        def policy_agg(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            return agg_loss(values, mask, self.loss_agg_mode, **info)
-
+        sft_tokens = None  # the SFT tokens of this micro-batch's global mini-batch (add_sft_token_counts)
+        if SFT_TOKENS in data.keys():
+            sft_tokens = _row_count(data, SFT_TOKENS, "mix.loss.row_loss", "add_sft_token_counts")
         return SftScale(sft_tokens, int(info["dp_size"]), grad_accum, policy_agg)
 
     def _combined_policy_loss(self, ctx: "_LossContext", token_batch: Callable[..., TokenBatch]):
-        """``mix.loss.combine``: PPO-clip on the on-policy rows, then the registered combination (its module
-        docstring: mix_src/algo/loss_combine.py) makes the policy loss from it and the expert tokens."""
+        """``mix.loss.combine``: PPO-clip on the on-policy rows, combined with the expert tokens by the entry."""
         mix, log_prob, prefix_mask = self.mix, ctx.log_prob, ctx.prefix_mask
         counts = _row_values(ctx.data, COMBINE_FIELDS, "mix.loss.combine", "add_combine_inputs")
         expert_rows = prefix_mask.any(dim=-1, keepdim=True)  # rows with a prefix are expert rows
@@ -408,12 +358,6 @@ class MixPolicyLoss:
                                             aggregation=AggregationType.MEAN))  # fmt: skip
         return loss, out
 
-    @staticmethod
-    def _kept_tokens(data: TensorDict) -> float:
-        """all_max_clip's kept-token count of this micro-batch's global mini-batch (see add_kept_token_counts);
-        0 kept tokens: the numerator is 0 too."""
-        return max(_row_values(data, (KEPT_TOKENS,), "mix.loss.all_max_clip with token-mean",
-                               "add_kept_token_counts")[KEPT_TOKENS], 1.0)
 
     # ---- entropy coefficient -------------------------------------------------------------------------
 
@@ -435,8 +379,7 @@ class MixPolicyLoss:
         coef = self._entropy_coef.coef  # constant during a mini-batch: the split does not matter
         metrics["actor/entropy_coeff"] = coef
 
-        # accumulate the mini-batch's token-mean entropy over micro-batches (and DP ranks); step log(c)
-        # once all of the mini-batch's batch_num_tokens tokens have been seen
+        # the mini-batch's token-mean entropy over micro-batches and DP ranks; step once all its tokens are seen
         local = torch.stack([(entropy.detach() * response_mask).sum(), response_mask.sum()]).double()
         if info["dp_size"] > 1 and dp_group is not None and torch.distributed.is_initialized():
             torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.SUM, group=dp_group)
