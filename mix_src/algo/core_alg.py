@@ -1,14 +1,10 @@
-"""LUFFY's algorithm core in pure torch: advantages, the mixed on/off-policy token loss, aggregation,
-prefix advantage weights and the adaptive entropy coefficient.
+"""LUFFY's algorithm core in pure torch/numpy (no verl, no GPU): advantages, the mixed on/off-policy token loss's old
+entry, aggregation, prefix advantage weights and the adaptive entropy coefficient.
 
-This module imports only torch/numpy, so it can be read and tested without verl or a GPU.
 Reference: the LUFFY paper (arXiv 2504.14945, section 3) and the original code (https://github.com/ElliottYan/LUFFY:
 luffy/verl/verl/mix_src/mix_core_alg.py, mix_actor.py); the original's bugs are not copied.
 
-Notation (shapes): B = rows (responses), L = response width (padded), G = number of groups (prompts).
-    log_prob, old_log_prob, advantages, response_mask, prefix_mask: (B, L)
-    l = log_prob, l_old = old_log_prob, d = l - l_old, p = exp(l), A = advantages
-    valid = response_mask != 0, off = prefix_mask & valid (demonstration tokens), on = valid & ~off
+Shapes: B rows (responses), L response width (padded), G groups (prompts); the loss's notation: loss_terms.py.
 
 Departures from the original (each one is a bug fix of the original or a documented choice):
     * grpo_split: a group with no on-policy row falls back to statistics over all its rows (the original
@@ -39,26 +35,11 @@ from mix_src.algo.token_maths import (  # re-exported: their import paths from h
 )  # fmt: skip
 from mix_src.algo.loss_terms import TokenBatch, TokenLossConfig, token_loss
 
-__all__ = [
-    "LOG_RATIO_CLAMP",
-    "P_DIV_P_ALIASES",
-    "LOSS_AGG_MODES",
-    "OFF_POLICY_RESHAPES",
-    "ON_POLICY_RESHAPES",
-    "ReshapeParams",
-    "AdaptiveEntropyCoef",
-    "agg_loss",
-    "kept_tokens_per_mini_batch",
-    "apply_prefix_advantage_weights",
-    "compute_grpo_outcome_advantage_split",
-    "compute_sft_pure_loss",
-    "compute_token_on_off_policy_loss",
-    "masked_mean",
-    "masked_sum",
-    "register_off_policy_reshape",
-    "register_on_policy_reshape",
-]
-
+__all__ = ["LOG_RATIO_CLAMP", "P_DIV_P_ALIASES", "LOSS_AGG_MODES", "OFF_POLICY_RESHAPES", "ON_POLICY_RESHAPES",
+           "ReshapeParams", "AdaptiveEntropyCoef", "agg_loss", "kept_tokens_per_mini_batch",
+           "apply_prefix_advantage_weights", "compute_grpo_outcome_advantage_split", "compute_sft_pure_loss",
+           "compute_token_on_off_policy_loss", "masked_mean", "masked_sum", "register_off_policy_reshape",
+           "register_on_policy_reshape"]  # fmt: skip
 
 
 def group_ids(index: Any) -> torch.Tensor:
@@ -67,16 +48,14 @@ def group_ids(index: Any) -> torch.Tensor:
 
 
 def _group_ids(index: Any, num_rows: int) -> tuple[torch.Tensor, int]:
-    """index: (B,) group id per row (numpy array of str/int, list, or tensor) -> ((B,) long ids in
-    [0, G), G). Vectorised, no Python loop over rows."""
+    """As :func:`group_ids`, also returning G (vectorised, no Python loop over rows)."""
     if isinstance(index, torch.Tensor):
         _, inverse = torch.unique(index.reshape(-1), return_inverse=True)
     else:
         ids = np.asarray(index).reshape(-1)
         inverse = None
         if ids.dtype == object:
-            # verl's uids are Python strings, which np.unique sorts slowly: group by their hash instead,
-            # then check that no two different ids share a hash (else fall back to np.unique).
+            # verl's uids are strings, slow for np.unique: group by hash, np.unique only if two ids share one
             hashes = np.fromiter(map(hash, ids), dtype=np.int64, count=ids.size)
             _, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
             if not np.all(ids[first][inverse.reshape(-1)] == ids):
@@ -90,38 +69,21 @@ def _group_ids(index: Any, num_rows: int) -> tuple[torch.Tensor, int]:
     return inverse, num_groups
 
 
-# --------------------------------------------------------------------------------------------------
-# advantages
-# --------------------------------------------------------------------------------------------------
-
-
 @torch.no_grad()
-def compute_grpo_outcome_advantage_split(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: Any,
-    on_policy_mask: torch.Tensor,
-    epsilon: float = 1e-6,
-    use_std: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_grpo_outcome_advantage_split(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any,
+                                         on_policy_mask: torch.Tensor, epsilon: float = 1e-6,
+                                         use_std: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO advantages whose group statistics come from the on-policy rows only (the original's
     `compute_grpo_outcome_advantage_split`, mix_core_alg.py).
 
-    Args:
-        token_level_rewards: (B, L) rewards; a row's score is their sum R_i.
-        response_mask: (B, L) 1 on valid response tokens, 0 elsewhere (any dtype; multiplied, as verl does).
-        index: (B,) group id per row (verl's `uid`: numpy array of str, or an int tensor).
-        on_policy_mask: (B,) bool, True for rows without a prefix (`~prefix_mask.any(-1)`).
-        epsilon: added to the std before dividing.
-        use_std: divide by the group std (False: A_i = R_i - mu, LUFFY's grpo_use_std=False).
+    token_level_rewards: (B, L), a row's score R_i is their sum; response_mask: (B, L) (any dtype, multiplied as
+    verl does); index: (B,) group ids (verl's `uid`); on_policy_mask: (B,) bool, rows without a prefix.
 
     Per group g with statistic rows S (its on-policy rows; all its rows when it has none, where the
     original raises KeyError): mu = mean(R_S), sigma = unbiased std(R_S); |S| = 1 -> mu = 0, sigma = 1;
     all R_S exactly equal -> A = 0 for S (sigma treated as 1, mu = that value). Every row of the group,
-    on- or off-policy, gets A_i = (R_i - mu) / (sigma + epsilon) (or R_i - mu).
-
-    Returns:
-        (advantages, returns): the same (B, L) tensor twice, A_i on valid tokens and 0 elsewhere.
+    on- or off-policy, gets A_i = (R_i - mu) / (sigma + epsilon) (R_i - mu without use_std, LUFFY's grpo_use_std).
+    Returns (advantages, returns): the same (B, L) tensor twice, A_i on valid tokens and 0 elsewhere.
     """
     _check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
     num_rows = token_level_rewards.shape[0]
@@ -163,11 +125,8 @@ def compute_grpo_outcome_advantage_split(
 
 
 def _rows_times_mask(row_values: torch.Tensor, mask: torch.Tensor, block_elems: int = 1 << 18) -> torch.Tensor:
-    """(B,) per-row values, (B, L) mask -> (B, L) values[:, None] * mask (in values' dtype).
-
-    The product is written block by block (about 256K elements each): verl's int64 mask is converted
-    while it is in cache instead of into a full-size temporary, which makes this ~15% faster on CPU for
-    8192 x 1024 (a loop over a few dozen blocks, not over rows)."""
+    """(B,) per-row values, (B, L) mask -> (B, L) values[:, None] * mask (in values' dtype), written in blocks of
+    ~256K elements so verl's int64 mask is converted while in cache, not into a full-size temporary."""
     out = torch.empty(mask.shape, dtype=row_values.dtype, device=row_values.device)
     block = max(1, block_elems // max(1, mask.shape[1]))
     column = row_values[:, None]
@@ -181,25 +140,16 @@ def apply_prefix_advantage_weights(
     advantages: torch.Tensor, prefix_mask: torch.Tensor, alpha: float, beta: float
 ) -> torch.Tensor:
     """LUFFY's alpha/beta prefix weighting (the original's mix_trainer.py, advantage stage): A * (alpha * g + beta * (1 - g)).
-
-    advantages, prefix_mask: (B, L). Returns a new (B, L) tensor: prefix tokens scaled by alpha, the
-    others by beta."""
+    advantages, prefix_mask: (B, L) -> a new (B, L) tensor: prefix tokens scaled by alpha, the others by beta."""
     _check_same_shape(advantages=advantages, prefix_mask=prefix_mask)
     return torch.where(_bool_mask(prefix_mask), advantages * alpha, advantages * beta)
 
 
-
 def kept_tokens_per_mini_batch(kept_mask: torch.Tensor, dp_size: int, mini_batch_rows: int) -> torch.Tensor:
-    """The token count of each row's global mini-batch, for a token-mean over a subset of the tokens.
-
-    kept_mask: (B, L) the tokens that stay in the loss (e.g. `all_max_clip`'s). Returns (B,) float64: for
-    each row, the number of kept tokens in the global mini-batch it is trained in, under verl's layout
-    (`engine_workers.train_mini_batch` with `shuffle=False`): the B rows are split into `dp_size`
-    contiguous chunks (one per DP rank), each chunk into contiguous mini-batches of
-    `mini_batch_rows // dp_size` rows, and mini-batch j of every rank makes global mini-batch j.
-    Passed to `agg_loss` as `batch_num_tokens`, it makes the token-mean over the kept tokens of the whole
-    mini-batch, whatever the micro-batch split (verl's own `batch_num_tokens` counts every token).
-    """
+    """kept_mask (B, L) -> (B,) float64: the kept tokens of each row's global mini-batch (as `agg_loss`'s
+    `batch_num_tokens`: a token mean over a subset, whatever the micro-batch split), under verl's layout
+    (`engine_workers.train_mini_batch`, `shuffle=False`): B rows split into `dp_size` contiguous chunks, each into
+    mini-batches of `mini_batch_rows // dp_size` rows; mini-batch j of every rank makes global mini-batch j."""
     rows = kept_mask.shape[0]
     if dp_size < 1 or mini_batch_rows < dp_size or mini_batch_rows % dp_size or rows % dp_size \
             or (rows // dp_size) % (mini_batch_rows // dp_size):
@@ -212,18 +162,11 @@ def kept_tokens_per_mini_batch(kept_mask: torch.Tensor, dp_size: int, mini_batch
     return totals.index_add_(0, mini_batch, counts)[mini_batch]
 
 
-def compute_token_on_off_policy_loss(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    prefix_mask: torch.Tensor,
-    **options: Any,
-) -> dict[str, torch.Tensor]:
-    """Deprecated: :func:`mix_src.algo.loss_terms.token_loss` (the same numbers). The old keyword arguments still work:
-    the tensors and global batch numbers of ``TokenBatch`` (loss_remove_clip, target_probs, rollout_is_weights,
-    behaviour_log_prob, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor) and the options of
-    ``TokenLossConfig`` (every other keyword)."""
+def compute_token_on_off_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                                     response_mask: torch.Tensor, prefix_mask: torch.Tensor,
+                                     **options: Any) -> dict[str, torch.Tensor]:
+    """Deprecated: :func:`mix_src.algo.loss_terms.token_loss` (the same numbers); each keyword goes to the
+    ``TokenBatch`` field of its name, every other one to ``TokenLossConfig``."""
     warnings.warn("mix_src.algo.core_alg.compute_token_on_off_policy_loss is deprecated; use mix_src.algo.loss_terms.token_loss "
                   "with a TokenBatch and a TokenLossConfig", DeprecationWarning, stacklevel=2)  # fmt: skip
     batch_keys = {f.name for f in dataclasses.fields(TokenBatch)}
@@ -233,38 +176,21 @@ def compute_token_on_off_policy_loss(
 
 
 def compute_sft_pure_loss(log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Token-mean negative log-likelihood: sum(-l * m) / sum(m); 0 when the mask is empty.
-
-    log_prob, mask: (B, L). Returns a scalar tensor (with grad through log_prob)."""
+    """Token-mean negative log-likelihood sum(-l * m) / sum(m), 0 when the mask is empty: (B, L), (B, L) -> ()."""
     _check_same_shape(log_prob=log_prob, mask=mask)
     return masked_mean(-log_prob, _bool_mask(mask))
 
 
-# --------------------------------------------------------------------------------------------------
-# entropy coefficient (the original's mix_actor.py, use_adaptive_temperature)
-# --------------------------------------------------------------------------------------------------
-
-
 class AdaptiveEntropyCoef:
-    """Learned entropy-bonus coefficient alpha (LUFFY's use_adaptive_temperature).
+    """Learned entropy-bonus coefficient alpha (LUFFY's use_adaptive_temperature, the original's mix_actor.py).
 
-    log(alpha) starts at log(init_coef) and is trained by AdamW on alpha_loss = (H - H*) * alpha, so one
-    step moves it by about -lr * sign(H - H*): alpha falls while the entropy H is above the target H*
-    and rises while it is below. max_coef (optional) caps alpha by projecting log(alpha) after each step.
-
-    Usage: `coef = ac.coef` (a float, constant during a mini-batch), then `ac.update(mean_entropy)` once
-    per optimiser step with the token-mean entropy of that step's tokens.
+    log(alpha) starts at log(init_coef) and is trained by AdamW on alpha_loss = (H - H*) * alpha: alpha falls while
+    the entropy H is above the target H* and rises below it; max_coef caps alpha by projecting log(alpha). Use
+    `ac.coef` during a mini-batch, then `ac.update(mean_entropy)` once per optimiser step.
     """
 
-    def __init__(
-        self,
-        init_coef: float,
-        target_entropy: float,
-        lr: float = 1e-2,
-        max_coef: float | None = None,
-        betas: tuple[float, float] = (0.9, 0.999),
-        weight_decay: float = 1e-2,
-    ):
+    def __init__(self, init_coef: float, target_entropy: float, lr: float = 1e-2, max_coef: float | None = None,
+                 betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 1e-2):
         if not init_coef > 0:
             raise ValueError(f"init_coef (the initial entropy coefficient) must be > 0, got {init_coef}")
         if max_coef is not None and not max_coef > 0:
@@ -278,18 +204,17 @@ class AdaptiveEntropyCoef:
         self.optimizer = torch.optim.AdamW([self.log_alpha], lr=lr, betas=betas, weight_decay=weight_decay)
 
     @property
-    def coef(self) -> float:
-        """Current alpha = exp(log_alpha)."""
+    def coef(self) -> float:  # alpha = exp(log_alpha)
         return float(self.log_alpha.detach().exp())
 
     def state(self) -> dict[str, float]:
-        """Everything a resumed run needs, as plain floats: log_alpha and AdamW's step and moments."""
+        """What a resumed run needs, as plain floats: log_alpha and AdamW's step and moments."""
         adam = self.optimizer.state.get(self.log_alpha, {})
         return {"log_alpha": float(self.log_alpha.detach()), "step": float(adam.get("step", 0.0)),
                 "exp_avg": float(adam.get("exp_avg", 0.0)), "exp_avg_sq": float(adam.get("exp_avg_sq", 0.0))}
 
     def load_state(self, state: dict[str, float]) -> None:
-        """Continue from a `state()` (log_alpha and the AdamW moments; the options stay this object's)."""
+        """Continue from a `state()` (the options stay this object's)."""
         with torch.no_grad():
             self.log_alpha.fill_(float(state["log_alpha"]))
         if float(state.get("step", 0.0)) > 0:
@@ -301,8 +226,7 @@ class AdaptiveEntropyCoef:
                 "param_groups": self.optimizer.state_dict()["param_groups"]})
 
     def update(self, entropy: float) -> dict[str, float]:
-        """One AdamW step on alpha_loss = (entropy - target) * alpha. Returns alpha_loss, the new
-        entropy_coeff and log_alpha."""
+        """One AdamW step on alpha_loss; returns alpha_loss, the new entropy_coeff and log_alpha."""
         alpha_loss = (float(entropy) - self.target_entropy) * self.log_alpha.exp()
         self.optimizer.zero_grad()
         alpha_loss.backward()

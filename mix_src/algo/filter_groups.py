@@ -1,15 +1,10 @@
 """DAPO-style filter groups, pure numpy: which groups to keep (a registry of rules), and the bookkeeping
 of accumulating kept groups over generation batches (with optional carry-over of the surplus).
 
-A group is all rows of one prompt (same `uid`). A rule (``mix.filter_groups.rule``) decides from the
-per-group statistics of the metric which groups to keep. The built-in ``nonzero_std`` (DAPO's) keeps a
-group when its values are not all equal (std > 0) or when it has a single row; equality is exact (a
-float tolerance would keep or drop groups depending on rounding). With `row_mask` (e.g. on-policy rows
-only, `mix.filter_groups.on_policy_only`), only the masked rows decide; a group with no masked row falls
-back to all its rows, as grpo_split does for its statistics.
-
-A rule is registered with ``@register_group_filter("name")``; signature ``fn(stats: GroupStats) ->
-(G,) bool`` (keep the group), see :class:`GroupStats`.
+A group is all rows of one prompt (same `uid`). A rule (``mix.filter_groups.rule``) decides from the per-group
+statistics of the metric; equality is exact (a float tolerance would keep or drop groups depending on rounding).
+With `row_mask` (``mix.filter_groups.on_policy_only``) only the masked rows decide; a group with none of them
+falls back to all its rows, as grpo_split does.
 
 The trainer's loop (verl's `algorithm.filter_groups` keys plus `mix.filter_groups.carry_over`):
 
@@ -44,9 +39,8 @@ class GroupStats:
     max: np.ndarray
 
 
-GroupFilter = Callable[[GroupStats], np.ndarray]
+GroupFilter = Callable[[GroupStats], np.ndarray]  # fn(stats) -> (G,) bool, True = keep the group
 GROUP_FILTERS: Registry[GroupFilter] = Registry("group filter", "mix.filter_groups.rule")
-"""Group-filter rules. Signature: ``fn(stats: GroupStats) -> (G,) bool``, True = keep the group."""
 register_group_filter = GROUP_FILTERS.register
 
 
@@ -69,32 +63,20 @@ def _group_ids(index: Any) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclass(frozen=True)
 class GroupFilterResult:
-    """keep_rows: (B,) bool; kept_groups: ids of the kept groups in order of first appearance;
-    num_groups / num_kept / num_filtered: group counts; filter_rate = num_filtered / num_groups (0 when
-    there is no group); mean_std: mean over all groups of the population std (ddof=0, as DAPO) of the
-    deciding rows' values."""
+    """What filter_groups decided."""
 
-    keep_rows: np.ndarray
-    kept_groups: np.ndarray
+    keep_rows: np.ndarray  # (B,) bool
+    kept_groups: np.ndarray  # ids of the kept groups, in order of first appearance
     num_groups: int
     num_kept: int
     num_filtered: int
-    filter_rate: float
-    mean_std: float
+    filter_rate: float  # num_filtered / num_groups (0 without groups)
+    mean_std: float  # mean over all groups of the deciding rows' population std (ddof=0, as DAPO)
 
 
 def filter_groups(index: Any, values: Any, row_mask: Any = None, rule: str = "nonzero_std") -> GroupFilterResult:
-    """Decide which groups to keep.
-
-    Args:
-        index: (B,) group id per row (verl's uid: str or int).
-        values: (B,) metric per row (e.g. `acc` or `seq_final_reward`; bool, int or float).
-        row_mask: optional (B,) bool: only these rows decide (a group with none of them uses all rows).
-        rule: a name registered in GROUP_FILTERS.
-
-    Returns:
-        GroupFilterResult (vectorised: sorting and reduceat, no Python loop over rows).
-    """
+    """Decide which groups to keep (vectorised): index (B,) group ids (verl's uid), values (B,) metric per row
+    (bool, int or float), row_mask optional (B,) bool (the deciding rows), rule a GROUP_FILTERS name."""
     ids = np.asarray(index).reshape(-1)
     vals = np.asarray(values).reshape(-1)
     if vals.size != ids.size:
@@ -129,44 +111,26 @@ def filter_groups(index: Any, values: Any, row_mask: Any = None, rule: str = "no
     if keep_group.shape != (num_groups,):
         raise ValueError(f"group filter {rule!r} returned shape {keep_group.shape}, expected ({num_groups},)")
     num_kept = int(keep_group.sum())
-    return GroupFilterResult(
-        keep_rows=keep_group[gid],
-        kept_groups=groups[keep_group],
-        num_groups=int(num_groups),
-        num_kept=num_kept,
-        num_filtered=int(num_groups - num_kept),
-        filter_rate=float((num_groups - num_kept) / num_groups) if num_groups else 0.0,
-        mean_std=float(std.mean()) if num_groups else 0.0,
-    )
+    return GroupFilterResult(keep_group[gid], groups[keep_group], int(num_groups), num_kept, int(num_groups - num_kept),
+                             float((num_groups - num_kept) / num_groups) if num_groups else 0.0,
+                             float(std.mean()) if num_groups else 0.0)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class TrainBatchPlan:
-    """ready: enough groups to train; train_rows / carry_rows: (row indices, ascending) of the pending
-    rows to train on now / to keep for the next step; num_groups: groups pending; num_dropped_groups:
-    surplus groups discarded (carry_over=False)."""
+    """What plan_train_batch decided."""
 
-    ready: bool
-    train_rows: np.ndarray
-    carry_rows: np.ndarray
-    num_groups: int
-    num_dropped_groups: int
+    ready: bool  # enough groups to train
+    train_rows: np.ndarray  # ascending indices of the pending rows to train on now
+    carry_rows: np.ndarray  # ... to keep for the next step
+    num_groups: int  # groups pending
+    num_dropped_groups: int  # surplus groups discarded (carry_over=False)
 
 
 def plan_train_batch(index: Any, target_groups: int, carry_over: bool) -> TrainBatchPlan:
-    """Given the pending kept rows (carried rows first, then each generation batch's kept rows, in
-    arrival order), decide what to train on now.
-
-    Args:
-        index: (P,) group id of each pending row.
-        target_groups: groups per training step (data.train_batch_size).
-        carry_over: keep the surplus groups for the next step (else they are dropped, as in DAPO).
-
-    Returns:
-        TrainBatchPlan: not ready (empty row sets) while fewer than target_groups groups are pending;
-        else the rows of the first target_groups groups (in order of first appearance) to train on, and
-        the rows of the remaining groups to carry (carry_over) or drop.
-    """
+    """What to train on now, from the pending kept rows' group ids index (P,) (carried rows first, then each
+    generation batch's kept rows): not ready while fewer than target_groups (data.train_batch_size) groups are
+    pending; else the rows of the first target_groups groups, and the rest carried (carry_over) or dropped (DAPO)."""
     if target_groups < 1:
         raise ValueError(f"target_groups must be >= 1, got {target_groups}")
     ids = np.asarray(index).reshape(-1)
@@ -179,10 +143,5 @@ def plan_train_batch(index: Any, target_groups: int, carry_over: bool) -> TrainB
     train = gid < target_groups
     rows = np.arange(ids.size)
     surplus = int(groups.size - target_groups)
-    return TrainBatchPlan(
-        ready=True,
-        train_rows=rows[train],
-        carry_rows=rows[~train] if carry_over else empty,
-        num_groups=int(groups.size),
-        num_dropped_groups=0 if carry_over else surplus,
-    )
+    return TrainBatchPlan(True, rows[train], rows[~train] if carry_over else empty, int(groups.size),
+                          0 if carry_over else surplus)

@@ -1,9 +1,8 @@
 """LUFFY's loss as a registry of terms, and the composer of its mixed token loss (pure torch).
 
-Each term of the actor loss is one entry of :data:`LOSS_TERMS`, registered by one decorator that states what the term
-reads (``inputs``: batch fields; ``reads``: config keys), the trainer bases it supports, what it writes and its own
-config checks (``check_loss(loss_config, "mix.loss")``, run once when the ``mix.loss`` section is built:
-``mix_config.LossConfig.__post_init__`` -> :func:`check_loss_terms`, i.e. by ``validate_mix_config`` before Ray):
+Each term of the actor loss is one entry of :data:`LOSS_TERMS` stating what it reads (``inputs``: batch fields;
+``reads``: config keys), its trainer bases, what it ``writes`` and its config checks (``check_loss(loss_config,
+"mix.loss")``, raising ValueError naming the key, run once before Ray when ``LossConfig`` is built):
 
     ppo_clip          token   on-policy tokens: J = min(A r, A clip(r)) (+ dual clip), r from the on-policy reshape
     shaped_off_policy token   prefix (demonstration) tokens: J = A f(p), f = p/(p+gamma) in LUFFY's recipe
@@ -13,10 +12,9 @@ config checks (``check_loss(loss_config, "mix.loss")``, run once when the ``mix.
     kl                scalar  kl_loss_coef * KL(log_prob, ref_log_prob) (verl's kl_penalty, mix_src/worker/loss.py)
 
 Token terms write a per-token objective J and its derivative dJ/dl into one (B, L) matrix; :func:`token_loss` (the
-successor of the original's ``compute_token_on_off_policy_loss``, luffy/verl/verl/mix_src/mix_core_alg.py:69-240,
-arXiv 2504.14945 section 3) aggregates -J once with ``agg_loss``, so the on- and off-policy tokens share one sum, as in
-the original. Scalar terms are added by the worker loss in registration order (mix_src/worker/loss.py). The departures from
-the original are listed in mix_src/algo/core_alg.py's docstring.
+original's ``compute_token_on_off_policy_loss``, luffy/verl/verl/mix_src/mix_core_alg.py:69-240, arXiv 2504.14945
+section 3) aggregates -J once with ``agg_loss``, so on- and off-policy tokens share one sum, as in the original.
+The worker loss adds the scalar terms in registration order. Departures from the original: core_alg.py's docstring.
 
 Notation (shapes): B rows, L response width; l = log_prob, l_old = old_log_prob, d = l - l_old, p = exp(l), A the
 advantages; valid = response_mask, off = prefix_mask & valid (demonstration tokens), on = valid & ~off.
@@ -49,10 +47,8 @@ LOSS_TERMS: Registry[Callable] = Registry("loss term", "mix.loss", selected=lamb
 
 
 def register_loss_term(name: str, *, stage: str, inputs: tuple[str, ...], writes: str, check_loss=None, **entry):
-    """Register one term: ``stage`` "token" (``fn(batch, cfg, sets, acc)`` adds its tokens' J, dJ/dl and metrics to
-    ``acc``) or "scalar" (a term of the worker loss, mix_src/worker/loss.py); ``inputs`` the batch fields it reads;
-    ``writes`` what it contributes; ``check_loss(loss_config, prefix)`` its config checks (raise ValueError naming the
-    key); ``entry``: bases, why_not, reads of :meth:`mix_src.extend.Registry.register`."""
+    """Register one term (module docstring): ``stage`` "token" (``fn(batch, cfg, sets, acc)`` adds its tokens' J,
+    dJ/dl and metrics to ``acc``) or "scalar" (``fn(t: TermInputs)`` -> a term of the worker loss, or None)."""
     return LOSS_TERMS.register(name, stage=stage, inputs=tuple(inputs), writes=writes, check_loss=check_loss, **entry)
 
 
@@ -69,10 +65,8 @@ class TokenLossConfig:
     """The options of :func:`token_loss` (mix.loss with verl's actor clip settings), checked when built.
 
     cliprange: eps of the clip interval [1 - eps, U], U = max(clip_upper_bound, 1 + eps) (LUFFY's widening knob).
-    off_policy_reshape: f on prefix tokens from p = exp(l): no_reshape p | logp w*l | p_logp w*l + p |
-        square_root sqrt(p) | pow p^k | p_div_p p/(p+gamma) (aliases p_div_p_0.1/0.3/0.5 set gamma).
-    on_policy_reshape: r on on-policy tokens from d (clamped to +-20, as verl): no_reshape e^d | logp d |
-        p_logp e^d + w*d | square_root e^(d/2) | pow e^(k d) | p_div_p [p/(p+gamma)] / [p_old/(p_old+gamma)].
+    off_policy_reshape / on_policy_reshape: f of prefix tokens / r of on-policy tokens, entries of token_maths'
+        OFF_POLICY_RESHAPES / ON_POLICY_RESHAPES (each formula beside its entry; aliases p_div_p_0.1/0.3/0.5 set gamma).
     *_gamma, *_weight, *_pow_exp: gamma, w and k of each side (on gamma None: the off-policy one).
     off_max_clip, off_min_clip: clamps of f (None = off); all_max_clip: c in (0, 1], tokens with p > c leave the loss.
     loss_agg_mode: one of LOSS_AGG_MODES (core_alg.agg_loss); clip_ratio_c: dual clip c > 1 (None = off, LUFFY).
@@ -123,36 +117,28 @@ def _resolve_reshape(arg: str, mode: str, gamma: float) -> tuple[str, float]:
         return "p_div_p", P_DIV_P_ALIASES[mode]
     registry = OFF_POLICY_RESHAPES if arg.startswith("off") else ON_POLICY_RESHAPES
     if mode not in registry:
-        raise ValueError(
-            f"{arg}={mode!r} is not allowed; allowed values: {', '.join([*registry.names(), *P_DIV_P_ALIASES])}"
-        )
+        raise ValueError(f"{arg}={mode!r} is not allowed; allowed values: "
+                         f"{', '.join([*registry.names(), *P_DIV_P_ALIASES])}")
     return mode, gamma
 
 
 @dataclass
 class TokenBatch:
-    """One micro-batch's inputs of :func:`token_loss`.
-
-    old_log_prob, log_prob, advantages, response_mask, prefix_mask: (B, L), finite (verl pads with 0); gradients flow
-        to log_prob only; prefix_mask marks the off-policy (demonstration) tokens.
-    loss_remove_clip: no PPO clip on on-policy tokens: a bool, or (B, 1) bool per row (e.g. ExGRPO's warm-up).
-    target_probs: (B, L) behaviour probabilities: f = p / (target_probs + 1e-6) (off_policy_reshape no_reshape only).
-    rollout_is_weights: (B, L) verl's rollout-correction weights, multiplied into the on-policy token losses only.
-    behaviour_log_prob: (B, L) log-probs l_b of the policy that produced the prefix tokens: the shaping then takes
-        w = exp(l - l_b) where it takes p (mix_src/algo/off_policy_behaviour.py); None = LUFFY (expert probability 1).
-    dp_size, batch_num_tokens, global_batch_size, loss_scale_factor: verl's global batch numbers, for agg_loss.
-    """
+    """One micro-batch's inputs of :func:`token_loss`: (B, L) tensors, finite (verl pads with 0), gradients flowing
+    to log_prob only; prefix_mask marks the off-policy (demonstration) tokens."""
 
     old_log_prob: torch.Tensor
     log_prob: torch.Tensor
     advantages: torch.Tensor
     response_mask: torch.Tensor
     prefix_mask: torch.Tensor
-    loss_remove_clip: bool | torch.Tensor = False
-    target_probs: Optional[torch.Tensor] = None
-    rollout_is_weights: Optional[torch.Tensor] = None
+    loss_remove_clip: bool | torch.Tensor = False  # no PPO clip on on-policy tokens; or (B, 1) bool per row (ExGRPO)
+    target_probs: Optional[torch.Tensor] = None  # f = p / (target_probs + 1e-6) (off_policy_reshape no_reshape only)
+    rollout_is_weights: Optional[torch.Tensor] = None  # verl's rollout correction, on on-policy token losses only
+    # log-probs l_b of the policy that produced the prefix tokens: the shaping takes w = exp(l - l_b) where it takes
+    # p (mix_src/algo/off_policy_behaviour.py); None = LUFFY (expert probability 1)
     behaviour_log_prob: Optional[torch.Tensor] = None
-    dp_size: int = 1
+    dp_size: int = 1  # dp_size .. loss_scale_factor: verl's global batch numbers, for agg_loss
     batch_num_tokens: int | torch.Tensor | None = None
     global_batch_size: int | torch.Tensor | None = None
     loss_scale_factor: Optional[float] = None
@@ -217,9 +203,8 @@ class TokenAccumulator:
 
 
 class _TokenObjective(torch.autograd.Function):
-    """Identity on a precomputed (B, L) per-token objective whose derivative w.r.t. log_prob was computed
-    in the forward pass. Backward is one multiply, and that derivative is the only tensor kept for it:
-    this is what keeps the mixed loss as cheap as plain PPO-clip (tests compare it with autograd)."""
+    """Identity on a precomputed (B, L) objective whose derivative w.r.t. log_prob is given: backward is one multiply
+    and keeps one tensor, which keeps the mixed loss as cheap as plain PPO-clip (tests compare it with autograd)."""
 
     @staticmethod
     def forward(ctx, log_prob: torch.Tensor, value: torch.Tensor, d_value_d_logp: torch.Tensor):
@@ -233,13 +218,9 @@ class _TokenObjective(torch.autograd.Function):
 
 
 def token_loss(batch: TokenBatch, cfg: TokenLossConfig) -> dict[str, torch.Tensor]:
-    """LUFFY's mixed token loss: every registered token term (PPO-clip on on-policy tokens, -A f(p) on prefix
-    tokens), then one ``agg_loss`` of -J over the valid tokens (minus all_max_clip's confident tokens).
-
-    Returns pg_loss (with grad) and the detached TOKEN_METRICS: off_pg_loss, on_pg_loss, on_pg_clipfrac(_lower) (dual
-    clip), ppo_kl = mean(l_old - l) over valid tokens, off_policy_prob, on_policy_prob (mean p_old), off_ratio_mean,
-    off_ratio_max/min_clip_frac. A metric over no tokens is 0; metrics use the masks before all_max_clip.
-    """
+    """LUFFY's mixed token loss: every registered token term, then one ``agg_loss`` of -J over the valid tokens
+    (minus all_max_clip's confident tokens). Returns pg_loss (with grad) and the detached TOKEN_METRICS (each term's
+    ``writes``; ppo_kl = mean(l_old - l) over valid tokens): 0 over no tokens, on the masks before all_max_clip."""
     batch.check(cfg)
     # J = -loss in PPO's min(A r, A clip(r)) form: per token its value and dJ/dl, without autograd (_TokenObjective)
     with torch.no_grad():
@@ -268,15 +249,20 @@ def _dot(values: torch.Tensor, mask_f: torch.Tensor) -> torch.Tensor:
     return torch.dot(values.reshape(-1), mask_f.to(values.dtype).reshape(-1))
 
 
-def _check_on_policy(loss: Any, p: str) -> None:
-    if loss.on_policy_reshape not in ON_POLICY_RESHAPES:
-        raise ValueError(f"{ON_POLICY_RESHAPES.unknown(loss.on_policy_reshape)}; the original's aliases: "
-                         f"{list(P_DIV_P_ALIASES)}")
-    if loss.all_max_clip is not None and not 0 < loss.all_max_clip <= 1:
-        raise ValueError(f"{p}.all_max_clip={loss.all_max_clip!r} is out of range [0.0, 1.0]")
-    for key in ("on_policy_reshape_gamma", "on_policy_reshape_pow_exp"):
+def _check_reshape(loss: Any, p: str, side: str, registry) -> None:
+    """mix.loss.<side>_policy_reshape is registered, and its gamma and pow_exp are > 0."""
+    mode = getattr(loss, f"{side}_policy_reshape")
+    if mode not in registry:
+        raise ValueError(f"{registry.unknown(mode)}; the original's aliases: {list(P_DIV_P_ALIASES)}")
+    for key in (f"{side}_policy_reshape_gamma", f"{side}_policy_reshape_pow_exp"):
         if not getattr(loss, key) > 0:
             raise ValueError(f"{p}.{key}={getattr(loss, key)!r} must be > 0")
+
+
+def _check_on_policy(loss: Any, p: str) -> None:
+    _check_reshape(loss, p, "on", ON_POLICY_RESHAPES)
+    if loss.all_max_clip is not None and not 0 < loss.all_max_clip <= 1:
+        raise ValueError(f"{p}.all_max_clip={loss.all_max_clip!r} is out of range [0.0, 1.0]")
     if loss.loss_agg_mode is not None and loss.loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"{p}.loss_agg_mode={loss.loss_agg_mode!r} is not one of {[None, *LOSS_AGG_MODES]}")
     if loss.clip_upper_bound < 0:
@@ -325,17 +311,12 @@ def ppo_clip_term(batch: TokenBatch, cfg: TokenLossConfig, sets: TokenSets, acc:
 
 
 def _check_off_policy(loss: Any, p: str) -> None:
-    if loss.off_policy_reshape not in OFF_POLICY_RESHAPES:
-        raise ValueError(f"{OFF_POLICY_RESHAPES.unknown(loss.off_policy_reshape)}; the original's aliases: "
-                         f"{list(P_DIV_P_ALIASES)}")
+    _check_reshape(loss, p, "off", OFF_POLICY_RESHAPES)
     if loss.off_policy_behaviour is not None and loss.off_policy_behaviour not in OFF_POLICY_BEHAVIOURS:
         raise ValueError(OFF_POLICY_BEHAVIOURS.unknown(loss.off_policy_behaviour))
     if loss.off_policy_behaviour is not None and loss.use_sft_multitask_loss:
         raise ValueError(f"{p}.off_policy_behaviour={loss.off_policy_behaviour!r} weighs the off-policy loss, which "
                          f"{p}.use_sft_multitask_loss replaces by SFT; pick one")
-    for key in ("off_policy_reshape_gamma", "off_policy_reshape_pow_exp"):
-        if not getattr(loss, key) > 0:
-            raise ValueError(f"{p}.{key}={getattr(loss, key)!r} must be > 0")
     if loss.off_max_clip is not None and loss.off_min_clip is not None and loss.off_min_clip > loss.off_max_clip:
         raise ValueError(f"{p}.off_min_clip={loss.off_min_clip} > {p}.off_max_clip={loss.off_max_clip}")
 
@@ -383,8 +364,7 @@ def shaped_off_policy_term(batch: TokenBatch, cfg: TokenLossConfig, sets: TokenS
 
 
 def _clip_rows(loss_remove_clip: bool | torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
-    """Which rows take the PPO clip: None for none (loss_remove_clip True), else a bool tensor broadcasting
-    against ``like`` (B, L): all True for False, ~loss_remove_clip for a (B, 1) per-row choice."""
+    """Which rows take the PPO clip: None for none, else a bool tensor broadcasting against ``like`` (B, L)."""
     if not torch.is_tensor(loss_remove_clip):
         return None if loss_remove_clip else torch.ones((), dtype=torch.bool, device=like.device)
     keep = ~loss_remove_clip.to(device=like.device, dtype=torch.bool).reshape(-1, 1)
@@ -398,11 +378,8 @@ def _clip_rows(loss_remove_clip: bool | torch.Tensor, like: torch.Tensor) -> tor
 class TermInputs:
     """What a scalar term gets, for one micro-batch (built by mix_src/worker/loss.py ``MixPolicyLoss``; shapes (B, L)).
 
-    log_prob: with grad; response_mask: bool; agg(values, mask): agg_loss with the actor's mode and verl's global
-    batch numbers; policy(): the policy loss (LUFFY kernel, a verl loss on the on-policy tokens, or a combination);
-    entropy: or None (not computed); entropy_coef(): this micro-batch's coefficient c; sft_mask: the SFT tokens or
-    None (no SFT term); sft_agg(log_prob, mask): mix.loss.sft_loss_agg; kld(): verl's kl_penalty against the
-    reference, None when actor.use_kl_loss is off; log(key, value, total): records a metric (total: summed over
+    agg(values, mask): agg_loss with the actor's mode and verl's global batch numbers; policy(): the policy loss;
+    entropy, sft_mask, kld: None when the term is off; log(key, value, total): records a metric (total: summed over
     micro-batches like the loss, else averaged)."""
 
     log_prob: torch.Tensor
@@ -423,8 +400,7 @@ class TermInputs:
                     writes="the policy loss: the token terms above, aggregated (mix_src/worker/loss.py _policy_loss)",
                     reads=("mix.loss.combine", "actor_rollout_ref.actor.policy_loss.loss_mode"))  # fmt: skip
 def policy_term(t: TermInputs) -> torch.Tensor:
-    """The policy loss (its metrics are logged by ``t.policy``)."""
-    return t.policy()
+    return t.policy()  # its metrics are logged by t.policy
 
 
 def _check_sft(loss: Any, p: str) -> None:

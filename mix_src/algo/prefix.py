@@ -1,29 +1,26 @@
 """Prefix-ratio schedules (a registry of strategies) and prefix assembly (pure numpy).
 
-Rows are ordered `i*n + j` (prompt i, sample j), as after verl's `repeat(interleave=True)`. A row's ratio
-rho says how much of the prompt's off-policy target becomes the start of its response:
-`prefix = (target + [EOS])[: floor(rho * len)]`. rho = 0: a plain on-policy sample; rho = 1: the whole
-demonstration.
+Rows are ordered `i*n + j` (prompt i, sample j), as after verl's `repeat(interleave=True)`. A row's ratio rho
+says how much of the prompt's target starts its response: `prefix = (target + [EOS])[: floor(rho * len)]`
+(rho = 0: a plain on-policy sample; rho = 1: the whole demonstration).
 
 Which rows get a ratio (n_prefix):
     -1  every sample of every prompt;
     0   none (all ratios 0, in both modes; the original's shared mode gave every sample a ratio);
     k   samples 0..k-1 of every prompt (the original's convention); samples k..n-1 get 0.
 
-Built-in strategies (registered below; a plugin adds more with @register_prefix_strategy) (S = prefix_steps, M = prefix_linear_max_ratio, s = global_step - 1, and window
-k = the first k in 0..9 with s in [k*S/10, (k+1)*S/10]; steps past S stay in the last window on purpose):
+Built-in strategies (a plugin adds more with @register_prefix_strategy; S = prefix_steps, M = prefix_linear_max_ratio,
+s = global_step - 1, window k = the first k in 0..9 with s in [k*S/10, (k+1)*S/10]; steps past S stay in window 9):
     random          U(min_prefix_ratio, max_prefix_ratio)
-    linear          M * (1 - min(s / S, 1))  (deterministic; in both modes, where the original allowed
-                    it only in shared mode)
+    linear          M * (1 - min(s / S, 1))  (deterministic; in both modes, the original only in shared mode)
     linear_max      U(0, (10 - k) * M / 10)  (upper bound falls from M to M/10)
     reverse_linear  U(0, (k + 1) * M / 10)   (upper bound rises from M/10 to M)
-    fixed           the list prefix_fix_ratios (default: N evenly spaced values from min to max, N = the
-                    number of prefixed samples per prompt; N = 1 gives [min_prefix_ratio], where the
-                    original divides by zero)
+    fixed           the list prefix_fix_ratios (default: N = prefixed samples per prompt evenly spaced values
+                    from min to max; N = 1 gives [min_prefix_ratio], where the original divides by zero)
 
-Modes: per-sample (share_across_samples=False) draws one ratio per prefixed row; `fixed` gives sample j
-the j-th value (a single value: every prefixed sample). Shared (True) draws one ratio per prompt for all its prefixed rows; `fixed` then gives
-prompt i the value (i mod N) of the list.
+Modes: per-sample (share_across_samples=False) draws one ratio per prefixed row; `fixed` gives sample j the j-th
+value (a single value: every prefixed sample). Shared (True) draws one ratio per prompt for all its prefixed rows;
+`fixed` then gives prompt i the value (i mod N) of the list.
 """
 
 from __future__ import annotations
@@ -43,11 +40,8 @@ NUM_WINDOWS = 10
 
 @dataclass(frozen=True)
 class PrefixDraw:
-    """What a prefix strategy sees for one generation batch (all arguments of compute_prefix_ratios).
-
-    shape: (num_prompts, 1) in shared mode, else (num_prompts, num_prefixed): the array to return.
-    num_prefixed: prefixed samples per prompt (n, or n_prefix). global_step counts from 1; rng is the
-    seeded generator of this batch (draw from it only, so seeded runs reproduce)."""
+    """What a prefix strategy sees for one generation batch (the arguments of compute_prefix_ratios): shape is the
+    array to return ((num_prompts, 1) shared, else (num_prompts, num_prefixed)); draw from rng only (seeded runs)."""
 
     shape: tuple
     num_prompts: int
@@ -64,20 +58,12 @@ class PrefixDraw:
 
 PrefixStrategy = Callable[[PrefixDraw], np.ndarray]
 PREFIX_STRATEGIES: Registry[PrefixStrategy] = Registry("prefix strategy", "mix.prefix_strategy")
-"""Prefix strategies. Signature: ``fn(draw: PrefixDraw) -> np.ndarray`` of ratios in [0, 1], of shape
-``draw.shape`` (or broadcastable to it). Register with ``@register_prefix_strategy("name")`` and pick it
-with ``mix.prefix_strategy=name``; compute_prefix_ratios puts the values on the prefixed rows."""
+"""``fn(draw: PrefixDraw) -> np.ndarray``: ratios in [0, 1] of shape ``draw.shape`` (or broadcastable to it)."""
 register_prefix_strategy = PREFIX_STRATEGIES.register
 
 
-def _check_ratio(name: str, value: float) -> None:
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name} must be in [0, 1], got {value}")
-
-
 def step_window(global_step: int, prefix_steps: int) -> int:
-    """Index k in 0..9 of the step window holding s = global_step - 1 (both window ends inclusive, the
-    first match wins); any s past prefix_steps stays in window 9."""
+    """Index k in 0..9 of the step window holding s = global_step - 1 (ends inclusive, first match wins)."""
     s = global_step - 1
     k = -(-NUM_WINDOWS * s // prefix_steps) - 1  # ceil(10 s / S) - 1, exact in integers
     return min(max(k, 0), NUM_WINDOWS - 1)
@@ -135,42 +121,13 @@ def _fixed(d: PrefixDraw) -> np.ndarray:
     return np.broadcast_to(fixed[None, :], d.shape)  # sample j gets value j
 
 
-def compute_prefix_ratios(
-    num_prompts: int,
-    n: int,
-    *,
-    strategy: str = "random",
-    n_prefix: int = -1,
-    min_prefix_ratio: float = 0.0,
-    max_prefix_ratio: float = 1.0,
-    prefix_steps: int = 300,
-    prefix_linear_max_ratio: float = 0.8,
-    prefix_fix_ratios: Sequence[float] | None = None,
-    share_across_samples: bool = False,
-    global_step: int,
-    rng: np.random.Generator,
-) -> np.ndarray:
-    """One prefix ratio per row, rows ordered i*n + j (see the module docstring for every rule).
-
-    Args:
-        num_prompts: number of prompts in the batch.
-        n: samples per prompt (rollout.n).
-        strategy: a name registered in PREFIX_STRATEGIES.
-        n_prefix: samples per prompt that get a prefix: -1 = all, 0 = none, 1..n = the first n_prefix.
-        min_prefix_ratio, max_prefix_ratio: range of `random` and of the default `fixed` list.
-        prefix_steps: S, the number of steps over which the linear schedules move.
-        prefix_linear_max_ratio: M, the top ratio of linear, linear_max and reverse_linear.
-        prefix_fix_ratios: the `fixed` list (per-sample mode: N values, or 1 value for every sample).
-        share_across_samples: one ratio per prompt instead of one per row.
-        global_step: the trainer's step counter, starting at 1 (verl's `global_steps`).
-        rng: the random generator (the trainer seeds it from (seed, global_step)).
-
-    Returns:
-        (num_prompts * n,) float64 array of ratios in [0, 1].
-
-    The config values (n_prefix, the ratios, prefix_steps, prefix_fix_ratios) are checked once, before Ray, by
-    mix_src/config/mix_config.py and the strategy's entry check; not again at each step.
-    """
+def compute_prefix_ratios(num_prompts: int, n: int, *, strategy: str = "random", n_prefix: int = -1,
+                          min_prefix_ratio: float = 0.0, max_prefix_ratio: float = 1.0, prefix_steps: int = 300,
+                          prefix_linear_max_ratio: float = 0.8, prefix_fix_ratios: Sequence[float] | None = None,
+                          share_across_samples: bool = False, global_step: int, rng: np.random.Generator) -> np.ndarray:
+    """(num_prompts * n,) float64 ratios in [0, 1], one per row, rows ordered i*n + j (the module docstring gives
+    every rule; n = rollout.n, global_step counts from 1, rng is seeded by the trainer from (seed, global_step)).
+    The config values are checked once before Ray (mix_src/config/mix_config.py and the strategy's entry check)."""
     if strategy not in PREFIX_STRATEGIES:
         raise ValueError(PREFIX_STRATEGIES.unknown(strategy))
     if n < 1:
@@ -201,11 +158,10 @@ def compute_prefix_ratios(
 
 
 def build_prefix(target_ids: Sequence[int], ratio: float, eos_id: int) -> list[int]:
-    """Prefix token ids of one row: EOS is appended to the target (unless it already ends with it, or
-    the target is empty), then the first floor(ratio * len) tokens are taken.
-
-    target_ids: (T,) token ids of the off-policy target; ratio in [0, 1]. Returns a list of ints."""
-    _check_ratio("ratio", ratio)
+    """Prefix token ids of one row: (target_ids (T,) + [EOS] unless it ends with EOS or is empty)[: floor(ratio * len)],
+    ratio in [0, 1]."""
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"ratio must be in [0, 1], got {ratio}")
     ids = [int(t) for t in target_ids]
     if ids and ids[-1] != eos_id:
         ids.append(int(eos_id))

@@ -7,30 +7,16 @@ entry of :data:`ROW_LOSSES`, which says which tokens take which loss; the worker
 
     loss = PG(rl_mask)  +  sft_loss_coef * NLL(sft_mask)
 
-    PG(rl_mask)    the mixed on/off-policy loss (loss_terms.token_loss) over the tokens of
-                   ``rl_mask`` (prefix tokens inside it keep LUFFY's off-policy loss), aggregated with
-                   ``mix.loss.loss_agg_mode`` like every other policy loss (its normaliser is the whole
-                   mini-batch's: with token-mean, all response tokens, the SFT rows' included; with
-                   luffy-token-sum-norm, as in HPT's recipe, the fixed width W);
-    NLL(sft_mask)  aggregated by the entry ``mix.loss.sft_loss_agg`` of :data:`SFT_AGGS`:
-                   ``global_token_mean`` (default): the token mean of -log p over the ``sft_mask`` tokens of the
-                   whole global mini-batch (:func:`sft_token_mean`; the count travels as ``mix_sft_tokens``,
-                   added by ``mix_src.worker.loss.add_kept_token_counts``), so the sum stays micro-batch invariant;
-                   ``micro_batch_token_mean``: HPT's official weighting, the token mean of each micro-batch
-                   summed over micro-batches and averaged over DP ranks (:func:`sft_micro_batch_mean`): the
-                   SFT term then weighs M times more, M = the (rank, micro-batch) pairs holding an SFT token;
-                   ``policy_loss_agg``: like the policy loss (``mix.loss.use_sft_multitask_loss``'s default, which
-                   takes these entries too, its SFT tokens being the prefix tokens; LUFFY's official RL+SFT
-                   baseline weighs them as ``micro_batch_token_mean``, recipes/rl_with_sft_loss).
+PG(rl_mask) is the mixed loss (loss_terms.token_loss; prefix tokens inside rl_mask keep LUFFY's off-policy term)
+aggregated with ``mix.loss.loss_agg_mode`` over the whole mini-batch (token-mean: all response tokens, the SFT
+rows' included; luffy-token-sum-norm, as HPT's recipe: the fixed width W). NLL(sft_mask) is aggregated by the
+entry ``mix.loss.sft_loss_agg`` of :data:`SFT_AGGS` (each entry's docstring: its weighting);
+``mix.loss.use_sft_multitask_loss`` takes these entries too, its SFT tokens being the prefix tokens (LUFFY's
+official RL+SFT baseline weighs them as ``micro_batch_token_mean``, recipes/rl_with_sft_loss).
 
-Signature (one for all)::
-
-    @register_row_loss("name", bases=..., why_not=..., check=..., reads=...)
-    def fn(response_mask, prefix_mask, sft_row) -> (rl_mask, sft_mask)
-        response_mask: (bsz, L) bool; prefix_mask: (bsz, L) bool (tokens copied from the target);
-        sft_row: (bsz,) bool. Returns two (bsz, L) bool masks within response_mask.
-
-Torch only (no verl): the maths is tested on its own (tests/test_hpt.py).
+Signature: ``@register_row_loss("name", ...) fn(response_mask, prefix_mask, sft_row) -> (rl_mask, sft_mask)``:
+(bsz, L) bool, (bsz, L) bool (tokens copied from the target), (bsz,) bool -> two (bsz, L) bool masks within
+response_mask. Torch only (no verl).
 """
 
 from __future__ import annotations
@@ -43,7 +29,7 @@ import torch
 from mix_src.extend import Registry
 
 __all__ = ["ROW_LOSSES", "SFT_AGGS", "SFT_ROW", "SFT_TOKENS", "SftScale", "register_row_loss", "sft_micro_batch_mean",
-           "sft_rows", "sft_token_mean"]
+           "sft_rows"]
 
 SFT_ROW = "sft_row"  # (bsz,) float 0/1: the row is trained with SFT (set by a rollout policy)
 SFT_TOKENS = "mix_sft_tokens"  # (bsz,) float: the SFT tokens of the row's global mini-batch
@@ -55,41 +41,22 @@ register_row_loss = ROW_LOSSES.register
 
 @register_row_loss("sft_rows", reads=("mix.loss.sft_loss_coef", "mix.loss.loss_agg_mode"))
 def sft_rows(response_mask: torch.Tensor, prefix_mask: torch.Tensor, sft_row: torch.Tensor):
-    """SFT on every response token of an SFT row, the policy loss on every token of the other rows.
-
-    response_mask, prefix_mask: (bsz, L) bool; sft_row: (bsz,) bool -> (rl_mask, sft_mask), each (bsz, L) bool."""
+    """SFT on every response token of an SFT row, the policy loss on every token of the other rows."""
     sft = sft_row.to(torch.bool).unsqueeze(-1)
     response_mask = response_mask.to(torch.bool)
     return response_mask & ~sft, response_mask & sft
 
 
-def sft_token_mean(log_prob: torch.Tensor, sft_mask: torch.Tensor, sft_tokens: float, dp_size: int = 1) -> torch.Tensor:
-    """This micro-batch's share of the global mini-batch's token mean of -log p over the SFT tokens.
-
-    log_prob, sft_mask: (bsz, L); sft_tokens: the SFT tokens of the global mini-batch (all DP ranks; >= 1).
-    Summed over micro-batches and averaged over DP ranks (as verl's engine does) it is
-    sum(-log p * m) / sft_tokens over the mini-batch. Returns a scalar (0 when no SFT token)."""
-    m = sft_mask.to(log_prob.dtype)
-    return (-log_prob * m).sum() / max(float(sft_tokens), 1.0) * dp_size
-
-
 @dataclass(frozen=True)
 class SftScale:
-    """The numbers an SFT aggregation may read, for one micro-batch on one DP rank.
+    """The numbers an SFT aggregation may read, for one micro-batch on one DP rank."""
 
-    sft_tokens: the SFT tokens of the global mini-batch (all DP ranks; ``mix_sft_tokens``; None where the batch
-    has no such count: only a row loss's rows are counted);
-    dp_size: the data-parallel size (FSDP averages the ranks' gradients);
-    grad_accum: the official code's gradient-accumulation divisor of this micro-batch's loss
-    (``ppo_mini_batch_size // ppo_micro_batch_size`` per GPU: the rank's rows / micro-batch rows with static
-    micro-batches, 1 with dynamic ones, as in the official runs where ppo_micro_batch_size = ppo_mini_batch_size);
-    policy_agg: (values, mask) -> scalar, the policy loss's own aggregation (loss_agg_mode with the global batch
-    numbers), or None."""
-
-    sft_tokens: Optional[float]
+    sft_tokens: Optional[float]  # the global mini-batch's SFT tokens (mix_sft_tokens; None without a row loss)
     dp_size: int
+    # the official gradient-accumulation divisor (ppo_mini_batch_size // ppo_micro_batch_size per GPU: the rank's
+    # rows / micro-batch rows with static micro-batches, 1 with dynamic ones, as in the official runs)
     grad_accum: float = 1.0
-    policy_agg: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+    policy_agg: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None  # the policy loss's aggregation
 
 
 SftAgg = Callable[[torch.Tensor, torch.Tensor, SftScale], torch.Tensor]
@@ -98,11 +65,13 @@ SFT_AGGS: Registry[SftAgg] = Registry("SFT aggregation", "mix.loss.sft_loss_agg"
 
 @SFT_AGGS.register("global_token_mean", reads=("mix.loss.row_loss",))
 def _global_token_mean(log_prob: torch.Tensor, sft_mask: torch.Tensor, scale: SftScale) -> torch.Tensor:
-    """The global mini-batch's token mean (:func:`sft_token_mean`): independent of the micro-batch split."""
+    """The default: this micro-batch's share of the global mini-batch's token mean of -log p over the SFT tokens
+    (summed over micro-batches and averaged over DP ranks, as verl's engine does): independent of the split."""
     if scale.sft_tokens is None:
         raise KeyError("mix.loss.sft_loss_agg=global_token_mean needs the SFT-token count 'mix_sft_tokens' of a row "
                        "loss (mix.loss.row_loss; mix_src.worker.loss.add_sft_token_counts)")
-    return sft_token_mean(log_prob, sft_mask, scale.sft_tokens, scale.dp_size)
+    m = sft_mask.to(log_prob.dtype)
+    return (-log_prob * m).sum() / max(float(scale.sft_tokens), 1.0) * scale.dp_size
 
 
 @SFT_AGGS.register("policy_loss_agg", reads=("mix.loss.loss_agg_mode", "actor_rollout_ref.actor.loss_scale_factor"))
@@ -119,9 +88,7 @@ def sft_micro_batch_mean(log_prob: torch.Tensor, sft_mask: torch.Tensor, scale: 
     """HPT's official SFT term: this micro-batch's token mean of -log p over its SFT tokens / grad_accum (0 when
     it holds none), no DP factor: FSDP's average over ranks then gives sum_{(rank, micro-batch)} mean / (dp * GA),
     as ``compute_sft_pure_loss`` per micro-batch, then ``loss = policy_loss / self.gradient_accumulation``
-    (Unify-Post-Training ae332f5, hpt/verl/verl/mix_src/mix_actor.py:136-165 and :477-478).
-
-    log_prob, sft_mask: (bsz, L) -> scalar."""
+    (Unify-Post-Training ae332f5, hpt/verl/verl/mix_src/mix_actor.py:136-165 and :477-478). (bsz, L) -> ()."""
     m = sft_mask.to(log_prob.dtype)
     count = m.sum()
     if not count > 0:

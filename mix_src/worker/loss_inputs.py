@@ -1,10 +1,8 @@
 """What the trainer adds to the batch before ``update_actor`` for the worker loss (mix_src/worker/loss.py), on the driver.
 
 The worker loss sees one micro-batch at a time; the numbers it needs from the whole global mini-batch are counted
-here, per row, under verl's mini-batch layout (``core_alg.kept_tokens_per_mini_batch``), and travel in the batch:
-``mix_kept_tokens`` (all_max_clip with token-mean), ``mix_sft_tokens`` (a row loss), COMBINE_FIELDS (a loss
-combination). Also the per-row clip choice's field name, and the learned entropy coefficient's state, which comes
-back from the workers in the update's metrics. Re-exported by mix_src.worker.loss (their import path).
+here per row (``core_alg.kept_tokens_per_mini_batch``) and travel in the batch. Also the field names and the
+learned entropy coefficient's state, which comes back in the update's metrics. Re-exported by mix_src.worker.loss.
 """
 
 from __future__ import annotations
@@ -22,21 +20,18 @@ __all__ = ["COMBINE_FIELDS", "ENTROPY_STATE", "KEPT_TOKENS", "REMOVE_CLIP", "add
            "add_sft_token_counts", "pop_entropy_state", "uses_kept_token_counts"]  # fmt: skip
 
 KEPT_TOKENS = "mix_kept_tokens"  # (bsz,) float: all_max_clip's kept tokens in the row's global mini-batch
-# mix.loss.combine's per-row inputs, (bsz,) float each (add_combine_inputs): the on-policy / expert tokens and
-# rows of the row's global mini-batch, and the trainer's global step
+# mix.loss.combine's per-row inputs (add_combine_inputs): the row's global mini-batch counts, the global step
 ON_TOKENS, ON_ROWS = "mix_on_tokens", "mix_on_rows"
 EXPERT_TOKENS, EXPERT_ROWS = "mix_expert_tokens", "mix_expert_rows"
 GLOBAL_STEP = "mix_global_step"
 COMBINE_FIELDS = (ON_TOKENS, ON_ROWS, EXPERT_TOKENS, EXPERT_ROWS, GLOBAL_STEP)
-# (bsz,) float 0/1 set by a rollout policy: the row's on-policy tokens take no PPO clip (1) or the clip (0), in place
-# of mix.loss.loss_remove_clip (e.g. recipes/exgrpo: clipped during its warm-up, as the official trainer)
+# (bsz,) float 0/1 set by a rollout policy in place of mix.loss.loss_remove_clip (recipes/exgrpo's warm-up)
 REMOVE_CLIP = "mix_loss_remove_clip"
 ENTROPY_STATE = "mix_entropy_state/"  # metric keys carrying the learned entropy coefficient's state
 
 
 def pop_entropy_state(metrics: dict) -> dict[str, float] | None:
-    """Remove the `mix_entropy_state/*` entries (with or without the trainer's "actor/" prefix) from the
-    update's metrics and return the latest state, or None when there is none."""
+    """Pop the `mix_entropy_state/*` entries (any "actor/" prefix) from the metrics: the latest state, or None."""
     state = {}
     for key in [k for k in metrics if ENTROPY_STATE in k]:
         values = metrics.pop(key)
@@ -55,9 +50,8 @@ def uses_kept_token_counts(mix: MixLossConfig, loss_agg_mode: str) -> bool:
 
 def add_kept_token_counts(batch, config, mix: MixLossConfig, dp_size: Callable[[], int]) -> None:
     """Driver side, before update_actor: put `mix_kept_tokens` (bsz,) into the DataProto ``batch`` when
-    all_max_clip is on with token-mean, and `mix_sft_tokens` when mix.loss.row_loss is set
-    (add_sft_token_counts); a no-op otherwise. ``config`` is the whole trainer config, ``dp_size()`` the
-    actor's data-parallel size (only asked when needed)."""
+    all_max_clip is on with token-mean, and `mix_sft_tokens` when mix.loss.row_loss is set (add_sft_token_counts).
+    ``config``: the whole trainer config; ``dp_size()``: the actor's data-parallel size (asked only when needed)."""
     if mix.row_loss is not None:
         add_sft_token_counts(batch, config, mix, dp_size)
     if mix.all_max_clip is None:
@@ -66,22 +60,25 @@ def add_kept_token_counts(batch, config, mix: MixLossConfig, dp_size: Callable[[
     if not uses_kept_token_counts(mix, mix.loss_agg_mode or actor.get("loss_agg_mode", "token-mean")):
         return
     kept = batch.batch["response_mask"].bool() & (batch.batch["old_log_probs"] <= math.log(mix.all_max_clip))
-    mini_batch_rows = int(actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n)
-    batch.batch[KEPT_TOKENS] = kept_tokens_per_mini_batch(kept, dp_size(), mini_batch_rows).to(torch.float32)
+    batch.batch[KEPT_TOKENS] = _per_mini_batch(kept, config, dp_size())
+
+
+def _per_mini_batch(mask: torch.Tensor, config, dp: int) -> torch.Tensor:
+    """(bsz, L) mask -> (bsz,) float32: its count in each row's global mini-batch (kept_tokens_per_mini_batch)."""
+    rows = int(config.actor_rollout_ref.actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n)
+    return kept_tokens_per_mini_batch(mask, dp, rows).to(torch.float32)
 
 
 def add_sft_token_counts(batch, config, mix: MixLossConfig, dp_size: Callable[[], int]) -> None:
-    """Driver side, before update_actor, with ``mix.loss.row_loss`` set: put `mix_sft_tokens` (bsz,) into the
-    DataProto ``batch``: the SFT tokens (the row loss's sft_mask) of each row's global mini-batch, under the
-    same layout as `mix_kept_tokens`. The batch must carry the rollout policy's `sft_row` (bsz,)."""
+    """As add_kept_token_counts, for ``mix.loss.row_loss``: `mix_sft_tokens` (bsz,), the row loss's SFT tokens of each
+    row's global mini-batch, from the rollout policy's `sft_row` (bsz,)."""
     if SFT_ROW not in batch.batch.keys():
         raise KeyError(f"mix.loss.row_loss={mix.row_loss!r} needs the per-row field '{SFT_ROW}' in the batch; it is "
                        "set by a rollout policy that marks SFT rows (e.g. recipes/hpt: mix.rollout_policy=hpt)")
     response_mask = batch.batch["response_mask"].bool()
     _, sft_mask = ROW_LOSSES.get(mix.row_loss)(response_mask, batch.batch["prefix_mask"].bool() & response_mask,
                                                batch.batch[SFT_ROW].bool())  # fmt: skip
-    mini_batch_rows = int(config.actor_rollout_ref.actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n)
-    batch.batch[SFT_TOKENS] = kept_tokens_per_mini_batch(sft_mask, dp_size(), mini_batch_rows).to(torch.float32)
+    batch.batch[SFT_TOKENS] = _per_mini_batch(sft_mask, config, dp_size())
 
 
 def add_combine_inputs(batch, config, mix: MixLossConfig, dp_size: Callable[[], int], global_step: int) -> None:
@@ -94,8 +91,7 @@ def add_combine_inputs(batch, config, mix: MixLossConfig, dp_size: Callable[[], 
     expert = batch.batch["prefix_mask"].bool() & response_mask
     on = response_mask & ~expert.any(dim=-1, keepdim=True)
     dp = dp_size()
-    mini_batch_rows = int(config.actor_rollout_ref.actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n)
     for key, mask in ((ON_TOKENS, on), (ON_ROWS, on.any(-1, keepdim=True)), (EXPERT_TOKENS, expert),
                       (EXPERT_ROWS, expert.any(-1, keepdim=True))):  # fmt: skip
-        batch.batch[key] = kept_tokens_per_mini_batch(mask, dp, mini_batch_rows).to(torch.float32)
+        batch.batch[key] = _per_mini_batch(mask, config, dp)
     batch.batch[GLOBAL_STEP] = torch.full((len(response_mask),), float(global_step))
