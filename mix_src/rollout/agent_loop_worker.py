@@ -1,9 +1,8 @@
 """verl's agent-loop worker without per-row costs, for the MIX trainer's rollouts.
 
-:class:`MixAgentLoopManager` is verl's ``AgentLoopManager`` whose worker processes run :class:`MixAgentLoopWorker`;
-:class:`~mix_src.trainer.legacy.MIXRayPPOTrainer` selects it through verl's option
-``actor_rollout_ref.rollout.agent.agent_loop_manager_class`` when that is unset. verl's worker code runs unchanged
-except for:
+:class:`MixAgentLoopManager` (worker processes: :class:`MixAgentLoopWorker`) is selected by
+:class:`~mix_src.trainer.legacy.MIXRayPPOTrainer` through ``actor_rollout_ref.rollout.agent.agent_loop_manager_class``
+when that is unset. verl's worker code runs unchanged except for:
 
 * **one agent-loop instance per worker** for loop classes that declare ``reusable = True`` (``prefix_guided``),
   where verl instantiates one per row (``agent_loop.py`` ``_run_agent_loop``; cost: scripts/bench/README.md).
