@@ -15,7 +15,7 @@ import sys
 from mix_src.planner.check import format_plan, load_model_config, refusal, run_shape
 from mix_src.planner.estimate import GPUS, count_params, plan_memory, plan_time
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")  # mix_src/config
 
 
 def compose(config_path: str, config_name: str, overrides: list[str]):
@@ -31,7 +31,7 @@ def compose(config_path: str, config_name: str, overrides: list[str]):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mix_src.planner", description=__doc__.splitlines()[0])
-    ap.add_argument("--config-path", default=os.path.join(REPO, "mix_src", "config"))
+    ap.add_argument("--config-path", default=CONFIG_DIR)
     ap.add_argument("--config-name", default="mix_ppo")
     ap.add_argument("--model", help="model dir, config.json or preset id (default: actor_rollout_ref.model.path)")
     ap.add_argument("--gpu", default="a100-80gb", choices=sorted(GPUS))
