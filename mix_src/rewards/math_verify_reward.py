@@ -70,11 +70,9 @@ class RewardConfig:
                 raise TypeError(f"reward_kwargs.{name} must be true or false, got {getattr(self, name)!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"reward_kwargs.timeout_s must be > 0 seconds, got {self.timeout_s!r}")
-        if not isinstance(self.num_workers, int) or self.num_workers < 0:
-            raise ValueError(f"reward_kwargs.num_workers must be an integer >= 0 (0 = auto), got {self.num_workers!r}")
-        if not isinstance(self.memory_limit_mb, int) or self.memory_limit_mb < 0:
-            raise ValueError(f"reward_kwargs.memory_limit_mb must be an integer >= 0 (0 = no limit), "
-                             f"got {self.memory_limit_mb!r}")
+        for name, zero in (("num_workers", "0 = auto"), ("memory_limit_mb", "0 = no limit")):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"reward_kwargs.{name} must be an integer >= 0 ({zero}), got {getattr(self, name)!r}")
         if self.answer_type is not None and self.answer_type not in ANSWER_TYPES:
             raise ValueError(f"reward_kwargs.answer_type must be one of {ANSWER_TYPES} or null, got {self.answer_type!r}")
 
