@@ -276,10 +276,11 @@ def test_pool_processes_die_with_their_caller():
             "from mix_src.rewards.pool import GradingPool\n"
             "p = GradingPool(1)\n"
             "threading.Thread(target=p.run, args=(time.sleep, (300,), 300), daemon=True).start()\n"
-            "time.sleep(0.5)\n"
+            "t = time.time() + 30\n"  # the zygote and its worker start (slower on a loaded machine)
+            "while not (p._zygote and p._live) and time.time() < t: time.sleep(0.05)\n"
             "print(p._zygote.pid, *p._live, flush=True)\n"
             "os.kill(os.getpid(), 9)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     pids = [int(x) for x in out.stdout.split()]
     assert len(pids) == 2, out.stderr
     deadline = time.time() + 5
