@@ -42,7 +42,8 @@ def _train_batch(fixture: str, request, tiny_assets, tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def legacy_batch(request, tiny_assets, tmp_path_factory) -> dict:
     """The legacy-base runs registered with ``e2e.batch_run("legacy", ...)`` that the selected tests read, trained
-    once in one process and one Ray cluster (tests/e2e.py ``run_batch``). Returns {run name: RunResult}."""
+    once in one process and one Ray cluster per Ray-level environment (tests/e2e.py ``run_batch``, tests/mix_modes_run.py
+    ``Cluster``: runs with plugins get a cluster of their own). Returns {run name: RunResult}."""
     return _train_batch("legacy_batch", request, tiny_assets, tmp_path_factory)
 
 

@@ -374,14 +374,16 @@ def run_verl(
 # Start-up dominates a tiny run (``MIX_E2E_TIMES``: on the shared 2-core machine the driver reaches ray.init after
 # 15-40 s of imports and checks, and Ray is up 8-16 s later). Runs that need no process of their own (no failure
 # path, no environment or log of their own: the tests assert on the metrics) join a batch: a session fixture trains
-# the batch's runs one after another in ONE process and ONE Ray cluster (tests/mix_modes_run.py) and each test
+# the batch's runs one after another in ONE process and one Ray cluster per Ray-level environment
+# (tests/mix_modes_run.py) and each test
 # asserts on its run's result. Runs are registered at import (``batch_run``) with the tests that read them; the
 # fixture trains only the runs of the selected tests, in registration order.
-# The first run's ray.init fixes the cluster and its job's environment for every later run of the batch: what the
-# entry point passes to Ray processes per run (mix.plugins as MIX_PLUGINS, the rollout's name as MIX_CPU_ROLLOUT:
-# mix_src/config/preflight.py export_plugins; ray_kwargs) would not reach a later run's workers, so a batch run
-# sets none of them.
-NOT_IN_A_BATCH = ("mix.plugins", "+mix.plugins", "actor_rollout_ref.rollout.name", "ray_kwargs", "+ray_kwargs")
+# What reaches a run's Ray processes only through ray.init (mix.plugins as MIX_PLUGINS, the rollout's name as
+# MIX_CPU_ROLLOUT: mix_src/config/preflight.py export_plugins; ray_kwargs) makes tests/mix_modes_run.py restart Ray
+# before that run when it differs from the cluster's (its ``Cluster``); the batch trains the runs that set none of
+# RAY_LEVEL first, then the others grouped by those settings, so each group shares one cluster.
+RAY_LEVEL = ("mix.plugins", "+mix.plugins", "++mix.plugins", "actor_rollout_ref.rollout.name", "ray_kwargs",
+             "+ray_kwargs", "++ray_kwargs")
 BATCH_BASES = {"legacy": False, "v1": True}  # the batches of tests/conftest.py: batch -> trainer.use_v1 of its runs
 OverridesFn = Callable[[dict, Path], list]  # (tiny assets, the batch's directory) -> Hydra overrides
 BATCHES: dict[str, dict[str, tuple[OverridesFn, tuple[str, ...]]]] = {}
@@ -401,7 +403,9 @@ def batch_run(batch: str, name: str, overrides: OverridesFn, tests: Sequence[str
 
 def batch_overrides(batch: str, selected: set, assets: dict, batch_dir: Path) -> dict[str, list]:
     """{name: overrides} of the runs of ``batch`` that a test of ``selected`` ("file::function") reads, in
-    registration order; refuses a run that sets one of ``NOT_IN_A_BATCH`` or of the other base (``BATCH_BASES``)."""
+    registration order, the runs that set none of ``RAY_LEVEL`` first, the others grouped by what they set (each
+    group one Ray cluster: tests/mix_modes_run.py restarts Ray between groups); refuses a run of the other base
+    (``BATCH_BASES``)."""
     runs = {name: make(assets, batch_dir) for name, (make, tests) in BATCHES[batch].items() if selected & set(tests)}
     for name, overrides in runs.items():
         use_v1 = [o.split("=", 1)[1] for o in overrides if o.startswith("trainer.use_v1=")][-1:] == ["true"]
@@ -409,11 +413,12 @@ def batch_overrides(batch: str, selected: set, assets: dict, batch_dir: Path) ->
             raise ValueError(f"batch {batch!r}, run {name!r}: trainer.use_v1={str(use_v1).lower()}, but this batch "
                              f"trains runs with trainer.use_v1={str(BATCH_BASES[batch]).lower()}; register the run "
                              "in the batch of its base")  # fmt: skip
-        own = [o for o in overrides if o.split("=", 1)[0].startswith(NOT_IN_A_BATCH)]
-        if own:
-            raise ValueError(f"batch {batch!r}, run {name!r}: {own} must reach the run's own Ray processes; give the "
-                             "test its own run (run_verl) instead of a batch run")  # fmt: skip
-    return runs
+    return dict(sorted(runs.items(), key=lambda run: ray_level(run[1])))  # stable: registration order within a group
+
+
+def ray_level(overrides: Sequence[str]) -> tuple:
+    """The overrides of a run that set one of ``RAY_LEVEL`` (a run's Ray cluster is restarted when they change)."""
+    return tuple(o for o in overrides if o.split("=", 1)[0].startswith(RAY_LEVEL))
 
 
 def run_batch(batch: str, selected: set, assets: dict, tmp_path: Path, timeout_per_run: float = 420) -> dict:

@@ -25,7 +25,7 @@ from verl.workers.config import ActorConfig
 from verl.workers.engine.utils import prepare_micro_batches
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
-from e2e import MIX_CPU, run_verl, tiny_overrides
+from e2e import MIX_CPU, batch_result, batch_run, tiny_overrides
 from mix_src.algo.core_alg import kept_tokens_per_mini_batch
 from mix_src.worker.loss import MixPolicyLoss, add_kept_token_counts
 from mix_src.config.mix_config import MixConfigError, mix_config_from_dict
@@ -339,19 +339,30 @@ def test_config_checks_refuse_before_ray():
 BASES = {"legacy": [], "v1": ["trainer.use_v1=true", "trainer.v1.trainer_mode=sync"]}
 
 
-@pytest.mark.ray
-@pytest.mark.parametrize("base", list(BASES))
-def test_hpt_plugin_trains_two_steps(tiny_assets, tmp_path, base):
+def hpt_run(base: str):
+    """The batch run of ``base``: compare.yaml's plugin and overrides on the tiny assets, 2 steps."""
+
+    def overrides(assets: dict, _) -> list[str]:
+        compare = yaml.safe_load((ROOT / "recipes" / "hpt" / "compare.yaml").read_text())
+        return MIX_CPU + tiny_overrides(assets, steps=2, n=N, batch_size=4, response_length=24) + [
+            f"mix.plugins=[{','.join(str(ROOT / p) for p in compare['plugins'])}]", *compare["overrides"], *BASES[base],
+        ]  # fmt: skip
+
+    return overrides
+
+
+# one run on each base, in that base's batch (tests/conftest.py legacy_batch / v1_batch: the plugin's runs get a Ray
+# cluster of their own there, tests/mix_modes_run.py)
+HPT_RUNS = {base: batch_run(base, f"hpt_{base}", hpt_run(base), [f"test_hpt.py::test_hpt_plugin_trains_two_steps_{base}"])
+            for base in BASES}  # fmt: skip
+
+
+def check_hpt_run(base: str, result) -> None:
     """The compare.yaml settings on tiny assets, on each trainer base: the random tiny model solves nothing, so
     with switch_gate=0 every prompt is an SFT prompt at step 1; the SFT loss is finite and positive and the weights
     move. On V1 (mix_src/trainer/rollout_policy_v1.py) the policy's two passes run through verl's agent loop, its
     ``sft_row`` tensor becomes a TransferQueue field of the rows and the driver's ``mix_sft_tokens`` another
     (MixV1Mixin._add_update_inputs): the SFT loss exists only when both reached the worker."""
-    compare = yaml.safe_load((ROOT / "recipes" / "hpt" / "compare.yaml").read_text())
-    overrides = MIX_CPU + tiny_overrides(tiny_assets, steps=2, n=N, batch_size=4, response_length=24) + [
-        f"mix.plugins=[{','.join(str(ROOT / p) for p in compare['plugins'])}]", *compare["overrides"], *BASES[base],
-    ]  # fmt: skip
-    result = run_verl("mix_src.main_mix_ppo", overrides, tmp_path, timeout=420)
     assert [m["step"] for m in result.metrics] == [1, 2]
     for m in result.metrics:
         if base == "v1":
@@ -361,6 +372,16 @@ def test_hpt_plugin_trains_two_steps(tiny_assets, tmp_path, base):
         # no RL row: the policy term is exactly the SFT term (coefficient 1), the on-policy loss is 0
         assert m["actor/pg_loss"] == pytest.approx(m["actor/sft_loss"], rel=1e-5)
         assert m["actor/on_pg_loss"] == 0.0
+
+
+@pytest.mark.ray
+def test_hpt_plugin_trains_two_steps_legacy(legacy_batch):
+    check_hpt_run("legacy", batch_result(legacy_batch, HPT_RUNS["legacy"]))
+
+
+@pytest.mark.ray
+def test_hpt_plugin_trains_two_steps_v1(v1_batch):
+    check_hpt_run("v1", batch_result(v1_batch, HPT_RUNS["v1"]))
 
 
 def test_compare_entry_composes_on_the_toy_task():

@@ -1,5 +1,6 @@
 """Steps without off-policy rows, and mini-/micro-batches with no off-policy row or only off-policy rows, train
-(issue #41 item 6) on both trainer bases, in ONE process and ONE Ray cluster (tests/mix_modes_run.py):
+(issue #41 item 6) on both trainer bases, as runs of the legacy and V1 batches (tests/conftest.py ``legacy_batch``,
+``v1_batch``: one process and one Ray cluster for several test files' runs, tests/mix_modes_run.py):
 
 * ``legacy``: ``mix.data.sample_target_ratio=0`` (documented "on-policy only"; it raised IndexError in
   mix_src/trainer/dataset.py before), one-row micro-batches, 1 step: every row on-policy (every step is alike);
@@ -15,16 +16,14 @@ the steps here. Real verl trainer, workers, Ray and agent loop on the tiny asset
 
 from __future__ import annotations
 
-import json
 import math
 import re
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from e2e import MIX_CPU, cpu_env, read_metrics, run_command, tail, tiny_overrides
+from e2e import MIX_CPU, batch_result, batch_run, tiny_overrides
 
 pytestmark = pytest.mark.ray
 
@@ -48,42 +47,39 @@ def _finite(m: dict) -> None:
         assert key in m and math.isfinite(m[key]), (key, m.get(key))
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_assets, tmp_path_factory) -> dict:
-    """Both runs in one process; returns {name: per-step metrics, "log": the process's log}."""
-    tmp = tmp_path_factory.mktemp("no_target")
-    base = MIX_CPU + tiny_overrides(tiny_assets, steps=2, n=2, batch_size=4, response_length=24) + LUFFY + ONE_ROW_MICRO
-    spec = {
-        "legacy": [*base, "mix.data.sample_target_ratio=0.0", "trainer.total_training_steps=1"],  # every step alike
-        "v1": [*base, *V1, f"data.train_files={_blocked_file(tiny_assets, tmp / 'blocked.parquet')}", "data.shuffle=false",
-               "actor_rollout_ref.actor.ppo_mini_batch_size=1"],
-    }  # fmt: skip
-    (tmp / "runs.json").write_text(json.dumps(spec))
-    env = cpu_env({"VERL_FILE_LOGGER_ROOT": str(tmp)})
-    env.pop("VERL_FILE_LOGGER_PATH", None)
-    log = tmp / "runs.log"
-    cmd = [sys.executable, str(Path(__file__).with_name("mix_modes_run.py")), str(tmp / "runs.json")]
-    code, wall, _, timed_out, _ = run_command(cmd, env, log, 600, cwd=tmp)
-    text = log.read_text(errors="replace")
-    print(f"{len(spec)} runs in one process: {wall:.0f} s (exit {code}); {re.findall(r'^MIX_MODES_RUN .*$', text, re.M)}")
-    if timed_out or code != 0:
-        pytest.fail(f"mix_modes_run exited {code} (timed out: {timed_out}) after {wall:.0f}s; log {log}\n{tail(log, 120)}",
-                    pytrace=False)  # fmt: skip
-    return {**{name: read_metrics(tmp / "e2e" / f"{name}.jsonl") for name in spec}, "log": text}
+def _base(assets: dict) -> list[str]:
+    return MIX_CPU + tiny_overrides(assets, steps=2, n=2, batch_size=4, response_length=24) + LUFFY + ONE_ROW_MICRO
 
 
-def test_sample_target_ratio_zero_trains_on_policy_only(runs):
-    metrics = runs["legacy"]
+def legacy_run(assets: dict, _) -> list[str]:
+    return [*_base(assets), "mix.data.sample_target_ratio=0.0", "trainer.total_training_steps=1"]  # every step alike
+
+
+def v1_run(assets: dict, batch_dir: Path) -> list[str]:
+    return [*_base(assets), *V1, f"data.train_files={_blocked_file(assets, batch_dir / 'blocked.parquet')}",
+            "data.shuffle=false", "actor_rollout_ref.actor.ppo_mini_batch_size=1"]  # fmt: skip
+
+
+HERE = "test_no_target_e2e.py::"
+LEGACY = batch_run("legacy", "no_target", legacy_run, [HERE + "test_sample_target_ratio_zero_trains_on_policy_only"])
+V1_RUN = batch_run("v1", "no_target_v1", v1_run,
+                   [HERE + "test_null_targets_and_one_prompt_mini_batches_one_row_micro_batches_v1"])
+
+
+def test_sample_target_ratio_zero_trains_on_policy_only(legacy_batch):
+    run = batch_result(legacy_batch, LEGACY)
+    metrics = run.metrics
     assert [m["step"] for m in metrics] == [1]
     for m in metrics:
         assert m["batch/off_policy_rows"] == 0 and m["batch/off_solved"] == 0.0 and m["batch/avg_prefix_ratio"] == 0
         _finite(m)
     assert re.search(r"\[mix_src\.trainer\.dataset\] .*: 32 rows; 0 with a target; 0 empty/non-string targets .* 32 targets "
-                     r"not sampled \(mix\.data\.sample_target_ratio=0\.0\)", runs["log"])
+                     r"not sampled \(mix\.data\.sample_target_ratio=0\.0\)", run.log_path.read_text(errors="replace"))
 
 
-def test_null_targets_and_one_prompt_mini_batches_one_row_micro_batches_v1(runs):
-    metrics = runs["v1"]
+def test_null_targets_and_one_prompt_mini_batches_one_row_micro_batches_v1(v1_batch):
+    run = batch_result(v1_batch, V1_RUN)
+    metrics = run.metrics
     assert [m["step"] for m in metrics] == [1, 2]
     # step 1: the first batch has no target (on-policy only); step 2: 2 of its 4 prompts have one, 1 expert row each
     assert [m["batch/off_policy_rows"] for m in metrics] == [0, 2]
@@ -93,4 +89,5 @@ def test_null_targets_and_one_prompt_mini_batches_one_row_micro_batches_v1(runs)
     for m in metrics:
         _finite(m)
     assert "actor/off_pg_loss" in metrics[1] and math.isfinite(metrics[1]["actor/off_pg_loss"])
-    assert re.search(r"\[mix_src\.trainer\.dataset\] .*blocked\.parquet.*: 32 rows; 14 with a target; 18 empty/non-string", runs["log"])
+    assert re.search(r"\[mix_src\.trainer\.dataset\] .*blocked\.parquet.*: 32 rows; 14 with a target; 18 empty/non-string",
+                     run.log_path.read_text(errors="replace"))

@@ -1,8 +1,9 @@
 """LUFFY guidance under verl's policy losses, end to end on the CPU backend: 2 steps with prefixes (one partial, one whole target per prompt) per mode,
-all modes in ONE process and ONE Ray cluster (tests/mix_modes_run.py), real verl trainer, workers and agent loop.
+in ONE process and ONE Ray cluster (tests/mix_modes_run.py), real verl trainer, workers and agent loop.
 
-CI runs gspo, cispo and decoupled rollout correction; ``MIX_E2E_ALL_MODES=1`` runs every registered mode (the
-record is in recipes/guided_gspo/README.md).
+CI runs gspo, cispo and decoupled rollout correction as runs of the legacy batch (tests/conftest.py
+``legacy_batch``: the process and Ray cluster other test files' runs share); ``MIX_E2E_ALL_MODES=1`` runs every
+registered mode in a process of its own (the record is in recipes/guided_gspo/README.md).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e import MIX_CPU, cpu_env, read_metrics, run_command, tail, tiny_overrides
+from e2e import MIX_CPU, batch_result, batch_run, cpu_env, read_metrics, run_command, tail, tiny_overrides
 
 pytestmark = pytest.mark.ray
 
@@ -35,9 +36,19 @@ ALL_RUNS = {**{m: [LOSS_MODE + m, *MODE_KEYS.get(m, [])] for m in ALL_MODES},
             "gspo_v1": [LOSS_MODE + "gspo", "trainer.use_v1=true", "trainer.v1.trainer_mode=sync"]}  # fmt: skip  (verl's V1 trainer base)
 
 
+def base_overrides(tiny_assets) -> list[str]:
+    """Every mode's run: the CPU backend, 4 prompts x 4 samples, 2 steps, ``PREFIXES``."""
+    return MIX_CPU + tiny_overrides(tiny_assets, steps=2, n=4, batch_size=4, response_length=24) + PREFIXES
+
+
+CI_TEST = "test_onpolicy_losses_e2e.py::test_ci_modes_train_two_steps_with_partial_prefixes"
+CI_BATCH_RUNS = {name: batch_run("legacy", f"onpolicy_{name}", lambda assets, _, o=tuple(o): [*base_overrides(assets), *o],
+                                 [CI_TEST]) for name, o in CI_RUNS.items()}  # fmt: skip  {mode: run name in the batch}
+
+
 def run_modes(tiny_assets, tmp_path: Path, runs: dict, timeout: float) -> dict:
     """Every run of ``runs`` in one process (one Ray start-up); returns {name: per-step metrics}."""
-    base = MIX_CPU + tiny_overrides(tiny_assets, steps=2, n=4, batch_size=4, response_length=24) + PREFIXES
+    base = base_overrides(tiny_assets)
     spec = tmp_path / "runs.json"
     spec.write_text(json.dumps({name: base + overrides for name, overrides in runs.items()}))
     env = cpu_env({"VERL_FILE_LOGGER_ROOT": str(tmp_path)})
@@ -65,9 +76,9 @@ def check_luffy_run(name: str, metrics: list[dict]) -> None:
             assert "rollout_corr/rollout_is_mean" in m and "rollout_corr/rollout_rs_masked_fraction" in m, name
 
 
-def test_ci_modes_train_two_steps_with_partial_prefixes(tiny_assets, tmp_path):
-    for name, metrics in run_modes(tiny_assets, tmp_path, CI_RUNS, timeout=420).items():
-        check_luffy_run(name, metrics)
+def test_ci_modes_train_two_steps_with_partial_prefixes(legacy_batch):
+    for name, run in CI_BATCH_RUNS.items():
+        check_luffy_run(name, batch_result(legacy_batch, run).metrics)
 
 
 @pytest.mark.skipif(os.environ.get("MIX_E2E_ALL_MODES") != "1", reason="every mode: opt in with MIX_E2E_ALL_MODES=1")

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from e2e import batch_result, batch_run
 from mix_src.extend import load_plugins
 
 PLUGIN = str(Path(__file__).resolve().parents[1] / "recipes" / "prefix_rft" / "prefix_rft.py")
@@ -420,24 +421,32 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 """
 
 
-@pytest.mark.ray
-def test_prefix_rft_trains_two_steps(tiny_assets, tmp_path):
-    """2 steps of `python -m mix_src.main_mix_ppo +backend=cpu` with the harness's Prefix-RFT settings (compare.yaml)
-    on tiny assets: prefixed rows, the entropy selection on the worker, prefix tokens on the PPO-clip path. The
-    random tiny model never solves a task, so the reward here is the response length's parity (mixed rewards:
-    non-zero advantages and a real update through the selection)."""
-    from e2e import MIX_CPU, run_verl, tiny_overrides
+def prefix_rft_run(assets: dict, batch_dir: Path) -> list[str]:
+    """The harness's Prefix-RFT settings (compare.yaml) on the tiny assets, 2 steps, the parity reward."""
+    from e2e import MIX_CPU, tiny_overrides
 
-    reward = tmp_path / "parity_reward.py"
+    reward = batch_dir / "parity_reward.py"
     reward.write_text(PARITY_REWARD)
     entry = _compare_entry()
     plugins = "mix.plugins=[" + ",".join(str(REPO / p) for p in entry["plugins"]) + "]"
     overrides = MIX_CPU + tiny_overrides(
-        tiny_assets, steps=2, n=4, batch_size=4, response_length=24,
+        assets, steps=2, n=4, batch_size=4, response_length=24,
         reward=[f"reward.custom_reward_function.path={reward}", "reward.custom_reward_function.name=compute_score"],
     )  # fmt: skip
-    overrides += [plugins, *entry["overrides"], "mix.prefix_steps=2"]
-    result = run_verl("mix_src.main_mix_ppo", overrides, tmp_path / "run", timeout=420)
+    return overrides + [plugins, *entry["overrides"], "mix.prefix_steps=2"]
+
+
+PREFIX_RFT = batch_run("legacy", "prefix_rft", prefix_rft_run, ["test_prefix_rft.py::test_prefix_rft_trains_two_steps"])
+
+
+@pytest.mark.ray
+def test_prefix_rft_trains_two_steps(legacy_batch):
+    """2 steps of `python -m mix_src.main_mix_ppo +backend=cpu` with the harness's Prefix-RFT settings (compare.yaml)
+    on tiny assets, a run of the legacy batch (tests/conftest.py ``legacy_batch``; its plugin gets a Ray cluster of
+    its own there): prefixed rows, the entropy selection on the worker, prefix tokens on the PPO-clip path. The
+    random tiny model never solves a task, so the reward here is the response length's parity (mixed rewards:
+    non-zero advantages and a real update through the selection)."""
+    result = batch_result(legacy_batch, PREFIX_RFT)
     assert [m["step"] for m in result.metrics] == [1, 2]
     for m in result.metrics:
         assert 0 <= m["batch/avg_prefix_ratio"] <= 0.95 / 4  # 1 of 4 rows, ratio <= hi(s) <= 0.95
