@@ -7,6 +7,8 @@ The refusals run on the driver before Ray starts.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from pathlib import Path
 
@@ -432,7 +434,10 @@ def test_v1_replay_buffer_evicts_what_the_group_filter_registry_says(monkeypatch
     assert evicted == {"a", "b"}
     from mix_src.algo.filter_groups import GROUP_FILTERS
 
-    monkeypatch.setitem(GROUP_FILTERS._entries, "keep_all_test", lambda stats: np.ones(len(stats.count), dtype=bool))
+    from mix_src.extend import Entry
+
+    monkeypatch.setitem(GROUP_FILTERS._entries, "keep_all_test",
+                        Entry("keep_all_test", lambda stats: np.ones(len(stats.count), dtype=bool)))  # fmt: skip
     evicted, counts = _classify(monkeypatch, ROWS, rule="keep_all_test")
     assert evicted == set() and not counts
 
@@ -459,7 +464,8 @@ def test_v1_advantage_stage_runs_grpo_split_once_with_the_prefix_mask():
                                    non_tensors={"uid": uids})  # fmt: skip
 
     verl_calls, split_calls = [], []
-    original = adv_estimators.ADV_ESTIMATORS._entries["grpo_split"]
+    entry = adv_estimators.ADV_ESTIMATORS._entries["grpo_split"]
+    original = entry.fn
 
     def counting_split(*args, **kwargs):
         split_calls.append(args[3])
@@ -471,11 +477,11 @@ def test_v1_advantage_stage_runs_grpo_split_once_with_the_prefix_mask():
         return d
 
     mix = mix_config_from_dict({})
-    adv_estimators.ADV_ESTIMATORS._entries["grpo_split"] = counting_split
+    adv_estimators.ADV_ESTIMATORS._entries["grpo_split"] = dataclasses.replace(entry, fn=counting_split)
     try:
         out = luffy_advantage_stage(verl, prefix, OmegaConf.create({"adv_estimator": "grpo_split"}), mix)(data(), gamma=1.0)
     finally:
-        adv_estimators.ADV_ESTIMATORS._entries["grpo_split"] = original
+        adv_estimators.ADV_ESTIMATORS._entries["grpo_split"] = entry
     assert verl_calls == [] and len(split_calls) == 1 and torch.equal(split_calls[0], prefix)
     expected, _ = original(rewards, torch.ones(4, 3), torch.tensor([0, 0, 1, 1]), prefix, {})
     assert torch.equal(out.batch["advantages"], expected)
