@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 
 from mix_src.config.mix_config import MixConfigError, uses_critic
-from mix_src.config.verl_parity import _get
+from mix_src.config.verl_parity import dotted_get
 
 
 def is_hub_id(path: str) -> bool:
@@ -33,13 +33,13 @@ def model_context_length(model_cfg: Any, *, local_files_only: Optional[bool] = N
     from verl.utils.model import update_model_config
     from verl.workers.rollout.utils import get_max_position_embeddings
 
-    path = str(_get(model_cfg, "hf_config_path") or _get(model_cfg, "path"))
+    path = str(dotted_get(model_cfg, "hf_config_path") or dotted_get(model_cfg, "path"))
     path = os.path.expanduser(path)
     if local_files_only is None:
         local_files_only = is_hub_id(path)
-    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=bool(_get(model_cfg, "trust_remote_code", False)),
+    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=bool(dotted_get(model_cfg, "trust_remote_code", False)),
                                            local_files_only=local_files_only)  # fmt: skip
-    override = _get(model_cfg, "override_config", {}) or {}
+    override = dotted_get(model_cfg, "override_config", {}) or {}
     override = override.get("model_config", override) if hasattr(override, "get") else {}
     keep = {k: v for k, v in dict(override).items() if k in ("max_position_embeddings", "text_config")}
     if keep:

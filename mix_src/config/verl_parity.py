@@ -134,7 +134,9 @@ def config_reads(source: str) -> set[str]:
     return keys
 
 
-def _get(config: Any, dotted: str, default: Any = None) -> Any:
+def dotted_get(config: Any, dotted: str, default: Any = None) -> Any:
+    """The value at the dotted key ``dotted`` of a DictConfig, dict or object; ``default`` when a part is missing or
+    the value is None (shared by the config checks and the planner)."""
     node = config
     for part in dotted.split("."):
         if node is None:
@@ -152,13 +154,13 @@ VERL_ESTIMATORS_REFUSED = {
 
 
 def _refuse_estimator(config: Any, mix: Any) -> Optional[str]:
-    name = str(_get(config, "algorithm.adv_estimator"))
+    name = str(dotted_get(config, "algorithm.adv_estimator"))
     why = VERL_ESTIMATORS_REFUSED.get(name)
     return f"algorithm.adv_estimator={name} {why}" if why else None
 
 
 def _refuse_bypass_mode(config: Any, mix: Any) -> Optional[str]:
-    if not _get(config, "algorithm.rollout_correction.bypass_mode", False):
+    if not dotted_get(config, "algorithm.rollout_correction.bypass_mode", False):
         return None
     return ("algorithm.rollout_correction.bypass_mode=true replaces old log-probs by rollout log-probs and the "
             "policy loss by actor.policy_loss; the MIX loss needs recomputed old log-probs (target tokens have "
@@ -166,8 +168,8 @@ def _refuse_bypass_mode(config: Any, mix: Any) -> Optional[str]:
 
 
 def _refuse_correction_without_logprobs(config: Any, mix: Any) -> Optional[str]:
-    active = [k for k in ("rollout_is", "rollout_rs") if _get(config, f"algorithm.rollout_correction.{k}")]
-    if not active or _get(config, "actor_rollout_ref.rollout.calculate_log_probs", False):
+    active = [k for k in ("rollout_is", "rollout_rs") if dotted_get(config, f"algorithm.rollout_correction.{k}")]
+    if not active or dotted_get(config, "actor_rollout_ref.rollout.calculate_log_probs", False):
         return None
     return (f"algorithm.rollout_correction.{active[0]} is set but actor_rollout_ref.rollout.calculate_log_probs="
             "false: there are no rollout log-probs to correct with (verl would skip it silently). Set "
@@ -175,7 +177,7 @@ def _refuse_correction_without_logprobs(config: Any, mix: Any) -> Optional[str]:
 
 
 def _refuse_profiler(config: Any, mix: Any) -> Optional[str]:
-    steps = _get(config, "global_profiler.steps")
+    steps = dotted_get(config, "global_profiler.steps")
     if not steps:
         return None
     return (f"global_profiler.steps={list(steps)}: the MIX trainer's loop does not drive verl's profiler "
@@ -187,7 +189,7 @@ def _refuse_policy_loss_mode(config: Any, mix: Any) -> Optional[str]:
     (mix_src/worker/onpolicy_losses.py knob_refusals) refuses the pair; bypass_mode is refused there."""
     from mix_src.worker.onpolicy_losses import knob_refusals
 
-    mode = _get(config, "actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla")
+    mode = dotted_get(config, "actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla")
     if mode == "vanilla":
         return None
     if mix is None:
@@ -202,7 +204,7 @@ def _refuse_policy_loss_mode(config: Any, mix: Any) -> Optional[str]:
 
 
 def _refuse_sglang(config: Any, mix: Any) -> Optional[str]:
-    return SGLANG_UNRESOLVABLE if _get(config, "actor_rollout_ref.rollout.name") == "sglang" else None
+    return SGLANG_UNRESOLVABLE if dotted_get(config, "actor_rollout_ref.rollout.name") == "sglang" else None
 
 
 def _refuse_layered_summon_base_sync(config: Any, mix: Any) -> Optional[str]:
@@ -210,10 +212,10 @@ def _refuse_layered_summon_base_sync(config: Any, mix: Any) -> Optional[str]:
     the base model (``verl/workers/engine_workers.py`` 793-801, ``base_sync_done`` starts False when
     ``"dummy" in load_format``, 673), and ``collect_lora_params`` refuses that under layered summon
     (``verl/utils/fsdp_utils.py`` 725-730) -- a crash at the first sync, after Ray and every worker started."""
-    lora = any((_get(config, f"actor_rollout_ref.model.{k}", 0) or 0) > 0 for k in ("lora_rank", "lora.rank"))
-    merge = _get(config, "actor_rollout_ref.model.lora.merge", False)
-    load_format = str(_get(config, "actor_rollout_ref.rollout.load_format", "dummy"))
-    if lora and not merge and _get(config, "actor_rollout_ref.rollout.layered_summon", False) and "dummy" in load_format:
+    lora = any((dotted_get(config, f"actor_rollout_ref.model.{k}", 0) or 0) > 0 for k in ("lora_rank", "lora.rank"))
+    merge = dotted_get(config, "actor_rollout_ref.model.lora.merge", False)
+    load_format = str(dotted_get(config, "actor_rollout_ref.rollout.load_format", "dummy"))
+    if lora and not merge and dotted_get(config, "actor_rollout_ref.rollout.layered_summon", False) and "dummy" in load_format:
         return (
             f"actor_rollout_ref.rollout.layered_summon=true with actor_rollout_ref.rollout.load_format={load_format}: "
             "verl's first LoRA weight sync must send the base model, which layered summon cannot (verl/utils/"

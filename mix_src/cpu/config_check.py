@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from mix_src.config.mix_config import MixConfigError, uses_critic
-from mix_src.config.verl_parity import _get
+from mix_src.config.verl_parity import dotted_get
 from mix_src.cpu.worker_patches import CPU_ATTENTION
 
 # Model sections the FSDP workers build (actor/rollout/ref share one model config; the critic has its own).
@@ -26,7 +26,7 @@ def refuse_strategy(config: Any) -> Optional[str]:
     for key in STRATEGY_KEYS:
         if key.startswith("critic.") and not uses_critic(config):
             continue
-        value = _get(config, key)
+        value = dotted_get(config, key)
         if value is not None and str(value) != "fsdp2":
             return (
                 f"{key}={value}: the CPU backend runs FSDP2 only. FSDP1 (fsdp) builds its module with "
@@ -40,7 +40,7 @@ def refuse_strategy(config: Any) -> Optional[str]:
 def refuse_flash_attention(config: Any) -> Optional[str]:
     for section in _sections(config):
         key = f"{section}.override_config.attn_implementation"
-        value = _get(config, key)
+        value = dotted_get(config, key)
         if value is not None and str(value) not in CPU_ATTENTION:
             return (
                 f"{key}={value}: flash-attention kernels are CUDA kernels and flash-attn is not installable on a "
@@ -51,7 +51,7 @@ def refuse_flash_attention(config: Any) -> Optional[str]:
 
 def refuse_liger(config: Any) -> Optional[str]:
     for section in _sections(config):
-        if _get(config, f"{section}.use_liger", False):
+        if dotted_get(config, f"{section}.use_liger", False):
             return (
                 f"{section}.use_liger=true: Liger kernels are Triton GPU kernels (liger-kernel, not installed on the "
                 f"CPU backend); set {section}.use_liger=false."
@@ -69,7 +69,7 @@ CHECKS: dict[str, Callable[[Any], Optional[str]]] = {
 def check_worker_keys(config: Any) -> None:
     """Raise :class:`MixConfigError` naming the first worker setting the CPU backend cannot honour; only on a CPU
     run (``trainer.device=cpu``): composing a GPU recipe on a CPU-only machine is not one."""
-    if _get(config, "trainer.device") != "cpu":
+    if dotted_get(config, "trainer.device") != "cpu":
         return
     for check in CHECKS.values():
         message = check(config)

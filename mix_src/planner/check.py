@@ -11,7 +11,7 @@ from mix_src.planner.estimate import (ADAM_BYTES, ADAM_STEP_TEMP_BYTES, ALLOCATO
                                       ERROR_BOUND, GB, GIB, GPUS, GRAD_BYTES, PARAM_BYTES, Gpu, MemoryPlan, RunShape,
                                       TimePlan, count_params, plan_memory, states_bytes, step_terms)
 from mix_src.config.mix_config import MixConfigError
-from mix_src.config.verl_parity import _get  # a dotted key of a DictConfig or dict, else the default
+from mix_src.config.verl_parity import dotted_get
 from mix_src.planner.presets import PRESETS
 
 
@@ -44,15 +44,15 @@ def run_shape(config: Mapping, steps: Optional[int] = None) -> RunShape:
     n_prefix = int(mix.get("n_prefix", 0) or 0)
     whole = float(mix.get("min_prefix_ratio", 1.0)) >= 1.0
     full_target = (n if n_prefix == -1 else n_prefix) if whole else 0
-    kl = bool(actor.get("use_kl_loss")) or bool(_get(config, "algorithm.use_kl_in_reward", False))
-    total = steps if steps is not None else _get(config, "trainer.total_training_steps")
-    attn = _get(config, "actor_rollout_ref.model.override_config.attn_implementation", None)
+    kl = bool(actor.get("use_kl_loss")) or bool(dotted_get(config, "algorithm.use_kl_in_reward", False))
+    total = steps if steps is not None else dotted_get(config, "trainer.total_training_steps")
+    attn = dotted_get(config, "actor_rollout_ref.model.override_config.attn_implementation", None)
     return RunShape(
         world_size=world, fsdp_shards=world if shards <= 0 else shards,
         offload_policy=bool(fsdp.get("offload_policy", False)), param_offload=bool(fsdp.get("param_offload", False)),
         optimizer_offload=bool(fsdp.get("optimizer_offload", False)),
         train_tokens=min(train_tokens, cap), logprob_tokens=min(lp_tokens, cap),
-        gradient_checkpointing=bool(_get(config, "actor_rollout_ref.model.enable_gradient_checkpointing", False)),
+        gradient_checkpointing=bool(dotted_get(config, "actor_rollout_ref.model.enable_gradient_checkpointing", False)),
         entropy_in_update=bool(actor.get("calculate_entropy")) or float(actor.get("entropy_coeff", 0.0)) != 0.0,
         entropy_chunking=bool(fsdp.get("entropy_from_logits_with_chunking", False)),
         entropy_chunk=int(fsdp.get("entropy_from_logits_chunk_size", 2048)),
@@ -142,13 +142,13 @@ def check_memory(config: Any) -> Optional[str]:
     """Preflight slot 6: refuse (:class:`PlannerRefusal`) when the states alone exceed the GPU; otherwise print
     the estimate's peak line. Skipped when ``mix.planner.check`` is false, and on the CPU backend
     (trainer.device=cpu) unless ``mix.planner.gpu`` names a GPU to plan for. Returns what was printed."""
-    planner = _get(config, "mix.planner") or {}
+    planner = dotted_get(config, "mix.planner") or {}
     if not planner.get("check", True):
         return None
     gpu = _gpu(planner.get("gpu"), cpu=config["trainer"].get("device") == "cpu")
     if gpu is None:
         return None
-    path = _get(config, "actor_rollout_ref.model.hf_config_path") or config["actor_rollout_ref"]["model"]["path"]
+    path = dotted_get(config, "actor_rollout_ref.model.hf_config_path") or config["actor_rollout_ref"]["model"]["path"]
     hf, source = load_model_config(path)
     if hf is None:
         msg = f"[mix_src] planner: memory not checked: {source}"
