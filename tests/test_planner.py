@@ -249,3 +249,37 @@ def test_h100_boundary_as_measured():
         assert "DOES NOT FIT" in verdict(layers), layers
     assert refusal(count_params(_layers_1p5b(85)), run, h100.memory_bytes) is None  # not certain: an estimate
     assert refusal(count_params(_layers_1p5b(86)), run, h100.memory_bytes) is not None  # step 85.16 GB > the card
+
+
+def _calibration_rows():
+    """(file, config, tokens, measured {phase: bytes}) for every run on verl's path in calibration/*_verl_path.txt and
+    *_head_*.txt: the raw outputs of scripts/gpu/calibrate_memory.py on the H200 and the H100 (README's tables)."""
+    import re
+
+    rows, root = [], Path(__file__).resolve().parents[1]
+    for f in sorted((root / "mix_src/planner/calibration").glob("*.txt")):
+        if not ("_verl_path" in f.name or "_head_" in f.name):
+            continue
+        for block in f.read_text().split("=== ")[1:]:
+            head = re.match(r"(\S+) tokens=(\d+) path=verl", block)
+            got = [float(x) * 1e9 for x in re.findall(r"measured max_memory_allocated ([\d.]+) GB", block)]
+            assert head and len(got) == 3, (f.name, block[:200])
+            cfg = head[1] if head[1] in PRESETS else str(root / head[1])
+            rows.append((f.name, cfg, int(head[2]), dict(zip(("actor update", "optimizer step", "old log-prob"), got))))
+    return rows
+
+
+def test_planner_brackets_every_gpu_measurement():
+    """Every row measured on a GPU (0.5B, 1.5B, 3B; 8,192-32,768 tokens; H200 and H100): the planner's update is on
+    the high side by at most 25 % of the measured, its optimizer step within 1.5 % and its log-prob pass above by at most 3 %."""
+    from scripts.gpu import calibrate_memory
+
+    rows = _calibration_rows()
+    assert len(rows) >= 13 and any("q25_3b" in r[1] for r in rows)
+    for name, cfg, tokens, measured in rows:
+        phases = calibrate_memory.planner_terms(calibrate_memory.load_config(cfg), tokens, GPUS["h200-141gb"])
+        plan = {p: sum(t.bytes for t in phases[p]) for p in measured}
+        where = (name, cfg, tokens)
+        assert measured["actor update"] <= plan["actor update"] <= 1.25 * measured["actor update"], where
+        assert abs(plan["optimizer step"] - measured["optimizer step"]) <= 0.015 * plan["optimizer step"], where
+        assert measured["old log-prob"] <= plan["old log-prob"] <= 1.03 * measured["old log-prob"], where
