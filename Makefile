@@ -38,8 +38,13 @@ install-torch:
 	$(INSTALL_TORCH)
 
 # CI's suite (.ci/run): every test but the opt-in tier `extra` (pytest.ini; tests/README.md, test tiers)
+# Two pytest workers (pytest-xdist): a Ray run keeps about 1.25 of the 2 cores busy, mostly one process start-up after
+# another, so two runs side by side fill the machine; each batch fixture's tests stay on one worker (--dist loadgroup).
+# TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 test: install
-	$(PY) -m pytest -m "not extra" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not extra" $(XDIST) $(PYTEST_ARGS)
 
 # The opt-in tier, not in CI: slow runs of low value for the main path (each marked `extra`, its reason beside it)
 test-extra: install
@@ -49,7 +54,7 @@ test-extra: install
 # is not in tests/conftest.py's SLOW list (fresh interpreters, model builds, the slowest config compositions; `make test` runs them).
 # scripts/check_tests_alone.py (not in CI) runs each test file in its own process.
 test-fast: install
-	$(PY) -m pytest -m "not ray and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not ray and not slow" $(XDIST) $(PYTEST_ARGS)
 
 # LUFFY vs on-policy GRPO on the toy-addition demo variant, side by side (scripts/experiments/demo.py)
 demo: install

