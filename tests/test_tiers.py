@@ -62,10 +62,16 @@ def test_a_test_reading_a_batch_gets_the_batchs_time_on_top_of_its_own(monkeypat
         def add_marker(self, marker):
             self.markers.append(marker)
 
+        def get_closest_marker(self, name):
+            return next((m for m in self.markers if m.name == name), None)
+
     monkeypatch.setattr(e2e, "BATCHES", {"legacy": {"a": None, "b": None}})
     item = Item()
-    conftest.pytest_collection_modifyitems(None, [item])
-    assert [(m.name, m.args) for m in item.markers] == [("timeout", (900 + 2 * 480,))]
+    config = type("Config", (), {"option": type("Option", (), {"numprocesses": 2})()})()  # `make test`: -n 2
+    conftest.pytest_collection_modifyitems(config, [item])
+    # and the batch's tests share one pytest worker (--dist loadgroup), which trains the batch once
+    assert [(m.name, m.args, m.kwargs) for m in item.markers] == [("timeout", (900 + 2 * 480,), {}),
+                                                                  ("xdist_group", ("legacy_batch",), {})]
 
 
 def test_a_batch_refuses_a_run_of_the_other_base(monkeypatch, tmp_path):
@@ -89,7 +95,9 @@ def test_a_batch_refuses_a_run_of_the_other_base(monkeypatch, tmp_path):
 def test_make_test_leaves_out_the_opt_in_tier_and_test_extra_runs_it():
     """CI runs `make test` (.ci/run): the `extra` tier is out of it and `make test-extra` runs exactly that tier."""
     make = (TESTS.parent / "Makefile").read_text()
-    assert '\ntest: install\n\t$(PY) -m pytest -m "not extra" $(PYTEST_ARGS)\n' in make
+    assert '\ntest: install\n\t$(PY) -m pytest -m "not extra" $(XDIST) $(PYTEST_ARGS)\n' in make
+    # two pytest workers by default; --dist loadgroup keeps each batch fixture's tests (conftest's xdist_group) on one
+    assert "\nTEST_WORKERS ?= 2\n" in make and "-n $(TEST_WORKERS) --dist loadgroup" in make
     assert '\ntest-extra: install\n\t$(PY) -m pytest -m extra $(PYTEST_ARGS)\n' in make
     assert "extra:" in (TESTS.parent / "pytest.ini").read_text()  # registered, so --strict-markers would accept it
 
