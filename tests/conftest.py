@@ -163,15 +163,30 @@ SLOW = {
 BATCH_FIXTURES = {"legacy_batch": ("legacy", 480), "v1_batch": ("v1", 480)}  # fixture -> (e2e batch, timeout per run, s)
 
 
+def _xdist_group(item, name: str) -> None:
+    """What pytest-xdist 3.8 does for ``--dist loadgroup`` in its worker (xdist/remote.py,
+    ``pytest_collection_modifyitems``: the group as a ``@name`` suffix of the node id, which the controller's scheduler
+    reads). xdist sets ``item._nodeid``, which pytest 9.2 no longer reads (``Node.nodeid`` is ``str(item._id)``,
+    _pytest/nodes.py), so without this every group was spread over both workers and each trained the batch again."""
+    from _pytest.nodeid import NodeId
+
+    if "@" not in item.nodeid:
+        item._id = NodeId.parse(f"{item.nodeid}@{name}")
+
+
 def pytest_collection_modifyitems(config, items):
     from e2e import BATCHES
 
+    worker = bool(os.environ.get("PYTEST_XDIST_WORKER"))  # `make test`'s pytest workers (pytest-xdist)
+    grouped = worker and config.getvalue("loadgroup")
     for item in items:
         fn = getattr(item, "function", None)
         for fixture, (batch, per_run) in BATCH_FIXTURES.items():
             if fixture in getattr(item, "fixturenames", ()):  # the batch may train in its setup: pytest.ini's 900 s
                 item.add_marker(pytest.mark.timeout(900 + per_run * len(BATCHES.get(batch, {}))))  # + the batch's
                 item.add_marker(pytest.mark.xdist_group(fixture))  # one pytest worker trains it (--dist loadgroup)
+                if grouped:
+                    _xdist_group(item, fixture)
         if fn is not None and f"{item.path.name}::{fn.__name__}" in SLOW:
             item.add_marker(pytest.mark.slow)
         if fn is None or item.get_closest_marker("ray"):
@@ -179,5 +194,5 @@ def pytest_collection_modifyitems(config, items):
         reach = _ray_functions(str(item.path)) | _ray_functions(__file__)  # this file's fixtures too
         if {fn.__name__, *getattr(item, "fixturenames", ())} & reach:
             item.add_marker(pytest.mark.ray)
-    if getattr(config.option, "numprocesses", None):  # `make test`'s pytest workers (pytest-xdist): the Ray tests,
-        items.sort(key=lambda item: not item.get_closest_marker("ray"))  # a minute or more each, are handed out first
+    if worker:  # the Ray tests, a minute or more each, first: the workers' scheduler hands them out first
+        items.sort(key=lambda item: not item.get_closest_marker("ray"))

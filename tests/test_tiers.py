@@ -50,14 +50,21 @@ def test_a_batch_trains_plain_runs_first_then_groups_the_runs_with_ray_level_set
 
 def test_a_test_reading_a_batch_gets_the_batchs_time_on_top_of_its_own(monkeypatch):
     """The batch trains in the setup of the first test that reads it, inside that test's pytest-timeout budget:
-    such a test gets pytest.ini's 900 s plus the batch's runs' time."""
+    such a test gets pytest.ini's 900 s plus the batch's runs' time. Under `make test`'s two pytest workers the
+    batch's tests carry its group in their node id (what the scheduler of --dist loadgroup reads: one worker trains
+    the batch, once), and the Ray tests come first."""
+    import pytest
+    from _pytest.nodeid import NodeId
+
     import e2e
 
     class Item:  # what pytest_collection_modifyitems reads of a collected test
-        function, fixturenames = None, ("tmp_path", "legacy_batch")
+        function = None
 
-        def __init__(self):
-            self.markers = []
+        def __init__(self, nodeid, fixturenames):
+            self._id, self.fixturenames, self.markers = NodeId.parse(nodeid), fixturenames, []
+
+        nodeid = property(lambda self: str(self._id))  # as _pytest/nodes.py Node.nodeid in pytest 9.2
 
         def add_marker(self, marker):
             self.markers.append(marker)
@@ -66,12 +73,17 @@ def test_a_test_reading_a_batch_gets_the_batchs_time_on_top_of_its_own(monkeypat
             return next((m for m in self.markers if m.name == name), None)
 
     monkeypatch.setattr(e2e, "BATCHES", {"legacy": {"a": None, "b": None}})
-    item = Item()
-    config = type("Config", (), {"option": type("Option", (), {"numprocesses": 2})()})()  # `make test`: -n 2
-    conftest.pytest_collection_modifyitems(config, [item])
-    # and the batch's tests share one pytest worker (--dist loadgroup), which trains the batch once
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    config = type("Config", (), {"getvalue": lambda self, name: name == "loadgroup"})()  # -n 2 --dist loadgroup
+    plain, item = Item("tests/test_x.py::test_plain", ("tmp_path",)), Item("tests/test_x.py::test_b", ("legacy_batch",))
+    items = [plain, item]
+    conftest.pytest_collection_modifyitems(config, items)
     assert [(m.name, m.args, m.kwargs) for m in item.markers] == [("timeout", (900 + 2 * 480,), {}),
                                                                   ("xdist_group", ("legacy_batch",), {})]
+    assert item.nodeid == "tests/test_x.py::test_b@legacy_batch" and plain.nodeid == "tests/test_x.py::test_plain"
+    item.add_marker(pytest.mark.ray)
+    conftest.pytest_collection_modifyitems(config, items)
+    assert items == [item, plain] and item.nodeid.count("@") == 1  # Ray first; grouped once
 
 
 def test_a_batch_refuses_a_run_of_the_other_base(monkeypatch, tmp_path):
