@@ -214,6 +214,7 @@ def test_calibration_script_runs_on_cpu_with_a_tiny_config(tmp_path, capsys):
     assert calibrate_memory.main(["--config", str(tmp_path), "--tokens", "32", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "actor update:" in out and "old log-prob:" in out and "n/a (no CUDA)" in out
+    assert "timing (the second update, wall, synchronised): forward " in out and "optimizer step" in out
     assert f"{count_params(cfg) / 1e9:.3f}B" in out
 
 

@@ -23,12 +23,14 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from mix_src.planner.estimate import (GB, GPUS, Gpu, RunShape, count_params, plan_memory)  # noqa: E402
+from mix_src.algo.flops import ModelShape, forward_flops  # noqa: E402
 from mix_src.planner.presets import PRESETS  # noqa: E402
 
 
@@ -112,6 +114,7 @@ def measure(hf: dict, tokens: int, device: str, entropy_coeff: float = 0.001, pa
             torch.cuda.synchronize()
             stages[name] = (torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated())
             torch.cuda.reset_peak_memory_stats()
+        seconds[name] = time.perf_counter()  # each stage's end; "start" is the update's start
 
     def update():
         model.train()
@@ -130,10 +133,15 @@ def measure(hf: dict, tokens: int, device: str, entropy_coeff: float = 0.001, pa
         opt.zero_grad(set_to_none=True)
         mark("optimizer step")
 
-    update()  # AdamW allocates its states at the first step
+    seconds: dict = {}
+    update()  # AdamW allocates its states at the first step (and torch.compile compiles the entropy)
     reset(device)
     stages.clear()
+    seconds.clear()
+    seconds["start"] = time.perf_counter()
     update()
+    ends = list(seconds.values())
+    timing = {name: b - a for name, a, b in zip(list(seconds)[1:], ends, ends[1:])}  # the second update's stages
     out = {"update": max((v[0] for k, v in stages.items() if k not in ("logits dtype", "optimizer step")),
                          default=None),
            "step": stages["optimizer step"][0] if "optimizer step" in stages else None, "stages": dict(stages)}
@@ -143,6 +151,7 @@ def measure(hf: dict, tokens: int, device: str, entropy_coeff: float = 0.001, pa
         logits = model(input_ids=inputs).logits[0]
         lp_fn(logits, labels[0]), ent_fn(logits)
     out["log-prob"] = peak(device)
+    out["seconds"] = timing
     out["params"] = count_params(hf)
     return out
 
@@ -188,6 +197,14 @@ def main(argv=None) -> int:
     for name, v in measured["stages"].items():
         if name != "logits dtype":
             print(f"    update stage {name:<20} peak {v[0] / GB:8.3f} GB, held after {v[1] / GB:8.3f} GB")
+    secs = measured["seconds"]
+    fwd = forward_flops(ModelShape.from_hf_config(hf), [a.tokens], "full")  # mix_src/algo/flops.py, the planner's count
+    update_s = sum(secs.values())
+    peak_flops = GPUS["h200-141gb"].bf16_flops if a.device == "cuda" else float("nan")  # H100 and H200: 989 TFLOP/s
+    print(f"timing (the second update, wall, synchronised): " + ", ".join(f"{k} {v:.3f} s" for k, v in secs.items())
+          + f"; update {update_s:.3f} s = {3 * fwd / update_s / 1e12:.1f} TFLOP/s of 3 F(T) (MFU {3 * fwd / update_s / peak_flops:.3f}"
+          f" of {peak_flops / 1e12:.0f} TFLOP/s); forward + backward alone"
+          f" {(secs['forward'] + secs['log-prob + entropy'] + secs['backward']):.3f} s")
     for phase, key in (("actor update", "update"), ("optimizer step", "step"), ("old log-prob", "log-prob")):
         terms = phases[phase]
         print(f"{phase}:")
