@@ -28,6 +28,20 @@ def tiny_assets(tmp_path_factory) -> dict:
     return load_make_tiny_assets().build(str(out), seed=0)
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """A test that sets torch's intra-op threads (scripts/experiments' toy trainers set 1) leaves the next test in its
+    process the count it found: bit-exact records (test_loss_guard) depend on it, and with `make test`'s two pytest
+    workers which test follows which changes from run to run."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch else None
+    yield
+    if torch is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 def _train_batch(fixture: str, request, tiny_assets, tmp_path_factory) -> dict:
     """Train the runs of ``BATCH_FIXTURES[fixture]``'s batch that the selected tests read (tests/e2e.py
     ``run_batch``). Returns {run name: RunResult}."""

@@ -157,9 +157,20 @@ def run_worker(case: str) -> dict:
     return results
 
 
+# torch's intra-op threads when the record was made (a 2-core machine). How a CPU kernel splits a sum depends on it,
+# so some gradients' last bits do (1 thread: up to 1.9e-9 apart); a test earlier in the same process can change it
+# (scripts/experiments' toy trainers set 1), as under `make test`'s pytest workers. Pinned while the outputs are made.
+RECORD_THREADS = 2
+
+
 def _all_outputs() -> dict:
-    out = {f"kernel/{name}": run_kernel(case) for name, case in KERNEL_CASES.items()}
-    out.update({f"worker/{name}": run_worker(name) for name in WORKER_CASES})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(RECORD_THREADS)
+    try:
+        out = {f"kernel/{name}": run_kernel(case) for name, case in KERNEL_CASES.items()}
+        out.update({f"worker/{name}": run_worker(name) for name in WORKER_CASES})
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 
