@@ -1,39 +1,18 @@
 """One small registry class behind every extension point of mix_src, and plugin loading.
 
-Each extension point is a :class:`Registry` defined (with its call signature) in the module that uses it:
-
-    extension point          register with (module.name)                               picked by
-    prefix strategies        algo.prefix.register_prefix_strategy                      mix.prefix_strategy
-    off-policy reshapes      algo.token_maths.register_off_policy_reshape              mix.loss.off_policy_reshape
-    on-policy reshapes       algo.token_maths.register_on_policy_reshape               mix.loss.on_policy_reshape
-    prefix token selections  algo.prefix_select.register_prefix_token_select           mix.loss.prefix_token_select
-    off-policy behaviours    algo.off_policy_behaviour.register_off_policy_behaviour   mix.loss.off_policy_behaviour
-    row losses               algo.row_loss.register_row_loss                           mix.loss.row_loss
-    SFT aggregations         algo.row_loss.SFT_AGGS.register                           mix.loss.sft_loss_agg
-    loss combinations        algo.loss_combine.register_loss_combine                   mix.loss.combine
-    loss terms               algo.loss_terms.register_loss_term                        (every term, always)
-    group filters            algo.filter_groups.register_group_filter                  mix.filter_groups.rule
-    advantage estimators     trainer.adv_estimators.register_adv_estimator             algorithm.adv_estimator
-    rollout policies         trainer.rollout_policy.register_rollout_policy            mix.rollout_policy
-    tool environments        rollout.environments.register_environment                 a row's data_source
-
-Every entry describes itself (:class:`Entry`): the trainer bases it supports (``"legacy"`` =
-:class:`~mix_src.trainer.legacy.MIXRayPPOTrainer`, ``"v1"`` = ``trainer.use_v1=true``) and why not the others,
-its settings (:class:`Setting`), its own config checks and the keys it reads. Before Ray starts,
-:func:`check_selected_entries` looks up the entry each registry's key selects, refuses it on a base it does not
-support, validates its settings (:func:`resolve_settings`) and runs its checks, so no caller special-cases a name:
+Each extension point is a :class:`Registry` defined (with its call signature) in the module that uses it; the
+table of them, their decorators and the keys that pick them is mix_src/README.md ("Extending mix_src"), plus
+``algo.row_loss.SFT_AGGS`` (``mix.loss.sft_loss_agg``) and ``rollout.environments.register_environment`` (a
+row's data_source). Every entry describes itself (:class:`Entry`: trainer bases and why not the others, its
+:class:`Setting` s, its own checks, the keys it reads); :func:`check_selected_entries` checks the selected ones
+before Ray starts, so no caller special-cases a name:
 
     @REG.register("mine", bases=("legacy",), why_not={"v1": "needs a second generation pass"},
                   settings={"k": integer(3, 1)}, check=lambda cfg: ..., reads=("mix.my_key",))
 
-Settings are given as ``mix.plugin_options.<entry name>.<setting>`` (or a registry's older spelling) and read
-with ``REG.settings(name, given)``.
-
-A plugin is a module or ``.py`` file that registers with these decorators (or verl's own, e.g.
-``register_policy_loss``); ``mix.plugins=[my_pkg.my_mod, path/plugin.py]`` loads it on the driver before the
-config is validated, and ``MIX_PLUGINS`` (absolute paths) carries it to every Ray process, where
-:mod:`mix_src.plugins` (verl's ``VERL_USE_EXTERNAL_MODULES`` hook, verl/__init__.py) imports it again; every
-registry lookup re-checks ``MIX_PLUGINS`` first.
+Plugins (``mix.plugins``) are loaded on the driver before the config is validated, and in every Ray process
+through ``MIX_PLUGINS`` and :mod:`mix_src.plugins` (mix_src/README.md says how); every registry lookup re-checks
+``MIX_PLUGINS`` first.
 """
 
 from __future__ import annotations

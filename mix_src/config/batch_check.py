@@ -1,23 +1,17 @@
-"""Batch arithmetic that verl checks only inside Ray, checked on the driver before Ray starts.
+"""Batch arithmetic that verl checks only inside Ray, checked on the driver before Ray starts (the rules in words:
+mix_src/config/README.md, "Batch arithmetic"). verl's driver-side ``validate_config`` (verl/utils/config.py 92-127,
+``ActorConfig.validate``, verl/workers/config/actor.py 222-241) accepts them; they fail later, after a full rollout:
 
-verl's driver-side ``validate_config`` (verl/utils/config.py 92-127, with ``ActorConfig.validate``,
-verl/workers/config/actor.py 222-241) accepts settings that fail later, in a worker, after a full rollout:
+* mini-batches: the legacy trainer sends ``ppo_mini_batch_size x rollout.n`` rows (verl/trainer/ppo/ray_trainer.py
+  1352-1363), the worker asserts ``mini_batch_size % dp == 0`` (verl/workers/engine_workers.py 267-270) and ``batch %
+  mini_batch_size == 0`` (verl/utils/tensordict_utils.py 588); V1 pads instead (``_get_required_batch_multiple``,
+  verl/trainer/ppo/v1/trainer_base.py 1589-1621);
+* micro-batches: 0 is a ``ZeroDivisionError`` (engine_workers.py 287), and ``total_data_size %
+  micro_batch_size_per_gpu == 0`` is asserted (verl/workers/engine/utils.py 125);
+* rows and steps: the train loader drops the last partial batch (``drop_last=True``, ray_trainer.py 404-411), so too
+  few rows or no epochs/steps exit 0 having trained nothing (ray_trainer.py 435-440, 1465).
 
-* a mini-batch that does not divide the step's batch: the legacy trainer sends ``ppo_mini_batch_size x
-  rollout.n`` rows as each mini-batch (verl/trainer/ppo/ray_trainer.py 1352-1363), the worker splits it over
-  its data-parallel ranks (``assert mini_batch_size % dp == 0``, verl/workers/engine_workers.py 267-270) and
-  each rank's share of ``train_batch_size x n`` rows into mini-batches (``assert batch % mini_batch_size ==
-  0``, verl/utils/tensordict_utils.py 588). verl's V1 trainer pads the batch up to that multiple instead
-  (``_get_required_batch_multiple``, verl/trainer/ppo/v1/trainer_base.py 1589-1621), so there it is allowed;
-* a micro-batch of 0 (``ZeroDivisionError``, engine_workers.py 287) or one that does not divide a rank's
-  mini-batch (``assert total_data_size % micro_batch_size_per_gpu == 0``, verl/workers/engine/utils.py 125);
-* ``rollout.n=0`` (an empty batch), a learning rate <= 0 (trains nothing, or ascends the loss);
-* ``trainer.total_epochs`` / ``total_training_steps`` <= 0, or fewer training rows than one batch: verl's
-  train loader drops the last partial batch (``drop_last=True``, ray_trainer.py 404-411), so the run exits 0
-  having trained nothing (ray_trainer.py 435-440, 1465).
-
-Every refusal names the keys and the numbers. The row count comes from the parquet footer (no rows are
-read); a file that cannot be read is left to the data check (slot 4 of :func:`mix_src.config.preflight.run`).
+Rows are counted from the parquet footer; an unreadable file is left to the data check (preflight slot 4).
 """
 
 from __future__ import annotations
@@ -78,13 +72,6 @@ def _check_training_length(config: DictConfig) -> None:
                              "set it >= 1, or null for total_epochs passes over the data")
 
 
-def _data_parallel_size(config: DictConfig) -> int:
-    """The actor's data-parallel ranks under FSDP: trainer GPUs / Ulysses sequence-parallel size."""
-    n_gpus = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
-    sp = int(config.actor_rollout_ref.actor.get("ulysses_sequence_parallel_size", 1) or 1)
-    return max(n_gpus // sp, 1)
-
-
 def _check_mini_batches(config: DictConfig) -> None:
     actor, n = config.actor_rollout_ref.actor, int(config.actor_rollout_ref.rollout.n)
     batch, mini = int(config.data.train_batch_size), int(actor.ppo_mini_batch_size)
@@ -96,7 +83,8 @@ def _check_mini_batches(config: DictConfig) -> None:
             f"rollout.n {n} = {batch * n} rows are cut into mini-batches of {mini} x {n} = {mini * n} rows "
             f"(verl asserts {batch * n} % {mini * n} == 0 in the worker, after the rollout); use a divisor of {batch}"
         )
-    dp = _data_parallel_size(config)
+    n_gpus = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)  # FSDP's data-parallel ranks:
+    dp = max(n_gpus // int(actor.get("ulysses_sequence_parallel_size", 1) or 1), 1)  # GPUs / sequence parallel
     if (mini * n) % dp:
         raise MixConfigError(
             f"{A}.ppo_mini_batch_size={mini} x actor_rollout_ref.rollout.n={n} = {mini * n} rows per mini-batch "

@@ -56,16 +56,6 @@ class DataConfig:
             return int(self.max_target_length)
         return int(max_response_length) - 1 if max_response_length else 2**31 - 1
 
-    def check_fits(self, p: str, max_response_length: int) -> None:
-        """An explicit ``max_target_length`` must leave room for the EOS in ``data.max_response_length`` tokens."""
-        if self.max_target_length is not None and self.max_target_length > max_response_length - 1:
-            raise MixConfigError(
-                f"{p}.max_target_length={self.max_target_length} cannot fit data.max_response_length="
-                f"{max_response_length}: a whole target plus its EOS needs max_target_length <= {max_response_length - 1}, "
-                f"or longer targets are cut and score 0; set it <= {max_response_length - 1}, or null to follow "
-                "data.max_response_length - 1"
-            )
-
 
 @dataclass
 class LossConfig:
@@ -256,8 +246,7 @@ class MixConfig:
             if not isinstance(settings, dict):
                 raise MixConfigError(f"{p}.plugin_options.{name}={settings!r} must be a mapping {{key: value}} (the "
                                      f"settings of the entry {name!r})")
-        for name in self.plugin_options:  # registry.resolve_settings checks the values; a stray name is an error
-            if not any(name in registry for registry in _REGISTRIES):
+            if not any(name in registry for registry in _REGISTRIES):  # resolve_settings checks the values
                 raise MixConfigError(f"{p}.plugin_options.{name}: no registered entry is called {name!r} (load its "
                                      f"plugin with {p}.plugins)")
         if self.flops_budget is not None:
@@ -354,23 +343,16 @@ def _resolve_target_limit(config: Any, mix: MixConfig) -> None:
     response = config.get("data", {}).get("max_response_length")
     if response is None:
         return
-    mix.data.check_fits("mix.data", int(response))
-    mix.data.max_target_length = mix.data.target_limit(int(response))
+    cap, response = mix.data.max_target_length, int(response)
+    if cap is not None and cap > response - 1:  # a whole target plus its EOS must fit the response
+        raise MixConfigError(f"mix.data.max_target_length={cap} cannot fit data.max_response_length={response}: a whole "
+                             f"target plus its EOS needs max_target_length <= {response - 1}, or longer targets are cut "
+                             f"and score 0; set it <= {response - 1}, or null to follow data.max_response_length - 1")
+    mix.data.max_target_length = mix.data.target_limit(response)
     if config.get("mix") is not None:
         with open_dict(config):
             config.mix.setdefault("data", {})
             config.mix.data.max_target_length = mix.data.max_target_length
-
-
-def _check_adv_estimator(name: str) -> None:
-    """algorithm.adv_estimator must be a prefix-aware estimator (mix_src.trainer.adv_estimators) or one of verl's."""
-    from verl.trainer.ppo import core_algos  # here, not at the top: this module stays free of verl
-
-    from mix_src.trainer.adv_estimators import ADV_ESTIMATORS
-
-    verl_names = [n for n in core_algos.ADV_ESTIMATOR_REGISTRY if n not in ADV_ESTIMATORS]
-    if name not in ADV_ESTIMATORS and name not in core_algos.ADV_ESTIMATOR_REGISTRY:
-        raise MixConfigError(f"{ADV_ESTIMATORS.unknown(name)}; or one of verl's: {sorted(verl_names)}")
 
 
 def uses_critic(config: Any) -> bool:
@@ -385,7 +367,10 @@ def uses_critic(config: Any) -> bool:
 def validate_mix_config(config: Any) -> MixConfig:
     """Validate ``config.mix`` (``config``: the whole composed config) and its ties to verl's keys; return the
     typed :class:`MixConfig`. Raises :class:`MixConfigError` naming the key."""
-    from omegaconf import OmegaConf  # hydra's dependency; imported here to keep the module import-light
+    from omegaconf import OmegaConf  # here, not at the top: this module stays free of verl and import-light
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
+
+    from mix_src.trainer.adv_estimators import ADV_ESTIMATORS
 
     mix_values = OmegaConf.to_container(config.get("mix"), resolve=True) if config.get("mix") is not None else {}
     mix = mix_config_from_dict(mix_values)
@@ -420,7 +405,10 @@ def validate_mix_config(config: Any) -> MixConfig:
         raise MixConfigError("mix.flops_budget counts the actor's compute only (mix_src/algo/flops.py); a critic "
                              "(algorithm.adv_estimator=gae or critic.enable=true) would go uncounted: unset "
                              "mix.flops_budget or use a critic-free estimator")
-    _check_adv_estimator(str(config.algorithm.adv_estimator))
+    estimator = str(config.algorithm.adv_estimator)  # a prefix-aware one (mix_src.trainer.adv_estimators) or verl's
+    if estimator not in ADV_ESTIMATORS and estimator not in ADV_ESTIMATOR_REGISTRY:
+        verl_names = sorted(n for n in ADV_ESTIMATOR_REGISTRY if n not in ADV_ESTIMATORS)
+        raise MixConfigError(f"{ADV_ESTIMATORS.unknown(estimator)}; or one of verl's: {verl_names}")
     gen_bs = config.data.get("gen_batch_size", None)
     if gen_bs is not None and gen_bs != config.data.train_batch_size and not fg.get("enable", False):
         raise MixConfigError(f"data.gen_batch_size={gen_bs} differs from data.train_batch_size="

@@ -11,11 +11,11 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mix_src.compat import PatchVersionError, check_all as check_patch_versions
 from mix_src.config.resources import check_checkpoint_dir
-from mix_src.config.data_check import check_data
+from mix_src.config.data_check import check_data, data_files
 from mix_src.config.batch_check import check_batch_arithmetic
 from mix_src.cpu import CHECKPOINT_ENGINE as CPU_CHECKPOINT_ENGINE, ROLLOUT_ENV
 from mix_src.config.mix_config import MixConfigError, validate_mix_config
@@ -136,19 +136,14 @@ def export_plugins(config: DictConfig) -> list[str]:
     return specs
 
 
-def _local_paths(value) -> list[str]:
-    values = list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
-    return [str(v) for v in values if v is not None and "://" not in str(v)]
-
-
 def _check_paths(config: DictConfig) -> None:
     model = config.actor_rollout_ref.model
     checks = {"data.train_files": config.data.train_files, "data.val_files": config.data.val_files,
               "actor_rollout_ref.model.path": model.path,
               "actor_rollout_ref.model.tokenizer_path": model.get("tokenizer_path") or None}  # fmt: skip
     for key, value in checks.items():
-        for path in _local_paths(value):
-            if not os.path.exists(os.path.expanduser(path)) and (key.startswith("data.") or not is_hub_id(path)):
+        for path in data_files(value):
+            if not os.path.exists(path) and (key.startswith("data.") or not is_hub_id(path)):
                 raise FileNotFoundError(f"{key}: '{path}' does not exist (cwd {os.getcwd()}); {_missing_hint(key, path)}")
 
 
@@ -222,15 +217,12 @@ def check_v1_config(config: DictConfig, mix: Any) -> None:
             raise MixConfigError(f"{key}={value} is not supported on trainer.use_v1=true: {reason}")
 
 
-def _fg_enabled(config: DictConfig) -> bool:
-    return bool((config.algorithm.get("filter_groups") or {}).get("enable", False))
-
-
 # The settings (not registry entries: those declare their own bases) that LUFFY on verl's V1 trainer refuses:
 # (key, refused(config, mix) -> the refused value or None, why). check_v1_config reads only this table.
 V1_REFUSALS: list[tuple[str, Callable[[DictConfig, Any], Any], str]] = [
     ("algorithm.filter_groups.max_num_gen_batches",
-     lambda c, m: (c.algorithm.filter_groups.max_num_gen_batches if _fg_enabled(c) and c.trainer.v1.trainer_mode != "sync"
+     lambda c, m: (c.algorithm.filter_groups.max_num_gen_batches if c.trainer.v1.trainer_mode != "sync"
+                   and (c.algorithm.get("filter_groups") or {}).get("enable", False)
                    and int(c.algorithm.filter_groups.get("max_num_gen_batches", 0) or 0) > 0 else None),
      "in the async modes no step has generation batches of its own to count: verl's ReplayBufferAsync "
      "(verl/trainer/ppo/v1/replay_buffer.py wait_for_sampleable) refills each evicted group as it is evicted and the "

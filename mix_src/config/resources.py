@@ -1,25 +1,16 @@
-"""Resources checked before Ray starts (preflight slot 6): the checkpoint directory.
+"""Resources checked before Ray starts (preflight slot 6): the checkpoint directory, which a 7B actor's checkpoints
+(~91 GB each with AdamW state, :func:`mix_src.planner.checkpoint_bytes`) would otherwise fill hours in.
 
-A 7B actor checkpoint with its AdamW state is ~91 GB (:func:`mix_src.planner.checkpoint_bytes`), so a run that
-fills its disk fails at its first or tenth save, hours in; :func:`check_checkpoint_dir` fails in seconds.
-
-verl 0.9.1's rules that set the count (verl/trainer/ppo/ray_trainer.py fit, _save_checkpoint; verl/utils/
-checkpoint/checkpoint_manager.py ensure_checkpoint_capacity, register_checkpoint):
-
-* ``trainer.save_freq <= 0``: no checkpoint is written (nothing to check; the directory is left alone);
-* else a save at every step divisible by ``save_freq`` and at the last step;
-* ``max_actor_ckpt_to_keep = k``: before a save, all but the newest ``k - 1`` are deleted (``k >= 2``); with
-  ``k = 1`` the old one is deleted only after the new one is written, so ``max(k, 2)`` are on disk at once;
-  ``null``: every save stays;
-* the manager tracks only the saves of this process: checkpoints already in the directory (a resumed run's)
-  are never deleted. They already count as used space, so free space must hold the new ones alone.
-
-The critic's checkpoints (only when a critic is used: GAE) are not counted; the line says so.
+verl 0.9.1's count (verl/trainer/ppo/ray_trainer.py fit, _save_checkpoint; verl/utils/checkpoint/
+checkpoint_manager.py ensure_checkpoint_capacity, register_checkpoint): none when ``trainer.save_freq <= 0``; else
+one every ``save_freq`` steps and at the last; ``max_actor_ckpt_to_keep = k`` deletes all but the newest ``k - 1``
+before a save (``k >= 2``), with ``k = 1`` the old one only after the new one is written (so ``max(k, 2)`` at once),
+``null`` keeps all. Checkpoints already in the directory (a resumed run's) are never deleted and already use space,
+so free space must hold the new ones. The critic's (GAE only) are not counted; the line says so.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import uuid
@@ -31,6 +22,7 @@ from mix_src.config.batch_check import rows_of
 from mix_src.config.data_check import data_files
 from mix_src.config.mix_config import MixConfigError
 from mix_src.planner import checkpoint_bytes, count_params
+from mix_src.planner.check import load_model_config
 
 GB = 10**9
 
@@ -49,7 +41,8 @@ def check_checkpoint_dir(config: DictConfig) -> Optional[dict]:
     saves = None if steps is None else steps // save_freq + (1 if steps % save_freq else 0)
     keep = trainer.get("max_actor_ckpt_to_keep")
     kept = kept_at_once(saves, None if keep is None else int(keep))
-    params = model_params(config.actor_rollout_ref.model)
+    hf_config, _ = load_model_config(config.actor_rollout_ref.model.path)  # nothing is downloaded
+    params = None if hf_config is None else count_params(hf_config)
     contents = OmegaConf.select(config, "actor_rollout_ref.actor.checkpoint.save_contents", default=None)
     with_optimizer = contents is None or "optimizer" in list(contents)
     each = None if params is None else checkpoint_bytes(params, with_optimizer=with_optimizer)
@@ -104,22 +97,6 @@ def total_steps(config: DictConfig) -> Optional[int]:
 def parquet_rows(files: Any) -> Optional[int]:
     """Rows of all ``files``; None when one is remote or not parquet (the count is unknown, said in the line)."""
     return rows_of(data_files(files, remote=True))
-
-
-def model_params(model_cfg: Any) -> Optional[int]:
-    """Parameters of ``actor_rollout_ref.model.path`` from its ``config.json`` (a local directory, or a hub id
-    already in the local Hugging Face cache; nothing is downloaded). None when it cannot be read here."""
-    path = os.path.expanduser(str(model_cfg.path))
-    config_file = os.path.join(path, "config.json")
-    if not os.path.isfile(config_file):
-        try:
-            from huggingface_hub import hf_hub_download
-
-            config_file = hf_hub_download(str(model_cfg.path), "config.json", local_files_only=True)
-        except Exception:
-            return None
-    with open(config_file, encoding="utf-8") as f:
-        return count_params(json.load(f))
 
 
 def describe(plan: dict, save_freq: int, keep: Any, with_optimizer: bool) -> str:
