@@ -1,22 +1,13 @@
 """Loss combinations: how the on-policy rows' RL loss and the expert rows' loss make the policy loss.
 
-An extension point of the worker loss (:class:`mix_src.worker.loss.MixPolicyLoss`), picked by
-``mix.loss.combine=<name>`` with the entry's declared settings in ``mix.plugin_options.<name>`` (older spelling:
-``mix.loss.combine_args``; mix_src/extend.py ``resolve_settings``). Unset (the default), this module is not used.
-
-A row with any prefix token is an *expert row* (e.g. ``mix.n_prefix`` rows at ratio 1.0), every other row an
-*on-policy row*. The worker loss computes the vanilla PPO-clip loss of the on-policy rows (verl's actor clip
-settings, dual clip ``clip_ratio_c``) and hands it, with the expert tokens' log-probs, to the entry:
-
-    @register_loss_combine("name", bases=(...), why_not={...}, check=..., reads=(...))
-    def fn(inputs: CombineInputs, args: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]
-
-args: the entry's settings, defaults filled in (``LOSS_COMBINES.settings``); returns the policy loss () (with grad)
-and scalar metrics (logged as ``actor/<key>``, averaged over micro-batches: report means, not shares of a sum).
-
-Each population is normalised by its own size in the global mini-batch, counted on the driver
-(:func:`mix_src.worker.loss.add_combine_inputs`), so a term does not depend on the micro-batch split and the share
-of expert rows does not rescale the RL term. Entropy and KL stay the worker loss's. Torch only.
+An extension point of the worker loss (:class:`mix_src.worker.loss.MixPolicyLoss`), picked by ``mix.loss.combine``
+(unset: unused), with the entry's settings in ``mix.plugin_options.<name>`` (older spelling ``mix.loss.combine_args``).
+A row with any prefix token is an *expert row*, every other row an *on-policy row*; the worker loss computes the
+vanilla PPO-clip loss of the on-policy rows and hands it, with the expert tokens' log-probs, to the entry
+``fn(inputs: CombineInputs, args) -> (policy loss () with grad, metrics)``; args: its settings, defaults filled in;
+metrics are logged as ``actor/<key>``, averaged over micro-batches (report means, not shares of a sum). Each
+population is normalised by its own size in the global mini-batch (counted on the driver,
+:func:`mix_src.worker.loss.add_combine_inputs`), so no term depends on the micro-batch split. Torch only.
 """
 
 from __future__ import annotations
@@ -47,8 +38,4 @@ class CombineInputs:
 LossCombine = Callable[[CombineInputs, Mapping[str, Any]], "tuple[torch.Tensor, dict[str, float]]"]
 LOSS_COMBINES: Registry[LossCombine] = Registry("loss combination", "mix.loss.combine",
                                                 old_settings={"*": "mix.loss.combine_args"})
-
-
-def register_loss_combine(name: str, **entry) -> Callable[[LossCombine], LossCombine]:
-    """Register ``fn(inputs, args) -> (loss, metrics)``; ``entry``: :meth:`mix_src.extend.Registry.register`'s."""
-    return LOSS_COMBINES.register(name, **entry)
+register_loss_combine = LOSS_COMBINES.register

@@ -2,19 +2,12 @@
 
 Each term of the actor loss is one entry of :data:`LOSS_TERMS` stating what it reads (``inputs``: batch fields;
 ``reads``: config keys), its trainer bases, what it ``writes`` and its config checks (``check_loss(loss_config,
-"mix.loss")``, raising ValueError naming the key, run once before Ray when ``LossConfig`` is built):
-
-    ppo_clip          token   on-policy tokens: J = min(A r, A clip(r)) (+ dual clip), r from the on-policy reshape
-    shaped_off_policy token   prefix (demonstration) tokens: J = A f(p), f = p/(p+gamma) in LUFFY's recipe
-    policy            scalar  the token terms aggregated (or verl's loss_mode on on-policy tokens, or mix.loss.combine)
-    sft               scalar  sft_loss_coef * NLL over the SFT tokens (mix_src/worker/loss.py: multitask or row loss)
-    entropy           scalar  - c * entropy bonus (c fixed or adaptive, mix_src/worker/loss.py)
-    kl                scalar  kl_loss_coef * KL(log_prob, ref_log_prob) (verl's kl_penalty, mix_src/worker/loss.py)
-
-Token terms write a per-token objective J and its derivative dJ/dl into one (B, L) matrix; :func:`token_loss` (the
-original's ``compute_token_on_off_policy_loss``, luffy/verl/verl/mix_src/mix_core_alg.py:69-240, arXiv 2504.14945
-section 3) aggregates -J once with ``agg_loss``, so on- and off-policy tokens share one sum, as in the original.
-The worker loss adds the scalar terms in registration order. Departures from the original: core_alg.py's docstring.
+"mix.loss")``, raising ValueError naming the key, run once before Ray when ``LossConfig`` is built); the terms and
+what each adds: mix_src/README.md "The loss as a registry of terms". Token terms (ppo_clip, shaped_off_policy) write
+a per-token objective J and dJ/dl into one (B, L) matrix; :func:`token_loss` (the original's
+``compute_token_on_off_policy_loss``, luffy/verl/verl/mix_src/mix_core_alg.py:69-240, arXiv 2504.14945 section 3)
+aggregates -J once with ``agg_loss``, so on- and off-policy tokens share one sum, as in the original. The worker
+loss adds the scalar terms (policy, sft, entropy, kl) in registration order. Departures: core_alg.py's docstring.
 
 Notation (shapes): B rows, L response width; l = log_prob, l_old = old_log_prob, d = l - l_old, p = exp(l), A the
 advantages; valid = response_mask, off = prefix_mask & valid (demonstration tokens), on = valid & ~off.
@@ -346,14 +339,11 @@ def shaped_off_policy_term(batch: TokenBatch, cfg: TokenLossConfig, sets: TokenS
         df = f
     else:
         f, df = off_policy_shape(cfg.off_policy_reshape, lp_o, p_o, cfg.off_params)
-    if cfg.off_max_clip is not None:
-        over = f > cfg.off_max_clip
-        m["off_ratio_max_clip_frac"] = _count(over) / n_off
-        f, df = torch.where(over, cfg.off_max_clip, f), torch.where(over, 0.0, df)
-    if cfg.off_min_clip is not None:
-        under = f < cfg.off_min_clip
-        m["off_ratio_min_clip_frac"] = _count(under) / n_off
-        f, df = torch.where(under, cfg.off_min_clip, f), torch.where(under, 0.0, df)
+    for side, bound, beyond in (("max", cfg.off_max_clip, torch.gt), ("min", cfg.off_min_clip, torch.lt)):
+        if bound is not None:
+            clipped = beyond(f, bound)
+            m[f"off_ratio_{side}_clip_frac"] = _count(clipped) / n_off
+            f, df = torch.where(clipped, bound, f), torch.where(clipped, 0.0, df)
     m["off_ratio_mean"] = f.sum() / n_off
     obj_off = adv_o * f
     m["off_pg_loss"] = -obj_off.sum() / n_off

@@ -1,16 +1,12 @@
 """Off-policy behaviour: whose probability the off-policy (prefix) tokens' importance weight divides by.
 
-LUFFY takes the expert's probability as 1: the shaped term of a prefix token is f(p), p = exp(l). A method
-that replays the model's OWN earlier samples (ExGRPO, recipes/exgrpo) knows the behaviour policy's log-probs
-l_b of those tokens, recorded when they were sampled, and weighs them by w = exp(l - l_b) instead (ExGRPO's
-official ``mix_trainer_experience.py`` puts the recorded log-probs in ``old_log_probs`` of the replayed rows,
-and its ``mix_core_alg.py`` shapes ``exp(log_prob - old_log_prob)``). ``mix.loss.off_policy_behaviour=name``
-picks an entry of :data:`OFF_POLICY_BEHAVIOURS` (null = LUFFY); the worker loss passes what it returns to
-``loss_terms.token_loss`` as ``TokenBatch.behaviour_log_prob``. The log-probs travel with the batch as the
-per-token field ``behaviour_log_prob`` ((bsz, L) float, 0 where unknown), set by a rollout policy.
-
-Signature: ``fn(prefix_mask (bsz, L) bool, fields: the worker batch) -> (bsz, L) float l_b`` (read on the prefix
-tokens only). Torch only (no verl).
+LUFFY takes the expert's probability as 1 (the shaped term of a prefix token is f(p), p = exp(l)). A method that
+replays the model's OWN earlier samples (ExGRPO, recipes/exgrpo) weighs them by w = exp(l - l_b), l_b the behaviour
+policy's log-probs recorded when they were sampled (ExGRPO's official ``mix_trainer_experience.py`` puts them in
+``old_log_probs`` of the replayed rows, its ``mix_core_alg.py`` shapes ``exp(log_prob - old_log_prob)``).
+``mix.loss.off_policy_behaviour=name`` (null = LUFFY) picks ``fn(prefix_mask (bsz, L) bool, fields: the worker
+batch) -> (bsz, L) float l_b`` (read on the prefix tokens only), passed to ``loss_terms.token_loss`` as
+``TokenBatch.behaviour_log_prob``. Torch only (no verl).
 """
 
 from __future__ import annotations

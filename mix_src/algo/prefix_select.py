@@ -1,15 +1,11 @@
 """Per-token selection of the prefix (demonstration) tokens that enter the actor loss: a registry.
 
-The worker loss (:mod:`mix_src.worker.loss`) calls the entry that ``mix.loss.prefix_token_select`` names, once per
-micro-batch, after the policy forward pass; the prefix tokens it does not keep get advantage 0 (they stay in
-the loss's token count, so the aggregation's denominator does not change: that is how Prefix-RFT's official
-code drops low-entropy prefix tokens, recipe/prefix_rft/dp_actor.py ``reshape_func``/``entropy``).
-``mix.loss.prefix_token_select=null`` (the default) keeps every prefix token.
-
-Entry option ``prefix_tokens_on_policy`` (default False): True makes the loss treat the prefix tokens (after
-the selection) like on-policy tokens, i.e. PPO-clip on exp(log_prob - old_log_probs) (the actor recomputes
-``old_log_probs`` for every response token, prefix tokens included), instead of the off-policy shaping
--A * f(p) of ``mix.loss.off_policy_reshape``. Torch only (no verl).
+The worker loss (:mod:`mix_src.worker.loss`) calls the entry ``mix.loss.prefix_token_select`` names (null, the
+default: every prefix token kept) once per micro-batch, after the forward pass; a prefix token not kept gets
+advantage 0 and stays in the loss's token count (as Prefix-RFT's official code drops low-entropy prefix tokens,
+recipe/prefix_rft/dp_actor.py ``reshape_func``/``entropy``). Entry option ``prefix_tokens_on_policy`` (default
+False): the kept prefix tokens get PPO-clip on exp(log_prob - old_log_probs) instead of the off-policy shaping
+-A * f(p). Torch only (no verl).
 """
 
 from __future__ import annotations

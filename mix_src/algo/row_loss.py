@@ -1,22 +1,16 @@
 """Row losses: a per-row choice between the policy loss and SFT (NLL), made by a rollout policy.
 
-A rollout policy marks rows as SFT rows with the per-row field ``sft_row`` ((bsz,) float 0/1 in the batch,
-e.g. HPT: every row of a prompt the model could not solve, recipes/hpt). It travels with the batch to the
-worker loss (:class:`mix_src.worker.loss.MixPolicyLoss`) like ``prefix_mask``. ``mix.loss.row_loss=name`` picks an
-entry of :data:`ROW_LOSSES`, which says which tokens take which loss; the worker loss then computes
+A rollout policy marks SFT rows with the per-row field ``sft_row`` ((bsz,) float 0/1, e.g. HPT: every row of a
+prompt the model could not solve, recipes/hpt), which travels with the batch like ``prefix_mask``.
+``mix.loss.row_loss=name`` picks ``fn(response_mask (bsz, L) bool, prefix_mask (bsz, L) bool, sft_row (bsz,) bool)
+-> (rl_mask, sft_mask)``, two (bsz, L) bool masks within response_mask; the worker loss then computes
 
     loss = PG(rl_mask)  +  sft_loss_coef * NLL(sft_mask)
 
-PG(rl_mask) is the mixed loss (loss_terms.token_loss; prefix tokens inside rl_mask keep LUFFY's off-policy term)
-aggregated with ``mix.loss.loss_agg_mode`` over the whole mini-batch (token-mean: all response tokens, the SFT
-rows' included; luffy-token-sum-norm, as HPT's recipe: the fixed width W). NLL(sft_mask) is aggregated by the
-entry ``mix.loss.sft_loss_agg`` of :data:`SFT_AGGS` (each entry's docstring: its weighting);
-``mix.loss.use_sft_multitask_loss`` takes these entries too, its SFT tokens being the prefix tokens (LUFFY's
-official RL+SFT baseline weighs them as ``micro_batch_token_mean``, recipes/rl_with_sft_loss).
-
-Signature: ``@register_row_loss("name", ...) fn(response_mask, prefix_mask, sft_row) -> (rl_mask, sft_mask)``:
-(bsz, L) bool, (bsz, L) bool (tokens copied from the target), (bsz,) bool -> two (bsz, L) bool masks within
-response_mask. Torch only (no verl).
+PG: the mixed loss (prefix tokens inside rl_mask keep LUFFY's off-policy term) aggregated with
+``mix.loss.loss_agg_mode`` over the whole mini-batch (SFT rows' tokens included). NLL: aggregated by the entry
+``mix.loss.sft_loss_agg`` of :data:`SFT_AGGS`, also used by ``use_sft_multitask_loss`` on the prefix tokens (LUFFY's
+official RL+SFT baseline: ``micro_batch_token_mean``, recipes/rl_with_sft_loss). Torch only (no verl).
 """
 
 from __future__ import annotations

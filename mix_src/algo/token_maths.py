@@ -207,17 +207,22 @@ def _off_p_div_p(lp, p, params):  # f = p/(p+gamma); df/dl = gamma*p/(p+gamma)^2
     return f, torch.addcmul(f, f, f, value=-1.0)
 
 
+def _by_autograd(value_of, lp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(value_of(x), its derivative) at x = lp, by autograd: for a reshape that gives no closed-form derivative."""
+    with torch.enable_grad():
+        x = lp.detach().requires_grad_(True)
+        value = value_of(x)
+        (derivative,) = torch.autograd.grad(value, x, torch.ones_like(value))
+    return value.detach(), derivative
+
+
 def on_policy_ratio(mode, log_ratio, lp, old, params, in_clamp):
     """On-policy 'ratio' r and dr/dl from the registered reshape (autograd when it gives no derivative).
     in_clamp: None, or (B, L) bool, False where log_ratio was clamped (its derivative is 0 there)."""
     fn = ON_POLICY_RESHAPES.get(mode)
     r, dr = fn(log_ratio, lp, old, params)
     if dr is None:
-        with torch.enable_grad():
-            x = lp.detach().requires_grad_(True)
-            r = fn((x - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), x, old, params)[0]
-            (dr,) = torch.autograd.grad(r, x, torch.ones_like(r))
-        r = r.detach()
+        r, dr = _by_autograd(lambda x: fn((x - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), x, old, params)[0], lp)
     elif in_clamp is not None and ON_POLICY_RESHAPES.options(mode).get("through_log_ratio", True):
         dr = torch.where(in_clamp, dr, 0.0)
     return r, dr
@@ -227,10 +232,4 @@ def off_policy_shape(mode, lp, p, params):
     """Off-policy shaped probability f(p) and df/dl from the registered reshape (autograd when needed)."""
     fn = OFF_POLICY_RESHAPES.get(mode)
     f, df = fn(lp, p, params)
-    if df is None:
-        with torch.enable_grad():
-            x = lp.detach().requires_grad_(True)
-            f = fn(x, torch.exp(x), params)[0]
-            (df,) = torch.autograd.grad(f, x, torch.ones_like(f))
-        f = f.detach()
-    return f, df
+    return _by_autograd(lambda x: fn(x, torch.exp(x), params)[0], lp) if df is None else (f, df)

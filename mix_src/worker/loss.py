@@ -8,23 +8,10 @@ the scalar terms of mix_src/algo/loss_terms.py's LOSS_TERMS summed in their orde
 with the engine's global batch numbers (dp_size, batch_num_tokens, global_batch_size), so a mini-batch's gradient
 does not depend on its micro-batch split. With an all-zero prefix_mask it equals verl's ppo_loss.
 
-Policy loss (``mix.loss``; each option's maths is documented in the module named):
-    default                 loss_terms.token_loss (another loss_mode on on-policy tokens: worker/onpolicy_losses.py)
-    use_sft_multitask_loss  PPO-clip on the on-policy rows + sft_loss_coef * NLL of the prefix tokens, aggregated by
-                            mix.loss.sft_loss_agg (mix_src/algo/row_loss.py SFT_AGGS).
-    off_policy_behaviour    w = exp(l - l_b) in place of p on prefix tokens (mix_src/algo/off_policy_behaviour.py).
-    row_loss                a per-row policy-loss / SFT choice (mix_src/algo/row_loss.py).
-    combine                 PPO-clip on on-policy rows combined with expert tokens (mix_src/algo/loss_combine.py).
-    prefix_token_select     which prefix tokens keep their advantage (mix_src/algo/prefix_select.py).
-Entropy bonus: -c * entropy_loss with c = actor.entropy_coeff, or learned (use_adaptive_entropy:
-    core_alg.AdaptiveEntropyCoef, stepped once per mini-batch on its token-mean entropy, all-reduced over DP),
-    or entropy_coeff * target_entropy / H with H this micro-batch's token-mean entropy (adaptive_entropy_fixed,
-    as the original; the one variant that depends on the micro-batch split).
-all_max_clip with token-mean: the mean is over the kept tokens of the whole mini-batch, counted from old_log_probs
-    (loss_inputs.add_kept_token_counts); a token whose p crosses c during the step follows the current p (LUFFY's).
-Per-row clip choice: a rollout policy may put REMOVE_CLIP (bsz,) 0/1 into the batch in place of
-    mix.loss.loss_remove_clip (recipes/exgrpo).
-KL loss (actor.use_kl_loss): loss_terms.kl_term, over every valid token (the original crashes with the off-policy loss).
+Each `mix.loss` option, its formula and the module that holds its maths: mix_src/README.md "Loss options". Beyond
+that table: adaptive_entropy_fixed is the one variant that depends on the micro-batch split (as the original); with
+all_max_clip and token-mean the kept tokens are counted from old_log_probs (loss_inputs.add_kept_token_counts); a
+rollout policy may put REMOVE_CLIP (bsz,) 0/1 into the batch in place of mix.loss.loss_remove_clip (recipes/exgrpo).
 Metrics: verl's names (actor/pg_loss, actor/pg_clipfrac, actor/ppo_kl, actor/pg_clipfrac_lower, actor/entropy_loss,
 kl_loss, kl_coef) plus LUFFY's (loss_terms.TOKEN_METRICS as actor/<name>) and those of the features above.
 """
@@ -60,12 +47,7 @@ __all__ = ["COMBINE_FIELDS", "ENTROPY_STATE", "KEPT_TOKENS", "MixLossConfig", "M
            "add_combine_inputs", "add_kept_token_counts", "add_sft_token_counts", "pop_entropy_state"]
 
 _VERL_NAMES = {"on_pg_clipfrac": "pg_clipfrac", "on_pg_clipfrac_lower": "pg_clipfrac_lower"}  # the kernel's -> verl's
-
-
-def _metric_name(token_metric: str) -> str:
-    """The logged name of a TOKEN_METRICS entry: verl's where verl has one, else LUFFY's, under actor/."""
-    return f"actor/{_VERL_NAMES.get(token_metric, token_metric)}"
-
+_METRIC_NAMES = {k: f"actor/{_VERL_NAMES.get(k, k)}" for k in TOKEN_METRICS}  # logged: verl's name, else LUFFY's
 
 _ON_KEYS = ("on_policy_reshape", "on_policy_reshape_gamma", "on_policy_reshape_weight", "on_policy_reshape_pow_exp")
 _OFF_KEYS = ("off_policy_reshape", "off_policy_reshape_gamma", "off_policy_reshape_weight", "off_policy_reshape_pow_exp",
@@ -85,11 +67,6 @@ def _row_values(data: TensorDict, keys, feature: str, helper: str) -> dict[str, 
                              f"than {helper} assumed (actor.shuffle must be false)")
         values[key] = float(value.reshape(-1)[0]) if value.numel() else 0.0
     return values
-
-
-def _row_count(data: TensorDict, key: str, feature: str, helper: str) -> float:
-    """A global mini-batch count of ``_row_values``, at least 1 (a count of 0 has a numerator of 0 too)."""
-    return max(_row_values(data, (key,), feature, helper)[key], 1.0)
 
 
 def install_loss(worker_group: Any, loss: "MixPolicyLoss") -> None:
@@ -196,8 +173,7 @@ class MixPolicyLoss:
 
         info = dict(dp_size=data["dp_size"], batch_num_tokens=data["batch_num_tokens"],
                     global_batch_size=data["global_batch_size"], loss_scale_factor=config.loss_scale_factor)  # fmt: skip
-        global_norm = (info["dp_size"] > 1 or info["batch_num_tokens"] is not None
-                       or info["global_batch_size"] is not None or info["loss_scale_factor"] is not None)  # fmt: skip
+        global_norm = info["dp_size"] > 1 or any(v is not None for k, v in info.items() if k != "dp_size")
         total_agg = AggregationType.SUM if global_norm else AggregationType.MEAN  # as verl's ppo_loss
 
         if "prefix_mask" not in data.keys():
@@ -258,8 +234,9 @@ class MixPolicyLoss:
         mix, batch, prefix_mask = self.mix, ctx.batch, ctx.prefix_mask
         policy_info = ctx.info
         if self.kept_token_counts:
-            kept = _row_count(ctx.data, KEPT_TOKENS, "mix.loss.all_max_clip with token-mean", "add_kept_token_counts")
-            policy_info = dict(ctx.info, batch_num_tokens=kept)
+            feature = "mix.loss.all_max_clip with token-mean"
+            kept = _row_values(ctx.data, (KEPT_TOKENS,), feature, "add_kept_token_counts")[KEPT_TOKENS]
+            policy_info = dict(ctx.info, batch_num_tokens=max(kept, 1.0))  # 0 kept tokens: a numerator of 0 too
         token_batch = partial(TokenBatch, batch["old_log_probs"], ctx.log_prob,
                               loss_remove_clip=self._remove_clip(ctx.data, ctx.response_mask),
                               rollout_is_weights=batch.get("rollout_is_weights", None), **policy_info)  # fmt: skip
@@ -286,8 +263,8 @@ class MixPolicyLoss:
                 pg_loss = pg_loss + self._verl_on_policy_term(batch, ctx.log_prob, ctx.advantages, rl_mask, prefix_mask,
                                                               policy_info, out)  # fmt: skip
         values = torch.stack([out[k].float() for k in TOKEN_METRICS]).tolist()  # one host sync
-        names = [_metric_name(k) for k in TOKEN_METRICS]
-        ctx.metrics.update(Metric.from_dict(dict(zip(names, values)), aggregation=AggregationType.MEAN))
+        ctx.metrics.update(Metric.from_dict(dict(zip(_METRIC_NAMES.values(), values)),
+                                            aggregation=AggregationType.MEAN))  # fmt: skip
         return pg_loss
 
     def _verl_on_policy_term(self, batch, log_prob, advantages, rl_mask, prefix_mask, policy_info, out):
@@ -302,7 +279,7 @@ class MixPolicyLoss:
             policy_info, batch.get("rollout_is_weights", None),
         )  # fmt: skip
         for key in ("on_pg_clipfrac", "on_pg_clipfrac_lower", "ppo_kl"):
-            out[key] = torch.as_tensor(float(verl_metrics.get(_metric_name(key), 0.0)))
+            out[key] = torch.as_tensor(float(verl_metrics.get(_METRIC_NAMES[key], 0.0)))
         out["on_pg_loss"] = loss.detach()
         return loss
 
@@ -330,7 +307,8 @@ class MixPolicyLoss:
             grad_accum = max(float(info["global_batch_size"]) / info["dp_size"] / float(micro_rows), 1.0)
         sft_tokens = None  # the SFT tokens of this micro-batch's global mini-batch (add_sft_token_counts)
         if SFT_TOKENS in data.keys():
-            sft_tokens = _row_count(data, SFT_TOKENS, "mix.loss.row_loss", "add_sft_token_counts")
+            counted = _row_values(data, (SFT_TOKENS,), "mix.loss.row_loss", "add_sft_token_counts")[SFT_TOKENS]
+            sft_tokens = max(counted, 1.0)  # 0 SFT tokens: a numerator of 0 too
         return SftScale(sft_tokens, int(info["dp_size"]), grad_accum, policy_agg)
 
     def _combined_policy_loss(self, ctx: "_LossContext", token_batch: Callable[..., TokenBatch]):
@@ -383,16 +361,13 @@ class MixPolicyLoss:
         local = torch.stack([(entropy.detach() * response_mask).sum(), response_mask.sum()]).double()
         if info["dp_size"] > 1 and dp_group is not None and torch.distributed.is_initialized():
             torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.SUM, group=dp_group)
-        self._pending_entropy[0] += float(local[0])
-        self._pending_entropy[1] += float(local[1])
+        self._pending_entropy = [total + float(part) for total, part in zip(self._pending_entropy, local)]
         total = info["batch_num_tokens"]
         if total is None or self._pending_entropy[1] >= total:
             tokens = self._pending_entropy[1]
             mean_entropy = self._pending_entropy[0] / tokens if tokens else self._entropy_coef.target_entropy
             update = self._entropy_coef.update(mean_entropy)
-            metrics["actor/alpha_loss"] = update["alpha_loss"]
-            metrics["actor/log_alpha"] = update["log_alpha"]
-            for key, value in self._entropy_coef.state().items():
-                metrics[ENTROPY_STATE + key] = value
+            metrics.update({f"actor/{k}": update[k] for k in ("alpha_loss", "log_alpha")})
+            metrics.update({ENTROPY_STATE + k: v for k, v in self._entropy_coef.state().items()})
             self._pending_entropy = [0.0, 0.0]
         return coef

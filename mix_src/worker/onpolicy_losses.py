@@ -2,40 +2,19 @@
 
 verl 0.9.1 registers its policy losses with ``register_policy_loss`` (``verl/trainer/ppo/core_algos.py``:
 vanilla ~1285, dppo_tv ~1379, dppo_kl ~1460, gspo ~1545, sapo ~1622, gpg ~1707, clip_cov ~1743, kl_cov ~1848,
-geo_mean ~1928, dro ~2014, cispo ~2047, bypass_mode ~2413). Under the MIX loss (mix_src/worker/loss.py) a batch's tokens
-split in two (LUFFY, arXiv 2504.14945 section 3; official mix_core_alg.py ``compute_token_on_off_policy_loss``):
+geo_mean ~1928, dro ~2014, cispo ~2047, bypass_mode ~2413). Under the MIX loss (mix_src/worker/loss.py) the on-policy
+tokens get verl's own ``get_policy_loss_fn(loss_mode)`` (the on-policy mask as its ``response_mask``), the prefix
+tokens LUFFY's -A f(p) by ``loss_terms.token_loss`` with the on-policy tokens' advantage set to 0 (LUFFY, arXiv
+2504.14945 section 3; official mix_core_alg.py ``compute_token_on_off_policy_loss``). ``vanilla`` (``luffy_kernel``):
+the LUFFY kernel computes both sides. Every other mode: :func:`on_policy_term`.
 
-    on-policy tokens  verl's own ``get_policy_loss_fn(loss_mode)``, called with the on-policy mask as its
-                      ``response_mask``, so verl's maths is ours;
-    prefix tokens     LUFFY's shaped term -A * f(p) by ``loss_terms.token_loss`` with the on-policy tokens'
-                      advantage set to 0 (they add exactly 0 and no gradient, but stay in its token and row counts).
-
-``vanilla`` (``luffy_kernel=True``): the LUFFY kernel computes both sides. Every other mode: :func:`on_policy_term`.
-
-How the two terms add up to the paper's normalisation (pg_loss = on-term + off-term, both over the same global
-numbers N tokens, S rows, W horizon, dp_size D of the mini-batch, exactly as one agg_loss over all tokens):
-    token-mean, token-sum, seq-mean-token-sum(-norm): verl's function aggregates with the actor's mode and the
-        SAME global N / S / W as the off-term (without engine numbers, counted over all valid tokens / rows), so
-        on-term + off-term = agg_loss(all tokens), exactly (all linear in the token losses).
-    luffy-token-sum-norm (unknown to verl's agg_loss, core_algos.py ~1140-1206): ``token-sum``, divided by W.
-    seq-mean-token-mean: verl divides a row's sum by its on-policy token count; each on-policy token's loss is
-        multiplied (through ``rollout_is_weights``, which every token-level verl loss multiplies in) by n_on / n_valid
-        of its row, so the row is divided by all its valid tokens, as the off-term does (rows without a prefix: 1.0).
-A mode's entry may fix its own aggregation: SAPO always uses seq-mean-token-mean (core_algos.py ~1689, treated
-as above); GMPO (geo_mean) takes ``torch.mean`` over the micro-batch's rows (~2000), which we rescale by
-B_micro * D / S so micro-batches add up to the mean over the global mini-batch (verl's own geo_mean depends on
-the micro-batch split; with one micro-batch and D=1 the factor is 1.0).
-
-Sequence-level losses see a row's generated tokens only: GSPO's sequence ratio (core_algos.py ~1583-1589) and
-GMPO's geometric mean and mean advantage (~1983-1987) run over them; prefix tokens never enter an on-policy ratio.
-
-Micro-batch exactness: every mode is exact except clip_cov and kl_cov, which pick their tokens from per-micro-batch
-statistics (core_algos.py ~1812-1819 and ~1905-1907; verl's own ppo_loss has the same dependence).
-
-LUFFY's knobs under the other modes: one rule per knob, read off the entry's declared properties
-(:func:`knob_refusals`, each reason naming the key); the mode x knob table is in recipes/guided_gspo/README.md.
-A plugin's ``@register_policy_loss`` loss works without an entry: it gets :data:`PLUGIN_DEFAULT` (token-level, the
-actor's aggregation, not micro-batch exact) unless it calls :func:`register_on_policy_mode`.
+How the two terms add up to one agg_loss over all tokens (same global N, S, W, D), per mode, what prefix tokens get
+and the mode x knob table (:func:`knob_refusals`): recipes/guided_gspo/README.md. verl's sources behind it:
+luffy-token-sum-norm is unknown to verl's agg_loss (core_algos.py ~1140-1206); SAPO always uses seq-mean-token-mean
+(~1689); GMPO takes ``torch.mean`` over the micro-batch's rows (~2000), rescaled here by B_micro * D / S; GSPO's
+sequence ratio (~1583-1589) and GMPO's geometric mean (~1983-1987) run over a row's generated tokens only; clip_cov
+and kl_cov pick tokens from per-micro-batch statistics (~1812-1819, ~1905-1907), so they are not micro-batch exact.
+A plugin's ``@register_policy_loss`` loss gets :data:`PLUGIN_DEFAULT` unless it calls :func:`register_on_policy_mode`.
 """
 
 from __future__ import annotations
@@ -63,7 +42,6 @@ class OnPolicyMode:
     clip_high_is_ratio_bound: bool = False  # it bounds the ratio above by 1 + clip_ratio_high
     luffy_kernel: bool = False  # the LUFFY kernel computes the on-policy term (vanilla)
     refused: str = ""  # why it cannot be the on-policy term ("" = usable)
-    prefix_line: str = ""  # what prefix tokens / mixed rows get (the README's per-mode line)
 
 
 ON_POLICY_MODES: dict[str, OnPolicyMode] = {}
@@ -75,38 +53,27 @@ def register_on_policy_mode(entry: OnPolicyMode) -> OnPolicyMode:
     return entry
 
 
-_TOKENS = "prefix tokens get LUFFY's -A f(p); the generated tokens of every row get verl's {} loss"
 for _entry in (
-    OnPolicyMode("vanilla", luffy_kernel=True, clip_high_is_ratio_bound=True,
-                 prefix_line="the LUFFY kernel: PPO-clip on generated tokens, -A f(p) on prefix tokens (paper)"),
-    OnPolicyMode("gspo", sequence_level=True, clip_high_is_ratio_bound=True,
-                 prefix_line="the sequence ratio is the mean log-ratio over a row's generated tokens only; "
-                             "prefix tokens get -A f(p)"),
-    OnPolicyMode("geo_mean", aggregation=ROW_MEAN, sequence_level=True,
-                 prefix_line="the geometric-mean ratio and mean advantage run over a row's generated tokens only; "
-                             "rows are averaged over the global mini-batch; prefix tokens get -A f(p)"),
-    OnPolicyMode("sapo", aggregation="seq-mean-token-mean", ratio_clip=False,
-                 prefix_line=_TOKENS.format("soft-gated") + "; a mixed row is divided by all its valid tokens"),
-    OnPolicyMode("cispo", clip_high_is_ratio_bound=True, prefix_line=_TOKENS.format("clipped-IS-weight")),
-    OnPolicyMode("gpg", ratio_clip=False, prefix_line=_TOKENS.format("-A log p")),
-    OnPolicyMode("dro", ratio_clip=False, prefix_line=_TOKENS.format("DRO")),
-    OnPolicyMode("dppo_tv", prefix_line=_TOKENS.format("DPPO-TV")),
-    OnPolicyMode("dppo_kl", prefix_line=_TOKENS.format("DPPO-KL")),
-    OnPolicyMode("clip_cov", micro_batch_exact=False, clip_high_is_ratio_bound=True,
-                 prefix_line=_TOKENS.format("Clip-Cov") + " (its clipped tokens are picked among generated ones)"),
-    OnPolicyMode("kl_cov", micro_batch_exact=False, ratio_clip=False,
-                 prefix_line=_TOKENS.format("KL-Cov") + " (its penalised tokens are picked among generated ones)"),
+    OnPolicyMode("vanilla", luffy_kernel=True, clip_high_is_ratio_bound=True),
+    OnPolicyMode("gspo", sequence_level=True, clip_high_is_ratio_bound=True),
+    OnPolicyMode("geo_mean", aggregation=ROW_MEAN, sequence_level=True),
+    OnPolicyMode("sapo", aggregation="seq-mean-token-mean", ratio_clip=False),
+    OnPolicyMode("cispo", clip_high_is_ratio_bound=True),
+    OnPolicyMode("gpg", ratio_clip=False),
+    OnPolicyMode("dro", ratio_clip=False),
+    OnPolicyMode("dppo_tv"),
+    OnPolicyMode("dppo_kl"),
+    OnPolicyMode("clip_cov", micro_batch_exact=False, clip_high_is_ratio_bound=True),
+    OnPolicyMode("kl_cov", micro_batch_exact=False, ratio_clip=False),
     OnPolicyMode("bypass_mode", refused=(
         "verl selects it itself for algorithm.rollout_correction.bypass_mode=true: apply_bypass_mode "
         "(verl/trainer/ppo/rollout_corr_helper.py ~1109-1144) overwrites old_log_probs with rollout_log_probs for "
         "every token (prefix tokens have none: the agent loop writes 0) and the MIX trainers always recompute old "
-        "log-probs; use decoupled rollout correction (rollout_is / rollout_rs), which keeps prefix tokens out"),
-        prefix_line="refused (use decoupled rollout correction)"),
+        "log-probs; use decoupled rollout correction (rollout_is / rollout_rs), which keeps prefix tokens out")),
 ):  # fmt: skip
     register_on_policy_mode(_entry)
 
-PLUGIN_DEFAULT = OnPolicyMode("<plugin>", micro_batch_exact=False,
-                              prefix_line=_TOKENS.format("plugin's"))  # fmt: skip
+PLUGIN_DEFAULT = OnPolicyMode("<plugin>", micro_batch_exact=False)  # token-level, the actor's aggregation
 
 
 def mode_entry(loss_mode: str) -> OnPolicyMode:
