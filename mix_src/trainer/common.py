@@ -1,9 +1,6 @@
-"""What both trainer bases do the same way, written once: prefix seeding, the FLOPs meter (``flops/*``,
-``mix.flops_budget``), the checkpointed ``mix_state.pt`` and the MIX worker loss.
-
-:class:`MixTrainerCommon` is a mixin of both bases; every attribute has a class default, so the stage tests' trainers
-built without ``__init__`` work.
-"""
+"""What both trainer bases do the same way: prefix seeding, the rollout policy's call, the FLOPs meter (``flops/*``,
+``mix.flops_budget``), the checkpointed ``mix_state.pt`` and the MIX worker loss. Every attribute of the mixin
+:class:`MixTrainerCommon` has a class default, so the stage tests' trainers built without ``__init__`` work."""
 
 from __future__ import annotations
 
@@ -17,6 +14,7 @@ from verl.utils.config import omega_conf_to_dataclass
 from mix_src.algo.flops import COUNTS, add_step_flops, rollout_flops, shape_unreadable
 from mix_src.worker.loss import MixPolicyLoss, add_combine_inputs, add_kept_token_counts, install_loss, pop_entropy_state
 from mix_src.algo.seeding import request_seeds
+from mix_src.trainer.rollout_policy import ROLLOUT_POLICIES, RolloutContext
 from mix_src.trainer.stages import MIX_STATE_FILE, draw_prefix_ratios, model_shape
 
 __all__ = ["MixTrainerCommon"]
@@ -45,6 +43,17 @@ class MixTrainerCommon:
         tokens never depend on its arrival order at the server (mix_src/algo/seeding.py)."""
         seed = int(self.config.actor_rollout_ref.rollout.get("seed") or 0)
         return request_seeds(seed, self.global_steps, gen_index, num_prompts, self.n)
+
+    def _run_rollout_policy(self, batch: Any, gen_index: int, **context) -> Any:
+        """``mix.rollout_policy`` on one generation batch (B = num_prompts * n rows, i*n + j) with the base's
+        ``context`` (RolloutContext's generate, prefix_ratios, records, entropy); returns its B rows."""
+        ctx = RolloutContext(batch=batch, n=self.n, global_step=self.global_steps, mix=self.mix,
+                             rng=np.random.default_rng([self.prefix_seed, self.global_steps, gen_index, 1]),
+                             state=self._policy_state(), tokenizer=getattr(self, "tokenizer", None), **context)
+        out = ROLLOUT_POLICIES.get(self.mix.rollout_policy)(ctx)
+        if len(out) != len(batch):
+            raise ValueError(f"rollout policy {self.mix.rollout_policy!r} returned {len(out)} rows for {len(batch)}")
+        return out
 
     # ---- FLOPs (mix_src/algo/flops.py) ----------------------------------------------------------------------------
     def _flops_totals(self) -> dict:

@@ -18,7 +18,6 @@ from verl.utils.debug import marked_timer
 from mix_src.algo.filter_groups import filter_groups, plan_train_batch
 from mix_src.algo.flops import lengths_from_masks
 from mix_src.trainer.dataset import TARGET_FIELD
-from mix_src.trainer.rollout_policy import ROLLOUT_POLICIES, RolloutContext
 from mix_src.trainer.rollout_policy import solved as rows_solved
 from mix_src.trainer.stages import (FilterGroupsExhausted, filter_metric_values, luffy_metrics, pass_arguments,
                                     pass_row_seeds, prefix_mask_tensor)  # fmt: skip
@@ -140,18 +139,12 @@ class LegacyCollect:
             self._count_rollout_flops(part)
             return self._extract_reward(part)
 
-        seed = [self.prefix_seed, self.global_steps, gen_index]
-        ctx = RolloutContext(
-            batch=batch, n=self.n, global_step=self.global_steps, mix=self.mix, generate=generate,
-            prefix_ratios=lambda: self._row_ratios(len(batch) // self.n, gen_index, gen_batch.non_tensor_batch.get(TARGET_FIELD)),
-            rng=np.random.default_rng([*seed, 1]),
-            records=records, state=self._policy_state(), tokenizer=getattr(self, "tokenizer", None),
-            entropy=self._actor_entropy,
-        )  # fmt: skip
-        out = ROLLOUT_POLICIES.get(self.mix.rollout_policy)(ctx)
+        def prefix_ratios() -> np.ndarray:
+            return self._row_ratios(len(batch) // self.n, gen_index, gen_batch.non_tensor_batch.get(TARGET_FIELD))
+
+        out = self._run_rollout_policy(batch, gen_index, generate=generate, prefix_ratios=prefix_ratios,
+                                       records=records, entropy=self._actor_entropy)  # fmt: skip
         timing.update(merge_rollout_timing(passes))  # min/max/mean keep their meaning over several passes
-        if len(out) != len(batch):
-            raise ValueError(f"rollout policy {self.mix.rollout_policy!r} returned {len(out)} rows for {len(batch)}")
         return out
 
     def _extract_reward(self, batch: DataProto) -> DataProto:

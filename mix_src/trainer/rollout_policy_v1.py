@@ -1,19 +1,10 @@
-"""Rollout policies with several generation passes on verl's V1 trainer (``trainer.use_v1=true``).
-
-verl's V1 agent loop runs each sample in its own session and writes the scored rows back as keys
-``{uid}_{session}_0`` (``verl/trainer/ppo/v1/trainer_base.py`` ``_submit_batch_to_rollout``, ``agent_loop_tq.py``
-``_run_prompt``); its replay buffer samples a group once its prompt key says ``finished``. ``prefix_guided`` streams
-through that path (``v1_stream=True``); any other policy of :data:`mix_src.trainer.rollout_policy.ROLLOUT_POLICIES`
-runs here:
-
-* :meth:`V1PolicyRunner.generate_sequences` stands in for verl's agent-loop manager in ``_submit_batch_to_rollout``;
-  its context's ``generate(ratios, rows)`` submits one single-session scratch prompt per row (``__rollout_n__=1``)
-  to verl's manager, waits for them, and returns a view of the rows (:meth:`V1PolicyRunner._view`) that
-  :func:`~mix_src.trainer.rollout_policy.replace_rows` merges like legacy rows;
-* the rows the policy returns are copied under their group's keys ``{uid}_{j}_0``, the scratch keys cleared and
-  the prompt key marked ``finished``: every later stage sees an ordinary group.
-
-The passes block the driver: in ``colocate_async`` generation of these groups no longer overlaps training.
+"""Rollout policies with several generation passes on verl's V1 trainer (``trainer.use_v1=true``): every policy of
+:data:`mix_src.trainer.rollout_policy.ROLLOUT_POLICIES` but a streamed one (``v1_stream=True``) runs here, pass by pass
+(mix_src/README.md "Two trainer bases", row "rollout policies"). :class:`V1PolicyRunner` stands in for verl's
+agent-loop manager in ``_submit_batch_to_rollout`` (``verl/trainer/ppo/v1/trainer_base.py``; verl writes each scored
+row back as ``{uid}_{session}_0``, ``agent_loop_tq.py`` ``_run_prompt``): each ``ctx.generate`` submits one
+single-session scratch prompt per row (``__rollout_n__=1``) and waits; the rows the policy returns are copied under
+their group's keys ``{uid}_{j}_0``, the scratch keys cleared and the prompt key marked ``finished``.
 """
 
 from __future__ import annotations
@@ -30,7 +21,6 @@ from verl import DataProto
 from verl.utils import tensordict_utils as tu
 
 from mix_src.trainer.dataset import TARGET_FIELD
-from mix_src.trainer.rollout_policy import ROLLOUT_POLICIES, RolloutContext
 from mix_src.trainer.stages import pass_arguments, pass_row_seeds, prefix_mask_tensor
 from mix_src.trainer.v1_replay import extra_fields, tag_lengths
 
@@ -91,17 +81,9 @@ class V1PolicyRunner:
             out.non_tensor_batch["uid"] = np.asarray(group_uids, dtype=object)
             return out
 
-        trainer = self.trainer
-        seed = [trainer.prefix_seed, trainer.global_steps, self.gen_index]
-        ctx = RolloutContext(
-            batch=DataProto(non_tensor_batch=view), n=n, global_step=trainer.global_steps, mix=trainer.mix,
-            generate=generate, prefix_ratios=lambda: ratios.copy(), rng=np.random.default_rng([*seed, 1]),
-            records=records, state=trainer._policy_state(), tokenizer=getattr(trainer, "tokenizer", None),
-        )  # fmt: skip
         try:
-            out = ROLLOUT_POLICIES.get(trainer.mix.rollout_policy)(ctx)
-            if len(out) != n * P:
-                raise ValueError(f"rollout policy {trainer.mix.rollout_policy!r} returned {len(out)} rows for {n * P}")
+            out = self.trainer._run_rollout_policy(DataProto(non_tensor_batch=view), self.gen_index, generate=generate,
+                                                   prefix_ratios=lambda: ratios.copy(), records=records)  # fmt: skip
             self._commit(out, uids)
         finally:
             self._clear_scratch()
@@ -124,16 +106,10 @@ class V1PolicyRunner:
         self.manager.generate_sequences(sub)
         keys, tags = self._wait(scratch)
         view = self._view(keys)
-        self._count_flops(view, [tags[k] for k in keys])
+        if hasattr(self.trainer, "add_rollout_flops"):  # every row the pass generated, kept or not
+            p, r = tag_lengths([tags[k] for k in keys])
+            self.trainer.add_rollout_flops(p, r, r - view.batch["prefix_mask"].long().sum(-1).numpy())
         return view
-
-    def _count_flops(self, view, tags: list[dict]) -> None:
-        """The pass's generation FLOPs (every row it generated, kept or not) to the trainer's next step count."""
-        add = getattr(self.trainer, "add_rollout_flops", None)
-        if add is None:
-            return
-        p, r = tag_lengths(tags)
-        add(p, r, r - view.batch["prefix_mask"].long().sum(-1).numpy())
 
     def _wait(self, scratch: list[str]) -> tuple[list[str], dict]:
         """Wait until every scratch group is terminal; return the row keys, one per scratch uid, in order, and the

@@ -1,9 +1,6 @@
 """LUFFY's per-step pieces, called by both trainer bases (:mod:`mix_src.trainer.legacy`, :mod:`mix_src.trainer.v1`),
-independent of how the trainer stores its batch (``DataProto`` in the legacy loop, TransferQueue fields in V1).
-
-``mix`` arguments are the validated ``mix:`` section (``MixConfig``), typed ``Any``: this module does not import the
-config schema, which imports the rollout policies, which import this module.
-"""
+independent of how the trainer stores its batch. ``mix``: the validated ``MixConfig``, typed ``Any`` (the config
+schema imports the rollout policies, which import this module)."""
 
 from __future__ import annotations
 
@@ -53,9 +50,8 @@ def model_shape(trainer: Any):
     return trainer._flops_shape
 
 
-def draw_prefix_ratios(
-    mix: Any, num_prompts: int, n: int, *, seed: int, global_step: int, gen_index: int, targets: Optional[Sequence]
-) -> np.ndarray:
+def draw_prefix_ratios(mix: Any, num_prompts: int, n: int, *, seed: int, global_step: int, gen_index: int,
+                       targets: Optional[Sequence]) -> np.ndarray:
     """One prefix ratio per row, float64 (num_prompts * n,), rows ``i*n + j`` (prompt i, sample j), drawn from
     ``np.random.default_rng([seed, global_step, gen_index])`` (a resumed run draws what an uninterrupted one drew).
     ``targets``: one per row (or None); rows without a non-empty string target get 0."""
@@ -99,15 +95,9 @@ def prefix_mask_tensor(row_masks: Sequence, response_mask: torch.Tensor) -> torc
     return out & response_mask.bool()
 
 
-def luffy_advantages(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    uids: Sequence,
-    prefix_mask: torch.Tensor,
-    algorithm: Any,
-    mix: Any,
-    verl_estimator: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-) -> tuple[torch.Tensor, torch.Tensor]:
+def luffy_advantages(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uids: Sequence,
+                     prefix_mask: torch.Tensor, algorithm: Any, mix: Any,
+                     verl_estimator: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
     """(bsz, L) advantages and returns: a prefix-aware estimator of :data:`~mix_src.trainer.adv_estimators.ADV_ESTIMATORS`
     with ``prefix_mask`` (bsz, L) bool, any other ``verl_estimator()``; then LUFFY's prefix weights
     ``A <- A * (alpha * g + beta * (1 - g))``. token_level_rewards, response_mask: (bsz, L); uids: (bsz,)."""
@@ -203,10 +193,8 @@ def luffy_metrics(solved: np.ndarray, prefix_mask: torch.Tensor, response_mask: 
 SUMMED_REWARD_METRICS = ("reward", "seq_reward")
 
 
-def filter_metric_values(
-    metric: Optional[str], summed_reward: Callable[[], Sequence[float]], extra: Callable[[str], Optional[Sequence]],
-    extra_keys: Sequence[str] = (),
-) -> np.ndarray:
+def filter_metric_values(metric: Optional[str], summed_reward: Callable[[], Sequence[float]],
+                         extra: Callable[[str], Optional[Sequence]], extra_keys: Sequence[str] = ()) -> np.ndarray:
     """(rows,) float64: each row's value of the group-filter metric ``metric`` (unset: ``reward``).
     ``summed_reward()``: the rows' summed token scores; ``extra(name)``: the rows' values of the reward's extra key
     ``name`` (None when some row lacks it); ``extra_keys``: the reward's extra keys, for the error."""
@@ -223,24 +211,21 @@ def filter_metric_values(
     return np.asarray(values, dtype=np.float64)
 
 
-def length_clip_metrics(
-    prompt_length: torch.Tensor, response_length: torch.Tensor, max_prompt_length: int, max_response_length: int
-) -> dict[str, float]:
+def length_clip_metrics(prompt_length: torch.Tensor, response_length: torch.Tensor, max_prompt_length: int,
+                        max_response_length: int) -> dict[str, float]:
     """``prompt_length/clip_ratio``, ``response_length/clip_ratio``, ``response_length_non_aborted/clip_ratio``:
     the fraction of rows cut at the configured limit. ``prompt_length``, ``response_length``: (bsz,) token counts.
 
     verl's ``compute_data_metrics`` (``metric_utils.py`` 459, 592) compares with the batch tensors' width: the limit
     on the legacy base, the step's longest row on V1. Both bases overwrite verl's three values with these."""
-    prompt_length, response_length = prompt_length.float(), response_length.float()
+
+    def clipped(lengths: torch.Tensor, limit: int) -> float:  # NaN over no rows (every row aborted), as verl logs it
+        return torch.eq(lengths.float(), limit).float().mean().item()
+
     non_aborted = response_length[response_length > 0]
-    out = {
-        "prompt_length/clip_ratio": torch.eq(prompt_length, max_prompt_length).float().mean().item(),
-        "response_length/clip_ratio": torch.eq(response_length, max_response_length).float().mean().item(),
-    }
-    out["response_length_non_aborted/clip_ratio"] = (  # NaN when every row aborted, as verl logs it
-        torch.eq(non_aborted, max_response_length).float().mean().item() if non_aborted.numel() else float("nan")
-    )
-    return out
+    return {"prompt_length/clip_ratio": clipped(prompt_length, max_prompt_length),
+            "response_length/clip_ratio": clipped(response_length, max_response_length),
+            "response_length_non_aborted/clip_ratio": clipped(non_aborted, max_response_length)}
 
 
 # ---- rollout vs actor: on-policy tokens only. A prefix (target) token has no rollout log-prob (the agent loop writes

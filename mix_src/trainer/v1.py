@@ -4,14 +4,7 @@
 Each is :class:`MixV1Mixin` in front of verl's trainer for that mode (``verl/trainer/ppo/v1/trainer_sync.py``,
 ``trainer_colocate_async.py``, ``trainer_separate_async.py``): verl keeps the loop, the replay buffer, the weight
 sync and the checkpoints; the mixin fills LUFFY into verl's overridable steps (``verl/trainer/ppo/v1/trainer_base.py``).
-What the legacy base does too lives in :mod:`mix_src.trainer.stages` and :mod:`mix_src.trainer.common`.
-
-Which policy the log-probs come from (``trainer_base.py`` ``_compute_old_log_prob``): ``old_log_probs`` are
-recomputed by the actor at the start of each step in every mode, for expert and on-policy rows alike (V1's
-"decoupled" mode; ``algorithm.rollout_correction.bypass_mode`` is refused with prefixes). In the async modes an
-on-policy row may come from older weights: its PPO ratio is taken against the current policy and verl's decoupled
-rollout correction covers its on-policy tokens. An expert row never goes stale: its loss ``-A * f(p)`` uses only
-the current policy's probability. Rollout correction never reweights prefix tokens (weight 1).
+Which policy the old log-probs come from in each mode: mix_src/README.md "Two trainer bases".
 """
 
 from __future__ import annotations
@@ -51,13 +44,8 @@ from mix_src.trainer.v1_replay import V1ReplayBufferRules, make_dapo_filtered_ke
 from mix_src.trainer.v1_replay import extra_fields as _extra_fields, tag_lengths, tq_prefix_mask
 from mix_src.worker.loss import COMBINE_FIELDS, KEPT_TOKENS
 
-__all__ = ["MixTaskRunnerV1", "MixV1Mixin", "MixPPOTrainerSync", "MixPPOTrainerColocateAsync", "MixPPOTrainerSeparateAsync",
-           "mix_trainer_name"]  # fmt: skip
-
-
-def mix_trainer_name(trainer_mode: str) -> str:
-    """Registry name of the LUFFY trainer for ``trainer.v1.trainer_mode``."""
-    return f"mix_{trainer_mode}"
+__all__ = ["MixTaskRunnerV1", "MixV1Mixin", "MixPPOTrainerSync", "MixPPOTrainerColocateAsync",
+           "MixPPOTrainerSeparateAsync"]
 
 
 class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
@@ -363,12 +351,12 @@ def _actor_dp_size(worker_group) -> int:
     return max(worker_group._dispatch_info["actor"]) + 1
 
 
-@register_trainer(mix_trainer_name("sync"))
+@register_trainer("mix_sync")  # mix_<trainer.v1.trainer_mode>
 class MixPPOTrainerSync(MixV1Mixin, PPOTrainerSync):
     """LUFFY on verl's synchronous V1 trainer (rollout and training colocated, no partial rollout)."""
 
 
-@register_trainer(mix_trainer_name("colocate_async"))
+@register_trainer("mix_colocate_async")  # mix_<trainer.v1.trainer_mode>
 class MixPPOTrainerColocateAsync(MixV1Mixin, PPOTrainerColocateAsync):
     """LUFFY on verl's colocated asynchronous V1 trainer (partial rollout, warm-up batches)."""
 
@@ -381,7 +369,7 @@ class _DropFlush(logging.LoggerAdapter):
         return msg, kwargs
 
 
-@register_trainer(mix_trainer_name("separate_async"))
+@register_trainer("mix_separate_async")  # mix_<trainer.v1.trainer_mode>
 class MixPPOTrainerSeparateAsync(MixV1Mixin, PPOTrainerSeparateAsync):
     """LUFFY on verl's separate asynchronous V1 trainer (standalone rollout pool)."""
 
@@ -399,7 +387,7 @@ class MixTaskRunnerV1(TaskRunnerV1.__ray_actor_class__):
 
     def run(self, config):
         configure_verl_logging()
-        trainer_cls = get_trainer_cls(mix_trainer_name(config.trainer.v1.trainer_mode))
+        trainer_cls = get_trainer_cls(f"mix_{config.trainer.v1.trainer_mode}")
         config.transfer_queue.enable = True
         pprint(OmegaConf.to_container(config, resolve=True))
         OmegaConf.resolve(config)

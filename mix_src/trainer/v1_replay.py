@@ -45,24 +45,15 @@ class V1ReplayBufferRules:
             rows = buf.partitions.get("train", {})
             trainer._counted_rows &= rows.keys()  # cleared rows are gone for good
             new = [k for k, tag in rows.items() if k not in trainer._counted_rows and "response_len" in tag]
-            if new:
-                trainer._count_generated_rows(new, [rows[k] for k in new])
+            if new:  # their generation FLOPs: response minus prefix tokens, as the legacy base counts a pass
+                prefix, _ = tq_prefix_mask(new, "train")
+                p, r = tag_lengths([rows[k] for k in new])
+                trainer.add_rollout_flops(p, r, r - prefix.long().sum(-1).numpy())
                 trainer._counted_rows.update(new)
 
         checked("v1.replay_buffer.sync_metadata")
         buffer._sync_metadata_from_transfer_queue = types.MethodType(_sync_metadata_from_transfer_queue, buffer)
         self._counts_generation = True
-
-    def _count_generated_rows(self, keys: list[str], tags: list[dict]) -> None:
-        """Generation FLOPs of newly generated ``train`` trajectories (their response minus prefix tokens), as the
-        legacy base counts every row of a rollout pass."""
-        try:
-            self._model_shape()
-        except Exception:  # noqa: BLE001 - reported by _count_flops (and fatal there with a budget)
-            return
-        prefix, _ = tq_prefix_mask(keys, "train")
-        p, r = tag_lengths(tags)
-        self.add_rollout_flops(p, r, r - prefix.long().sum(-1).numpy())
 
     def _carries_in_tq(self) -> bool:
         """sync mode with mix.filter_groups.carry_over: carried groups are kept in TransferQueue between steps."""
