@@ -1,25 +1,19 @@
-"""Prefix-guided agent loop: a rollout that starts from a prefix of the row's off-policy target.
+"""Prefix-guided agent loop ``prefix_guided``: a rollout that starts from a prefix of the row's off-policy target.
 
-Registered as ``prefix_guided`` with verl's ``@register`` wherever this module is imported: verl's
-AgentLoopWorker imports it through the MIX dataset class (``data.custom_cls`` -> :mod:`mix_src.trainer.dataset`);
-``mix_src/config/agent_loops.yaml`` does the same for stock verl. Per row it reads, from the batch's non-tensor
-fields: ``raw_prompt``; ``target`` (``""`` = none); ``prefix_ratio`` (drawn by the trainer, absent in
-validation); ``rollout_seed`` (:mod:`mix_src.algo.seeding`, sent as ``sampling_params["seed"]``). On verl's V1
-trainer, which runs the loop once per sample with ``session_id`` 0..n-1, the prompt carries ``prefix_ratios`` and
-``rollout_seeds`` (n each) instead.
+Registered with verl's ``@register`` wherever this module is imported (verl's AgentLoopWorker imports it through
+``data.custom_cls`` -> :mod:`mix_src.trainer.dataset`; stock verl through ``mix_src/config/agent_loops.yaml``). Row
+fields: ``raw_prompt``; ``target`` (``""`` = none); ``prefix_ratio`` (drawn by the trainer, absent in validation);
+``rollout_seed`` (:mod:`mix_src.algo.seeding`); on verl's V1 trainer (one run per sample, ``session_id`` 0..n-1)
+the prompt's ``prefix_ratios`` and ``rollout_seeds`` instead.
 
-The response is ``prefix + generate(prompt + prefix)`` with ``prefix = target_ids[:floor(ratio * len)]``
-(:func:`mix_src.algo.prefix.build_prefix`). A prefix that fills the response (ratio 1.0) makes **no server
-call** (LUFFY generated a full, discarded continuation there); such a row's ``min/max_global_steps`` are the
-dispatching step - 1 (V1 casts these tags to int, ``verl/trainer/ppo/v1/trainer_base.py`` 1897). Prefix tokens
-have rollout log-prob 0.0 (kept out of rollout metrics by the trainer). ``extra_fields``: ``prefix_token_mask``
-(uint8, response length), ``prefix_ratio``, ``prefix_truncated`` (the prefix was cut to the response length).
-
-As verl's ``single_turn_agent_loop.py``: ``priority`` goes to the server and ``rollout.full_determinism`` makes
-the request id ``det-{priority}``. A null ``rollout.max_model_len`` is the model's context (resolved on the
-driver, :mod:`mix_src.config.model_context`, or here by verl's server rule). ``max_tokens`` is clamped to the
-room left after prompt + prefix (vLLM: ``max_model_len - len``; SGLang one less, ``async_sglang_server.py``);
-a row with no room answers with its prefix alone, where verl's servers raise.
+The response is ``prefix + generate(prompt + prefix)``, ``prefix = target_ids[:floor(ratio * len)]``
+(:func:`mix_src.algo.prefix.build_prefix`). A prefix that fills the response (ratio 1.0) makes **no server call**
+(LUFFY generated a discarded continuation); its ``min/max_global_steps`` are the dispatching step - 1 (V1 casts these
+to int, ``verl/trainer/ppo/v1/trainer_base.py`` 1897). Prefix tokens have rollout log-prob 0.0 (kept out of rollout
+metrics). ``extra_fields``: ``prefix_token_mask`` (uint8, response length), ``prefix_ratio``, ``prefix_truncated``
+(cut to the response length). ``max_tokens`` is clamped to the room left after prompt + prefix; a row with no room
+answers with its prefix alone, where verl's servers raise. As verl's ``single_turn_agent_loop.py``: ``priority``
+goes to the server, ``rollout.full_determinism`` makes the request id ``det-{priority}``.
 """
 
 from __future__ import annotations
@@ -44,8 +38,8 @@ logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
 
 
 # extra_fields a served row gets from verl's servers and server client (global_steps: every server, e.g.
-# vllm_async_server.py:689; num_cached_tokens: vllm_async_server.py:704; min/max_global_steps: llm_server.py:161).
-# None on a row that made no server call (its tokens come from no policy version).
+# vllm_async_server.py:689; num_cached_tokens: vllm_async_server.py:704; min/max_global_steps: llm_server.py:161);
+# None on a row that made no server call.
 SERVER_EXTRA_KEYS = ("global_steps", "min_global_steps", "max_global_steps", "num_cached_tokens")
 # Distinct prompts whose token ids a reused loop instance keeps (cleared when full).
 PROMPT_CACHE_SIZE = 4096
@@ -53,12 +47,19 @@ PROMPT_CACHE_SIZE = 4096
 _MODEL_CONTEXT: dict[tuple, Optional[int]] = {}
 
 
+def row_value(kwargs: dict[str, Any], name: str) -> Any:
+    """The row's ``kwargs[name]``; on verl's V1 trainer (one list per prompt, ``name + "s"``) the session's item."""
+    value = kwargs.get(name)
+    if value is None and kwargs.get(name + "s") is not None:
+        value = kwargs[name + "s"][int(kwargs["session_id"])]
+    return value
+
+
 @register("prefix_guided")
 class PrefixGuidedAgentLoop(AgentLoopBase):
     """Single-turn agent loop whose response may start with a prefix of the off-policy target."""
 
-    # run() keeps no per-row state on self: one instance serves every row of an agent-loop worker
-    # (mix_src.rollout.agent_loop_worker.MixAgentLoopWorker) instead of verl's hydra instantiate per row.
+    # no per-row state on self: one instance serves every row (mix_src.rollout.agent_loop_worker)
     reusable = True
 
     def __init__(self, *args, **kwargs):
@@ -68,8 +69,7 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
         self._prompt_cache: dict[str, asyncio.Future] = {}
 
     async def prompt_token_ids(self, messages: list) -> list[int]:
-        """verl's ``ct_build_initial_tokens(messages)``, once per distinct prompt of a reused instance (the n
-        samples of a prompt, running concurrently, await one rendering task)."""
+        """verl's ``ct_build_initial_tokens(messages)``, once per distinct prompt (its n samples await one task)."""
         try:
             key = json.dumps(messages, sort_keys=True)
         except TypeError:  # not plain JSON (e.g. image objects): no caching
@@ -93,8 +93,8 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
         return list(build_prefix(target_ids, ratio, self.eos_token_id))
 
     def max_model_len(self) -> Optional[int]:
-        """``rollout.max_model_len``; still null (stock verl's entry point, a hub id the driver had not cached):
-        the model's context by verl's server rule, read once per process. None: no model config readable."""
+        """``rollout.max_model_len``; if null (resolved on the driver by :mod:`mix_src.config.model_context`, but not
+        by stock verl's entry point or for an uncached hub id), the model's context, once per process; else None."""
         value = getattr(self.rollout_config, "max_model_len", None)
         if value:
             return int(value)
@@ -103,7 +103,7 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
         if not path:
             return None
         key = (str(path), str(model.get("hf_config_path")), str(model.get("override_config")))
-        if key not in _MODEL_CONTEXT:  # once per process (verl's own loop classes are built per row)
+        if key not in _MODEL_CONTEXT:
             from mix_src.config.model_context import model_context_length
 
             try:
@@ -114,18 +114,17 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
         return _MODEL_CONTEXT[key]
 
     def generation_room(self, context_len: int) -> Optional[int]:
-        """Most new tokens the server can give after ``context_len`` tokens (None: no model context known)."""
+        """Most new tokens the server gives after ``context_len`` tokens (vLLM: ``max_model_len - len``; SGLang one
+        less, ``async_sglang_server.py``); None: no model context known."""
         max_model_len = self.max_model_len()
         if not max_model_len:
             return None
         return int(max_model_len) - context_len - (1 if getattr(self.rollout_config, "name", None) == "sglang" else 0)
 
     def request_seed(self, kwargs: dict[str, Any], priority: int) -> int:
-        """The row's sampling seed: the trainer's ``rollout_seed`` field, else one from the row's position
-        (verl's ``priority``, e.g. in validation); see :mod:`mix_src.algo.seeding`."""
-        seed = kwargs.get("rollout_seed")
-        if seed is None and kwargs.get("rollout_seeds") is not None:  # V1: one list per prompt
-            seed = kwargs["rollout_seeds"][int(kwargs["session_id"])]
+        """The row's sampling seed (vLLM's ``SamplingParams.seed``): the trainer's ``rollout_seed``, else one from the
+        row's position (verl's ``priority``, e.g. in validation); see :mod:`mix_src.algo.seeding`."""
+        seed = row_value(kwargs, "rollout_seed")
         if seed is not None:
             return int(seed)
         rollout_seed = int(getattr(self.rollout_config, "seed", None) or 0)  # verl's default: 42
@@ -143,18 +142,13 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
 
     async def run(self, sampling_params: dict[str, Any], priority: int = 0, **kwargs) -> AgentLoopOutput:
         priority = int(priority)  # may arrive as np.int64 from the batch's non-tensor fields
-        # vLLM's per-request SamplingParams.seed; the hf server honours it too
         sampling_params = {**sampling_params, "seed": self.request_seed(kwargs, priority)}
         prompt_ids = await self.prompt_token_ids(list(kwargs["raw_prompt"]))
 
-        ratio = kwargs.get("prefix_ratio")
-        if ratio is None and kwargs.get("prefix_ratios") is not None:  # V1: one list per prompt
-            ratio = kwargs["prefix_ratios"][int(kwargs["session_id"])]
-        ratio = float(ratio or 0.0)
+        ratio = float(row_value(kwargs, "prefix_ratio") or 0.0)
         prefix_ids = self.target_prefix_ids(kwargs.get("target"), ratio)
         truncated = len(prefix_ids) > self.response_length
         prefix_ids = prefix_ids[: self.response_length]
-        remaining = self.response_length - len(prefix_ids)
         ends_with_eos = bool(prefix_ids) and prefix_ids[-1] == self.eos_token_id
 
         metrics: dict[str, Any] = {}
@@ -163,6 +157,7 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
         # Same keys on every row, served or not: DataProto.concat asserts equal keys across worker chunks.
         extra: dict[str, Any] = dict.fromkeys(SERVER_EXTRA_KEYS)
         room = self.generation_room(len(prompt_ids) + len(prefix_ids))
+        remaining = self.response_length - len(prefix_ids)
         max_tokens = remaining if room is None else min(remaining, room)
         if max_tokens > 0 and not ends_with_eos:  # a whole target (+EOS) needs no generation at all
             full_determinism = getattr(self.rollout_config, "full_determinism", False)
@@ -180,11 +175,9 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
             extra.update(global_steps=version, min_global_steps=version, max_global_steps=version)
 
         response_ids = prefix_ids + gen_ids
-        # verl stacks rollout log-probs only if every row has them: keep one rule for all rows.
-        response_logprobs = None
+        response_logprobs = None  # verl stacks rollout log-probs only if every row has them: one rule for all rows
         if self.rollout_config.calculate_log_probs:
-            gen_logprobs = gen_logprobs if gen_logprobs is not None else [0.0] * len(gen_ids)
-            response_logprobs = [0.0] * len(prefix_ids) + gen_logprobs
+            response_logprobs = [0.0] * len(prefix_ids) + (gen_logprobs or [0.0] * len(gen_ids))
         prefix_mask = (np.arange(len(response_ids)) < len(prefix_ids)).astype(np.uint8)
         extra.update(prefix_token_mask=prefix_mask, prefix_ratio=ratio, prefix_truncated=truncated)
         extra.update(turn_scores=[], tool_rewards=[])  # same schema as verl's single/tool agent loops

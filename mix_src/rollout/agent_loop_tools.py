@@ -1,24 +1,8 @@
-"""Prefix-guided multi-turn, tool-calling rollouts: verl's ``ToolAgentLoop`` started from a prefix of an
-expert episode.
-
-Registered as ``prefix_guided_tool`` (``rollout.agent.default_agent_loop``), like :mod:`mix_src.rollout.agent_loop`;
-tools, parser and state machine are verl's (``verl/experimental/agent_loop/tool_agent_loop.py``). **The expert
-episode** is the row's ``target``, a JSON list of messages (assistant: the raw text the model would emit)::
-
-    [{"role": "assistant", "content": "<tool_call>{...}</tool_call>"}, {"role": "tool", "content": "56088"},
-     {"role": "assistant", "content": "56088"}]
-
-**The prefix is a ratio of the episode's assistant tokens** (:func:`plan_prefix`), a tool result replayed iff
-the turn that called it is: LUFFY's prefix (:func:`mix_src.algo.prefix.build_prefix`) on the episode's trainable
-tokens, so every rollout policy that draws a ratio per row works unchanged (a turn-level prefix would give k+1
-distinct ratios to a k-turn episode).
-
-**States overridden** (verl's loop is not copied): ``PENDING`` replays the prefix through verl's own
-Continuous-Token merges (assistant tokens with ``ct_merge_assistant_token``, response mask 1; tool results with
-``ct_merge_context_msg``, mask 0), then ``TERMINATED`` (whole episode, or the response is full) or
-``GENERATING``; ``GENERATING`` is verl's, except that a turn the prefix ends inside is parsed whole (expert head +
-continuation); ``PROCESSING_TOOLS`` is verl's. ``extra_fields`` as :mod:`mix_src.rollout.agent_loop`; expert
-tokens get rollout log-prob 0.0 and the off-policy loss, continuations the PPO term, tool results neither.
+"""Prefix-guided multi-turn, tool-calling rollouts (``prefix_guided_tool``): verl's ``ToolAgentLoop``
+(``verl/experimental/agent_loop/tool_agent_loop.py``: tools, parser, state machine) started from a replayed prefix of
+the row's expert episode (``target``, JSON assistant/tool messages), ``floor(ratio * A)`` of its ``A`` assistant tokens
+(:func:`plan_prefix`). The episode format, the prefix rule, the overridden states and the masks:
+mix_src/AGENTS_TOOLS.md. ``extra_fields`` as :mod:`mix_src.rollout.agent_loop`.
 """
 
 from __future__ import annotations
@@ -33,7 +17,7 @@ import numpy as np
 from verl.experimental.agent_loop.agent_loop import register
 from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState, ToolAgentLoop
 
-from mix_src.rollout.agent_loop import SERVER_EXTRA_KEYS, PrefixGuidedAgentLoop
+from mix_src.rollout.agent_loop import SERVER_EXTRA_KEYS, PrefixGuidedAgentLoop, row_value
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
@@ -44,18 +28,15 @@ class ExpertEpisodeError(ValueError):
 
 
 def parse_episode(target: Any) -> list[dict[str, str]]:
-    """The expert episode of a row: ``[]`` for no target, else its messages (JSON string or list).
-
-    Raises :class:`ExpertEpisodeError` naming what is wrong (roles, order, content type)."""
+    """The row's expert episode: ``[]`` for no target, else its messages (JSON string or list); raises
+    :class:`ExpertEpisodeError` naming what is wrong (roles, order, content type)."""
     if target is None or (isinstance(target, str) and not target.strip()):
         return []
     try:
         episode = json.loads(target) if isinstance(target, str) else list(target)
     except json.JSONDecodeError as e:
-        raise ExpertEpisodeError(
-            f"the row's target is not a JSON expert episode ({e}): {target[:80]!r}...; build rows with "
-            "mix_src.rollout.environments.ToolEnv.rows"
-        ) from e
+        raise ExpertEpisodeError(f"the row's target is not a JSON expert episode ({e}): {target[:80]!r}...; build rows "
+                                 "with mix_src.rollout.environments.ToolEnv.rows") from e
     if not isinstance(episode, list):
         raise ExpertEpisodeError(f"expert episode must be a JSON list of messages, got {type(episode).__name__}")
     prev = None
@@ -110,23 +91,17 @@ class PrefixGuidedToolAgentLoop(ToolAgentLoop):
     reusable = False
 
     async def run(self, sampling_params: dict[str, Any], priority: int = 0, **kwargs):
-        ratio = kwargs.get("prefix_ratio")
-        if ratio is None and kwargs.get("prefix_ratios") is not None:  # V1: one list per prompt
-            ratio = kwargs["prefix_ratios"][int(kwargs["session_id"])]
-        self._ratio = float(ratio or 0.0)
+        self._ratio = float(row_value(kwargs, "prefix_ratio") or 0.0)
         self._episode = parse_episode(kwargs.get("target")) if self._ratio > 0 else []
         self._prefix_flags: list[int] = []  # aligned with agent_data.response_mask: 1 = expert assistant token
         self._turn_head: list[int] = []
-        self._truncated = False
-        self._served = False
-        # the row's sampling seed, as the single-turn loop sends it (mix_src.algo.seeding)
+        self._truncated = self._served = False
         sampling_params = {**sampling_params, "seed": PrefixGuidedAgentLoop.request_seed(self, kwargs, int(priority))}
         out = await super().run(sampling_params, priority=priority, **kwargs)
 
         n = len(out.response_ids)
         if self.rollout_config.calculate_log_probs:
-            # verl stacks rollout log-probs only if every row has them: rows that made no server call (or
-            # ended on replayed tokens) get 0.0 there too, as the single-turn loop does
+            # verl stacks rollout log-probs only if every row has them: 0.0 on unserved tokens, as the single-turn loop
             lp = list(out.response_logprobs or [])
             out.response_logprobs = (lp + [0.0] * (n - len(lp)))[:n]
         flags = np.array((self._prefix_flags + [0] * n)[:n], dtype=np.uint8)
@@ -139,7 +114,6 @@ class PrefixGuidedToolAgentLoop(ToolAgentLoop):
         extra.update(prefix_token_mask=flags, prefix_ratio=self._ratio, prefix_truncated=self._truncated)
         return out
 
-    # -------------------------------------------------------------------------------- prefix replay
     def _track(self, new_mask_len: int, appended: int, expert: bool) -> None:
         """Keep the prefix flags aligned with verl's response mask after one merge."""
         appended = max(0, appended)  # a merge that trimmed tokens appended none
@@ -216,9 +190,8 @@ class PrefixGuidedToolAgentLoop(ToolAgentLoop):
     async def _handle_generating_state(
         self, agent_data: AgentData, sampling_params: dict[str, Any], ignore_termination: bool = False
     ) -> AgentState:
-        if self.rollout_config.calculate_log_probs and len(agent_data.response_logprobs) < len(agent_data.response_mask):
-            # expert / tool tokens have no rollout log-probs: 0.0, so verl's alignment stays length-true
-            pad = len(agent_data.response_mask) - len(agent_data.response_logprobs)
+        pad = len(agent_data.response_mask) - len(agent_data.response_logprobs)
+        if self.rollout_config.calculate_log_probs and pad > 0:  # expert / tool tokens: 0.0, verl's alignment holds
             agent_data.response_logprobs = list(agent_data.response_logprobs) + [0.0] * pad
         n_before = len(agent_data.response_mask)
         parser = self.tool_parser
@@ -250,17 +223,13 @@ def check_config(config) -> None:
     if OmegaConf.select(config, "actor_rollout_ref.rollout.agent.default_agent_loop") != AGENT_NAME:
         return
     if OmegaConf.select(config, "mix.data.truncate_targets", default=False):
-        raise ValueError(
-            "mix.data.truncate_targets=true with the prefix_guided_tool agent loop: a tool episode's target is "
-            "JSON and cutting it by tokens breaks it; drop too-long episodes at data prep instead "
-            "(mix_src.rollout.environments.ToolEnv.rows(max_response_length=...)) and set mix.data.truncate_targets=false"
-        )
+        raise ValueError("mix.data.truncate_targets=true with the prefix_guided_tool agent loop: a tool episode's "
+                         "target is JSON and cutting it by tokens breaks it; drop too-long episodes at data prep "
+                         "instead (mix_src.rollout.environments.ToolEnv.rows(max_response_length=...)) and set "
+                         "mix.data.truncate_targets=false")
     if OmegaConf.select(config, "trainer.use_v1", default=False) and OmegaConf.select(
-        config, "actor_rollout_ref.rollout.full_determinism", default=False
-    ):
-        raise ValueError(
-            "actor_rollout_ref.rollout.full_determinism=true with prefix_guided_tool on trainer.use_v1=true: verl's "
-            "ToolAgentLoop names requests det-{priority} (tool_agent_loop.py _make_request_id), and V1 runs a "
-            "prompt's samples concurrently with priority 0, so the ids collide; set full_determinism=false or "
-            "trainer.use_v1=false"
-        )
+            config, "actor_rollout_ref.rollout.full_determinism", default=False):
+        raise ValueError("actor_rollout_ref.rollout.full_determinism=true with prefix_guided_tool on "
+                         "trainer.use_v1=true: verl's ToolAgentLoop names requests det-{priority} (tool_agent_loop.py "
+                         "_make_request_id), and V1 runs a prompt's samples concurrently with priority 0, so the ids "
+                         "collide; set full_determinism=false or trainer.use_v1=false")

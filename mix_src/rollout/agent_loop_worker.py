@@ -1,8 +1,6 @@
-"""verl's agent-loop worker without per-row costs, for the MIX trainer's rollouts.
-
-:class:`MixAgentLoopManager` (worker processes: :class:`MixAgentLoopWorker`) is selected by
-:class:`~mix_src.trainer.legacy.MIXRayPPOTrainer` through ``actor_rollout_ref.rollout.agent.agent_loop_manager_class``
-when that is unset. verl's worker code runs unchanged except for:
+"""verl's agent-loop worker without per-row costs: :class:`MixAgentLoopManager` (workers :class:`MixAgentLoopWorker`),
+set by :class:`~mix_src.trainer.legacy.MIXRayPPOTrainer` as ``actor_rollout_ref.rollout.agent.agent_loop_manager_class``
+when unset. verl's worker code runs unchanged except for:
 
 * **one agent-loop instance per worker** for loop classes that declare ``reusable = True`` (``prefix_guided``),
   where verl instantiates one per row (``agent_loop.py`` ``_run_agent_loop``; cost: scripts/bench/README.md).
@@ -30,10 +28,9 @@ MANAGER_FQN = "mix_src.rollout.agent_loop_worker.MixAgentLoopManager"
 
 
 class InProcessRewardWorker:
-    """A ``RewardLoopWorker`` in this process, called like its Ray actor handle (``compute_score.remote``).
-
-    Each call gets its own copy of the row, as the Ray hop gave the actor: verl's reward managers mutate it
-    (``naive.py`` ``run_single``: ``extra_info.update(...)``), and ``extra_info`` is shared by a prompt's samples."""
+    """A ``RewardLoopWorker`` in this process, called like its Ray actor handle (``compute_score.remote``), each call
+    on its own copy of the row as after the Ray hop: verl's reward managers mutate it (``naive.py`` ``run_single``:
+    ``extra_info.update(...)``), and ``extra_info`` is shared by a prompt's samples."""
 
     def __init__(self, worker):
         self.worker = worker
@@ -54,15 +51,11 @@ def copy_row(data):
                      meta_info=meta_info)  # fmt: skip
 
 
-def cpu_backend_active() -> bool:
-    from mix_src import cpu
-
-    return cpu.is_active()
-
-
 def in_process_reward(config) -> bool:
     """Rule rewards (no reward model) on the CPU backend: computed in the agent-loop worker."""
-    return cpu_backend_active() and not config.reward.reward_model.enable
+    from mix_src import cpu
+
+    return cpu.is_active() and not config.reward.reward_model.enable
 
 
 def pin_single_server(client, get=ray.get) -> bool:
@@ -99,7 +92,9 @@ class MixAgentLoopWorker(AgentLoopWorker):
             from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
 
             self.reward_loop_worker_handles = [InProcessRewardWorker(RewardLoopWorker(config))]
-        if cpu_backend_active():
+        from mix_src import cpu
+
+        if cpu.is_active():
             pin_single_server(self.llm_client)
 
     def _reusable_loop(self, agent_name: str):

@@ -1,22 +1,16 @@
-"""Tool-use environments in one file: a class a researcher subclasses to bring a multi-turn task.
+"""Tool-use environments in one file: a class a researcher subclasses to bring a multi-turn task (items, tools, an
+expert episode per item, a score, an evaluation; mix_src/AGENTS_TOOLS.md, with the Atropos / Trinity-RFT mapping)::
 
-An environment gives items (problems), the tools the model may call, an expert episode per item (the off-policy
-guidance, replayed by :mod:`mix_src.rollout.agent_loop_tools`), a score and an evaluation. Register it by name
-(the rows' ``data_source``), put its file in ``mix.plugins``, and :func:`compute_score` (verl's custom-reward
-signature) scores its rows::
-
-    from mix_src.rollout.environments import ToolEnv, register_environment
-
-    @register_environment("my_env")
+    @register_environment("my_env")  # the rows' data_source; put the file in mix.plugins
     class MyEnv(ToolEnv):
-        def items(self, split, n, seed): ...          # Atropos setup/get_next_item; Trinity task set
-        def expert_episode(self, item): ...           # the off-policy target (assistant + tool messages)
-        def score(self, item, response): ...          # Atropos collect_trajectory's scoring; Trinity reward
+        def items(self, split, n, seed): ...
+        def expert_episode(self, item): ...  # the off-policy target, replayed by mix_src.rollout.agent_loop_tools
+        def score(self, item, response): ...
 
-``tools()`` returns plain functions (Google docstrings, type hints) for verl's ``@function_tool``
-(``rollout.multi_turn.function_tool_path``; see ``recipes/toy_calculator/tools.py``). :meth:`ToolEnv.rows` builds
-verl's parquet rows with the episode as a JSON ``target``. The registry entry is self-describing
-(:mod:`mix_src.extend`); environments run on both trainer bases unless they say otherwise.
+:func:`compute_score` (verl's custom-reward signature) scores the rows by their environment; ``tools()`` returns
+plain functions for verl's ``@function_tool`` (``rollout.multi_turn.function_tool_path``; see
+``recipes/toy_calculator/tools.py``). Registry entries are self-describing (:mod:`mix_src.extend`); environments
+run on both trainer bases unless they say otherwise.
 """
 
 from __future__ import annotations
@@ -26,9 +20,9 @@ from typing import Callable, Optional
 
 from mix_src.extend import Registry
 
-EnvClass = Callable[..., "ToolEnv"]
 # The environment a row belongs to is its data_source, not a config key: nothing is selected in the config.
-ENVIRONMENTS: Registry[EnvClass] = Registry("tool environment", "data_source", selected=lambda config: [])
+ENVIRONMENTS: Registry[Callable[..., "ToolEnv"]] = Registry("tool environment", "data_source",
+                                                           selected=lambda config: [])
 
 
 def register_environment(name: str, **kw):
@@ -46,9 +40,8 @@ def get_environment(name: str) -> "ToolEnv":
 
 
 class ToolEnv:
-    """Base class of a tool-use environment. Override the methods marked *required*.
-
-    Items are dicts with at least ``"question"`` (str) and ``"answer"`` (the ground truth, str)."""
+    """Base class of a tool-use environment. Override the methods marked *required*. Items are dicts with at
+    least ``"question"`` (str) and ``"answer"`` (the ground truth, str)."""
 
     name: str = ""  # set by @register_environment
     system_prompt: Optional[str] = None
@@ -89,7 +82,7 @@ class ToolEnv:
         each tool result rendered by the chat template with the next generation prompt."""
         from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
 
-        builder = self._builders.get(id(tokenizer)) if hasattr(self, "_builders") else None
+        builder = getattr(self, "_builders", {}).get(id(tokenizer))
         if builder is None:
             builder = create_continuous_token_builder(tokenizer, hf_model_type=hf_model_type)
             self._builders = {id(tokenizer): builder}
