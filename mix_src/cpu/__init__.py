@@ -3,12 +3,9 @@
 A verl plugin (setup.py: ``mix_src_cpu = mix_src.cpu``), so ``verl/__init__.py`` imports it in every process.
 It activates when ``VERL_PLATFORM=cpu``, or with ``VERL_PLATFORM`` unset when :func:`accelerator_signs` finds
 none (when and why: mix_src/cpu/README.md "CPU backend"). When active it registers verl platform "cpu"
-(``platform.PlatformCPU``), sets ``VERL_PLATFORM=cpu`` for the Ray workers it starts, and declares with
-:func:`after_import` the hooks :func:`activate` lists, each run right after its verl module is first imported:
-FSDP engines for device "cpu", a "gloo" process group (``_patch_gloo``), the "hf" rollout (``hf_rollout.py``),
-blocked log-probs (``logprobs.py``), verl's vLLM rollout on vLLM's CPU build (``vllm_cpu.py``), a faster V1
-replay-buffer poll (``v1_patches.py``), the reference policy and critic on CPU (``worker_patches.py``) and the
-``cpu_gloo`` checkpoint engine (``checkpoint_engine.py``). The Hydra side is ``mix_src/config/backend/cpu.yaml``.
+(``platform.PlatformCPU``), sets ``VERL_PLATFORM=cpu`` for the Ray workers it starts, and declares the patches
+:func:`activate` lists with :func:`after_import`, each run right after its module is first imported.
+The Hydra side is ``mix_src/config/backend/cpu.yaml``.
 
 Patches fail loudly, by the patch's name: another installed version of a ``written_for`` library ->
 :class:`PatchVersionError` (checked by :func:`mix_src.compat.check_written_for`, as the main path's patches);
@@ -22,6 +19,7 @@ every Ray process.
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import logging
 import os
@@ -65,8 +63,7 @@ def _accelerator_detected() -> bool:
 def _torch_sees_accelerator() -> bool:
     import torch
 
-    accelerator = getattr(torch, "accelerator", None)
-    return (accelerator is not None and accelerator.is_available()) or torch.cuda.is_available()
+    return (hasattr(torch, "accelerator") and torch.accelerator.is_available()) or torch.cuda.is_available()
 
 
 def accelerator_signs() -> list[str]:
@@ -244,6 +241,16 @@ def check_hooks_fired(checkpoint: str) -> None:
         )
 
 
+def replace(owner, name: str, patched: Callable) -> None:
+    """Set ``owner.<name>`` to ``patched``, marked ``_mix_src_cpu`` and given the original's docstring; a no-op
+    when the attribute is already ours (a hook may run twice)."""
+    original = getattr(owner, name)
+    if not getattr(original, "_mix_src_cpu", False):
+        patched._mix_src_cpu = True
+        patched.__doc__ = original.__doc__
+        setattr(owner, name, patched)
+
+
 # --------------------------------------------------------------------------- the registrations
 def _register_engines(mod) -> None:
     """FSDPEngine is registered for devices ["cuda", "npu"] only (transformer_impl.py:1143, :1594)."""
@@ -262,8 +269,6 @@ def _patch_gloo(mod) -> None:
     89): ``"cpu:gloo,cpu:gloo"`` on cpu, which torch rejects ("Duplicate device type cpu"). Both default to
     "gloo" (an explicit Ray backend is kept). Remove when verl dedups the string."""
     original_ray = mod.initialize_global_process_group_ray
-    if getattr(original_ray, "_mix_src_cpu", False):
-        return
 
     def initialize_global_process_group_ray(timeout_second=None, backend=None):
         return original_ray(timeout_second=timeout_second, backend=backend or "gloo")
@@ -274,18 +279,12 @@ def _patch_gloo(mod) -> None:
 
         import torch.distributed
 
-        torch.distributed.init_process_group(
-            backend="gloo",
-            timeout=timedelta(seconds=timeout_second),
-            init_method=os.environ.get("DIST_INIT_METHOD", None),
-        )
+        torch.distributed.init_process_group(backend="gloo", timeout=timedelta(seconds=timeout_second),
+                                             init_method=os.environ.get("DIST_INIT_METHOD", None))
         return int(os.environ["LOCAL_RANK"]), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
-    for patched, original in ((initialize_global_process_group_ray, original_ray),
-                              (initialize_global_process_group, mod.initialize_global_process_group)):
-        patched._mix_src_cpu = True
-        patched.__doc__ = original.__doc__
-        setattr(mod, original.__name__, patched)
+    for patched in (initialize_global_process_group_ray, initialize_global_process_group):
+        replace(mod, patched.__name__, patched)
 
 
 _VERL_LOGPROBS_V2 = None  # verl's original, kept for non-fp32 logits
@@ -304,19 +303,13 @@ def _register_rollout_adapter(mod) -> None:
     mod._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = "mix_src.cpu.hf_rollout.HFServerAdapter"
 
 
-def _load_hf_replica():
-    from mix_src.cpu.hf_rollout import HFReplica
-
-    return HFReplica
-
-
 def _register_replica(mod) -> None:
-    mod.RolloutReplicaRegistry.register(ROLLOUT_NAME, _load_hf_replica)
+    loader = lambda: importlib.import_module(".hf_rollout", __name__).HFReplica  # noqa: E731  (imported when used)
+    mod.RolloutReplicaRegistry.register(ROLLOUT_NAME, loader)
 
 
 VERL_0_9_1 = {"verl": "0.9.1"}  # written_for of the patches on verl's own modules
 CHECKPOINT_ENGINE = "cpu_gloo"  # checkpoint_engine.py's name in verl's CheckpointEngineRegistry
-CHECKPOINT_ENGINE_WRITTEN_FOR = {"verl": "0.9.1", "torch": ">=2.12,<2.14"}  # checkpoint_engine.py: verl's interface, torch's gloo
 
 
 def _register_checkpoint_engine(mod) -> None:
@@ -325,8 +318,6 @@ def _register_checkpoint_engine(mod) -> None:
     By module name, never ``from .checkpoint_engine import <name>``: when a process imports that module first,
     its own ``import verl.checkpoint_engine.base`` runs this hook while its body is half done, and reading a
     name from it would fail (circular import); its body's end registers and checks."""
-    import importlib
-
     importlib.import_module(f"{__name__}.checkpoint_engine")
 
 
@@ -365,19 +356,17 @@ def activate() -> None:
                  written_for=worker_patches.UNPIN_REFERENCE_OFFLOAD_WRITTEN_FOR, required_in=both)
     after_import("verl.utils.model", worker_patches.cpu_attention_critic,
                  written_for=worker_patches.CPU_ATTENTION_CRITIC_WRITTEN_FOR, required_in=())
-    after_import("verl.checkpoint_engine", _register_checkpoint_engine, written_for=CHECKPOINT_ENGINE_WRITTEN_FOR,
-                 required_in=both)
+    # checkpoint_engine.py: written for verl's interface and torch's gloo
+    after_import("verl.checkpoint_engine", _register_checkpoint_engine,
+                 written_for={**VERL_0_9_1, "torch": ">=2.12,<2.14"}, required_in=both)
+    importlib.import_module(f"{__name__}.lean_start").install()  # start-up trims, no effect on results
     _ACTIVE = True
     log_active()
 
 
-def _activate_if_selected() -> None:
-    try:
-        if is_selected():
-            activate()
-    except Exception:
-        logger.exception("mix_src.cpu: failed to activate the CPU backend")
-        raise
-
-
-_activate_if_selected()
+try:
+    if is_selected():
+        activate()
+except Exception:
+    logger.exception("mix_src.cpu: failed to activate the CPU backend")
+    raise

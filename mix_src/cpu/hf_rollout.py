@@ -87,8 +87,7 @@ class HFRolloutServer:
         )  # fmt: skip
         self.model.eval()
         self.eos_token_ids = _eos_ids(self.model_config)
-        tok = self.model_config.tokenizer
-        pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else None
+        pad = getattr(self.model_config.tokenizer, "pad_token_id", None)
         self.pad_token_id = int(pad if pad is not None else min(self.eos_token_ids or {0}))
         self.max_model_len = self.config.max_model_len or (self.config.prompt_length + self.config.response_length)
         self.max_batch = max(1, int(self.config.max_num_seqs))
@@ -98,7 +97,7 @@ class HFRolloutServer:
         self._logged = dict(self.stats)
         self._pending: list[tuple[list[int], SamplingSpec, asyncio.Future]] = []
         self._worker: Optional[asyncio.Task] = None
-        self._model_lock: Optional[asyncio.Lock] = None
+        self._lock = asyncio.Lock()  # the model: decoding batches and weight loads, one at a time
         logger.info("mix_src.cpu: hf rollout server %d ready (%s, attn=%s, %s, eos=%s)", replica_rank,
                     self.model_config.local_path, attn, self.dtype, sorted(self.eos_token_ids))  # fmt: skip
 
@@ -109,10 +108,6 @@ class HFRolloutServer:
         return dict(self.stats)
 
     # ------------------------------------------------------------------ generation
-    def _default_max_tokens(self, prompt_len: int) -> int:
-        # Same default as verl's vLLM server (vllm_async_server.py::generate).
-        return min(self.config.response_length, self.config.prompt_length + self.config.response_length - prompt_len)
-
     async def generate(
         self,
         prompt_ids: list[int],
@@ -132,7 +127,9 @@ class HFRolloutServer:
         if max_possible < 0:
             raise ValueError(f"hf rollout: prompt of {len(prompt_ids)} tokens exceeds max_model_len "
                              f"{self.max_model_len}")  # fmt: skip
-        spec = SamplingSpec.from_params(sampling_params, self._default_max_tokens(len(prompt_ids)), max_possible)
+        c = self.config  # default max_tokens as verl's vLLM server's (vllm_async_server.py::generate)
+        default_max = min(c.response_length, c.prompt_length + c.response_length - len(prompt_ids))
+        spec = SamplingSpec.from_params(sampling_params, default_max, max_possible)
 
         future = asyncio.get_running_loop().create_future()
         self._pending.append((prompt_ids, spec, future))
@@ -145,11 +142,6 @@ class HFRolloutServer:
             stop_reason="completed",
             extra_fields={"global_steps": version},  # the weights it was decoded with (a sync may follow at once)
         )
-
-    def _lock(self) -> asyncio.Lock:
-        if self._model_lock is None:
-            self._model_lock = asyncio.Lock()
-        return self._model_lock
 
     def batch_width(self, prompt_len: int) -> int:
         """Left-padded width of a prompt's decoding batch, a function of its own length only (so its
@@ -178,7 +170,7 @@ class HFRolloutServer:
             self._pending = [r for r in self._pending if id(r) not in taken]
             prompts, specs, futures = zip(*batch, strict=True)
             try:
-                async with self._lock():
+                async with self._lock:
                     t0 = loop.time()
                     version = self.global_steps  # the weights this batch is decoded with
                     results = await asyncio.to_thread(generate_batch, self.model, list(prompts), list(specs),
@@ -198,7 +190,7 @@ class HFRolloutServer:
     # ------------------------------------------------------------------ weights
     async def update_weights(self, state_dict: dict[str, torch.Tensor], global_steps: Optional[int] = None) -> None:
         """Load the actor's full weights (HF names) between decoding batches."""
-        async with self._lock():
+        async with self._lock:
             await asyncio.to_thread(self._load, state_dict)
             if global_steps is not None:
                 self.global_steps = global_steps
@@ -228,7 +220,7 @@ class HFRolloutServer:
     async def update_lora(self, tensors: dict[str, torch.Tensor], peft_config: Any, global_steps: Optional[int] = None):
         """Load the actor's LoRA adapter (``peft.get_peft_model_state_dict`` tensors) with the actor's peft LoRA
         layers, as verl's vLLM rollout adds them with ``add_lora``."""
-        async with self._lock():
+        async with self._lock:
             await asyncio.to_thread(self._load_lora, tensors, peft_config)
             if global_steps is not None:
                 self.global_steps = global_steps

@@ -53,19 +53,16 @@ class SamplingSpec:
             params.pop(key, None)
         given = (params.pop("max_tokens", None), params.pop("max_new_tokens", None), default_max_tokens)
         max_tokens = next(v for v in given if v is not None)
-        top_k = params.pop("top_k", -1)
-        top_p = params.pop("top_p", 1.0)
-        temperature = params.pop("temperature", 1.0)
-        seed = params.pop("seed", None)
+
+        def pop(key: str, cast, default=None):  # a value of None means the default
+            value = params.pop(key, None)
+            return default if value is None else cast(value)
+
         spec = cls(
             max_tokens=max(0, min(int(max_tokens), int(max_possible_tokens))),
-            temperature=1.0 if temperature is None else float(temperature),
-            top_p=1.0 if top_p is None else float(top_p),
-            top_k=-1 if top_k is None else int(top_k),
-            logprobs=bool(params.pop("logprobs", False)),
-            ignore_eos=bool(params.pop("ignore_eos", False)),
-            stop_token_ids=tuple(int(t) for t in (params.pop("stop_token_ids", None) or ())),
-            seed=None if seed is None else int(seed),
+            temperature=pop("temperature", float, 1.0), top_p=pop("top_p", float, 1.0), top_k=pop("top_k", int, -1),
+            logprobs=pop("logprobs", bool, False), ignore_eos=pop("ignore_eos", bool, False),
+            stop_token_ids=tuple(int(t) for t in (params.pop("stop_token_ids", None) or ())), seed=pop("seed", int),
         )
         if params:
             raise ValueError(f"hf rollout: unsupported sampling params {sorted(params)}")
@@ -108,12 +105,6 @@ def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
     # u * total rounds to total only for u within 2**-53 of 1: take the last token with mass then
     last = probs.size(-1) - 1 - (probs > 0).flip(-1).long().argmax(dim=-1)
     return torch.minimum(idx, last)
-
-
-def request_generators(specs: list[SamplingSpec], fallback: Optional[torch.Generator]) -> list[torch.Generator]:
-    """One CPU generator per request, seeded with its ``seed`` (or a seed drawn from ``fallback``)."""
-    seeds = [s.seed if s.seed is not None else int(torch.randint(0, 2**62, (), generator=fallback)) for s in specs]
-    return [torch.Generator().manual_seed(seed) for seed in seeds]
 
 
 @torch.no_grad()
@@ -160,7 +151,9 @@ def generate_batch(model, prompts: list[list[int]], specs: list[SamplingSpec], e
     filtering = bool((top_k < big).any() or (top_p < 1.0).any())
     stops = [set(s.stop_token_ids) | (set() if s.ignore_eos else set(eos_token_ids)) for s in specs]
     done = [s.max_tokens <= 0 for s in specs]
-    gens = request_generators(specs, generator)
+    # one CPU generator per request, seeded with its ``seed`` (or a seed drawn from ``generator``)
+    seeds = [s.seed if s.seed is not None else int(torch.randint(0, 2**62, (), generator=generator)) for s in specs]
+    gens = [torch.Generator().manual_seed(seed) for seed in seeds]
 
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
     next_pos = position_ids[:, -1:] + 1

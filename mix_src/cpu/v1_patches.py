@@ -9,6 +9,8 @@ an explicit ``poll_interval`` wins.
 
 from __future__ import annotations
 
+from . import replace
+
 CPU_POLL_INTERVAL_S = 0.05
 WRITTEN_FOR = {"verl": "0.9.1"}  # the line numbers above
 
@@ -16,12 +18,8 @@ WRITTEN_FOR = {"verl": "0.9.1"}  # the line numbers above
 def patch_replay_buffer_poll(mod) -> None:
     cls = mod.ReplayBuffer  # ReplayBufferAsync inherits __init__
     original = cls.__init__
-    if getattr(original, "_mix_src_cpu", False):
-        return
 
     def __init__(self, *args, poll_interval: float = CPU_POLL_INTERVAL_S, **kwargs):
         original(self, *args, poll_interval=poll_interval, **kwargs)
 
-    __init__._mix_src_cpu = True
-    __init__.__doc__ = original.__doc__
-    cls.__init__ = __init__
+    replace(cls, "__init__", __init__)

@@ -28,6 +28,8 @@ import re
 import sys
 from typing import Any, Optional
 
+from . import replace
+
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
@@ -138,8 +140,6 @@ def patch_validate_config(mod) -> None:
     """``verl.utils.config.validate_config`` (on the driver before ``ray.init``) also checks the rollout and
     the worker keys the CPU backend refuses (``config_check.check_worker_keys``)."""
     original = mod.validate_config
-    if getattr(original, "_mix_src_cpu", False):
-        return
 
     def validate_config(config, *args, **kwargs):
         from .config_check import check_worker_keys
@@ -148,23 +148,17 @@ def patch_validate_config(mod) -> None:
         check_worker_keys(config)
         return original(config, *args, **kwargs)
 
-    validate_config._mix_src_cpu = True
-    validate_config.__doc__ = original.__doc__
     validate_config.__wrapped__ = original
-    mod.validate_config = validate_config
+    replace(mod, "validate_config", validate_config)
 
 
 # --------------------------------------------------------------------------- 3. reloadable linear weights
 def keep_linear_weights(mod) -> None:
     """``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm``: never drop ``layer.weight``."""
     original = mod.dispatch_cpu_unquantized_gemm
-    if getattr(original, "_mix_src_cpu", False):
-        return
 
     def dispatch_cpu_unquantized_gemm(layer, remove_weight: bool) -> None:
         return original(layer, remove_weight=False)
 
-    dispatch_cpu_unquantized_gemm._mix_src_cpu = True
     dispatch_cpu_unquantized_gemm.__wrapped__ = original
-    dispatch_cpu_unquantized_gemm.__doc__ = original.__doc__
-    mod.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
+    replace(mod, "dispatch_cpu_unquantized_gemm", dispatch_cpu_unquantized_gemm)

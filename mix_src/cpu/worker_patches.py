@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 
+from . import replace
+
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
@@ -55,8 +57,6 @@ def cpu_attention_critic(mod) -> None:
     critic config's own (``critic.model.override_config.attn_implementation``, which ``HFModelConfig`` puts in
     ``hf_config._attn_implementation``, ``verl/workers/config/model.py`` 185-190), flash-attention -> eager."""
     original = mod.load_valuehead_model
-    if getattr(original, "_mix_src_cpu", False):
-        return
 
     def load_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code):
         from transformers import AutoModelForTokenClassification
@@ -67,7 +67,5 @@ def cpu_attention_critic(mod) -> None:
             pretrained_model_name_or_path=local_path, torch_dtype=torch_dtype, config=model_config,
             attn_implementation=attn, trust_remote_code=trust_remote_code)  # fmt: skip
 
-    load_valuehead_model._mix_src_cpu = True
     load_valuehead_model.__wrapped_original__ = original  # verl's own, for the test that shows its failure
-    load_valuehead_model.__doc__ = original.__doc__
-    mod.load_valuehead_model = load_valuehead_model
+    replace(mod, "load_valuehead_model", load_valuehead_model)
