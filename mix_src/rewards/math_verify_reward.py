@@ -1,15 +1,10 @@
-"""The math-verify reward (LUFFY's ``reward_impl_version=3``, arXiv 2504.14945), safe inside verl's reward threads.
-
-Use it in verl 0.9.1 with ``reward.custom_reward_function.path=pkg://mix_src.rewards.math_verify_reward``
-(``name=compute_score``; options as ``+reward.custom_reward_function.reward_kwargs.<name>``, see
-:class:`RewardConfig`). It returns ``{"score", "acc", "format_ok", "ungradable"}``; verl's naive reward manager
-copies every key into ``reward_extra_info``. How a response is graded, the multiple-choice labels and the
-ungradable rows (scored ``wrong_score``, never raised; bad *options* do raise): mix_src/rewards/README.md.
-
-Departures from LUFFY (github.com/ElliottYan/LUFFY): the answer is the text after the *last* ``</think>``
-(LUFFY: between the first and second); format errors can score differently from wrong answers; the last
-``\\boxed{}`` outranks "the final answer is ..." phrases (math-verify's default ranks it after them);
-grading runs in parallel with a real timeout instead of sequentially under math-verify's SIGALRM.
+"""The math-verify reward (LUFFY's ``reward_impl_version=3``, arXiv 2504.14945), safe inside verl's reward threads:
+``reward.custom_reward_function.path=pkg://mix_src.rewards.math_verify_reward`` (options: :class:`RewardConfig`).
+Returns ``{"score", "acc", "format_ok", "ungradable"}``; grading, multiple-choice labels, ungradable rows:
+mix_src/rewards/README.md. Departures from LUFFY (github.com/ElliottYan/LUFFY): the answer follows the *last*
+``</think>`` (LUFFY: between the first and second); format errors can score apart from wrong answers; the last
+``\\boxed{}`` outranks "the final answer is ..." (math-verify's default: the reverse); grading runs in parallel
+with a real timeout instead of sequentially under math-verify's SIGALRM.
 """
 
 from __future__ import annotations
@@ -35,14 +30,6 @@ _MC_WORDS = {"arc", "gpqa", "mmlu", "mcq", "multiple_choice"}
 _NUMERIC_WORDS = {"gsm8k", "numeric"}
 # verl's reward managers may add these call-time kwargs (naive.py: reward router); they are not options.
 _VERL_CALL_KWARGS = ("reward_router_address", "reward_model_tokenizer")
-
-
-def _default_workers() -> int:
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        n = os.cpu_count() or 1
-    return max(1, min(n, 8))
 
 
 @dataclass(frozen=True)
@@ -74,11 +61,15 @@ class RewardConfig:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"reward_kwargs.{name} must be an integer >= 0 ({zero}), got {getattr(self, name)!r}")
         if self.answer_type is not None and self.answer_type not in ANSWER_TYPES:
-            raise ValueError(f"reward_kwargs.answer_type must be one of {ANSWER_TYPES} or null, got {self.answer_type!r}")
+            raise ValueError(f"reward_kwargs.answer_type must be one of {ANSWER_TYPES} or null, "
+                             f"got {self.answer_type!r}")
 
     @property
     def workers(self) -> int:
-        return self.num_workers or _default_workers()
+        if self.num_workers:
+            return self.num_workers
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # usable
+        return max(1, min(cpus, 8))
 
 
 _NUMBER_OPTIONS = ("correct_score", "wrong_score", "format_error_score", "timeout_s")
@@ -193,7 +184,11 @@ def _prepare(data_source, solution_str, ground_truth, extra_info, cfg: RewardCon
     """Everything that does not need sympy: a final result, or a job for a worker."""
     if not isinstance(solution_str, str):
         raise Ungradable("response", f"solution_str must be a str, got {type(solution_str).__name__}")
-    gt = _ground_truth_text(ground_truth)
+    problem = answers.ground_truth_problem(ground_truth)  # missing, empty, NaN/inf: never graded correct, counted
+    if problem is not None:
+        raise Ungradable("ground truth", f"reward_model.ground_truth {problem}; fix the data file "
+                         "(the data check before Ray drops such rows)")
+    gt = str(answers.unwrap(ground_truth))
     answer, format_ok = answers.split_response(solution_str, cfg.starts_in_think)
     if answer is None:
         if cfg.require_think:
@@ -229,16 +224,6 @@ def _prepare(data_source, solution_str, ground_truth, extra_info, cfg: RewardCon
         if gold_int is not None and boxed_int is not None:
             return _result(cfg, gold_int == boxed_int, format_ok)  # two integers: math-verify compares them exactly too
     return _Pending(answer, gt, format_ok)
-
-
-def _ground_truth_text(ground_truth: Any) -> str:
-    """The ground truth as text; a missing, empty or NaN/inf one is ungradable (never graded correct, counted),
-    by the data check's own rule (:func:`mix_src.rewards.answers.ground_truth_problem`)."""
-    problem = answers.ground_truth_problem(ground_truth)
-    if problem is not None:
-        raise Ungradable("ground truth", f"reward_model.ground_truth {problem}; fix the data file "
-                         "(the data check before Ray drops such rows)")
-    return str(answers.unwrap(ground_truth))
 
 
 def _finish(cfg: RewardConfig, data_source, job: _Pending, outcome: Outcome) -> dict:

@@ -1,17 +1,13 @@
 """A persistent pool of grading processes with a hard per-item deadline (any picklable module-level function).
 
-Why not ``multiprocessing.Pool`` / ``concurrent.futures``: neither can stop one task that overruns (a
-math-verify call on ``9^{9^{9^9}}`` spins in C and ignores signals), and both start workers by forking
-the caller (unsafe in a multi-threaded Ray/verl process) or by re-importing its ``__main__``.
-
-* a **zygote** (a fresh ``python -c``) imports and warms up the grader once (``preload``), then only forks:
-  it is single-threaded, so forking it is safe and takes milliseconds;
-* **workers** are its children, each with its own socket pair to the caller (the caller's end passed with
-  ``SCM_RIGHTS``), one task at a time, started lazily up to ``max_workers``;
-* **the deadline**: a worker that overruns ``timeout_s`` (or dies) is ``SIGKILL``-ed and replaced on the next
-  request; a backstop ``alarm(ceil(timeout)+5)`` in the worker ends one whose caller has vanished;
-* **clean-up**: the zygote exits at EOF on its control socket (pool closed or caller dead); workers die with
-  it (``PR_SET_PDEATHSIG``) or at EOF on their own socket. :meth:`GradingPool.run` is thread-safe.
+Not ``multiprocessing.Pool`` / ``concurrent.futures``: neither can stop one overrunning task (math-verify on
+``9^{9^{9^9}}`` spins in C, ignoring signals), and both fork the caller (unsafe in a multi-threaded Ray/verl process)
+or re-import its ``__main__``. A **zygote** (a fresh ``python -c``, single-threaded) imports and warms up the grader
+once (``preload``), then only forks **workers**, each with its own socket pair to the caller (passed with
+``SCM_RIGHTS``), one task at a time, started lazily up to ``max_workers``. **Deadline**: a worker that overruns
+``timeout_s`` (or dies) is ``SIGKILL``-ed and replaced on the next request; a backstop ``alarm(ceil(timeout)+5)``
+ends one whose caller vanished. **Clean-up**: the zygote exits at EOF on its control socket; workers die with it
+(``PR_SET_PDEATHSIG``) or at EOF on their own socket. :meth:`GradingPool.run` is thread-safe.
 """
 
 from __future__ import annotations
@@ -216,6 +212,7 @@ class GradingPool:
                 try:
                     socket.send_fds(self._ctrl, [b"S"], [theirs.fileno()])
                     (pid,) = _PID.unpack(_recv_exact(self._ctrl, _PID.size))
+                    return _Worker(pid, Connection(ours.detach()))
                 except (OSError, ConnectionError) as exc:
                     ours.close()
                     self._stop_zygote()
@@ -223,11 +220,8 @@ class GradingPool:
                         raise RuntimeError(f"GradingPool: the grading zygote stopped answering ({exc}); "
                                            "see its error output above") from exc
                     logger.warning("GradingPool: grading zygote lost (%s); restarting it", exc)
-                    continue
                 finally:
                     theirs.close()
-                return _Worker(pid, Connection(ours.detach()))
-        raise AssertionError("unreachable")
 
     def _ensure_zygote(self) -> None:
         if self._closed:
@@ -236,9 +230,8 @@ class GradingPool:
             return
         self._stop_zygote()
         ours, theirs = socket.socketpair()
-        path = [p if p else os.getcwd() for p in sys.path]
-        cmd = [sys.executable, "-c", _BOOT, json.dumps(path), str(theirs.fileno()), self.preload,
-               str(self.memory_limit_mb)]
+        path = json.dumps([p or os.getcwd() for p in sys.path])
+        cmd = [sys.executable, "-c", _BOOT, path, str(theirs.fileno()), self.preload, str(self.memory_limit_mb)]
         try:
             proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         finally:
