@@ -54,9 +54,8 @@ class Setting:
     nullable: bool = False
 
     def error(self, key: str, value: Any) -> Optional[str]:
-        if (value is None and self.nullable) or self.ok(value):
-            return None
-        return f"{key}={value!r} must be {self.want}{' or null' if self.nullable else ''}"
+        ok = (value is None and self.nullable) or self.ok(value)
+        return None if ok else f"{key}={value!r} must be {self.want}{' or null' if self.nullable else ''}"
 
 
 def number(default: Any, lo: float = float("-inf"), hi: float = float("inf"), nullable: bool = False) -> Setting:
@@ -99,10 +98,7 @@ class Entry:
         if base in self.bases:
             return None
         return (f"{registry.config_key}={self.name!r} is not supported on the {base!r} trainer base "
-                f"({_BASE_SWITCH[base]}): {self.why_not[base]}")
-
-
-_BASE_SWITCH = {"legacy": "trainer.use_v1=false", "v1": "trainer.use_v1=true"}
+                f"(trainer.use_v1={str(base == 'v1').lower()}): {self.why_not[base]}")
 
 
 class Registry(Generic[F]):

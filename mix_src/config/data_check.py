@@ -1,18 +1,11 @@
-"""Data contents, checked on the driver before Ray starts (preflight slot 4).
+"""Data contents, checked on the driver before Ray starts (preflight slot 4; cost: scripts/data/README.md).
 
-:func:`check_data` opens each ``data.train_files`` / ``data.val_files`` file the way verl's ``RLHFDataset`` reads
-it (verl/utils/dataset/rl_dataset.py ``_read_files_and_tokenize``) and
-
-* **refuses a bad file** (:func:`check_file`, :class:`~mix_src.config.mix_config.MixConfigError` naming the file,
-  the column and what to do), and fewer usable training rows than one batch (``data.train_batch_size``);
-* **drops bad rows and counts them** in one summary line per file (:func:`row_problem`). The workers see the same
-  rows because :class:`mix_src.trainer.dataset.RLHFDatasetWithTarget` drops rows with this same function; with
-  another ``data.custom_cls`` nothing would drop them, so a bad row is refused instead;
-* **counts the prompts over ``data.max_prompt_length``** (:func:`check_prompt_lengths`) and **the targets over
-  ``mix.data.max_target_length``** (:func:`check_target_lengths`) that the dataset drops, so that a file left
-  with no usable rows is refused here rather than found empty inside Ray.
-
-Cost: see scripts/data/README.md ("The data check").
+:func:`check_data` opens each ``data.train_files`` / ``data.val_files`` file as verl's ``RLHFDataset`` reads it
+(verl/utils/dataset/rl_dataset.py ``_read_files_and_tokenize``), refuses a bad file (:func:`check_file`, naming the
+file, the column and what to do), drops and counts bad rows (:func:`row_problem`, the rule
+:class:`mix_src.trainer.dataset.RLHFDatasetWithTarget` drops them by on the workers; with another
+``data.custom_cls`` a bad row is refused instead), and counts the prompts and targets the dataset drops for length,
+so that a file left with fewer usable rows than one batch is refused here rather than found empty inside Ray.
 """
 
 from __future__ import annotations
@@ -42,20 +35,14 @@ def _as_list(value) -> Any:
 
 
 def normalize_target(value: Any) -> Optional[str]:
-    """Return the target text of one row, or None when it is missing, empty or not text.
-
-    Accepts LUFFY's list-of-one-message form, a message dict, or a plain string.
-    """
+    """The target text of one row (LUFFY's list-of-one-message form, a message dict, or a plain string), or None
+    when it is missing, empty or not text."""
     value = _as_list(value)  # numpy arrays from parquet
     if isinstance(value, (list, tuple)):
-        if len(value) == 0:
-            return None
-        value = value[0]
+        value = value[0] if value else None
     if isinstance(value, dict):
         value = value.get("content")
-    if not isinstance(value, str) or not value.strip():
-        return None
-    return value
+    return value if isinstance(value, str) and value.strip() else None
 
 
 def is_episode(text: Optional[str]) -> bool:
@@ -75,10 +62,9 @@ def prompt_problem(prompt) -> Optional[str]:
     prompt = _as_list(prompt)
     if not isinstance(prompt, (list, tuple)) or not prompt:
         return "prompt is not a non-empty list of {role, content} messages"
-    for message in prompt:
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                or not isinstance(message.get("content"), str):
-            return "a prompt message is not {role: str, content: str}"
+    if any(not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str)
+           for m in prompt):
+        return "a prompt message is not {role: str, content: str}"
     return None
 
 
@@ -155,19 +141,16 @@ def json_records(path: str) -> list:
     dataset reads ``.json``/``.jsonl``; raises :class:`JsonLinesError` naming the broken line."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
-    if text.lstrip()[:1] == "[":
-        try:
+    n, records = None, []  # n: the JSONL line being read; None for a JSON array
+    try:
+        if text.lstrip()[:1] == "[":
             return json.loads(text)
-        except json.JSONDecodeError as e:
-            raise JsonLinesError(None, e) from e
-    records = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
                 records.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise JsonLinesError(n, e) from e
-    return records
+        return records
+    except json.JSONDecodeError as e:
+        raise JsonLinesError(n, e) from e
 
 
 def _read_json(path: str, columns: Iterable[str], key: str) -> tuple[dict[str, list], dict[str, str]]:
@@ -225,17 +208,6 @@ def _text_like(arrow_type: str) -> bool:
 
 
 # --------------------------------------------------------------------------------------- prompt length
-def prompt_lengths(config: DictConfig, prompts: list) -> list[int]:
-    """Token counts of the templated prompts, as verl's ``maybe_filter_out_long_prompts`` counts them."""
-    tok = _tokenizer(config)
-    kwargs = dict(config.data.get("apply_chat_template_kwargs") or {})
-    for k in ("tokenize", "return_dict", "return_tensors"):
-        kwargs.pop(k, None)
-    texts = [tok.apply_chat_template(list(_as_list(p)), add_generation_prompt=True, tokenize=False, **kwargs)
-             for p in prompts]
-    return [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
-
-
 def _tokenizer(config: DictConfig):
     """The policy's tokenizer (``model.tokenizer_path`` or ``model.path``), loaded once for all files."""
     model = config.actor_rollout_ref.model
@@ -254,8 +226,12 @@ def check_prompt_lengths(config: DictConfig, key: str, report: FileReport) -> se
     """Apply ``data.truncation`` / ``data.filter_overlong_prompts`` to one file (verl's count: the chat template
     with the generation prompt). Returns the rows verl's dataset will filter out; raises for ``truncation=error``,
     ``right`` and ``middle`` (verl's agent loop left-truncates whatever it says; ``left`` is not checked)."""
-    limit = int(config.data.max_prompt_length)
-    lengths = prompt_lengths(config, report.prompts)
+    limit, tok = int(config.data.max_prompt_length), _tokenizer(config)
+    kwargs = {k: v for k, v in (config.data.get("apply_chat_template_kwargs") or {}).items()
+              if k not in ("tokenize", "return_dict", "return_tensors")}
+    texts = [tok.apply_chat_template(list(_as_list(p)), add_generation_prompt=True, tokenize=False, **kwargs)
+             for p in report.prompts]  # counted as verl's maybe_filter_out_long_prompts counts them
+    lengths = [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
     over = [report.kept[j] for j, n in enumerate(lengths) if n > limit]
     if not over:
         return set()
@@ -342,18 +318,14 @@ def check_data(config: DictConfig) -> dict[str, FileReport]:
                 filtered |= check_target_lengths(config, key, report)
             usable += len(report.kept) - len(filtered)
             reports[path] = report
-        if paths and len(paths) == len(data_files(data.get(key.split(".")[1]), remote=True)):  # a remote file: not counted
-            _check_enough(config, key, role, usable)
+        if not paths or len(paths) < len(data_files(data.get(key.split(".")[1]), remote=True)):
+            continue  # a remote file: not counted
+        limit = int(data.get(f"{role}_max_samples", -1) or -1)
+        usable = min(usable, limit) if limit > 0 else usable
+        need = int(data.train_batch_size) if role == "train" else 1
+        if usable < need:
+            what = f"data.train_batch_size={need}" if role == "train" else "one row"
+            raise MixConfigError(f"{key}: {usable} usable rows after the drops above, fewer than {what}; verl's "
+                                 "dataloader drops the last incomplete batch, so nothing would train. Add rows or "
+                                 "lower data.train_batch_size")
     return reports
-
-
-def _check_enough(config: DictConfig, key: str, role: str, usable: int) -> None:
-    data = config.data
-    limit = int(data.get(f"{role}_max_samples", -1) or -1)
-    usable = min(usable, limit) if limit > 0 else usable
-    need = int(data.train_batch_size) if role == "train" else 1
-    if usable < need:
-        what = f"data.train_batch_size={need}" if role == "train" else "one row"
-        raise MixConfigError(f"{key}: {usable} usable rows after the drops above, fewer than {what}; verl's "
-                             "dataloader drops the last incomplete batch, so nothing would train. Add rows or "
-                             "lower data.train_batch_size")

@@ -1,18 +1,9 @@
 """The original LUFFY's command-line keys, mapped to ours, so its launch scripts run unchanged.
 
-LUFFY (https://github.com/ElliottYan/LUFFY, arXiv 2504.14945) put its options under verl's sections
-(``actor_rollout_ref.rollout.n_prefix``, ``actor_rollout_ref.actor.off_policy_reshape``,
-``algorithm.grpo_use_std`` ...); verl 0.9.1's typed configs reject unknown keys there, so ours live in
-``mix:`` (mix_src/config/mix_config.py). :func:`translate_overrides` rewrites a list of Hydra overrides before
-Hydra sees them and prints one line per LUFFY key:
-
-    renamed    ``[mix_src] LUFFY key OLD -> NEW``                 (the value is kept)
-    converted  ``[mix_src] LUFFY key OLD=V -> NEW=V'``            (e.g. loss_remove_token_mean=True)
-    no effect  ``[mix_src] LUFFY key OLD=V dropped: WHY``          (dead in the original, or our default)
-    refused    MixConfigError naming the key, the value and what to use instead (a value whose
-               behaviour mix_src does not have).
-
-The entry point applies it to ``sys.argv`` (``python -m mix_src.main_mix_ppo``).
+LUFFY (https://github.com/ElliottYan/LUFFY, arXiv 2504.14945) put its options under verl's sections, where verl
+0.9.1's typed configs reject unknown keys, so ours live in ``mix:`` (mix_src/config/mix_config.py). The entry point
+runs :func:`translate_overrides` on ``sys.argv`` before Hydra sees it: each LUFFY key is renamed, converted,
+dropped with the reason (one printed line each) or refused (mix_src/README.md, "Launch scripts of the original LUFFY").
 """
 
 from __future__ import annotations

@@ -231,9 +231,8 @@ class MixConfig:
         _in_range(f"{p}.min_prefix_ratio", self.min_prefix_ratio, 0.0, 1.0)
         _in_range(f"{p}.max_prefix_ratio", self.max_prefix_ratio, 0.0, 1.0)
         if self.min_prefix_ratio > self.max_prefix_ratio:
-            raise MixConfigError(
-                f"{p}.min_prefix_ratio={self.min_prefix_ratio} > {p}.max_prefix_ratio={self.max_prefix_ratio}"
-            )
+            raise MixConfigError(f"{p}.min_prefix_ratio={self.min_prefix_ratio} > "
+                                 f"{p}.max_prefix_ratio={self.max_prefix_ratio}")
         _in_range(f"{p}.prefix_steps", self.prefix_steps, 1, None)
         _in_range(f"{p}.prefix_linear_max_ratio", self.prefix_linear_max_ratio, 0.0, 1.0)
         if self.prefix_fix_ratios is not None:
@@ -309,8 +308,7 @@ _SCALARS: dict[Any, tuple[Any, str, Callable[[Any], Any]]] = {
 
 
 def _build(cls: type, values: Any, prefix: str):
-    if values is None:
-        values = {}
+    values = {} if values is None else values
     if not isinstance(values, dict):
         raise MixConfigError(f"{prefix} must be a mapping of keys to values, got {values!r}")
     hints = get_type_hints(cls)
@@ -345,9 +343,10 @@ def _resolve_target_limit(config: Any, mix: MixConfig) -> None:
         return
     cap, response = mix.data.max_target_length, int(response)
     if cap is not None and cap > response - 1:  # a whole target plus its EOS must fit the response
-        raise MixConfigError(f"mix.data.max_target_length={cap} cannot fit data.max_response_length={response}: a whole "
-                             f"target plus its EOS needs max_target_length <= {response - 1}, or longer targets are cut "
-                             f"and score 0; set it <= {response - 1}, or null to follow data.max_response_length - 1")
+        raise MixConfigError(f"mix.data.max_target_length={cap} cannot fit data.max_response_length={response}: a "
+                             f"whole target plus its EOS needs max_target_length <= {response - 1}, or longer targets "
+                             f"are cut and score 0; set it <= {response - 1}, or null to follow "
+                             "data.max_response_length - 1")
     mix.data.max_target_length = mix.data.target_limit(response)
     if config.get("mix") is not None:
         with open_dict(config):

@@ -1,11 +1,9 @@
-"""Model settings the driver resolves and checks before Ray: ``rollout.max_model_len`` and the attention
-implementation (:func:`check_attention`).
+"""Model settings the driver resolves and checks before Ray: ``rollout.max_model_len`` and the attention.
 
-verl fills a null ``rollout.max_model_len`` only inside its server actor, from the model config's
-``max_position_embeddings`` (``vllm_async_server.py`` ``_validate_configs``, same in ``async_sglang_server.py``),
-and its server raises when a prompt leaves no room. The prefix-guided agent loop (:mod:`mix_src.rollout.agent_loop`)
-runs in another process and would see ``null``, so its "no room left -> no server call" clamp would never fire:
-:func:`resolve_max_model_len` fills it on the driver, and the agent loop calls :func:`model_context_length` in its
+verl fills a null ``rollout.max_model_len`` only inside its server actor, from ``max_position_embeddings``
+(``vllm_async_server.py`` / ``async_sglang_server.py`` ``_validate_configs``); the prefix-guided agent loop
+(:mod:`mix_src.rollout.agent_loop`) runs elsewhere and would see ``null``, so its "no room left" clamp would never
+fire. :func:`resolve_max_model_len` fills it on the driver; the agent loop calls :func:`model_context_length` in its
 worker when the driver could not (a hub id not cached on the driver: the driver never downloads).
 """
 
@@ -33,10 +31,8 @@ def model_context_length(model_cfg: Any, *, local_files_only: Optional[bool] = N
     from verl.utils.model import update_model_config
     from verl.workers.rollout.utils import get_max_position_embeddings
 
-    path = str(dotted_get(model_cfg, "hf_config_path") or dotted_get(model_cfg, "path"))
-    path = os.path.expanduser(path)
-    if local_files_only is None:
-        local_files_only = is_hub_id(path)
+    path = os.path.expanduser(str(dotted_get(model_cfg, "hf_config_path") or dotted_get(model_cfg, "path")))
+    local_files_only = is_hub_id(path) if local_files_only is None else local_files_only
     hf_config = AutoConfig.from_pretrained(path, trust_remote_code=bool(dotted_get(model_cfg, "trust_remote_code", False)),
                                            local_files_only=local_files_only)  # fmt: skip
     override = dotted_get(model_cfg, "override_config", {}) or {}

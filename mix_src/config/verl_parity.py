@@ -1,12 +1,10 @@
 """Which of verl's trainer settings the MIX trainer honours, and which it refuses before Ray starts.
 
-:class:`mix_src.trainer.legacy.MIXRayPPOTrainer` replaces verl's ``RayPPOTrainer.fit``
-(``verl/trainer/ppo/ray_trainer.py``, verl 0.9.1) with its own loop, so every key that changes verl's fit
-must be honoured by that loop or refused here, by name. ``tests/test_verl_key_parity.py`` reads verl's
-``fit`` source and fails on any config key it reads, or any trainer method it calls, that is not listed
-below: after a verl upgrade that test names what is new. An honoured key must be read by its full path
-(:func:`config_reads`) in the named MIX method. :func:`check_verl_keys` runs on the driver before Ray starts
-(:func:`mix_src.config.preflight.check_keys`). This module imports no verl.
+:class:`mix_src.trainer.legacy.MIXRayPPOTrainer` replaces verl's ``RayPPOTrainer.fit`` (verl/trainer/ppo/
+ray_trainer.py, verl 0.9.1) with its own loop, so every key that changes verl's fit is honoured there (read by its
+full path, :func:`config_reads`, in the named MIX method) or refused here by name (:func:`check_verl_keys`, on the
+driver). ``tests/test_verl_key_parity.py`` fails on any key or trainer call of verl's ``fit`` not listed below, so
+after a verl upgrade it names what is new. This module imports no verl.
 """
 
 from __future__ import annotations
@@ -52,12 +50,6 @@ REFUSED_KEYS: dict[str, str] = {
 FIT_CALLS_REFUSED: dict[str, str] = dict.fromkeys(
     ("_start_profiling", "_stop_profiling", "llm_server_manager.start_profile", "llm_server_manager.stop_profile"),
     "global_profiler.steps")
-
-SGLANG_UNRESOLVABLE = (
-    "actor_rollout_ref.rollout.name=sglang: verl[sglang]==0.9.1 pins sglang==0.5.12, which requires "
-    "transformers==5.6.0, a version verl 0.9.1 itself excludes (transformers!=5.6.0), so SGLang and this verl "
-    "cannot be installed in one environment. Use actor_rollout_ref.rollout.name=vllm (`make install-gpu`)."
-)
 
 
 # --------------------------------------------------------------------------- the scanner (used by the guard test)
@@ -145,26 +137,19 @@ def dotted_get(config: Any, dotted: str, default: Any = None) -> Any:
     return default if node is None else node
 
 
-# verl's estimators whose inputs only verl's own fit makes: name -> why the MIX loop refuses it.
-VERL_ESTIMATORS_REFUSED = {
-    "remax": "needs a greedy baseline rollout per prompt (verl's fit generates it with the sampled rollouts, "
-             "ray_trainer.py `__do_sample__`); the MIX loop does not generate one. Use grpo, grpo_split, rloo, "
-             "reinforce_plus_plus, or gae (with a critic).",
-}  # fmt: skip
-
-
 def _refuse_estimator(config: Any, mix: Any) -> Optional[str]:
-    name = str(dotted_get(config, "algorithm.adv_estimator"))
-    why = VERL_ESTIMATORS_REFUSED.get(name)
-    return f"algorithm.adv_estimator={name} {why}" if why else None
+    """verl's estimators whose inputs only verl's own fit makes."""
+    if str(dotted_get(config, "algorithm.adv_estimator")) == "remax":
+        return ("algorithm.adv_estimator=remax needs a greedy baseline rollout per prompt (verl's fit generates it "
+                "with the sampled rollouts, ray_trainer.py `__do_sample__`); the MIX loop does not generate one. Use "
+                "grpo, grpo_split, rloo, reinforce_plus_plus, or gae (with a critic).")
 
 
 def _refuse_bypass_mode(config: Any, mix: Any) -> Optional[str]:
-    if not dotted_get(config, "algorithm.rollout_correction.bypass_mode", False):
-        return None
     return ("algorithm.rollout_correction.bypass_mode=true replaces old log-probs by rollout log-probs and the "
             "policy loss by actor.policy_loss; the MIX loss needs recomputed old log-probs (target tokens have "
-            "no rollout log-prob). Set it to false: decoupled mode (rollout_is / rollout_rs) is supported.")
+            "no rollout log-prob). Set it to false: decoupled mode (rollout_is / rollout_rs) is supported."
+            ) if dotted_get(config, "algorithm.rollout_correction.bypass_mode", False) else None
 
 
 def _refuse_correction_without_logprobs(config: Any, mix: Any) -> Optional[str]:
@@ -178,10 +163,8 @@ def _refuse_correction_without_logprobs(config: Any, mix: Any) -> Optional[str]:
 
 def _refuse_profiler(config: Any, mix: Any) -> Optional[str]:
     steps = dotted_get(config, "global_profiler.steps")
-    if not steps:
-        return None
     return (f"global_profiler.steps={list(steps)}: the MIX trainer's loop does not drive verl's profiler "
-            "(ray_trainer.py _start_profiling / _stop_profiling); set global_profiler.steps=null.")
+            "(ray_trainer.py _start_profiling / _stop_profiling); set global_profiler.steps=null.") if steps else None
 
 
 def _refuse_policy_loss_mode(config: Any, mix: Any) -> Optional[str]:
@@ -204,7 +187,11 @@ def _refuse_policy_loss_mode(config: Any, mix: Any) -> Optional[str]:
 
 
 def _refuse_sglang(config: Any, mix: Any) -> Optional[str]:
-    return SGLANG_UNRESOLVABLE if dotted_get(config, "actor_rollout_ref.rollout.name") == "sglang" else None
+    if dotted_get(config, "actor_rollout_ref.rollout.name") == "sglang":
+        return ("actor_rollout_ref.rollout.name=sglang: verl[sglang]==0.9.1 pins sglang==0.5.12, which requires "
+                "transformers==5.6.0, a version verl 0.9.1 itself excludes (transformers!=5.6.0), so SGLang and this "
+                "verl cannot be installed in one environment. Use actor_rollout_ref.rollout.name=vllm "
+                "(`make install-gpu`).")
 
 
 def _refuse_layered_summon_base_sync(config: Any, mix: Any) -> Optional[str]:
