@@ -98,12 +98,10 @@ def compute_grpo_outcome_advantage_split(token_level_rewards: torch.Tensor, resp
     stat_dtype = torch.float64  # per-row statistics are cheap; compute them in double
     r = scores.to(stat_dtype)
 
-    on = _bool_mask(on_policy_mask).to(scores.device)
-    on_count = torch.zeros(num_groups, dtype=stat_dtype, device=r.device).index_add_(0, gid, on.to(stat_dtype))
-    stat_row = on | (on_count == 0)[gid]  # (B,) rows that define their group's statistics
-    w = stat_row.to(stat_dtype)
-
     zeros = torch.zeros(num_groups, dtype=stat_dtype, device=r.device)
+    on = _bool_mask(on_policy_mask).to(scores.device)
+    stat_row = on | (zeros.index_add(0, gid, on.to(stat_dtype)) == 0)[gid]  # (B,) rows that define their group's stats
+    w = stat_row.to(stat_dtype)
     count = zeros.index_add(0, gid, w)
     mean = zeros.index_add(0, gid, r * w) / count
     dev = (r - mean[gid]) * w

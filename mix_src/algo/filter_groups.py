@@ -4,14 +4,8 @@ of accumulating kept groups over generation batches (with optional carry-over of
 A group is all rows of one prompt (same `uid`). A rule (``mix.filter_groups.rule``) decides from the per-group
 statistics of the metric; equality is exact (a float tolerance would keep or drop groups depending on rounding).
 With `row_mask` (``mix.filter_groups.on_policy_only``) only the masked rows decide; a group with none of them
-falls back to all its rows, as grpo_split does.
-
-The trainer's loop (verl's `algorithm.filter_groups` keys plus `mix.filter_groups.carry_over`):
-
-    pending = carried rows (empty at the start)
-    for each generation batch:  keep = filter_groups(uids, acc).keep_rows;  pending += batch[keep]
-        plan = plan_train_batch(pending uids, train_batch_size, carry_over)
-        if plan.ready: train on pending[plan.train_rows]; carried = pending[plan.carry_rows]; break
+falls back to all its rows, as grpo_split does. The trainer keeps ``filter_groups(uids, acc).keep_rows`` of each
+generation batch after the carried rows, until :func:`plan_train_batch` says ready (mix_src/trainer/legacy_collect.py).
 """
 
 from __future__ import annotations

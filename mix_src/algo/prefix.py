@@ -2,25 +2,20 @@
 
 Rows are ordered `i*n + j` (prompt i, sample j), as after verl's `repeat(interleave=True)`. A row's ratio rho
 says how much of the prompt's target starts its response: `prefix = (target + [EOS])[: floor(rho * len)]`
-(rho = 0: a plain on-policy sample; rho = 1: the whole demonstration).
-
-Which rows get a ratio (n_prefix):
-    -1  every sample of every prompt;
-    0   none (all ratios 0, in both modes; the original's shared mode gave every sample a ratio);
-    k   samples 0..k-1 of every prompt (the original's convention); samples k..n-1 get 0.
+(rho = 0: a plain on-policy sample; rho = 1: the whole demonstration). n_prefix: -1 every sample gets a ratio; 0
+none (all ratios 0, in both modes; the original's shared mode gave every sample one); k samples 0..k-1 of every
+prompt (the original's convention), samples k..n-1 get 0.
 
 Built-in strategies (a plugin adds more with @register_prefix_strategy; S = prefix_steps, M = prefix_linear_max_ratio,
 s = global_step - 1, window k = the first k in 0..9 with s in [k*S/10, (k+1)*S/10]; steps past S stay in window 9):
-    random          U(min_prefix_ratio, max_prefix_ratio)
-    linear          M * (1 - min(s / S, 1))  (deterministic; in both modes, the original only in shared mode)
-    linear_max      U(0, (10 - k) * M / 10)  (upper bound falls from M to M/10)
-    reverse_linear  U(0, (k + 1) * M / 10)   (upper bound rises from M/10 to M)
-    fixed           the list prefix_fix_ratios (default: N = prefixed samples per prompt evenly spaced values
-                    from min to max; N = 1 gives [min_prefix_ratio], where the original divides by zero)
+random U(min_prefix_ratio, max_prefix_ratio); linear M * (1 - min(s / S, 1)) (deterministic; in both modes, the
+original only in shared mode); linear_max U(0, (10 - k) * M / 10); reverse_linear U(0, (k + 1) * M / 10); fixed the
+list prefix_fix_ratios (default: N = prefixed samples per prompt evenly spaced values from min to max; N = 1 gives
+[min_prefix_ratio], where the original divides by zero).
 
-Modes: per-sample (share_across_samples=False) draws one ratio per prefixed row; `fixed` gives sample j the j-th
-value (a single value: every prefixed sample). Shared (True) draws one ratio per prompt for all its prefixed rows;
-`fixed` then gives prompt i the value (i mod N) of the list.
+Modes: per-sample (share_across_samples=False) draws one ratio per prefixed row, `fixed` giving sample j the j-th
+value (a single value: every prefixed sample); shared (True) one ratio per prompt for all its prefixed rows, `fixed`
+giving prompt i the value (i mod N) of the list.
 """
 
 from __future__ import annotations

@@ -237,8 +237,11 @@ class MixPolicyLoss:
             feature = "mix.loss.all_max_clip with token-mean"
             kept = _row_values(ctx.data, (KEPT_TOKENS,), feature, "add_kept_token_counts")[KEPT_TOKENS]
             policy_info = dict(ctx.info, batch_num_tokens=max(kept, 1.0))  # 0 kept tokens: a numerator of 0 too
+        remove_clip = self.mix.loss_remove_clip  # or the rows' own choice (bsz, 1) where a rollout policy set it
+        if REMOVE_CLIP in ctx.data.keys():
+            remove_clip = ctx.data[REMOVE_CLIP].to(ctx.response_mask.device).reshape(-1, 1).bool()
         token_batch = partial(TokenBatch, batch["old_log_probs"], ctx.log_prob,
-                              loss_remove_clip=self._remove_clip(ctx.data, ctx.response_mask),
+                              loss_remove_clip=remove_clip,
                               rollout_is_weights=batch.get("rollout_is_weights", None), **policy_info)  # fmt: skip
         if mix.combine is not None:  # a registered loss combination (mix_src.algo.loss_combine)
             pg_loss, out = self._combined_policy_loss(ctx, token_batch)
@@ -292,12 +295,6 @@ class MixPolicyLoss:
         if sft_row.shape[0] != response_mask.shape[0]:
             raise ValueError(f"'{SFT_ROW}' has {sft_row.shape[0]} rows for a micro-batch of {response_mask.shape[0]}")
         return ROW_LOSSES.get(self.mix.row_loss)(response_mask, prefix_mask, sft_row)
-
-    def _remove_clip(self, data: TensorDict, response_mask: torch.Tensor):
-        """mix.loss.loss_remove_clip, or the rows' own choice (bsz, 1) bool when a rollout policy set REMOVE_CLIP."""
-        if REMOVE_CLIP not in data.keys():
-            return self.mix.loss_remove_clip
-        return data[REMOVE_CLIP].to(response_mask.device).reshape(-1, 1).bool()
 
     def _sft_scale(self, data: TensorDict, info: dict, policy_agg: Callable) -> SftScale:
         """The numbers of ``mix.loss.sft_loss_agg`` (mix_src/algo/row_loss.py SftScale)."""

@@ -35,9 +35,7 @@ def pop_entropy_state(metrics: dict) -> dict[str, float] | None:
     state = {}
     for key in [k for k in metrics if ENTROPY_STATE in k]:
         values = metrics.pop(key)
-        while isinstance(values, (list, tuple)):  # per mini-batch / micro-batch / DP-rank lists
-            if not values:
-                break
+        while isinstance(values, (list, tuple)) and values:  # per mini-batch / micro-batch / DP-rank lists
             values = values[-1]
         if not isinstance(values, (list, tuple)):
             state[key.split(ENTROPY_STATE, 1)[1]] = float(values)

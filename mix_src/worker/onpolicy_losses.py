@@ -149,10 +149,9 @@ def on_policy_term(config: Any, old_log_prob: torch.Tensor, log_prob: torch.Tens
     loss_mode = config.policy_loss.get("loss_mode", "vanilla")
     entry = mode_entry(loss_mode)
     dp, width = int(info["dp_size"]), valid_mask.shape[-1]
-    n_tokens = info["batch_num_tokens"]
+    n_tokens, rows = info["batch_num_tokens"], info["global_batch_size"]
     if n_tokens is None:  # LUFFY's token mean runs over every valid token, prefix tokens included
         n_tokens = int(valid_mask.sum()) or 1
-    rows = info["global_batch_size"]
     if rows is None:
         rows = valid_mask.shape[0] if entry.aggregation == ROW_MEAN else int(valid_mask.any(-1).sum()) or 1
     scale = info["loss_scale_factor"] if info["loss_scale_factor"] is not None else width
