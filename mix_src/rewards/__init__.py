@@ -1,8 +1,5 @@
-"""Rule rewards for math and multiple-choice answers (mix_src/rewards/README.md).
-
-``compute_score`` / ``compute_score_batch`` (verl's custom-reward signatures) live in
-:mod:`mix_src.rewards.math_verify_reward` (``reward.custom_reward_function.path=pkg://<that module>``).
-Symbolic grading runs in :mod:`mix_src.rewards.pool` worker processes with a hard per-item deadline.
+"""Rule rewards for math and multiple-choice answers (mix_src/rewards/README.md); verl's custom-reward entry points
+live in :mod:`mix_src.rewards.math_verify_reward` (``reward.custom_reward_function.path=pkg://<that module>``).
 """
 
 from mix_src.rewards.math_verify_reward import (ANSWER_TYPES, RewardConfig, compute_score, compute_score_batch,

@@ -18,12 +18,9 @@ def split_response(response: str, starts_in_think: bool) -> tuple[str | None, bo
     ``starts_in_think`` (the prompt ended with ``<think>``), a ``<think>`` before it. (LUFFY takes the text
     between the first and the second ``</think>``.)"""
     close = response.rfind(THINK_CLOSE)
-    if close < 0:
+    opening = 0 if starts_in_think else response.find(THINK_OPEN)
+    if close < 0 or not 0 <= opening <= close:
         return None, False
-    if not starts_in_think:
-        opening = response.find(THINK_OPEN)
-        if opening < 0 or opening > close:
-            return None, False
     return response[close + len(THINK_CLOSE):], True
 
 
@@ -66,7 +63,6 @@ def normalize_latex(s: str) -> str:
     return s.rstrip(".")
 
 
-# ----------------------------------------------------------------------------------------------------
 # Multiple choice: option labels A-Z or 1-26; why a number k also takes the k-th letter (ARC, OpenCompass,
 # lm-eval) and a letter only itself: mix_src/rewards/README.md, "Multiple-choice labels".
 
@@ -127,10 +123,7 @@ def choice_correct(answer: str, gold: str) -> bool:
     return (int(chosen) if chosen.isdigit() else ord(chosen) - ord("A") + 1) == int(gold)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Plain numbers
-
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")  # plain numbers
 _NUMBER_FULL = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 
 

@@ -16,7 +16,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, fields
-from typing import Any, Sequence
+from typing import Sequence
 
 from mix_src.rewards import answers
 from mix_src.rewards.grading import grade_math

@@ -1,13 +1,7 @@
-"""A persistent pool of grading processes with a hard per-item deadline (any picklable module-level function).
-
-Not ``multiprocessing.Pool`` / ``concurrent.futures``: neither can stop one overrunning task (math-verify on
-``9^{9^{9^9}}`` spins in C, ignoring signals), and both fork the caller (unsafe in a multi-threaded Ray/verl process)
-or re-import its ``__main__``. A **zygote** (a fresh ``python -c``, single-threaded) imports and warms up the grader
-once (``preload``), then only forks **workers**, each with its own socket pair to the caller (passed with
-``SCM_RIGHTS``), one task at a time, started lazily up to ``max_workers``. **Deadline**: a worker that overruns
-``timeout_s`` (or dies) is ``SIGKILL``-ed and replaced on the next request; a backstop ``alarm(ceil(timeout)+5)``
-ends one whose caller vanished. **Clean-up**: the zygote exits at EOF on its control socket; workers die with it
-(``PR_SET_PDEATHSIG``) or at EOF on their own socket. :meth:`GradingPool.run` is thread-safe.
+"""A persistent pool of grading processes with a hard per-item deadline (any picklable module-level function):
+a single-threaded zygote (``python -c``) imports the grader once (``preload``) and forks workers, each killed at
+its deadline and replaced. Why not ``multiprocessing`` and how it cleans up: mix_src/rewards/README.md, "Grading
+processes". :meth:`GradingPool.run` is thread-safe.
 """
 
 from __future__ import annotations

@@ -8,8 +8,6 @@ mix_src/AGENTS_TOOLS.md. ``extra_fields`` as :mod:`mix_src.rollout.agent_loop`.
 from __future__ import annotations
 
 import json
-import logging
-import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -18,9 +16,6 @@ from verl.experimental.agent_loop.agent_loop import register
 from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState, ToolAgentLoop
 
 from mix_src.rollout.agent_loop import SERVER_EXTRA_KEYS, PrefixGuidedAgentLoop, row_value
-
-logger = logging.getLogger(__name__)
-logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
 
 
 class ExpertEpisodeError(ValueError):
@@ -132,9 +127,8 @@ class PrefixGuidedToolAgentLoop(ToolAgentLoop):
         previous = list(agent_data.messages)
         agent_data.messages.extend({"role": "tool", "content": m["content"]} for m in tool_msgs)
         schemas = getattr(agent_data, "_active_tool_schemas", self.tool_schemas)
-        merge, mask, _ = await self.ct_merge_context_msg(
-            previous, agent_data.messages, agent_data.prompt_ids, agent_data.response_mask, None, tools=schemas
-        )
+        merge, mask, _ = await self.ct_merge_context_msg(previous, agent_data.messages, agent_data.prompt_ids,
+                                                         agent_data.response_mask, None, tools=schemas)
         if len(mask) >= self.response_length:  # as verl's PROCESSING_TOOLS: a result that does not fit ends it
             return False
         agent_data.prompt_ids, agent_data.response_mask = merge.token_ids, mask

@@ -1,14 +1,11 @@
-"""verl's agent-loop worker without per-row costs: :class:`MixAgentLoopManager` (workers :class:`MixAgentLoopWorker`),
-set by :class:`~mix_src.trainer.legacy.MIXRayPPOTrainer` as ``actor_rollout_ref.rollout.agent.agent_loop_manager_class``
-when unset. verl's worker code runs unchanged except for:
-
-* **one agent-loop instance per worker** for loop classes that declare ``reusable = True`` (``prefix_guided``),
-  where verl instantiates one per row (``agent_loop.py`` ``_run_agent_loop``; cost: scripts/bench/README.md).
-* **rule rewards in the worker process** on the CPU backend with no reward model: verl's ``RewardLoopWorker``
-  runs here behind a handle-shaped wrapper instead of one Ray call per row (same inputs, same reward manager).
-* **no load-balancer round trips with one rollout server** on the CPU backend (:func:`pin_single_server`):
-  verl's client asks its ``GlobalRequestLoadBalancer`` before and after every request (``llm_server.py``
-  ``_acquire_server``/``_release_server``); with one server the answer is always that server.
+"""verl's agent-loop worker without per-row costs (why, and measured: scripts/bench/README.md):
+:class:`MixAgentLoopManager` (workers :class:`MixAgentLoopWorker`), set by
+:class:`~mix_src.trainer.legacy.MIXRayPPOTrainer` as ``actor_rollout_ref.rollout.agent.agent_loop_manager_class``
+when unset. verl's worker code runs unchanged but for one instance of a ``reusable = True`` loop per worker (verl:
+one per row, ``agent_loop.py`` ``_run_agent_loop``) and, on the CPU backend, rule rewards in this process when no
+reward model runs (:class:`InProcessRewardWorker`, instead of one Ray call per row) and no load-balancer round
+trips with one rollout server (:func:`pin_single_server`; verl's ``llm_server.py`` ``_acquire_server``/
+``_release_server`` before and after every request).
 """
 
 from __future__ import annotations

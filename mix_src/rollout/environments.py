@@ -110,10 +110,10 @@ class ToolEnv:
             episode = self.expert_episode(item)
             if episode is None:
                 stats["no_expert"] += 1
-            elif tokenizer is not None and max_response_length is not None:
-                if self.episode_length(episode, tokenizer) > max_response_length:
-                    stats["dropped_too_long"] += 1
-                    continue
+            elif (tokenizer is not None and max_response_length is not None
+                  and self.episode_length(episode, tokenizer) > max_response_length):
+                stats["dropped_too_long"] += 1
+                continue
             rows.append({
                 "data_source": self.name,
                 "prompt": self.prompt(item),
