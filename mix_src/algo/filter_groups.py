@@ -129,10 +129,8 @@ def plan_train_batch(index: Any, target_groups: int, carry_over: bool) -> TrainB
         raise ValueError(f"target_groups must be >= 1, got {target_groups}")
     ids = np.asarray(index).reshape(-1)
     empty = np.zeros(0, dtype=np.int64)
-    if ids.size == 0:
-        return TrainBatchPlan(False, empty, empty, 0, 0)
     groups, gid = _group_ids(ids)
-    if groups.size < target_groups:
+    if groups.size < target_groups:  # no rows pending included
         return TrainBatchPlan(False, empty, empty, int(groups.size), 0)
     train = gid < target_groups
     rows = np.arange(ids.size)

@@ -103,11 +103,10 @@ def lengths_from_masks(attention_mask, response_mask_or_len, prefix_mask=None):
     last ``R_max`` columns (an int, or a tensor of that width) are the response; ``prefix_mask [rows, R_max]``."""
     am = np.asarray(attention_mask).astype(np.int64)
     width = response_mask_or_len if isinstance(response_mask_or_len, int) else np.asarray(response_mask_or_len).shape[-1]
-    resp = am[:, am.shape[1] - width:].sum(-1)
-    prompt = am.sum(-1) - resp
-    gen = resp - (np.asarray(prefix_mask).astype(np.int64) * am[:, am.shape[1] - width:]).sum(-1) \
-        if prefix_mask is not None else resp
-    return prompt, resp, gen
+    response_am = am[:, am.shape[1] - width:]
+    resp = response_am.sum(-1)
+    gen = resp if prefix_mask is None else resp - (np.asarray(prefix_mask).astype(np.int64) * response_am).sum(-1)
+    return am.sum(-1) - resp, resp, gen
 
 
 def add_step_flops(shape: ModelShape, prompt_lens, response_lens, rollout: Mapping[str, float], totals: dict,

@@ -55,15 +55,9 @@ def check_loss_terms(loss_config: Any, prefix: str = "mix.loss") -> None:
 
 @dataclass
 class TokenLossConfig:
-    """The options of :func:`token_loss` (mix.loss with verl's actor clip settings), checked when built.
-
-    cliprange: eps of the clip interval [1 - eps, U], U = max(clip_upper_bound, 1 + eps) (LUFFY's widening knob).
-    off_policy_reshape / on_policy_reshape: f of prefix tokens / r of on-policy tokens, entries of token_maths'
-        OFF_POLICY_RESHAPES / ON_POLICY_RESHAPES (each formula beside its entry; aliases p_div_p_0.1/0.3/0.5 set gamma).
-    *_gamma, *_weight, *_pow_exp: gamma, w and k of each side (on gamma None: the off-policy one).
-    off_max_clip, off_min_clip: clamps of f (None = off); all_max_clip: c in (0, 1], tokens with p > c leave the loss.
-    loss_agg_mode: one of LOSS_AGG_MODES (core_alg.agg_loss); clip_ratio_c: dual clip c > 1 (None = off, LUFFY).
-    """
+    """The options of :func:`token_loss` (the mix.loss keys of their name, mix_src/README.md "Loss options", with
+    verl's actor clip settings), checked when built. cliprange: eps of the clip interval [1 - eps, U], U =
+    max(clip_upper_bound, 1 + eps); on_policy_reshape_gamma None: the off-policy one; None clips/clip_ratio_c: off."""
 
     cliprange: float = 0.2
     clip_upper_bound: float = 1.0
@@ -150,10 +144,6 @@ class TokenBatch:
         if self.dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
 
-    def agg_info(self) -> dict:
-        return dict(dp_size=self.dp_size, batch_num_tokens=self.batch_num_tokens,
-                    global_batch_size=self.global_batch_size, loss_scale_factor=self.loss_scale_factor)  # fmt: skip
-
 
 @dataclass
 class TokenSets:
@@ -230,7 +220,8 @@ def token_loss(batch: TokenBatch, cfg: TokenLossConfig) -> dict[str, torch.Tenso
             loss_mask = sets.valid & (sets.lp <= math.log(cfg.all_max_clip))
     # -J aggregated gives exactly the numbers agg_loss gives for the loss matrix -J (every mode is linear)
     objective = _TokenObjective.apply(batch.log_prob, acc.obj, acc.dobj)
-    pg_loss = -agg_loss(objective, loss_mask, cfg.loss_agg_mode, **batch.agg_info())
+    pg_loss = -agg_loss(objective, loss_mask, cfg.loss_agg_mode, batch.dp_size, batch.batch_num_tokens,
+                        batch.global_batch_size, batch.loss_scale_factor)  # fmt: skip
     return {"pg_loss": pg_loss, **acc.metrics}
 
 

@@ -263,23 +263,21 @@ class MixPolicyLoss:
                              self.token_config)  # fmt: skip
             pg_loss = out["pg_loss"]
             if self.on_policy_config is not None:
-                pg_loss = pg_loss + self._verl_on_policy_term(batch, ctx.log_prob, ctx.advantages, rl_mask, prefix_mask,
-                                                              policy_info, out)  # fmt: skip
+                pg_loss = pg_loss + self._verl_on_policy_term(ctx, policy_info, out)
         values = torch.stack([out[k].float() for k in TOKEN_METRICS]).tolist()  # one host sync
         ctx.metrics.update(Metric.from_dict(dict(zip(_METRIC_NAMES.values(), values)),
                                             aggregation=AggregationType.MEAN))  # fmt: skip
         return pg_loss
 
-    def _verl_on_policy_term(self, batch, log_prob, advantages, rl_mask, prefix_mask, policy_info, out):
+    def _verl_on_policy_term(self, ctx: "_LossContext", policy_info: dict, out: dict) -> torch.Tensor:
         """verl's ``policy_loss.loss_mode`` on the on-policy tokens of ``rl_mask`` (mix_src/worker/onpolicy_losses.py);
         its metrics replace the kernel's on-policy ones in ``out`` (on_pg_loss: the on-term's share of pg_loss)."""
-        valid = rl_mask
+        valid = ctx.rl_mask
         if self.mix.all_max_clip is not None:  # tokens with p > c leave the loss, as in the kernel
-            valid = rl_mask & (log_prob.detach() <= math.log(self.mix.all_max_clip))
-        on_mask = valid & ~prefix_mask
+            valid = ctx.rl_mask & (ctx.log_prob.detach() <= math.log(self.mix.all_max_clip))
         loss, verl_metrics = on_policy_term(
-            self.on_policy_config, batch["old_log_probs"], log_prob, advantages, on_mask, valid, self.loss_agg_mode,
-            policy_info, batch.get("rollout_is_weights", None),
+            self.on_policy_config, ctx.batch["old_log_probs"], ctx.log_prob, ctx.advantages, valid & ~ctx.prefix_mask,
+            valid, self.loss_agg_mode, policy_info, ctx.batch.get("rollout_is_weights", None),
         )  # fmt: skip
         for key in ("on_pg_clipfrac", "on_pg_clipfrac_lower", "ppo_kl"):
             out[key] = torch.as_tensor(float(verl_metrics.get(_METRIC_NAMES[key], 0.0)))
