@@ -49,11 +49,9 @@ def _accelerator_detected() -> bool:
     from verl.plugin.platform import PlatformRegistry
 
     for name in PlatformRegistry.registered_names():
-        if name == "cpu":  # ours, once registered
-            continue
         cls = PlatformRegistry.get(name)
-        try:
-            if cls is not None and cls().is_platform_available(use_smi_check=True):
+        try:  # "cpu": ours, once registered
+            if name != "cpu" and cls is not None and cls().is_platform_available(use_smi_check=True):
                 return True
         except Exception:
             continue
@@ -84,9 +82,7 @@ def accelerator_signs() -> list[str]:
 def is_selected() -> bool:
     """Whether this process should run verl on CPU (see the module docstring)."""
     choice = os.environ.get("VERL_PLATFORM", "").strip().lower()
-    if choice:
-        return choice == "cpu"
-    return not accelerator_signs()
+    return choice == "cpu" if choice else not accelerator_signs()
 
 
 def is_active() -> bool:
@@ -160,13 +156,9 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
         if fullname not in self.callbacks:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
+        finders = (f for f in sys.meta_path if f is not self and hasattr(f, "find_spec"))
+        spec = next((s for f in finders if (s := f.find_spec(fullname, path, target)) is not None), None)
+        if spec is None:
             return None
         loader, patches = spec.loader, self.callbacks.pop(fullname)
         exec_module = loader.exec_module
@@ -192,13 +184,8 @@ def _run_hook(patch: Patch, module) -> None:
     patch.fired = True
 
 
-def after_import(
-    module_name: str,
-    cb: Callable,
-    *,
-    written_for: Optional[dict] = None,
-    required_in: tuple = ("trainer",),
-) -> Patch:
+def after_import(module_name: str, cb: Callable, *, written_for: Optional[dict] = None,
+                 required_in: tuple = ("trainer",)) -> Patch:
     """Declare a patch: run ``cb(module)`` right after ``module_name`` is first imported (at once if it
     already is). ``written_for``: the library versions it was written against (``{"verl": "0.9.1"}``, or a
     specifier such as ``">=2.12,<2.14"``), checked now, as is that the module exists (located without importing

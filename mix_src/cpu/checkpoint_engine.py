@@ -1,19 +1,16 @@
 """``cpu_gloo``: a verl checkpoint engine for the CPU backend, so ``trainer.v1.trainer_mode=separate_async`` trains.
 
-verl's separate-async trainer pushes the actor's weights to its standalone rollout pool through a checkpoint
-engine (``verl/trainer/ppo/v1/trainer_separate_async.py``: ``_setup``, ``on_init_end`` / ``on_step_end``) and
-refuses ``naive`` (67-69); verl 0.9.1's others need CUDA, Ascend or RDMA. This one has the topology of verl's
-``nccl`` engine (``verl/checkpoint_engine/nccl_checkpoint_engine.py``, single sender): actor rank 0 is rank 0 of a
-torch ``ProcessGroupGloo``, the pool's ``CheckpointEngineWorker``\s are ranks 1..R, each bucket is one broadcast,
-and a ``TCPStore`` opened by rank 0 carries the buckets' metadata and the receivers' acknowledgements (why gloo,
-and the measured payload: mix_src/cpu/README.md). The group is rebuilt on every sync (verl calls ``prepare`` /
-``init_process_group`` / ``finalize`` each time). Select it with
+verl's separate-async trainer pushes weights to its rollout pool through a checkpoint engine
+(``verl/trainer/ppo/v1/trainer_separate_async.py``: ``_setup``, ``on_init_end`` / ``on_step_end``) and refuses
+``naive`` (67-69). The topology of verl's ``nccl`` engine (``verl/checkpoint_engine/nccl_checkpoint_engine.py``,
+single sender) over a gloo group, rebuilt on every sync (how and why: mix_src/cpu/README.md). Select it with
 ``actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_gloo``; ``engine_kwargs.cpu_gloo.timeout_s``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
 import pickle
@@ -49,10 +46,6 @@ class MasterAddress:
 
     host: str
     port: int
-
-
-def _round_up(n: int, k: int = _ALIGN) -> int:
-    return -(-n // k) * k
 
 
 @CheckpointEngineRegistry.register(BACKEND)
@@ -145,7 +138,7 @@ class GlooCheckpointEngine(CheckpointEngine):
             meta.offset = offset
             metas[meta.name] = meta
             chunks.append(chunk.detach().to("cpu", copy=True))
-            offset = _round_up(offset + meta.chunk_size)
+            offset = -(-(offset + meta.chunk_size) // _ALIGN) * _ALIGN
             n_bytes += meta.chunk_size
             n_tensors += int(meta.chunk_offset == 0)
         await self._flush(index, metas, chunks, offset, is_last=True)
@@ -191,14 +184,8 @@ class GlooCheckpointEngine(CheckpointEngine):
         self._store.set(f"ack/{self.rank}", pickle.dumps((n_tensors, n_bytes)))
 
 
-def check_registered() -> None:
-    """``cpu_gloo`` is ``GlooCheckpointEngine`` in verl's registry (a registry that moved fails loudly); run at the
-    end of this module's body, so importing it registers and checks, in either import order."""
-    from verl.checkpoint_engine import CheckpointEngineRegistry
-
-    registered = CheckpointEngineRegistry.get(BACKEND)
-    if registered is not GlooCheckpointEngine:
-        raise RuntimeError(f"checkpoint engine {BACKEND!r} is registered as {registered}, not mix_src's")
-
-
-check_registered()
+# ``cpu_gloo`` is GlooCheckpointEngine in verl's registry as the package exports it (a registry that moved fails
+# loudly); at the end of this module's body, so importing it registers and checks, in either import order.
+_registered = importlib.import_module("verl.checkpoint_engine").CheckpointEngineRegistry.get(BACKEND)
+if _registered is not GlooCheckpointEngine:
+    raise RuntimeError(f"checkpoint engine {BACKEND!r} is registered as {_registered}, not mix_src's")

@@ -57,13 +57,10 @@ def _base_name(name: str) -> str:
 
 def _eos_ids(model_config: HFModelConfig) -> set[int]:
     ids: set[int] = set()
-    for src in (model_config.generation_config, model_config.hf_config):
-        eos = getattr(src, "eos_token_id", None) if src is not None else None
+    for src in (model_config.generation_config, model_config.hf_config, model_config.tokenizer):
+        eos = getattr(src, "eos_token_id", None)
         if eos is not None:
             ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-    tok = model_config.tokenizer
-    if tok is not None and tok.eos_token_id is not None:
-        ids.add(tok.eos_token_id)
     return {int(i) for i in ids}
 
 
@@ -81,10 +78,9 @@ class HFRolloutServer:
 
         attn = dict(self.model_config.override_config or {}).get("attn_implementation", "eager")
         self.dtype = PrecisionType.to_dtype(self.config.dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_config.local_path, dtype=self.dtype, attn_implementation=attn,
-            trust_remote_code=self.model_config.trust_remote_code,
-        )  # fmt: skip
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_config.local_path, dtype=self.dtype,
+                                                          attn_implementation=attn,
+                                                          trust_remote_code=self.model_config.trust_remote_code)
         self.model.eval()
         self.eos_token_ids = _eos_ids(self.model_config)
         pad = getattr(self.model_config.tokenizer, "pad_token_id", None)
@@ -108,18 +104,10 @@ class HFRolloutServer:
         return dict(self.stats)
 
     # ------------------------------------------------------------------ generation
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        sampling_params: dict[str, Any],
-        request_id: str,
-        image_data: Optional[list[Any]] = None,
-        video_data: Optional[list[Any]] = None,
-        audio_data: Optional[list[Any]] = None,
-        mm_processor_kwargs: Optional[dict[str, Any]] = None,
-        priority: int = 0,
-        **kwargs,
-    ) -> TokenOutput:
+    async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
+                       image_data: Optional[list[Any]] = None, video_data: Optional[list[Any]] = None,
+                       audio_data: Optional[list[Any]] = None, mm_processor_kwargs: Optional[dict[str, Any]] = None,
+                       priority: int = 0, **kwargs) -> TokenOutput:
         if image_data or video_data or audio_data:
             raise NotImplementedError("hf rollout serves text prompts only")
         prompt_ids = [int(t) for t in prompt_ids]
@@ -308,15 +296,9 @@ class HFServerAdapter(BaseRollout):
 
     resume = release = _nothing  # the server holds no device memory
 
-    async def update_weights(
-        self,
-        weights: Generator[tuple[str, torch.Tensor], None, None],
-        wire_format: str = "named_tensors",
-        peft_config: Any = None,
-        base_sync_done: bool = False,
-        global_steps: Optional[int] = None,
-        **kwargs,
-    ):
+    async def update_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None],
+                             wire_format: str = "named_tensors", peft_config: Any = None, base_sync_done: bool = False,
+                             global_steps: Optional[int] = None, **kwargs):
         """verl's weight sync (``verl/workers/engine_workers.py`` ``update_weights``, 786-806): full weights, or
         with LoRA (``model.lora.merge=False``) the base weights once, then the adapter tensors every sync."""
         if wire_format != "named_tensors":

@@ -126,9 +126,7 @@ def check_rollout_available(config: Any) -> None:
         name = config.actor_rollout_ref.rollout.name
     except Exception:
         return
-    if name != "vllm":
-        return
-    reason = vllm_import_error()
+    reason = vllm_import_error() if name == "vllm" else None
     if reason is not None:
         raise RuntimeError(
             f"actor_rollout_ref.rollout.name=vllm on the CPU backend needs vLLM's CPU build: {reason}. "

@@ -31,14 +31,10 @@ def run_shape(config: Mapping, steps: Optional[int] = None) -> RunShape:
     p, r = int(config["data"]["max_prompt_length"]), int(config["data"]["max_response_length"])
     n, bs = int(rollout["n"]), int(config["data"]["train_batch_size"])
     mini_rows = int(actor["ppo_mini_batch_size"]) * n // max(1, world // sp)  # rows of a mini-batch on one DP rank
-    if actor.get("use_dynamic_bsz"):
-        train_tokens = int(actor["ppo_max_token_len_per_gpu"])
-    else:
-        train_tokens = int(actor.get("ppo_micro_batch_size_per_gpu") or 1) * (p + r) // sp
-    if rollout.get("log_prob_use_dynamic_bsz"):
-        lp_tokens = int(rollout["log_prob_max_token_len_per_gpu"])
-    else:
-        lp_tokens = int(rollout.get("log_prob_micro_batch_size_per_gpu") or 1) * (p + r) // sp
+    train_tokens = (int(actor["ppo_max_token_len_per_gpu"]) if actor.get("use_dynamic_bsz")
+                    else int(actor.get("ppo_micro_batch_size_per_gpu") or 1) * (p + r) // sp)
+    lp_tokens = (int(rollout["log_prob_max_token_len_per_gpu"]) if rollout.get("log_prob_use_dynamic_bsz")
+                 else int(rollout.get("log_prob_micro_batch_size_per_gpu") or 1) * (p + r) // sp)
     cap = max(1, mini_rows) * (p + r) // sp  # a micro-batch holds at most the rank's rows
     mix = config.get("mix") or {}
     n_prefix = int(mix.get("n_prefix", 0) or 0)
@@ -73,20 +69,18 @@ def load_model_config(path: str) -> tuple[Optional[dict], str]:
     (a Hub id that is neither a preset nor in the local Hugging Face cache: nothing is downloaded)."""
     expanded = os.path.expanduser(str(path))
     local = expanded if expanded.endswith(".json") else os.path.join(expanded, "config.json")
-    if os.path.isfile(local):
+    if not os.path.isfile(local):
+        if str(path) in PRESETS:
+            return dict(PRESETS[str(path)]), f"preset {path} (mix_src/planner/presets.py)"
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            local = try_to_load_from_cache(str(path), "config.json")
+        except Exception:  # noqa: BLE001  (not a valid repo id, no hub library: nothing to read)
+            pass
+    if isinstance(local, str) and os.path.isfile(local):
         with open(local) as f:
             return json.load(f), local
-    if str(path) in PRESETS:
-        return dict(PRESETS[str(path)]), f"preset {path} (mix_src/planner/presets.py)"
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(str(path), "config.json")
-        if isinstance(cached, str) and os.path.isfile(cached):
-            with open(cached) as f:
-                return json.load(f), cached
-    except Exception:  # noqa: BLE001  (not a valid repo id, no hub library: nothing to read)
-        pass
     return None, (f"{path}: no config.json at that path, not a preset ({', '.join(PRESETS)}) and not in the local "
                   "Hugging Face cache")
 

@@ -130,7 +130,7 @@ def states_bytes(n_params: int, run: RunShape) -> int:
     return sum(t.bytes for t in state_terms(n_params, run))
 
 
-def gather_bytes(shape: ModelShape, run: RunShape) -> int:
+def gather_bytes(shape: ModelShape) -> int:
     """FSDP's unsharded bf16 copies during a pass: the root unit (token embedding + LM head, verl wraps the
     decoder layers) and two decoder layers (one computing, one prefetched)."""
     layer = shape.non_embedding_params // shape.n_layers
@@ -172,7 +172,7 @@ def update_terms(shape: ModelShape, n_params: int, run: RunShape) -> list[Term]:
     the entropy's share."""
     t, tv = run.train_tokens, run.train_tokens * shape.vocab
     terms = state_terms(n_params, run)
-    terms.append(Term("FSDP gathered bf16 weights", gather_bytes(shape, run), "embed + head + 2 layers"))
+    terms.append(Term("FSDP gathered bf16 weights", gather_bytes(shape), "embed + head + 2 layers"))
     terms.append(Term("activations", activation_bytes(shape, t, run.gradient_checkpointing),
                       f"{t} tokens, checkpointing={'on' if run.gradient_checkpointing else 'off'}"))
     terms.append(Term("logits + their gradient", 4 * tv, f"2 x bf16 [{t}, {shape.vocab}]"))
@@ -204,7 +204,7 @@ def logprob_terms(shape: ModelShape, n_params: int, run: RunShape) -> list[Term]
     adam = 0 if (run.offload_policy or run.optimizer_offload) else ADAM_BYTES * n_params // s
     return [Term("fp32 params", params, f"4 B/param / {s} shards"),
             Term("AdamW states (resident)", adam, "0 with optimizer_offload"),
-            Term("FSDP gathered bf16 weights", gather_bytes(shape, run), "embed + head + 2 layers"),
+            Term("FSDP gathered bf16 weights", gather_bytes(shape), "embed + head + 2 layers"),
             Term("logits", 2 * t * shape.vocab, f"bf16 [{t}, {shape.vocab}]"),
             Term("entropy (no gradient)", entropy_bytes(shape, run, t, grad=False), _entropy_basis(run))]
 
@@ -286,7 +286,7 @@ def plan_memory(hf_config: Mapping, run: RunShape, gpu: Gpu) -> MemoryPlan:
     if run.reference:  # verl keeps the bf16 reference model on the CPU (forced CPUOffload): only its gathers
         resident = [t for t in phases["rollout"] if t.name.startswith("actor")]
         t = run.logprob_tokens
-        phases["ref log-prob"] = [*resident, Term("FSDP gathered bf16 weights", gather_bytes(shape, run), "ref"),
+        phases["ref log-prob"] = [*resident, Term("FSDP gathered bf16 weights", gather_bytes(shape), "ref"),
                                   Term("logits", 2 * t * shape.vocab, f"bf16 [{t}, {shape.vocab}]")]
     phases["actor update"] = update_terms(shape, n, run)
     phases["optimizer step"] = step_terms(n, run)
