@@ -36,8 +36,7 @@ ADV_ESTIMATORS: Registry[AdvEstimator] = Registry("prefix-aware advantage estima
 
 
 def register_adv_estimator(name: str, **entry) -> Callable[[AdvEstimator], AdvEstimator]:
-    """Register ``fn`` under ``name`` here and, as a verl-signature wrapper without prefix mask, in verl's registry.
-    ``entry``: the self-description of :meth:`mix_src.extend.Registry.register`."""
+    """``entry``: the self-description of :meth:`mix_src.extend.Registry.register`."""
 
     def deco(fn: AdvEstimator) -> AdvEstimator:
         ADV_ESTIMATORS.register(name, **entry)(fn)
@@ -60,13 +59,8 @@ def register_adv_estimator(name: str, **entry) -> Callable[[AdvEstimator], AdvEs
 
 
 @register_adv_estimator("grpo_split")
-def grpo_split_estimator(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: Any,
-    prefix_mask: Optional[torch.Tensor],
-    config: Any = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def grpo_split_estimator(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any,
+                         prefix_mask: Optional[torch.Tensor], config: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO whose group baseline comes from the on-policy rows only (rows without a prefix token);
     see :func:`mix_src.algo.core_alg.compute_grpo_outcome_advantage_split`. ``config.norm_adv_by_std_in_grpo``
     (verl's key; LUFFY's grpo_use_std) picks division by the group std."""

@@ -52,8 +52,7 @@ class RLHFDatasetWithTarget(RLHFDataset):
         mix = config.get("mix", None)
         mix = OmegaConf.to_container(mix, resolve=True) if isinstance(mix, DictConfig) else (mix or None)
         self.with_targets = mix is not None
-        data_cfg = dict((mix or {}).get("data") or {})
-        self.target_cfg = DataConfig(**data_cfg)
+        self.target_cfg = DataConfig(**dict((mix or {}).get("data") or {}))
         self.require_target = bool(mix) and int(mix.get("n_prefix", 0)) != 0
         self.target_stats: dict[str, int] = {}
         self._rows: Optional[list[int]] = None  # the rows trained on this epoch (leave_out); None = all
@@ -111,9 +110,8 @@ class RLHFDatasetWithTarget(RLHFDataset):
             self.dataframe = self.dataframe.add_column(TARGET_FIELD, [""] * len(self.dataframe))
             return
 
-        raw = list(self.dataframe[key])
         prompts = list(self.dataframe[self.prompt_key])
-        texts: list[Optional[str]] = [normalize_target(v) for v in raw]
+        texts: list[Optional[str]] = [normalize_target(v) for v in self.dataframe[key]]
         n_rows = len(texts)
         n_invalid = sum(t is None for t in texts)
 

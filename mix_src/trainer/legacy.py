@@ -1,14 +1,11 @@
 """``MIXRayPPOTrainer``: LUFFY's off-policy guided GRPO with DAPO-style filter groups, on verl's RayPPOTrainer.
 
-One training step (``_step``) is the numbered stages of mix_src/README.md "The algorithm and its knobs": 1-3
-generate, reward, filter groups (:class:`mix_src.trainer.legacy_collect.LegacyCollect`); 4 log-probs; 5 advantages;
-6 update, checkpoint, weight sync; 7 metrics. The loop honours or refuses every setting verl's own ``fit`` reads
-(:mod:`mix_src.config.verl_parity`).
-
-How it departs from LUFFY's trainer (arXiv 2504.14945, github.com/ElliottYan/LUFFY): ratios are drawn on the driver, not with
-Python's global ``random`` on each TP rank; ratio-1.0 rows never reach the inference server; filter
-groups are applied (LUFFY computed its ``valid_mask`` and never used it); metric denominators never divide
-by zero.
+``_step`` runs the numbered stages of mix_src/README.md "The algorithm and its knobs" (1-3:
+:class:`mix_src.trainer.legacy_collect.LegacyCollect`) and honours or refuses every setting verl's own ``fit`` reads
+(:mod:`mix_src.config.verl_parity`). Departures from LUFFY's trainer (arXiv 2504.14945, github.com/ElliottYan/LUFFY):
+ratios are drawn on the driver, not with Python's global ``random`` on each TP rank; ratio-1.0 rows never reach the
+inference server; filter groups are applied (LUFFY computed its ``valid_mask`` and never used it); metric
+denominators never divide by zero.
 """
 
 from __future__ import annotations
@@ -221,8 +218,7 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
         return metrics
 
     def _count_flops(self, batch: DataProto, metrics: dict) -> bool:
-        """The step's FLOPs (rollout passes + old/ref log-probs + ppo_epochs updates) into ``flops/*`` and the
-        totals; True when ``mix.flops_budget`` is reached with this step."""
+        """The step's ``flops/*`` (:meth:`MixTrainerCommon._count_step_flops`); True when it reaches the budget."""
         if self._flops_off(metrics):
             return False
         p, r, _ = lengths_from_masks(batch.batch["attention_mask"], batch.batch["responses"])
@@ -359,14 +355,12 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
         metrics.update(compute_spec_decode_metrics(*spec))
 
 
-# Per-row non-tensor fields the actor/ref/critic workers read (verl 0.9.1: only the multimodal inputs,
-# verl/workers/engine/fsdp/transformer_impl.py `extract_multi_modal_inputs`); verl's DataProto.to_tensordict()
-# would wrap and ship every other field per row for nothing.
-WORKER_NON_TENSOR_KEYS = ("multi_modal_inputs",)
+WORKER_NON_TENSOR_KEYS = ("multi_modal_inputs",)  # the per-row non-tensor fields the actor/ref/critic workers read
 
 
 def worker_view(batch: DataProto) -> DataProto:
-    """``batch`` for a worker call: the same tensors and meta info (shared, not copied), and only the per-row
-    non-tensor fields in :data:`WORKER_NON_TENSOR_KEYS`."""
+    """``batch`` for a worker call: the same tensors and meta info (shared, not copied), and only the per-row fields in
+    :data:`WORKER_NON_TENSOR_KEYS` (verl 0.9.1: verl/workers/engine/fsdp/transformer_impl.py
+    ``extract_multi_modal_inputs``); ``DataProto.to_tensordict()`` would ship every other one per row for nothing."""
     keep = {k: v for k, v in batch.non_tensor_batch.items() if k in WORKER_NON_TENSOR_KEYS}
     return DataProto(batch=batch.batch, non_tensor_batch=keep, meta_info=batch.meta_info)

@@ -136,7 +136,9 @@ class LegacyCollect:
                 part.batch["response_mask"] = compute_response_mask(part)
             part.batch["prefix_mask"] = prefix_mask_tensor(part.non_tensor_batch.pop("prefix_token_mask"),
                                                            part.batch["response_mask"])  # fmt: skip
-            self._count_rollout_flops(part)
+            if "attention_mask" in part.batch.keys() and "responses" in part.batch.keys():  # generation FLOPs
+                self.add_rollout_flops(*lengths_from_masks(part.batch["attention_mask"], part.batch["responses"],
+                                                           part.batch["prefix_mask"]))  # fmt: skip
             return self._extract_reward(part)
 
         def prefix_ratios() -> np.ndarray:
@@ -161,9 +163,7 @@ class LegacyCollect:
 
     def _filter_groups(self, batch: DataProto):
         """Stage 3: which prompt groups to keep (metric std > 0, or a single sample); see mix_src.algo.filter_groups."""
-        on_policy = None
-        if self.mix.filter_groups.on_policy_only:
-            on_policy = ~batch.batch["prefix_mask"].any(-1).numpy()
+        on_policy = ~batch.batch["prefix_mask"].any(-1).numpy() if self.mix.filter_groups.on_policy_only else None
         return filter_groups(batch.non_tensor_batch["uid"], self._filter_metric(batch), row_mask=on_policy,
                              rule=self.mix.filter_groups.rule)  # fmt: skip
 
@@ -177,12 +177,6 @@ class LegacyCollect:
         rows = batch.non_tensor_batch
         metrics.update(luffy_metrics(rows_solved(batch), batch.batch["prefix_mask"], batch.batch["response_mask"],
                                      rows["uid"], rows["prefix_ratio"], rows.get("prefix_truncated"), rows.get("ungradable")))
-
-    def _count_rollout_flops(self, part: DataProto) -> None:
-        """Generation FLOPs of one rollout pass (every row it generated, kept or not)."""
-        if "attention_mask" in part.batch.keys() and "responses" in part.batch.keys():
-            self.add_rollout_flops(*lengths_from_masks(part.batch["attention_mask"], part.batch["responses"],
-                                                       part.batch["prefix_mask"]))  # fmt: skip
 
 
 def merge_rollout_timing(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:

@@ -64,10 +64,9 @@ RolloutPolicy = Callable[[RolloutContext], Any]
 ROLLOUT_POLICIES: Registry[RolloutPolicy] = Registry("rollout policy", "mix.rollout_policy")
 
 
-def register_rollout_policy(name: str, *, bases=("legacy", "v1"), why_not=None, **entry):
-    """``@register_rollout_policy("name")``: runs on both bases (on V1 pass by pass, unless the entry says
-    ``v1_stream=True``, see :func:`streams_on_v1`). Other keywords: :meth:`mix_src.extend.Registry.register`'s."""
-    return ROLLOUT_POLICIES.register(name, bases=bases, why_not=why_not, **entry)
+#: ``@register_rollout_policy("name", **entry)`` (:meth:`mix_src.extend.Registry.register`): runs on both bases (on V1
+#: pass by pass, unless the entry says ``v1_stream=True``, see :func:`streams_on_v1`).
+register_rollout_policy = ROLLOUT_POLICIES.register
 
 
 def streams_on_v1(policy: str) -> bool:

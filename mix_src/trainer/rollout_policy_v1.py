@@ -117,8 +117,7 @@ class V1PolicyRunner:
         pending = set(scratch)
         while True:
             tags = (tq.kv_list(PARTITION) or {}).get(PARTITION, {})
-            done = {u for u in pending if tags.get(u, {}).get("status") in ("finished", "failure")}
-            pending -= done
+            pending = {u for u in pending if tags.get(u, {}).get("status") not in ("finished", "failure")}
             if not pending:
                 break
             time.sleep(self.poll_s)
@@ -167,7 +166,7 @@ class V1PolicyRunner:
         non_tensor = {TQ_KEY: np.asarray(keys, dtype=object),
                       "prefix_ratio": np.asarray([float(e.get("prefix_ratio", 0.0) or 0.0) for e in extra])}  # fmt: skip
         infos = [e.get("reward_extra_info", {}) or {} for e in extra]
-        for key in set().union(*infos) if infos else ():
+        for key in set().union(*infos):
             if all(key in i for i in infos):
                 non_tensor[key] = np.asarray([i[key] for i in infos])
         batch = TensorDict({"response_mask": response_mask, "token_level_scores": scores, "prefix_mask": prefix_mask,

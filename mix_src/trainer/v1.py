@@ -83,8 +83,7 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
             super()._init_dataloader()
 
     def on_init_end(self):
-        """Install the MIX worker loss (after verl's ``_setup``, which restored a checkpoint: a learned entropy
-        coefficient continues from its saved state)."""
+        """The MIX worker loss, after verl's ``_setup`` restored a checkpoint (a learned entropy coefficient goes on)."""
         self._install_mix_loss()
         super().on_init_end()
 
@@ -103,9 +102,8 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
             return super()._update_actor(batch, metrics)
 
     def _add_update_inputs(self, batch):
-        """The per-row loss inputs the legacy base adds before its update (:meth:`MixTrainerCommon._add_loss_inputs`),
-        from the rows' TransferQueue fields in verl's mini-batch order (``batch.keys``; ``actor.shuffle`` is refused
-        with these), written back as fields of the same rows. Returns the meta naming them."""
+        """:meth:`MixTrainerCommon._add_loss_inputs` on the rows' TransferQueue fields in verl's mini-batch order
+        (``actor.shuffle`` is refused with these), written back as their fields; returns the meta naming them."""
         loss = self.mix.loss
         if loss.all_max_clip is None and loss.row_loss is None and loss.combine is None:
             return batch
@@ -128,15 +126,13 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
 
     # ---- mix.flops_budget: the step's FLOPs (mix_src/trainer/common.py), counted as the legacy base counts them ---
     def step(self, metrics: dict, timing_raw: dict):
-        """verl's step, then its FLOPs."""
         batch = super().step(metrics, timing_raw)
         self._count_flops(batch, metrics)
         return batch
 
     def _count_flops(self, batch, metrics: dict) -> None:
-        """``flops/*`` of the step over its trained rows, plus every row generated since the last count (the replay
-        buffer's metadata sync, or V1PolicyRunner per pass). Sets ``_budget_step`` when ``mix.flops_budget`` is
-        reached with this step."""
+        """``flops/*`` over the step's trained rows plus the rows generated since the last count; sets ``_budget_step``
+        when ``mix.flops_budget`` is reached with this step."""
         if self._flops_off(metrics):
             return
         keep = _trained_rows(batch)
@@ -205,8 +201,7 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
                 fg.metric = "reward"
         return super()._resolve_filter_groups_metric()
 
-    def _build_replay_buffer(self):
-        """verl's replay buffer with mix_src's rules (:mod:`mix_src.trainer.v1_replay`)."""
+    def _build_replay_buffer(self):  # with mix_src's rules (mix_src/trainer/v1_replay.py)
         return self._mix_replay_buffer(super()._build_replay_buffer())
 
     def _add_prompts_to_generate(self, num_prompts: int) -> int:
@@ -229,8 +224,7 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
 
     # ---- the data: each pass over it starts with mix_src's epoch stage ---------------------------------------
     def _fetch_one_gen_batch(self):
-        """verl's (``trainer_base.py`` ``_fetch_one_gen_batch``), with :func:`mix_src.trainer.stages.start_data_epoch`
-        before each new iterator."""
+        """verl's, with :func:`mix_src.trainer.stages.start_data_epoch` before each new iterator."""
         it = self.train_dataloader_it
         if it is None or it._num_yielded >= len(it):  # torch's _BaseDataLoaderIter: batches yielded / per pass
             start_data_epoch(self.train_dataloader, self.train_dataset, self._policy_state())
@@ -321,8 +315,7 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
         metrics.update(self._carry_metrics)
         self._carry_metrics.clear()
 
-    def _luffy_metrics(self, batch) -> dict[str, Any]:
-        """LUFFY's metrics over the step's trained rows (verl's padding rows excluded)."""
+    def _luffy_metrics(self, batch) -> dict[str, Any]:  # over the step's trained rows
         keys = [batch.keys[i] for i in _trained_rows(batch)]
         fields = ["uid", "response_mask", "prefix_mask", "rm_scores", "extra_fields", "prompts", "responses"]
         data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=fields)
@@ -339,8 +332,7 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
         return out
 
 
-def _trained_rows(batch) -> list[int]:
-    """Indices of the rows the step trained on (verl's padding rows excluded)."""
+def _trained_rows(batch) -> list[int]:  # verl's padding rows excluded
     return [i for i, tag in enumerate(batch.tags) if not tag.get("is_padding", False)]
 
 
@@ -361,8 +353,7 @@ class MixPPOTrainerColocateAsync(MixV1Mixin, PPOTrainerColocateAsync):
     """LUFFY on verl's colocated asynchronous V1 trainer (partial rollout, warm-up batches)."""
 
 
-class _DropFlush(logging.LoggerAdapter):
-    """A logger that accepts (and drops) print's ``flush=`` keyword."""
+class _DropFlush(logging.LoggerAdapter):  # a logger that accepts (and drops) print's flush= keyword
 
     def process(self, msg, kwargs):
         kwargs.pop("flush", None)

@@ -178,17 +178,13 @@ def make_dapo_filtered_keys(rule: str, on_policy_only: bool) -> Callable:
 
         values = filter_metric_values(
             self.filter_groups_metric, lambda: [float(v.sum().item()) for v in data["rm_scores"]], extra_values,
-            sorted(set().union(*infos)) if infos else [],
+            sorted(set().union(*infos)),
         ).tolist()  # fmt: skip
         uids = [k.split("_")[0] for k in keys]
-        row_mask = None
-        if on_policy_only:
-            row_mask = [not bool(np.any(e.get("prefix_token_mask", []))) for e in extra]
+        row_mask = [not bool(np.any(e.get("prefix_token_mask", []))) for e in extra] if on_policy_only else None
         result = filter_groups(np.array(uids, dtype=object), np.array(values), row_mask=row_mask, rule=rule)
         kept = set(result.kept_groups.tolist())
-        first_value = {}
-        for uid, value in zip(uids, values):
-            first_value.setdefault(uid, value)
+        first_value = dict(zip(reversed(uids), reversed(values)))  # each group's first row's value
         for uid in new:
             cache[uid] = None if uid in kept or uid not in first_value else first_value[uid]
         evicted = {u: v for u, v in cache.items() if v is not None}
