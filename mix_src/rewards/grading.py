@@ -1,7 +1,6 @@
-"""Symbolic grading with math-verify. These functions run **inside grading worker processes**
-(:mod:`mix_src.rewards.pool`), which enforce the deadline by killing the process; math-verify's own
-SIGALRM timeouts are therefore switched off (``parsing_timeout=None``, ``timeout_seconds=None``): they
-only work in a main thread and cannot interrupt long C-level computations such as ``9^{9^{9^9}}``.
+"""Symbolic grading with math-verify, run **inside grading worker processes** (:mod:`mix_src.rewards.pool`), whose
+deadline kills the process: math-verify's SIGALRM timeouts (main thread only, and blind to long C-level work such
+as ``9^{9^{9^9}}``) are off (``parsing_timeout=None``, ``timeout_seconds=None``).
 """
 
 from __future__ import annotations
@@ -26,9 +25,8 @@ def _parse_gold(ground_truth: str):
 
 @functools.lru_cache(maxsize=1)
 def _pred_config():
-    # The last \boxed{} takes precedence over "the final answer is ..." phrases (math-verify's default
-    # ranks boxed after them; Open-R1 uses priority 0 too). The in-process shortcuts in
-    # math_verify_reward look at the last \boxed{} only, so both paths agree on what the answer is.
+    # The last \boxed{} outranks "the final answer is ..." (math-verify's default: the reverse; Open-R1 uses priority 0
+    # too), as math_verify_reward's in-process shortcuts, which read the last \boxed{} only.
     from math_verify import ExprExtractionConfig, LatexExtractionConfig
 
     return (LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig())

@@ -75,7 +75,6 @@ class RewardConfig:
 _NUMBER_OPTIONS = ("correct_score", "wrong_score", "format_error_score", "timeout_s")
 _OPTION_NAMES = tuple(f.name for f in fields(RewardConfig))
 _CONFIGS: dict[tuple, RewardConfig] = {}
-_CONFIGS_LOCK = threading.Lock()
 
 
 def make_config(**kwargs) -> RewardConfig:
@@ -94,8 +93,7 @@ def make_config(**kwargs) -> RewardConfig:
     cfg = RewardConfig(**{k: float(v) if k in _NUMBER_OPTIONS and isinstance(v, int) and not isinstance(v, bool) else v
                           for k, v in kwargs.items()})
     if key is not None:
-        with _CONFIGS_LOCK:
-            _CONFIGS[key] = cfg
+        _CONFIGS[key] = cfg  # no lock: a race only validates the same kwargs twice
     return cfg
 
 
@@ -280,8 +278,7 @@ def compute_score_batch(data_sources: Sequence, solution_strs: Sequence[str], gr
 
 def warmup(**kwargs) -> None:
     """Start the grading processes now (first use otherwise pays ~0.5-2 s of start-up)."""
-    cfg = make_config(**_split_options(kwargs))
-    _pool(cfg).warmup()
+    _pool(make_config(**_split_options(kwargs))).warmup()
 
 
 def grading_stats() -> dict:

@@ -1,19 +1,16 @@
-"""Prefix-guided agent loop ``prefix_guided``: a rollout that starts from a prefix of the row's off-policy target.
+"""Prefix-guided agent loop ``prefix_guided``: ``prefix + generate(prompt + prefix)`` with ``prefix =
+target_ids[:floor(ratio * len)]`` (:func:`mix_src.algo.prefix.build_prefix`; the algorithm: mix_src/README.md).
 
-Registered with verl's ``@register`` wherever this module is imported (verl's AgentLoopWorker imports it through
-``data.custom_cls`` -> :mod:`mix_src.trainer.dataset`; stock verl through ``mix_src/config/agent_loops.yaml``). Row
-fields: ``raw_prompt``; ``target`` (``""`` = none); ``prefix_ratio`` (drawn by the trainer, absent in validation);
-``rollout_seed`` (:mod:`mix_src.algo.seeding`); on verl's V1 trainer (one run per sample, ``session_id`` 0..n-1)
-the prompt's ``prefix_ratios`` and ``rollout_seeds`` instead.
-
-The response is ``prefix + generate(prompt + prefix)``, ``prefix = target_ids[:floor(ratio * len)]``
-(:func:`mix_src.algo.prefix.build_prefix`). A prefix that fills the response (ratio 1.0) makes **no server call**
-(LUFFY generated a discarded continuation); its ``min/max_global_steps`` are the dispatching step - 1 (V1 casts these
-to int, ``verl/trainer/ppo/v1/trainer_base.py`` 1897). Prefix tokens have rollout log-prob 0.0 (kept out of rollout
-metrics). ``extra_fields``: ``prefix_token_mask`` (uint8, response length), ``prefix_ratio``, ``prefix_truncated``
-(cut to the response length). ``max_tokens`` is clamped to the room left after prompt + prefix; a row with no room
-answers with its prefix alone, where verl's servers raise. As verl's ``single_turn_agent_loop.py``: ``priority``
-goes to the server, ``rollout.full_determinism`` makes the request id ``det-{priority}``.
+Registered with verl's ``@register`` wherever imported (verl's AgentLoopWorker imports it through ``data.custom_cls``
+-> :mod:`mix_src.trainer.dataset`; stock verl through ``mix_src/config/agent_loops.yaml``). Row fields:
+``raw_prompt``; ``target`` (``""`` = none); ``prefix_ratio`` (absent in validation); ``rollout_seed``
+(:mod:`mix_src.algo.seeding`); on verl's V1 trainer (one run per sample, ``session_id`` 0..n-1) the prompt's
+``prefix_ratios`` and ``rollout_seeds``. A prefix that fills the response (ratio 1.0) makes **no server call**
+(LUFFY generated a discarded continuation); its ``min/max_global_steps`` are the dispatching step - 1 (V1 casts
+these to int, ``verl/trainer/ppo/v1/trainer_base.py`` 1897). Prefix tokens have rollout log-prob 0.0 (kept out of
+rollout metrics). ``extra_fields``: ``prefix_token_mask`` (uint8, response length), ``prefix_ratio``,
+``prefix_truncated`` (cut to the response length). ``max_tokens`` is clamped to the room after prompt + prefix; a
+row with no room answers with its prefix alone, where verl's servers raise.
 """
 
 from __future__ import annotations

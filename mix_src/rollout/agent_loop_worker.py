@@ -107,8 +107,7 @@ class MixAgentLoopWorker(AgentLoopWorker):
                 config=agent_loop_config, trainer_config=DictConfigWrap(config=self.config),
                 server_manager=self.llm_client, tokenizer=self.tokenizer, processor=self.processor,
                 hf_model_type=self.hf_model_type, dataset_cls=self.dataset_cls,
-                data_config=DictConfigWrap(self.config.data), tools=ToolListWrap(self.tools),
-            )  # fmt: skip
+                data_config=DictConfigWrap(self.config.data), tools=ToolListWrap(self.tools))  # fmt: skip
         self._reused_loops[agent_name] = loop
         return loop
 

@@ -101,10 +101,8 @@ class ToolEnv:
         return len(runtime) - start
 
     def rows(self, split: str, n: int, seed: int, tokenizer=None, max_response_length: Optional[int] = None):
-        """verl parquet rows for ``split`` and a stats dict: ``{"rows", "dropped_too_long", "no_expert"}``.
-
-        With ``tokenizer`` and ``max_response_length``, an item whose expert episode takes more response
-        tokens than that is dropped and counted (as single-turn targets longer than the response are)."""
+        """verl parquet rows for ``split`` and a stats dict: ``{"rows", "dropped_too_long", "no_expert"}``; with
+        ``tokenizer`` and ``max_response_length``, an item whose episode takes more response tokens is dropped."""
         rows, stats = [], {"rows": 0, "dropped_too_long": 0, "no_expert": 0}
         for i, item in enumerate(self.items(split, n, seed)):
             episode = self.expert_episode(item)
