@@ -102,11 +102,8 @@ def _check_fixed(config) -> None:
 @register_prefix_strategy("fixed", check=_check_fixed, reads=("mix.prefix_fix_ratios", "mix.n_prefix",
                           "mix.prefix_share_across_samples", "actor_rollout_ref.rollout.n"))  # fmt: skip
 def _fixed(d: PrefixDraw) -> np.ndarray:
-    if d.prefix_fix_ratios is None:
-        if d.num_prefixed == 1:
-            fixed = np.array([d.min_prefix_ratio])
-        else:
-            fixed = np.linspace(d.min_prefix_ratio, d.max_prefix_ratio, d.num_prefixed)
+    if d.prefix_fix_ratios is None:  # N = 1 gives [min] (the original divides by zero)
+        fixed = np.linspace(d.min_prefix_ratio, d.max_prefix_ratio, d.num_prefixed)
     else:
         fixed = np.asarray(d.prefix_fix_ratios, dtype=np.float64).reshape(-1)  # checked: _check_fixed, mix_config
         if not d.share_across_samples and fixed.size == 1:

@@ -93,13 +93,11 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
     horizon = loss_scale_factor if loss_scale_factor is not None else loss_mask.shape[-1]
     if loss_agg_mode == "luffy-token-sum-norm":
         return masked_sum(loss_mat, loss_mask) / horizon * dp_size
+    seq_tokens = loss_mask.sum(dim=-1)
+    seq_losses = masked_sum(loss_mat, loss_mask, axis=-1)  # seq-mean-token-sum(-norm); divided for token-mean
     if loss_agg_mode == "seq-mean-token-mean":
-        seq_tokens = loss_mask.sum(dim=-1)
-        seq_losses = masked_sum(loss_mat, loss_mask, axis=-1) / (seq_tokens + 1e-8)
-        seq_mask = (seq_tokens > 0).to(loss_mat.dtype)
-    else:  # seq-mean-token-sum(-norm)
-        seq_losses = masked_sum(loss_mat, loss_mask, axis=-1)
-        seq_mask = (loss_mask.sum(dim=-1) > 0).to(loss_mat.dtype)
+        seq_losses = seq_losses / (seq_tokens + 1e-8)
+    seq_mask = (seq_tokens > 0).to(loss_mat.dtype)
     if global_batch_size is None:
         if dp_size > 1:
             raise ValueError(f"global_batch_size is required for {loss_agg_mode} when dp_size > 1")
