@@ -331,7 +331,6 @@ class MixPolicyLoss:
                                             aggregation=AggregationType.MEAN))  # fmt: skip
         return loss, out
 
-
     # ---- entropy coefficient -------------------------------------------------------------------------
 
     def _entropy_coefficient(self, entropy, response_mask, info, dp_group, metrics) -> float:
