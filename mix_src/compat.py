@@ -1,10 +1,10 @@
 """Every place mix_src changes another library's code at run time, with the library versions it was read against.
 
-A *patch* is any assignment into a module or object we do not own. Each is declared once in :data:`PATCHES` and its
-site calls :func:`checked` (or uses :func:`swapped`) first, so another installed version stops the run naming the
-patch; :func:`check_all` runs before Ray starts (``mix_src/config/preflight.py``). The CPU backend's post-import
-hooks (``mix_src.cpu.after_import(..., written_for=...)``) are checked by the same :func:`check_written_for`.
-Versions: exact (``"0.9.1"``, a local tag such as ``+cpu`` ignored) or a specifier set (``">=5,<6"``).
+A *patch* (any assignment into a module or object we do not own) is declared once in :data:`PATCHES`; its site calls
+:func:`checked` (or uses :func:`swapped`) first, so another installed version stops the run naming the patch, and
+:func:`check_all` runs before Ray starts. The CPU backend's post-import hooks (``mix_src.cpu.after_import``) use the
+same :func:`check_written_for`. Versions: exact (``"0.9.1"``, a local tag such as ``+cpu`` ignored) or a specifier
+set (``">=5,<6"``).
 """
 
 from __future__ import annotations
@@ -103,11 +103,9 @@ def check_written_for(patch_name: str, written_for: Optional[dict], error: type 
     for dist, wanted in (written_for or {}).items():
         have = installed_version(dist)
         if have is not None and not version_matches(have, str(wanted)):
-            raise error(
-                f"mix_src patch {patch_name} was written for {dist} {wanted}, but {dist} {have} is installed: "
-                f"read the patch against {dist} {have}'s source, then update its written_for (or install "
-                f"{dist}=={wanted})"
-            )
+            raise error(f"mix_src patch {patch_name} was written for {dist} {wanted}, but {dist} {have} is installed: "
+                        f"read the patch against {dist} {have}'s source, then update its written_for (or install "
+                        f"{dist}=={wanted})")
 
 
 _CHECKED: set[str] = set()

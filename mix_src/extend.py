@@ -122,8 +122,7 @@ class Registry(Generic[F]):
         """Decorator: add the function under ``name`` with its :class:`Entry` (``options``: see the registry's own
         documentation). Every base left out of ``bases`` needs its reason in ``why_not``. A name registered twice
         is an error, unless it is the same function again (a module imported twice)."""
-        bases = tuple(bases)
-        why_not = dict(why_not or {})
+        bases, why_not = tuple(bases), dict(why_not or {})
         unknown = [b for b in (*bases, *why_not) if b not in BASES]
         if unknown:
             raise ValueError(f"{self.kind} {name!r}: unknown trainer base(s) {unknown}; the bases are {list(BASES)}")
@@ -297,10 +296,7 @@ def load_plugins(specs) -> list[str]:
     names = []
     for raw in specs or []:
         spec = resolve_plugin(raw)
-        if spec in _LOADED:
-            names.append(_LOADED[spec])
-            continue
-        if _is_path(spec):
+        if spec not in _LOADED and _is_path(spec):
             if not os.path.isfile(spec):
                 raise FileNotFoundError(f"mix.plugins: plugin file '{raw}' does not exist (resolved to {spec})")
             # a module name the same in every process (pickled functions of the plugin refer to it)
@@ -316,16 +312,15 @@ def load_plugins(specs) -> list[str]:
                 sys.modules.pop(name, None)
                 _LOADED.pop(spec, None)
                 raise
-        else:
+        elif spec not in _LOADED:
             try:
-                name = importlib.import_module(spec).__name__
+                _LOADED[spec] = importlib.import_module(spec).__name__
             except ModuleNotFoundError as err:
                 if err.name and spec.startswith(err.name):
                     raise ModuleNotFoundError(f"mix.plugins: cannot import plugin module '{spec}' ({err}); give an "
                                               "importable module name or a path to a .py file") from err
                 raise
-        _LOADED[spec] = name
-        names.append(name)
+        names.append(_LOADED[spec])
     return names
 
 
@@ -352,11 +347,10 @@ def load_verl_plugins() -> list[str]:
             ep.load()
         except Exception as e:
             dist = getattr(getattr(ep, "dist", None), "name", "?")
-            raise PluginImportError(
-                f"verl plugin {ep.name!r} (entry point {ep.value!r} of {dist}) failed to import in process "
-                f"{os.getpid()}: {type(e).__name__}: {e}. verl's own loader would log this at DEBUG only and run "
-                "without the plugin; fix it, or leave it out with VERL_USE_EXTERNAL_PLUGINS=<the others>"
-            ) from e
+            raise PluginImportError(f"verl plugin {ep.name!r} (entry point {ep.value!r} of {dist}) failed to import in "
+                                    f"process {os.getpid()}: {type(e).__name__}: {e}. verl's own loader would log this "
+                                    "at DEBUG only and run without the plugin; fix it, or leave it out with "
+                                    "VERL_USE_EXTERNAL_PLUGINS=<the others>") from e
         loaded.append(ep.name)
     return loaded
 

@@ -1,9 +1,7 @@
-"""Entry point: ``python -m mix_src.main_mix_ppo key=value ...`` (Hydra; config ``mix_src/config/mix_ppo_trainer.yaml``,
-composed through the primary ``mix_ppo.yaml``; a recipe passes ``--config-path recipes/NAME --config-name config``).
-
-On the driver, every check before Ray (:func:`mix_src.config.preflight.run`: paths, keys, registry entries, data,
-batch arithmetic, resources); then verl's own ``run_ppo`` with :class:`MixTaskRunner` (building
-:class:`~mix_src.trainer.legacy.MIXRayPPOTrainer`) or, with ``trainer.use_v1=true``,
+"""Entry point: ``python -m mix_src.main_mix_ppo key=value ...`` (Hydra; ``mix_src/config/mix_ppo_trainer.yaml``
+through the primary ``mix_ppo.yaml``; a recipe passes ``--config-path recipes/NAME --config-name config``). On the
+driver, every check before Ray (:func:`mix_src.config.preflight.run`); then verl's ``run_ppo`` with
+:class:`MixTaskRunner` (building :class:`~mix_src.trainer.legacy.MIXRayPPOTrainer`) or, with ``trainer.use_v1=true``,
 :class:`~mix_src.trainer.v1.MixTaskRunnerV1` (LUFFY on verl's V1 trainer).
 """
 

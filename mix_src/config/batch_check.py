@@ -78,26 +78,22 @@ def _check_mini_batches(config: DictConfig) -> None:
     if bool(config.trainer.get("use_v1", False)) or actor.get("strategy", "fsdp") == "megatron":
         return  # V1 pads the batch to a multiple of the mini-batch; megatron's split is verl's validate_config's
     if batch % mini:
-        raise MixConfigError(
-            f"{A}.ppo_mini_batch_size={mini} does not divide data.train_batch_size={batch}: each step's {batch} x "
-            f"rollout.n {n} = {batch * n} rows are cut into mini-batches of {mini} x {n} = {mini * n} rows "
-            f"(verl asserts {batch * n} % {mini * n} == 0 in the worker, after the rollout); use a divisor of {batch}"
-        )
+        raise MixConfigError(f"{A}.ppo_mini_batch_size={mini} does not divide data.train_batch_size={batch}: each "
+                             f"step's {batch} x rollout.n {n} = {batch * n} rows are cut into mini-batches of {mini} x "
+                             f"{n} = {mini * n} rows (verl asserts {batch * n} % {mini * n} == 0 in the worker, after "
+                             f"the rollout); use a divisor of {batch}")
     n_gpus = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)  # FSDP's data-parallel ranks:
     dp = max(n_gpus // int(actor.get("ulysses_sequence_parallel_size", 1) or 1), 1)  # GPUs / sequence parallel
     if (mini * n) % dp:
-        raise MixConfigError(
-            f"{A}.ppo_mini_batch_size={mini} x actor_rollout_ref.rollout.n={n} = {mini * n} rows per mini-batch "
-            f"must divide over the actor's {dp} data-parallel ranks (trainer.nnodes x n_gpus_per_node / "
-            "ulysses_sequence_parallel_size); change the mini-batch or the GPU count"
-        )
+        raise MixConfigError(f"{A}.ppo_mini_batch_size={mini} x actor_rollout_ref.rollout.n={n} = {mini * n} rows per "
+                             f"mini-batch must divide over the actor's {dp} data-parallel ranks (trainer.nnodes x "
+                             "n_gpus_per_node / ulysses_sequence_parallel_size); change the mini-batch or the GPU "
+                             "count")
     micro = actor.get("ppo_micro_batch_size_per_gpu")
     if micro is not None and not bool(actor.get("use_dynamic_bsz", False)) and (mini * n // dp) % int(micro):
-        raise MixConfigError(
-            f"{A}.ppo_micro_batch_size_per_gpu={micro} does not divide a rank's mini-batch of {mini * n // dp} rows "
-            f"(ppo_mini_batch_size {mini} x rollout.n {n} / {dp} ranks; verl asserts it in the worker); use a divisor "
-            f"of {mini * n // dp}, or use_dynamic_bsz=true"
-        )
+        raise MixConfigError(f"{A}.ppo_micro_batch_size_per_gpu={micro} does not divide a rank's mini-batch of "
+                             f"{mini * n // dp} rows (ppo_mini_batch_size {mini} x rollout.n {n} / {dp} ranks; verl "
+                             f"asserts it in the worker); use a divisor of {mini * n // dp}, or use_dynamic_bsz=true")
 
 
 def parquet_rows(path: str) -> Optional[int]:
@@ -128,8 +124,7 @@ def _check_rows(config: DictConfig) -> None:
     batch = int(config.data.get("gen_batch_size", None) or config.data.train_batch_size)
     if rows < batch:
         key = "data.gen_batch_size" if config.data.get("gen_batch_size", None) else "data.train_batch_size"
-        raise MixConfigError(
-            f"data.train_files has {rows} rows{f' (data.train_max_samples={cap})' if cap > 0 else ''}, "
-            f"fewer than one batch ({key}={batch}): verl's loader drops the partial batch, so the run would train "
-            f"nothing; lower {key} to <= {rows} or add rows"
-        )
+        raise MixConfigError(f"data.train_files has {rows} "
+                             f"rows{f' (data.train_max_samples={cap})' if cap > 0 else ''}, fewer than one batch "
+                             f"({key}={batch}): verl's loader drops the partial batch, so the run would train nothing; "
+                             f"lower {key} to <= {rows} or add rows")

@@ -122,11 +122,10 @@ def translate_overrides(overrides: Sequence[str], log: Callable[[str], None] = p
     if off_loss is not None and not _bool(off_loss) and not _bool(seen.get(A + "use_sft_multitask_loss", "false")):
         n_prefix = seen.get(R + "n_prefix", seen.get("mix.n_prefix", "0"))
         if n_prefix.strip() not in ("0",):
-            raise MixConfigError(
-                f"LUFFY key {A}use_off_policy_loss=False with n_prefix={n_prefix}: the original then trained prefix tokens "
-                f"with plain PPO, which mix_src does not do; use {A}use_sft_multitask_loss=True (SFT on prefix tokens) or "
-                "keep use_off_policy_loss=True (the shaped off-policy loss)"
-            )
+            raise MixConfigError(f"LUFFY key {A}use_off_policy_loss=False with n_prefix={n_prefix}: the original then "
+                                 "trained prefix tokens with plain PPO, which mix_src does not do; use "
+                                 f"{A}use_sft_multitask_loss=True (SFT on prefix tokens) or keep "
+                                 "use_off_policy_loss=True (the shaped off-policy loss)")
     out = _official_loss_scale(_fit_target_cap(out, log), log)
     return _official_sft_agg(out, log) if A + "use_sft_multitask_loss" in seen else out  # LUFFY's key, not ours
 

@@ -1,17 +1,15 @@
 """The ``mix:`` config section: one typed, validated place for every key mix_src adds to verl's config.
 
-verl's own dataclasses reject unknown keys under ``actor_rollout_ref.*`` and ``algorithm.*``, so our keys
-live in a top-level ``mix:`` section, named as LUFFY named them (``n_prefix``, ``off_policy_reshape`` ...); where
-verl already has a key we use verl's (``actor_rollout_ref.rollout.n``, ``algorithm.filter_groups.*`` ...).
-:func:`validate_mix_config` runs on the driver before Ray starts and names the full key, the value and the
-allowed range of what it refuses. This module imports no verl at import time.
+verl's dataclasses reject unknown keys under ``actor_rollout_ref.*`` and ``algorithm.*``, so ours live in ``mix:``,
+named as LUFFY named them; where verl has a key we use verl's. :func:`validate_mix_config` runs on the driver before
+Ray starts and names the full key, the value and the allowed range of what it refuses. No verl at import time.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Optional, get_args, get_origin, get_type_hints
+from typing import Any, Callable, Optional, get_args, get_origin, get_type_hints
 
 # The original LUFFY baked gamma into the option name (p_div_p_0.1 ...): accepted as p_div_p + the gamma key.
 from mix_src.algo.core_alg import P_DIV_P_ALIASES as RESHAPE_ALIASES
@@ -274,22 +272,13 @@ def _in_range(key: str, value: Any, lo: Optional[float], hi: Optional[float]) ->
 
 
 def _coerce(key: str, value: Any, hint: Any) -> Any:
-    """Check ``value`` against the type hint ``hint``; return it converted (int -> float where allowed)."""
-    origin = get_origin(hint)
-    if origin is Literal:
-        if value not in get_args(hint):
-            raise MixConfigError(f"{key}={value!r} is not one of {list(get_args(hint))}")
-        return value
-    if origin is not None and type(None) in get_args(hint):  # Optional[X]
-        if value is None:
-            return None
-        inner = [a for a in get_args(hint) if a is not type(None)][0]
-        return _coerce(key, value, inner)
+    """Check ``value`` against the type hint ``hint`` (a scalar of :data:`_SCALARS`, ``Optional[X]`` or a section's
+    dataclass); return it converted (int -> float where allowed)."""
+    if get_origin(hint) is not None and type(None) in get_args(hint):  # Optional[X]
+        inner = next(a for a in get_args(hint) if a is not type(None))
+        return None if value is None else _coerce(key, value, inner)
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, key)
-    hint = list if origin is list else hint
-    if hint not in _SCALARS:
-        return value
     accepted, what, convert = _SCALARS[hint]
     if not isinstance(value, accepted) or (isinstance(value, bool) and hint in (int, float)):
         raise MixConfigError(f"{key}={value!r} must be {what}")

@@ -68,23 +68,20 @@ def resolve_max_model_len(config) -> Optional[int]:
         return None if explicit is None else int(explicit)
     if explicit is not None:
         if int(explicit) > context:
-            raise MixConfigError(
-                f"actor_rollout_ref.rollout.max_model_len={explicit} exceeds the context of actor_rollout_ref.model."
-                f"path={model.path} (max_position_embeddings {context}; verl's rollout server refuses it too): "
-                f"set it to at most {context}"
-            )
+            raise MixConfigError(f"actor_rollout_ref.rollout.max_model_len={explicit} exceeds the context of "
+                                 f"actor_rollout_ref.model.path={model.path} (max_position_embeddings {context}; "
+                                 f"verl's rollout server refuses it too): set it to at most {context}")
         if int(explicit) < need:
             print(f"[mix_src] actor_rollout_ref.rollout.max_model_len={explicit} < data.max_prompt_length + "
                   f"data.max_response_length = {need}: answers are cut to the room left after prompt + prefix")  # fmt: skip
         return int(explicit)
     if need > context:
-        raise MixConfigError(
-            f"data.max_prompt_length ({prompt_len}) + data.max_response_length ({response_len}) = {need} tokens do not "
-            f"fit the context of actor_rollout_ref.model.path={model.path} (max_position_embeddings {context}): "
-            f"lower data.max_response_length (or data.max_prompt_length) to fit, use a model with a longer context, "
-            f"or set actor_rollout_ref.rollout.max_model_len={context} to accept answers cut to the room left "
-            "after prompt + prefix"
-        )
+        raise MixConfigError(f"data.max_prompt_length ({prompt_len}) + data.max_response_length ({response_len}) = "
+                             f"{need} tokens do not fit the context of actor_rollout_ref.model.path={model.path} "
+                             f"(max_position_embeddings {context}): lower data.max_response_length (or "
+                             "data.max_prompt_length) to fit, use a model with a longer context, or set "
+                             f"actor_rollout_ref.rollout.max_model_len={context} to accept answers cut to the room "
+                             "left after prompt + prefix")
     with open_dict(config):
         rollout.max_model_len = context
     return context
@@ -107,16 +104,14 @@ def check_attention(config, *, cuda: Optional[bool] = None) -> None:
     for key, model in sections:
         impl = str((model.get("override_config") or {}).get("attn_implementation") or VERL_DEFAULT_ATTN)
         if not impl.startswith("flash_attention") and model.get("use_remove_padding", True):  # no varlen kernels
-            raise MixConfigError(
-                f"{key}.override_config.attn_implementation={impl} with {key}.use_remove_padding=true: remove-padding "
-                "packs the batch's sequences into one row and only flash-attn's varlen kernels keep them apart "
-                "(verl/models/transformers/monkey_patch.py); set "
-                f"{key}.use_remove_padding=false (the path without flash-attn: {SDPA_OVERRIDES})"
-            )
+            raise MixConfigError(f"{key}.override_config.attn_implementation={impl} with "
+                                 f"{key}.use_remove_padding=true: remove-padding packs the batch's sequences into one "
+                                 "row and only flash-attn's varlen kernels keep them apart "
+                                 f"(verl/models/transformers/monkey_patch.py); set {key}.use_remove_padding=false (the "
+                                 f"path without flash-attn: {SDPA_OVERRIDES})")
         if impl == VERL_DEFAULT_ATTN and (torch.cuda.is_available() if cuda is None else cuda) \
                 and importlib.util.find_spec("flash_attn") is None:  # fmt: skip
-            raise MixConfigError(
-                f"{key}.override_config.attn_implementation={impl} (verl's default) but flash_attn is not installed "
-                "here (`make install-gpu NO_FLASH_ATTN=1` skips it: it has no wheel for torch 2.11 + CUDA 13). "
-                f"Install it (scripts/gpu/README.md), or train without it: {SDPA_OVERRIDES}"
-            )
+            raise MixConfigError(f"{key}.override_config.attn_implementation={impl} (verl's default) but flash_attn is "
+                                 "not installed here (`make install-gpu NO_FLASH_ATTN=1` skips it: it has no wheel for "
+                                 "torch 2.11 + CUDA 13). Install it (scripts/gpu/README.md), or train without it: "
+                                 f"{SDPA_OVERRIDES}")

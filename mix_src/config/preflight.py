@@ -92,11 +92,10 @@ def _check_backend(config: DictConfig) -> None:
     import mix_src.cpu
 
     if config.trainer.get("device") == "cpu" and not mix_src.cpu.is_active():
-        raise MixConfigError(
-            "trainer.device=cpu (+backend=cpu) but the CPU backend is off in this process: this machine shows "
-            f"an accelerator ({'; '.join(mix_src.cpu.accelerator_signs()) or 'VERL_PLATFORM is not cpu'}). "
-            "Run with VERL_PLATFORM=cpu to train on CPU here, or drop +backend=cpu to use the accelerator."
-        )
+        raise MixConfigError("trainer.device=cpu (+backend=cpu) but the CPU backend is off in this process: this "
+                             "machine shows an accelerator "
+                             f"({'; '.join(mix_src.cpu.accelerator_signs()) or 'VERL_PLATFORM is not cpu'}). Run with "
+                             "VERL_PLATFORM=cpu to train on CPU here, or drop +backend=cpu to use the accelerator.")
     if config.trainer.get("device") == "cpu":
         from mix_src.cpu.config_check import check_worker_keys
 
@@ -179,21 +178,18 @@ def check_separate_async(config: DictConfig) -> None:
     backend = rollout.checkpoint_engine.backend
     if config.trainer.device == "cpu":
         if backend != CPU_CHECKPOINT_ENGINE:
-            raise MixConfigError(
-                f"actor_rollout_ref.rollout.checkpoint_engine.backend={backend}: on the CPU backend separate_async "
-                f"pushes weights to its standalone rollout pool with mix_src.cpu's '{CPU_CHECKPOINT_ENGINE}' engine "
-                "(verl refuses 'naive' there; nccl needs cupy/CUDA, hccl Ascend, nixl/mooncake/kimi RDMA); set it to "
-                f"{CPU_CHECKPOINT_ENGINE}"
-            )
+            raise MixConfigError(f"actor_rollout_ref.rollout.checkpoint_engine.backend={backend}: on the CPU backend "
+                                 "separate_async pushes weights to its standalone rollout pool with mix_src.cpu's "
+                                 f"'{CPU_CHECKPOINT_ENGINE}' engine (verl refuses 'naive' there; nccl needs cupy/CUDA, "
+                                 f"hccl Ascend, nixl/mooncake/kimi RDMA); set it to {CPU_CHECKPOINT_ENGINE}")
         needed = (config.trainer.nnodes * config.trainer.n_gpus_per_node
                   + int(rollout.nnodes) * int(rollout.n_gpus_per_node))  # fmt: skip
         have = (config.get("ray_kwargs") or {}).get("ray_init", {}).get("num_gpus")
         if have is not None and int(have) < needed:
-            raise MixConfigError(
-                f"ray_kwargs.ray_init.num_gpus={have}: the CPU backend's fake Ray GPUs must cover the trainer's "
-                f"(trainer.nnodes x n_gpus_per_node) and the standalone rollout pool's (actor_rollout_ref.rollout."
-                f"nnodes x n_gpus_per_node), {needed} in all, or Ray never places the pool; set it to {needed}"
-            )
+            raise MixConfigError(f"ray_kwargs.ray_init.num_gpus={have}: the CPU backend's fake Ray GPUs must cover the "
+                                 "trainer's (trainer.nnodes x n_gpus_per_node) and the standalone rollout pool's "
+                                 f"(actor_rollout_ref.rollout.nnodes x n_gpus_per_node), {needed} in all, or Ray never "
+                                 f"places the pool; set it to {needed}")
 
 
 def check_v1_config(config: DictConfig, mix: Any) -> None:
@@ -207,10 +203,8 @@ def check_v1_config(config: DictConfig, mix: Any) -> None:
     try:
         import transfer_queue  # noqa: F401
     except ImportError as e:
-        raise MixConfigError(
-            "trainer.use_v1=true: verl's V1 trainer moves data through TransferQueue, which is not installed; "
-            "`pip install transferqueue==0.1.11`, or set trainer.use_v1=false"
-        ) from e
+        raise MixConfigError("trainer.use_v1=true: verl's V1 trainer moves data through TransferQueue, which is not "
+                             "installed; `pip install transferqueue==0.1.11`, or set trainer.use_v1=false") from e
     for key, refused, reason in V1_REFUSALS:
         value = refused(config, mix)
         if value is not None:

@@ -50,11 +50,10 @@ def check_checkpoint_dir(config: DictConfig) -> Optional[dict]:
     plan = {"dir": directory, "steps": steps, "saves": saves, "kept": kept, "bytes_each": each, "free": free}
     print(f"[mix_src] checkpoints: {describe(plan, save_freq, keep, with_optimizer)}")
     if kept is not None and each is not None and kept * each > free:
-        raise MixConfigError(
-            f"trainer.default_local_dir={directory}: {free / GB:.1f} GB free, but the run keeps {kept} checkpoint(s) "
-            f"of {each / GB:.1f} GB there at once ({kept * each / GB:.1f} GB). Point trainer.default_local_dir (or "
-            "OUTPUT_DIR for a recipe) at a larger disk, lower trainer.max_actor_ckpt_to_keep, or raise trainer.save_freq"
-        )
+        raise MixConfigError(f"trainer.default_local_dir={directory}: {free / GB:.1f} GB free, but the run keeps "
+                             f"{kept} checkpoint(s) of {each / GB:.1f} GB there at once ({kept * each / GB:.1f} GB). "
+                             "Point trainer.default_local_dir (or OUTPUT_DIR for a recipe) at a larger disk, lower "
+                             "trainer.max_actor_ckpt_to_keep, or raise trainer.save_freq")
     return plan
 
 
@@ -67,10 +66,9 @@ def probe_write(directory: str) -> None:
             f.write(b"mix_src checkpoint directory probe\n")
         os.remove(probe)
     except OSError as e:
-        raise MixConfigError(
-            f"trainer.default_local_dir={directory}: cannot write checkpoints there ({type(e).__name__}: {e}). "
-            "Point trainer.default_local_dir (or OUTPUT_DIR for a recipe) at a writable directory"
-        ) from e
+        raise MixConfigError(f"trainer.default_local_dir={directory}: cannot write checkpoints there "
+                             f"({type(e).__name__}: {e}). Point trainer.default_local_dir (or OUTPUT_DIR for a recipe) "
+                             "at a writable directory") from e
 
 
 def kept_at_once(saves: Optional[int], keep: Optional[int]) -> Optional[int]:
@@ -89,9 +87,7 @@ def total_steps(config: DictConfig) -> Optional[int]:
     if steps is not None and int(steps) > 0:
         return int(steps)
     rows = parquet_rows(config.data.train_files)
-    if rows is None:
-        return None
-    return rows // int(config.data.train_batch_size) * int(config.trainer.total_epochs)
+    return None if rows is None else rows // int(config.data.train_batch_size) * int(config.trainer.total_epochs)
 
 
 def parquet_rows(files: Any) -> Optional[int]:

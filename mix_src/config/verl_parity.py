@@ -74,17 +74,15 @@ def config_reads(source: str) -> set[str]:
             return None if base is None or node.attr in _NOT_KEYS else (*base, node.attr)
         if isinstance(node, ast.Name):
             return aliases.get(node.id)
-        if isinstance(node, ast.Subscript):
-            base = path(node.value)
-            key = node.slice
-            if base is not None and isinstance(key, ast.Constant) and isinstance(key.value, str):
-                return (*base, key.value)
+        if isinstance(node, ast.Subscript):  # x["b"]
+            key, base = node.slice, path(node.value)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+                and node.args:  # x.get("b")
+            key, base = node.args[0], path(node.func.value)
+        else:
             return None
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
-            base = path(node.func.value)
-            if base is not None and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
-                return (*base, node.args[0].value)
-        return None
+        string_key = isinstance(key, ast.Constant) and isinstance(key.value, str)
+        return (*base, key.value) if base is not None and string_key else None
 
     def bindings(tree: ast.AST):
         """(local name, value node) of ``x = ...`` and ``x, y = ..., ...``."""
@@ -203,12 +201,11 @@ def _refuse_layered_summon_base_sync(config: Any, mix: Any) -> Optional[str]:
     merge = dotted_get(config, "actor_rollout_ref.model.lora.merge", False)
     load_format = str(dotted_get(config, "actor_rollout_ref.rollout.load_format", "dummy"))
     if lora and not merge and dotted_get(config, "actor_rollout_ref.rollout.layered_summon", False) and "dummy" in load_format:
-        return (
-            f"actor_rollout_ref.rollout.layered_summon=true with actor_rollout_ref.rollout.load_format={load_format}: "
-            "verl's first LoRA weight sync must send the base model, which layered summon cannot (verl/utils/"
-            "fsdp_utils.py collect_lora_params: 'To use layered_summon, you must make sure base-model is preloaded'). "
-            "Set actor_rollout_ref.rollout.load_format=safetensors, or layered_summon=false."
-        )
+        return ("actor_rollout_ref.rollout.layered_summon=true with "
+                f"actor_rollout_ref.rollout.load_format={load_format}: verl's first LoRA weight sync must send the "
+                "base model, which layered summon cannot (verl/utils/fsdp_utils.py collect_lora_params: 'To use "
+                "layered_summon, you must make sure base-model is preloaded'). Set "
+                "actor_rollout_ref.rollout.load_format=safetensors, or layered_summon=false.")
     return None
 
 
