@@ -25,12 +25,6 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Iterator, Mapping, Optional, TypeVar
 
-__all__ = [
-    "BASES", "PLUGINS_ENV", "Entry", "EntryConfigError", "PluginImportError", "Registry", "Setting",
-    "check_selected_entries", "flag", "integer", "load_plugins", "load_plugins_from_env", "load_verl_plugins",
-    "number", "one_of", "resolve_settings", "trainer_base",
-]  # fmt: skip
-
 BASES = ("legacy", "v1")  # the trainer bases: MIXRayPPOTrainer, and verl's V1 trainer (trainer.use_v1=true)
 
 PLUGINS_ENV = "MIX_PLUGINS"  # comma-separated module names / absolute .py paths, exported to Ray workers
@@ -102,14 +96,13 @@ class Entry:
 
 
 class Registry(Generic[F]):
-    """Name -> function. ``kind`` names the extension point in errors; ``config_key`` the key that picks
-    from it. Iterating yields the registered names (built-ins first, then plugins, in order)."""
+    """Name -> function. ``kind`` names the extension point in errors; ``config_key`` the key that picks from it;
+    ``selected(config)``, the names the config picks (default: the value at ``config_key``, if set), which
+    :func:`check_selected_entries` checks; ``old_settings``, an older spelling of the entries' settings ({setting: key}
+    or {"*": key of a mapping}). Iterating yields the registered names (built-ins first, then plugins, in order)."""
 
     def __init__(self, kind: str, config_key: str, selected: Optional[Callable[[Any], list[str]]] = None,
                  old_settings: Optional[Mapping[str, str]] = None):
-        """``selected(config)``: the names the config picks (default: the value at ``config_key``, if set), the
-        entries :func:`check_selected_entries` checks. ``old_settings``: an older spelling of the entries'
-        settings, {setting: key} or {"*": key of a mapping}."""
         self.kind, self.config_key = kind, config_key
         self._selected = selected
         self.old_settings = dict(old_settings or {})
@@ -203,8 +196,7 @@ def _selected_entries(config: Any) -> Iterator[tuple[Registry, Entry]]:
 
 
 def check_selected_entries(config: Any) -> None:
-    """Before Ray starts: each entry the config selects must support this trainer base, and its own ``check``
-    must pass. Raises :class:`EntryConfigError` naming the key and the entry."""
+    """Before Ray: each selected entry must support this trainer base and pass its ``check`` (else EntryConfigError)."""
     load_plugins_from_env()
     base = trainer_base(config)
     resolve_settings(config)

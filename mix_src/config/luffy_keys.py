@@ -12,8 +12,6 @@ from typing import Callable, Optional, Sequence
 
 from mix_src.config.mix_config import MixConfigError
 
-__all__ = ["LUFFY_KEYS", "translate_overrides"]
-
 A, R, D, T = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "data.", "trainer."
 
 # LUFFY's key -> ours (the value is kept)
@@ -85,14 +83,12 @@ def _bool(value: str) -> bool:
 def _split(override: str) -> tuple[str, str, Optional[str]]:
     """'++a.b=c' -> ('++', 'a.b', 'c'); 'a.b' (no value) -> ('', 'a.b', None)."""
     plus = len(override) - len(override.lstrip("+"))
-    body = override[plus:]
-    key, sep, value = body.partition("=")
+    key, sep, value = override[plus:].partition("=")
     return override[:plus], key, value if sep else None
 
 
 def translate_overrides(overrides: Sequence[str], log: Callable[[str], None] = print) -> list[str]:
-    """Rewrite LUFFY's keys in ``overrides`` (Hydra ``key=value`` strings) to ours; see the module docstring.
-    Overrides that are not LUFFY keys pass through unchanged, in order."""
+    """Rewrite LUFFY's keys in ``overrides`` (Hydra ``key=value``) to ours; the others pass through, in order."""
     out: list[str] = []
     seen: dict[str, str] = {}
     for item in overrides:

@@ -353,8 +353,7 @@ def uses_critic(config: Any) -> bool:
 
 
 def validate_mix_config(config: Any) -> MixConfig:
-    """Validate ``config.mix`` (``config``: the whole composed config) and its ties to verl's keys; return the
-    typed :class:`MixConfig`. Raises :class:`MixConfigError` naming the key."""
+    """Validate ``config.mix`` and its ties to verl's keys (``config``: the whole config); return the MixConfig."""
     from omegaconf import OmegaConf  # here, not at the top: this module stays free of verl and import-light
     from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
 

@@ -58,8 +58,7 @@ def check_versions() -> None:
 
 
 def check_keys(config: DictConfig) -> Any:
-    """Step 2 of :func:`run` (its comment lists the parts). Returns the validated :class:`~mix_src.config.mix_config.
-    MixConfig`."""
+    """Step 2 of :func:`run` (its comment lists the parts); returns the validated ``MixConfig``."""
     from mix_src.rollout.agent_loop_tools import check_config as check_tool_loop_config
 
     mix = validate_mix_config(config)
@@ -113,8 +112,7 @@ def export_plugins(config: DictConfig) -> list[str]:
     load_verl_plugins()  # this process imported verl before the environment said so
     mix = config.get("mix") or {}
     specs = [resolve_plugin(s) for s in (mix.get("plugins") or [])]
-    if specs:
-        load_plugins(specs)
+    load_plugins(specs)
     external = [m for m in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
     env = {"VERL_USE_EXTERNAL_MODULES": ",".join(dict.fromkeys([*external, "mix_src.plugins"]))}
     if specs:
