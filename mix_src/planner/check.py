@@ -96,8 +96,7 @@ def format_plan(mem: MemoryPlan, time: Optional[TimePlan], run: RunShape, n_para
              f"({mem.gpu.memory_bytes / GIB:.0f} GiB = {gb(mem.gpu.memory_bytes)}); FSDP over {run.fsdp_shards}"]
     for phase, terms in mem.phases.items():
         lines.append(f"{phase}:")
-        for t in terms:
-            lines.append(f"    {t.name:<34} {gb(t.bytes):>10}   {t.basis}")
+        lines += [f"    {t.name:<34} {gb(t.bytes):>10}   {t.basis}" for t in terms]
         lines.append(f"    {'CUDA context, NCCL, allocator':<34} {gb(CUDA_CONTEXT_BYTES):>10}   assumed")
         lines.append(f"    {'total':<34} {gb(mem.total(phase)):>10}   +/- {ERROR_BOUND:.0%}")
     fits = "fits" if mem.fits else f"DOES NOT FIT (with {gb(ALLOCATOR_FRAGMENTATION_BYTES)} of allocator fragmentation)"

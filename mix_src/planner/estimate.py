@@ -198,8 +198,7 @@ def logprob_terms(shape: ModelShape, n_params: int, run: RunShape) -> list[Term]
     """The old-log-prob pass (no gradient; verl computes the entropy there too, ray_trainer.py
     _compute_old_log_prob), per GPU: fp32 parameters (loaded for it) and AdamW states unless offloaded, gathers,
     one micro-batch's logits and the entropy's temporaries."""
-    t = run.logprob_tokens
-    s = run.fsdp_shards
+    t, s = run.logprob_tokens, run.fsdp_shards
     params = 0 if run.offload_policy else PARAM_BYTES * n_params // s
     adam = 0 if (run.offload_policy or run.optimizer_offload) else ADAM_BYTES * n_params // s
     return [Term("fp32 params", params, f"4 B/param / {s} shards"),
@@ -325,9 +324,8 @@ def plan_time(hf_config: Mapping, run: RunShape, gpu: Gpu, *, mean_response: flo
     shape = ModelShape.from_hf_config(hf_config)
     n_params = count_params(hf_config)
     rows = run.batch_size * run.n
-    seq = [run.prompt_len] * rows
-    resp = [mean_response] * rows
-    flops = rl_step_flops(shape, seq, resp, ppo_epochs=run.ppo_epochs, ref_policy=run.reference, count="full")
+    flops = rl_step_flops(shape, [run.prompt_len] * rows, [mean_response] * rows, ppo_epochs=run.ppo_epochs,
+                          ref_policy=run.reference, count="full")
     train_s = flops / (run.world_size * gpu.bf16_flops * mfu)
     engines = max(1, run.world_size // run.rollout_tp)
     gen_rows = run.batch_size * (run.n - run.n_full_target)
