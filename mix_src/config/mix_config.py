@@ -40,8 +40,7 @@ class DataConfig:
 
     def check(self, p: str) -> None:
         _in_range(f"{p}.sample_target_ratio", self.sample_target_ratio, 0.0, 1.0)
-        if self.max_target_length is not None:
-            _in_range(f"{p}.max_target_length", self.max_target_length, 1, None)
+        _in_range(f"{p}.max_target_length", self.max_target_length, 1, None)
         if not self.target_key:
             raise MixConfigError(f"{p}.target_key must be a non-empty column name")
 
@@ -246,8 +245,7 @@ class MixConfig:
             if not any(name in registry for registry in _REGISTRIES):  # resolve_settings checks the values
                 raise MixConfigError(f"{p}.plugin_options.{name}: no registered entry is called {name!r} (load its "
                                      f"plugin with {p}.plugins)")
-        if self.flops_budget is not None:
-            _in_range(f"{p}.flops_budget", self.flops_budget, 1.0, None)
+        _in_range(f"{p}.flops_budget", self.flops_budget, 1.0, None)
         if self.flops_count not in FLOPS_COUNTS:
             raise MixConfigError(f"{p}.flops_count={self.flops_count!r}: use one of {list(FLOPS_COUNTS)}")
         self.data.check(f"{p}.data")
@@ -266,7 +264,8 @@ def _registered(registry: Any, name: str) -> None:
 
 
 def _in_range(key: str, value: Any, lo: Optional[float], hi: Optional[float]) -> None:
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
+    """Refuse ``value`` outside [lo, hi] (a None bound: unbounded; a None value: unset, not checked)."""
+    if value is not None and ((lo is not None and value < lo) or (hi is not None and value > hi)):
         bounds = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
         raise MixConfigError(f"{key}={value!r} is out of range {bounds}")
 

@@ -209,15 +209,9 @@ def _refuse_layered_summon_base_sync(config: Any, mix: Any) -> Optional[str]:
     return None
 
 
-CHECKS: list[Callable[[Any, Any], Optional[str]]] = [
-    _refuse_estimator,
-    _refuse_bypass_mode,
-    _refuse_correction_without_logprobs,
-    _refuse_profiler,
-    _refuse_policy_loss_mode,
-    _refuse_sglang,
-    _refuse_layered_summon_base_sync,
-]
+CHECKS: list[Callable[[Any, Any], Optional[str]]] = [  # in order; each returns its refusal or None
+    _refuse_estimator, _refuse_bypass_mode, _refuse_correction_without_logprobs, _refuse_profiler,
+    _refuse_policy_loss_mode, _refuse_sglang, _refuse_layered_summon_base_sync]
 
 # The settings refused (for the README and the guard test): key=value that triggers it -> check.
 REFUSED_SETTINGS: dict[str, Callable] = {
