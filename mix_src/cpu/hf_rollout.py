@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import logging
 import os
 from typing import Any, Generator, Optional
@@ -275,12 +276,10 @@ class HFServerAdapter(BaseRollout):
         rank = int(os.environ.get("RANK", 0))
         self.replica_rank = rank // rollout_world_size if replica_rank == -1 else replica_rank
         self.rollout_rank = rank % rollout_world_size
-        self._server = None
 
-    def _server_handle(self):
-        if self._server is None:
-            self._server = ray.get_actor(server_name(self.replica_rank))
-        return self._server
+    @functools.cached_property
+    def _server(self):  # this replica's server actor, looked up on first use
+        return ray.get_actor(server_name(self.replica_rank))
 
     resume = release = _nothing  # the server holds no device memory
 
@@ -300,6 +299,6 @@ class HFServerAdapter(BaseRollout):
         if self.rollout_rank != 0:
             return
         if peft_config is not None and base_sync_done:  # verl's adapter sync: LoRA tensors only
-            await self._server_handle().update_lora.remote(state_dict, peft_config, global_steps)
+            await self._server.update_lora.remote(state_dict, peft_config, global_steps)
         else:  # full weights; LoRA base weights (first sync) or merged weights (model.lora.merge=True)
-            await self._server_handle().update_weights.remote(state_dict, global_steps)
+            await self._server.update_weights.remote(state_dict, global_steps)
