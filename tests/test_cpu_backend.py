@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -273,6 +274,50 @@ def test_fragment_composes_with_stock_verl_config():
     assert cfg.data.max_prompt_length == 512  # the fragment sets no sizes
 
 
+def test_reward_loop_workers_start_at_their_first_call(monkeypatch):
+    """mix_src/cpu/lean_start.py: under the MIX agent-loop manager (rule rewards in its worker), verl's
+    RewardLoopManager builds its workers' handles but starts no actor until a method is looked up, then the one its
+    body asked for (same options and arguments, get_if_exists); under verl's own, it starts them at once."""
+    import ray
+    from omegaconf import OmegaConf
+    from verl.experimental.reward_loop import reward_loop
+
+    from mix_src.cpu.lean_start import DeferredActor
+    from mix_src.rollout.agent_loop_worker import MANAGER_FQN
+
+    started = []
+
+    class Remote:  # ray.remote(cls).options(**options).remote(*args), recorded; the "handle" has one method
+        def __init__(self, cls, options=None):
+            self.cls, self.options_ = cls, options
+
+        def options(self, **options):
+            return Remote(self.cls, options)
+
+        def remote(self, *args):
+            started.append((self.cls, self.options_, args))
+            return SimpleNamespace(compute_score="the handle's method")
+
+    monkeypatch.setattr(ray, "remote", Remote)
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeID": "ab" * 28, "Alive": True, "Resources": {"CPU": 8}}])
+    manager = reward_loop.RewardLoopManager.__new__(reward_loop.RewardLoopManager)
+    manager.reward_loop_workers_class, manager.reward_router_address = Remote(reward_loop.RewardLoopWorker), None
+    manager.config = OmegaConf.create({"reward": {"num_workers": 2, "reward_model": {"enable": False}},
+                                       "actor_rollout_ref": {"rollout": {"agent": {"agent_loop_manager_class": MANAGER_FQN}}}})
+    manager._init_reward_loop_workers()
+    workers = manager.reward_loop_workers
+    assert [type(w) for w in workers] == [DeferredActor] * 2 and not started
+    assert workers[1].compute_score == workers[1].compute_score == "the handle's method" and len(started) == 1
+    cls, options, args = started[0]
+    assert cls is reward_loop.RewardLoopWorker and args == (manager.config, None)
+    assert options["name"] == "reward_loop_worker_1" and options["get_if_exists"] is True
+    # verl's agent-loop worker (V1, stock verl) calls them: started at once, as verl does
+    manager.config.actor_rollout_ref.rollout.agent.agent_loop_manager_class = None
+    manager.reward_loop_workers_class = Remote(reward_loop.RewardLoopWorker)  # as verl's __init__ sets it
+    manager._init_reward_loop_workers()
+    assert len(started) == 3 and not any(isinstance(w, DeferredActor) for w in manager.reward_loop_workers)
+
+
 @pytest.mark.ray
 def test_stock_verl_main_ppo_grpo_two_steps(tiny_assets, tmp_path):
     """Stock verl GRPO, legacy trainer, 2 steps through the CPU backend (plus one greedy
@@ -297,7 +342,7 @@ def test_stock_verl_main_ppo_grpo_two_steps(tiny_assets, tmp_path):
     assert val["step"] == 0 and any(k.startswith("val-core/") for k in val), sorted(val)
     assert [m["step"] for m in train] == [1, 2], result.log_tail()
     for m in train:
-        for key in ("actor/pg_loss", "timing_s/step", "training/rollout_probs_diff_mean"):
+        for key in ("actor/pg_loss", "timing_s/step", "training/rollout_probs_diff_mean", "critic/score/mean"):
             assert key in m, f"{key} missing at step {m['step']}"
         assert m["training/rollout_probs_diff_valid"] == 1
         assert m["training/rollout_probs_diff_mean"] < 0.05

@@ -346,6 +346,7 @@ def activate() -> None:
     # checkpoint_engine.py: written for verl's interface and torch's gloo
     after_import("verl.checkpoint_engine", _register_checkpoint_engine,
                  written_for={**VERL_0_9_1, "torch": ">=2.12,<2.14"}, required_in=both)
+    importlib.import_module(f"{__name__}.lean_start").install()  # start-up trims, no effect on results
     _ACTIVE = True
     log_active()
 
