@@ -110,19 +110,19 @@ def check_written_for(patch_name: str, written_for: Optional[dict], error: type 
 _CHECKED: set[str] = set()
 
 
-def checked(name: str) -> Patch:
+def checked(name: str, error: type = PatchVersionError) -> Patch:
     """The declared patch ``name``, its versions checked (once per process); call before applying it."""
     patch = PATCHES[name]
     if name not in _CHECKED:
-        check_written_for(name, patch.written_for)
+        check_written_for(name, patch.written_for, error)
         _CHECKED.add(name)
     return patch
 
 
-def check_all() -> list[Patch]:
+def check_all(error: type = PatchVersionError) -> list[Patch]:
     """Every declared patch's versions (before Ray: a different verl is refused naming each patch)."""
     for name in PATCHES:
-        checked(name)
+        checked(name, error)
     return list(PATCHES.values())
 
 

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from mix_src.compat import PatchVersionError, check_all as check_patch_versions
+from mix_src.compat import check_all as check_patch_versions
 from mix_src.config.resources import check_checkpoint_dir
 from mix_src.config.data_check import check_data, data_files
 from mix_src.config.batch_check import check_batch_arithmetic
@@ -27,7 +27,7 @@ from mix_src.config.verl_parity import check_verl_keys
 
 def run(config: DictConfig) -> Any:
     """Every check before Ray, in order. Returns the validated :class:`~mix_src.config.mix_config.MixConfig`."""
-    check_versions()  # 0. the installed verl (and others) are the versions every patch of ours was read against
+    check_patch_versions(MixConfigError)  # 0. installed verl (and others): the versions each patch was read against
     export_plugins(config)  # 0. plugins imported here and in every Ray process (the names they register are valid)
     _check_paths(config)  # 1. paths: data files, model, tokenizer
     mix = check_keys(config)  # 2. keys: ours, verl's our loop replaces, the backend's, the trainer base's, the context
@@ -47,14 +47,6 @@ def prepare_config(config: DictConfig) -> Any:
     mix = check_keys(config)
     check_selected_entries(config)
     return mix
-
-
-def check_versions() -> None:
-    """Each patch of verl (and others) was read against an installed version range (mix_src/compat.py)."""
-    try:
-        check_patch_versions()
-    except PatchVersionError as e:
-        raise MixConfigError(str(e)) from e
 
 
 def check_keys(config: DictConfig) -> Any:
