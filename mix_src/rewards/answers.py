@@ -30,19 +30,18 @@ def last_boxed(text: str) -> str | None:
     if best < 0:
         return None
     i = best + (len("\\boxed") if text.startswith("\\boxed", best) else len("\\fbox"))
-    while i < len(text) and text[i] == " ":
+    while text.startswith(" ", i):
         i += 1
-    if i >= len(text) or text[i] != "{":
+    if not text.startswith("{", i):
         return None
-    depth, start = 0, i + 1
+    depth = 0
     for j in range(i, len(text)):
-        c = text[j]
-        if c == "{":
+        if text[j] == "{":
             depth += 1
-        elif c == "}":
+        elif text[j] == "}":
             depth -= 1
             if depth == 0:
-                return text[start:j]
+                return text[i + 1:j]
     return None  # unbalanced
 
 
