@@ -124,7 +124,17 @@ def read_columns(path: str, columns: Iterable[str], key: str) -> tuple[dict[str,
         except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a broken file
             raise _refuse(path, key, f"is not a readable parquet file ({type(e).__name__}: {str(e)[:200]})") from e
         return {c: table.column(c).to_pylist() for c in table.column_names}, types
-    return _read_json(path, columns, key)
+    try:
+        records = json_records(path)
+    except JsonLinesError as e:
+        what = f"line {e.line} is not JSON ({e.error.msg})" if e.line else f"is not JSON ({e.error.msg}, line {e.error.lineno})"
+        raise _refuse(path, key, what) from e
+    if not all(isinstance(r, dict) for r in records):
+        raise _refuse(path, key, "holds something other than one JSON object per row")
+    names = list(dict.fromkeys(k for r in records for k in r))
+    types = {c: ("string" if all(isinstance(r.get(c), str) for r in records if r.get(c) is not None) else "object")
+             for c in names}
+    return {c: [r.get(c) for r in records] for c in columns if c in names}, types
 
 
 class JsonLinesError(ValueError):
@@ -151,20 +161,6 @@ def json_records(path: str) -> list:
         return records
     except json.JSONDecodeError as e:
         raise JsonLinesError(n, e) from e
-
-
-def _read_json(path: str, columns: Iterable[str], key: str) -> tuple[dict[str, list], dict[str, str]]:
-    try:
-        records = json_records(path)
-    except JsonLinesError as e:
-        what = f"line {e.line} is not JSON ({e.error.msg})" if e.line else f"is not JSON ({e.error.msg}, line {e.error.lineno})"
-        raise _refuse(path, key, what) from e
-    if not all(isinstance(r, dict) for r in records):
-        raise _refuse(path, key, "holds something other than one JSON object per row")
-    names = list(dict.fromkeys(k for r in records for k in r))
-    types = {c: ("string" if all(isinstance(r.get(c), str) for r in records if r.get(c) is not None) else "object")
-             for c in names}
-    return {c: [r.get(c) for r in records] for c in columns if c in names}, types
 
 
 def check_file(path: str, key: str, prompt_key: str, target_key: Optional[str]) -> FileReport:

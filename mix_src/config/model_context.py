@@ -53,8 +53,7 @@ def resolve_max_model_len(config) -> Optional[int]:
     the rollout will use, or None where the model config cannot be read here."""
     from omegaconf import open_dict
 
-    rollout = config.actor_rollout_ref.rollout
-    model = config.actor_rollout_ref.model
+    rollout, model = config.actor_rollout_ref.rollout, config.actor_rollout_ref.model
     explicit = rollout.get("max_model_len")
     prompt_len, response_len = int(config.data.max_prompt_length), int(config.data.max_response_length)
     need = prompt_len + response_len
@@ -89,9 +88,8 @@ def resolve_max_model_len(config) -> Optional[int]:
 
 # verl's HFModelConfig default (verl/workers/config/model.py: override_config.get("attn_implementation", ...))
 VERL_DEFAULT_ATTN = "flash_attention_2"
-SDPA_OVERRIDES = (
-    "+actor_rollout_ref.model.override_config.attn_implementation=sdpa actor_rollout_ref.model.use_remove_padding=false"
-)
+SDPA_OVERRIDES = ("+actor_rollout_ref.model.override_config.attn_implementation=sdpa "
+                  "actor_rollout_ref.model.use_remove_padding=false")
 
 
 def check_attention(config, *, cuda: Optional[bool] = None) -> None:
