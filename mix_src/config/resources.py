@@ -42,10 +42,9 @@ def check_checkpoint_dir(config: DictConfig) -> Optional[dict]:
     keep = trainer.get("max_actor_ckpt_to_keep")
     kept = kept_at_once(saves, None if keep is None else int(keep))
     hf_config, _ = load_model_config(config.actor_rollout_ref.model.path)  # nothing is downloaded
-    params = None if hf_config is None else count_params(hf_config)
     contents = OmegaConf.select(config, "actor_rollout_ref.actor.checkpoint.save_contents", default=None)
     with_optimizer = contents is None or "optimizer" in list(contents)
-    each = None if params is None else checkpoint_bytes(params, with_optimizer=with_optimizer)
+    each = None if hf_config is None else checkpoint_bytes(count_params(hf_config), with_optimizer=with_optimizer)
     free = shutil.disk_usage(directory).free
     plan = {"dir": directory, "steps": steps, "saves": saves, "kept": kept, "bytes_each": each, "free": free}
     print(f"[mix_src] checkpoints: {describe(plan, save_freq, keep, with_optimizer)}")

@@ -114,14 +114,8 @@ def config_reads(source: str) -> set[str]:
 
     used_as_section = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id in aliases and extended(n)}
     alias_values = {id(value) for name, value in bindings(tree) if name in used_as_section}
-    keys = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
-            continue
-        p = path(node)
-        if p and id(node) not in alias_values and not extended(node):
-            keys.add(".".join(p))
-    return keys
+    loads = (n for n in ast.walk(tree) if not isinstance(n, ast.Name) or isinstance(n.ctx, ast.Load))
+    return {".".join(p) for n in loads if (p := path(n)) and id(n) not in alias_values and not extended(n)}
 
 
 def dotted_get(config: Any, dotted: str, default: Any = None) -> Any:
@@ -152,11 +146,10 @@ def _refuse_bypass_mode(config: Any, mix: Any) -> Optional[str]:
 
 def _refuse_correction_without_logprobs(config: Any, mix: Any) -> Optional[str]:
     active = [k for k in ("rollout_is", "rollout_rs") if dotted_get(config, f"algorithm.rollout_correction.{k}")]
-    if not active or dotted_get(config, "actor_rollout_ref.rollout.calculate_log_probs", False):
-        return None
-    return (f"algorithm.rollout_correction.{active[0]} is set but actor_rollout_ref.rollout.calculate_log_probs="
-            "false: there are no rollout log-probs to correct with (verl would skip it silently). Set "
-            "actor_rollout_ref.rollout.calculate_log_probs=true.")
+    if active and not dotted_get(config, "actor_rollout_ref.rollout.calculate_log_probs", False):
+        return (f"algorithm.rollout_correction.{active[0]} is set but actor_rollout_ref.rollout.calculate_log_probs="
+                "false: there are no rollout log-probs to correct with (verl would skip it silently). Set "
+                "actor_rollout_ref.rollout.calculate_log_probs=true.")
 
 
 def _refuse_profiler(config: Any, mix: Any) -> Optional[str]:
