@@ -131,10 +131,11 @@ def dotted_get(config: Any, dotted: str, default: Any = None) -> Any:
 
 def _refuse_estimator(config: Any, mix: Any) -> Optional[str]:
     """verl's estimators whose inputs only verl's own fit makes."""
-    if str(dotted_get(config, "algorithm.adv_estimator")) == "remax":
-        return ("algorithm.adv_estimator=remax needs a greedy baseline rollout per prompt (verl's fit generates it "
-                "with the sampled rollouts, ray_trainer.py `__do_sample__`); the MIX loop does not generate one. Use "
-                "grpo, grpo_split, rloo, reinforce_plus_plus, or gae (with a critic).")
+    if str(dotted_get(config, "algorithm.adv_estimator")) != "remax":
+        return None
+    return ("algorithm.adv_estimator=remax needs a greedy baseline rollout per prompt (verl's fit generates it with "
+            "the sampled rollouts, ray_trainer.py `__do_sample__`); the MIX loop does not generate one. Use grpo, "
+            "grpo_split, rloo, reinforce_plus_plus, or gae (with a critic).")
 
 
 def _refuse_bypass_mode(config: Any, mix: Any) -> Optional[str]:
@@ -146,10 +147,11 @@ def _refuse_bypass_mode(config: Any, mix: Any) -> Optional[str]:
 
 def _refuse_correction_without_logprobs(config: Any, mix: Any) -> Optional[str]:
     active = [k for k in ("rollout_is", "rollout_rs") if dotted_get(config, f"algorithm.rollout_correction.{k}")]
-    if active and not dotted_get(config, "actor_rollout_ref.rollout.calculate_log_probs", False):
-        return (f"algorithm.rollout_correction.{active[0]} is set but actor_rollout_ref.rollout.calculate_log_probs="
-                "false: there are no rollout log-probs to correct with (verl would skip it silently). Set "
-                "actor_rollout_ref.rollout.calculate_log_probs=true.")
+    if not active or dotted_get(config, "actor_rollout_ref.rollout.calculate_log_probs", False):
+        return None
+    return (f"algorithm.rollout_correction.{active[0]} is set but actor_rollout_ref.rollout.calculate_log_probs="
+            "false: there are no rollout log-probs to correct with (verl would skip it silently). Set "
+            "actor_rollout_ref.rollout.calculate_log_probs=true.")
 
 
 def _refuse_profiler(config: Any, mix: Any) -> Optional[str]:
@@ -178,11 +180,11 @@ def _refuse_policy_loss_mode(config: Any, mix: Any) -> Optional[str]:
 
 
 def _refuse_sglang(config: Any, mix: Any) -> Optional[str]:
-    if dotted_get(config, "actor_rollout_ref.rollout.name") == "sglang":
-        return ("actor_rollout_ref.rollout.name=sglang: verl[sglang]==0.9.1 pins sglang==0.5.12, which requires "
-                "transformers==5.6.0, a version verl 0.9.1 itself excludes (transformers!=5.6.0), so SGLang and this "
-                "verl cannot be installed in one environment. Use actor_rollout_ref.rollout.name=vllm "
-                "(`make install-gpu`).")
+    if dotted_get(config, "actor_rollout_ref.rollout.name") != "sglang":
+        return None
+    return ("actor_rollout_ref.rollout.name=sglang: verl[sglang]==0.9.1 pins sglang==0.5.12, which requires "
+            "transformers==5.6.0, a version verl 0.9.1 itself excludes (transformers!=5.6.0), so SGLang and this verl "
+            "cannot be installed in one environment. Use actor_rollout_ref.rollout.name=vllm (`make install-gpu`).")
 
 
 def _refuse_layered_summon_base_sync(config: Any, mix: Any) -> Optional[str]:
