@@ -50,12 +50,10 @@ def _check_positive(config: DictConfig) -> None:
         if value is not None and not int(value) >= 1:
             raise MixConfigError(f"{key}={value}: a micro-batch of {value} rows divides by zero in the worker; "
                                  "set it >= 1 (or null with use_dynamic_bsz=true)")
-    lr = actor.optim.lr
-    if not float(lr) > 0 and not bool(config.trainer.get("val_only", False)):
-        raise MixConfigError(f"{A}.optim.lr={lr}: the actor would not learn (0) or would ascend its loss (< 0); "
+    if not float(actor.optim.lr) > 0 and not bool(config.trainer.get("val_only", False)):
+        raise MixConfigError(f"{A}.optim.lr={actor.optim.lr}: the actor would not learn (0) or would ascend its loss (< 0); "
                              "set it > 0, or trainer.val_only=true to only evaluate")
-    critic = config.get("critic") or {}
-    if bool(critic.get("enable", False)) and not float(config.critic.optim.lr) > 0:
+    if bool((config.get("critic") or {}).get("enable", False)) and not float(config.critic.optim.lr) > 0:
         raise MixConfigError(f"critic.optim.lr={config.critic.optim.lr}: set it > 0")
 
 

@@ -89,8 +89,7 @@ def _split(override: str) -> tuple[str, str, Optional[str]]:
 
 def translate_overrides(overrides: Sequence[str], log: Callable[[str], None] = print) -> list[str]:
     """Rewrite LUFFY's keys in ``overrides`` (Hydra ``key=value``) to ours; the others pass through, in order."""
-    out: list[str] = []
-    seen: dict[str, str] = {}
+    out, seen = [], {}  # seen: the LUFFY keys given -> their values
     for item in overrides:
         plus, key, value = _split(item)
         lookup = plus + key if plus + key in RENAMED else key
@@ -99,9 +98,8 @@ def translate_overrides(overrides: Sequence[str], log: Callable[[str], None] = p
             continue
         seen[key] = value
         if lookup in RENAMED:
-            new = RENAMED[lookup]
-            log(f"[mix_src] LUFFY key {plus}{key} -> {new}")
-            out.append(f"{new}={value}")
+            log(f"[mix_src] LUFFY key {plus}{key} -> {RENAMED[lookup]}")
+            out.append(f"{RENAMED[lookup]}={value}")
         elif key in CONVERTED:
             converted = CONVERTED[key](value)
             if converted is None:
