@@ -141,14 +141,12 @@ class RLHFDatasetWithTarget(RLHFDataset):
                                  return_offsets_mapping=self.target_cfg.truncate_targets)
         too_long = [j for j, ids in enumerate(enc["input_ids"]) if len(ids) > max_len]
         n_truncated, drop_rows = 0, set()
-        for j in too_long:
-            i = idx[j]
-            if self.target_cfg.truncate_targets:
-                end_char = enc["offset_mapping"][j][max_len - 1][1]
-                texts[i] = texts[i][:end_char]
-                n_truncated += 1
-            else:
-                drop_rows.add(i)
+        if self.target_cfg.truncate_targets:
+            for j in too_long:  # cut after the max_len-th token's last character
+                texts[idx[j]] = texts[idx[j]][: enc["offset_mapping"][j][max_len - 1][1]]
+            n_truncated = len(too_long)
+        else:
+            drop_rows = {idx[j] for j in too_long}
 
         final = ["" if t is None else t for t in texts]
         stale = [c for c in {key, TARGET_FIELD} if c in self.dataframe.column_names]

@@ -199,8 +199,7 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
             batch = self._collect_batch(batches, metrics, timing)  # stages 1-3
             if batch is None:
                 return None
-            if self._count_flops(batch, metrics):  # mix.flops_budget: this step is the last
-                is_last_step = True
+            is_last_step = self._count_flops(batch, metrics) or is_last_step  # mix.flops_budget: this step is the last
             self._sleep_rollout()
             batch = self._compute_log_probs(batch, metrics, timing)  # stage 4
             batch = self._compute_advantages(batch, metrics, timing)  # stage 5

@@ -185,9 +185,9 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
         super()._load_checkpoint()
         if self.global_steps <= 0:
             return
-        folder = self._resumed_folder()
-        if self._carries_in_tq() and os.path.exists(os.path.join(folder, "transfer_queue")):
-            self._restore_carried_groups(os.path.join(folder, "transfer_queue"))
+        carried = os.path.join(self._resumed_folder(), "transfer_queue")
+        if self._carries_in_tq() and os.path.exists(carried):
+            self._restore_carried_groups(carried)
         state = self._load_mix_state()
         if state is not None and getattr(self, "_counted_rows", None) is not None:
             self._counted_rows = set(state.get("flops_counted_rows") or ())
