@@ -52,10 +52,8 @@ def add_kept_token_counts(batch, config, mix: MixLossConfig, dp_size: Callable[[
     ``config``: the whole trainer config; ``dp_size()``: the actor's data-parallel size (asked only when needed)."""
     if mix.row_loss is not None:
         add_sft_token_counts(batch, config, mix, dp_size)
-    if mix.all_max_clip is None:
-        return
-    actor = config.actor_rollout_ref.actor
-    if not uses_kept_token_counts(mix, mix.loss_agg_mode or actor.get("loss_agg_mode", "token-mean")):
+    if mix.all_max_clip is None or not uses_kept_token_counts(
+            mix, mix.loss_agg_mode or config.actor_rollout_ref.actor.get("loss_agg_mode", "token-mean")):
         return
     kept = batch.batch["response_mask"].bool() & (batch.batch["old_log_probs"] <= math.log(mix.all_max_clip))
     batch.batch[KEPT_TOKENS] = _per_mini_batch(kept, config, dp_size())
