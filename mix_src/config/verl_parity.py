@@ -105,12 +105,11 @@ def config_reads(source: str) -> set[str]:
     def extended(node: ast.AST) -> bool:
         """Whether ``node``'s read continues in its parent (``.b``, ``["b"]``, ``.get("b")``)."""
         parent = parents.get(node)
-        if isinstance(parent, (ast.Attribute, ast.Subscript)) and parent.value is node:
-            if path(parent) is not None:
-                return True
-            grand = parents.get(parent)
-            return isinstance(grand, ast.Call) and grand.func is parent and path(grand) is not None
-        return False
+        if not (isinstance(parent, (ast.Attribute, ast.Subscript)) and parent.value is node):
+            return False
+        grand = parents.get(parent)  # x.get("b"): the Attribute ``x.get`` is no key itself, its call is
+        return path(parent) is not None or (isinstance(grand, ast.Call) and grand.func is parent
+                                            and path(grand) is not None)
 
     used_as_section = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id in aliases and extended(n)}
     alias_values = {id(value) for name, value in bindings(tree) if name in used_as_section}
