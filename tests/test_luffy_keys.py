@@ -136,6 +136,8 @@ def test_train_sh_runs_through_the_config_stage(tiny_assets, tmp_path):
         (["actor_rollout_ref.actor.off_policy_loss_impl=seq"], r"off_policy_loss_impl=seq is not supported"),
         (["actor_rollout_ref.rollout.n_prefix=1", "actor_rollout_ref.actor.use_off_policy_loss=False"],
          r"use_off_policy_loss=False with n_prefix=1.*use_sft_multitask_loss=True"),
+        (["mix.n_prefix=2", "actor_rollout_ref.actor.use_off_policy_loss=False"],  # our key, LUFFY's switch
+         r"use_off_policy_loss=False with n_prefix=2.*use_sft_multitask_loss=True"),
     ],
 )  # fmt: skip
 def test_luffy_values_without_a_mix_src_behaviour_are_refused(overrides, pattern):

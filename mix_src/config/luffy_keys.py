@@ -114,7 +114,7 @@ def translate_overrides(overrides: Sequence[str], log: Callable[[str], None] = p
             log(f"[mix_src] LUFFY key {key}={value} dropped: {why}")
     off_loss = seen.get(A + "use_off_policy_loss")
     if off_loss is not None and not _bool(off_loss) and not _bool(seen.get(A + "use_sft_multitask_loss", "false")):
-        n_prefix = seen.get(R + "n_prefix", seen.get("mix.n_prefix", "0"))
+        n_prefix = _values(out).get("mix.n_prefix", "0")  # LUFFY's rollout.n_prefix is renamed to it above
         if n_prefix.strip() not in ("0",):
             raise MixConfigError(f"LUFFY key {A}use_off_policy_loss=False with n_prefix={n_prefix}: the original then "
                                  "trained prefix tokens with plain PPO, which mix_src does not do; use "
