@@ -34,6 +34,8 @@ class DeferredActor:
 
 
 def defer_reward_workers(mod) -> None:
+    from . import replace
+
     original = mod.RewardLoopManager._init_reward_loop_workers
 
     def _init_reward_loop_workers(self):
@@ -46,8 +48,7 @@ def defer_reward_workers(mod) -> None:
                 remote=lambda *args: DeferredActor(mod.RewardLoopWorker, options, args)))
         original(self)
 
-    _init_reward_loop_workers.__doc__ = original.__doc__
-    mod.RewardLoopManager._init_reward_loop_workers = _init_reward_loop_workers
+    replace(mod.RewardLoopManager, "_init_reward_loop_workers", _init_reward_loop_workers)
 
 
 def install() -> None:
