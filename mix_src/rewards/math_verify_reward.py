@@ -78,7 +78,8 @@ _CONFIGS: dict[tuple, RewardConfig] = {}
 
 
 def make_config(**kwargs) -> RewardConfig:
-    """Validate reward kwargs (cached: verl passes the same ones on every call)."""
+    """Validate reward kwargs (cached: verl passes the same ones on every call); verl's call-time kwargs are dropped."""
+    kwargs = {k: v for k, v in kwargs.items() if k not in _VERL_CALL_KWARGS}
     try:
         key = tuple(sorted(kwargs.items()))
         cfg = _CONFIGS.get(key)  # TypeError: an unhashable value, not cached
@@ -95,10 +96,6 @@ def make_config(**kwargs) -> RewardConfig:
     if key is not None:
         _CONFIGS[key] = cfg  # no lock: a race only validates the same kwargs twice
     return cfg
-
-
-def _split_options(kwargs: dict) -> dict:
-    return {k: v for k, v in kwargs.items() if k not in _VERL_CALL_KWARGS}
 
 
 # --------------------------------------------------------------------------------- ungradable rows
@@ -263,7 +260,7 @@ def compute_score_batch(data_sources: Sequence, solution_strs: Sequence[str], gr
         raise ValueError(f"compute_score_batch: lengths differ: data_sources {len(data_sources)}, solution_strs {n}, "
                          f"ground_truths {len(ground_truths)}, extra_infos "
                          f"{None if extra_infos is None else len(extra_infos)}")
-    cfg = make_config(**_split_options(kwargs))  # bad options are configuration errors: they raise
+    cfg = make_config(**kwargs)  # bad options are configuration errors: they raise
     extra_infos = extra_infos if extra_infos is not None else [None] * n
     jobs = [_prepare_or_ungradable(d, s, g, e, cfg)
             for d, s, g, e in zip(data_sources, solution_strs, ground_truths, extra_infos)]
@@ -278,7 +275,7 @@ def compute_score_batch(data_sources: Sequence, solution_strs: Sequence[str], gr
 
 def warmup(**kwargs) -> None:
     """Start the grading processes now (first use otherwise pays ~0.5-2 s of start-up)."""
-    _pool(make_config(**_split_options(kwargs))).warmup()
+    _pool(make_config(**kwargs)).warmup()
 
 
 def grading_stats() -> dict:

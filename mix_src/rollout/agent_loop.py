@@ -110,14 +110,6 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
                 _MODEL_CONTEXT[key] = None
         return _MODEL_CONTEXT[key]
 
-    def generation_room(self, context_len: int) -> Optional[int]:
-        """Most new tokens the server gives after ``context_len`` tokens (vLLM: ``max_model_len - len``; SGLang one
-        less, ``async_sglang_server.py``); None: no model context known."""
-        max_model_len = self.max_model_len()
-        if not max_model_len:
-            return None
-        return int(max_model_len) - context_len - (1 if getattr(self.rollout_config, "name", None) == "sglang" else 0)
-
     def request_seed(self, kwargs: dict[str, Any], priority: int) -> int:
         """The row's sampling seed (vLLM's ``SamplingParams.seed``): the trainer's ``rollout_seed``, else one from the
         row's position (verl's ``priority``, e.g. in validation); see :mod:`mix_src.algo.seeding`."""
@@ -153,9 +145,11 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
         gen_logprobs = None
         # Same keys on every row, served or not: DataProto.concat asserts equal keys across worker chunks.
         extra: dict[str, Any] = dict.fromkeys(SERVER_EXTRA_KEYS)
-        room = self.generation_room(len(prompt_ids) + len(prefix_ids))
-        remaining = self.response_length - len(prefix_ids)
-        max_tokens = remaining if room is None else min(remaining, room)
+        max_tokens = self.response_length - len(prefix_ids)
+        max_model_len = self.max_model_len()
+        if max_model_len:  # the server's room: vLLM max_model_len - context, SGLang one less (async_sglang_server.py)
+            sglang = getattr(self.rollout_config, "name", None) == "sglang"
+            max_tokens = min(max_tokens, max_model_len - len(prompt_ids) - len(prefix_ids) - int(sglang))
         if max_tokens > 0 and not ends_with_eos:  # a whole target (+EOS) needs no generation at all
             full_determinism = getattr(self.rollout_config, "full_determinism", False)
             with simple_timer("generate_sequences", metrics):

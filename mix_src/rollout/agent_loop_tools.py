@@ -117,10 +117,14 @@ class PrefixGuidedToolAgentLoop(ToolAgentLoop):
         flags += [0] * (keep - len(flags))
         self._prefix_flags = flags + [int(expert)] * appended
 
-    async def _replay_assistant(self, agent_data: AgentData, ids: list[int]) -> None:
+    async def _replay_assistant(self, agent_data: AgentData, ids: list[int]) -> bool:
+        """Append expert tokens (response mask 1) cut to the room left in the response; True when cut."""
+        room = self.response_length - len(agent_data.response_mask)
+        self._truncated, ids = len(ids) > room, ids[:room]
         merge, mask, _ = await self.ct_merge_assistant_token(agent_data.prompt_ids, ids, agent_data.response_mask)
         agent_data.prompt_ids, agent_data.response_mask = merge.token_ids, mask
         self._track(len(mask), merge.appended_token_count, expert=True)
+        return self._truncated
 
     async def _replay_tools(self, agent_data: AgentData, tool_msgs: list[dict]) -> bool:
         """Append recorded tool results (response mask 0); False when they do not fit the response."""
@@ -152,12 +156,8 @@ class PrefixGuidedToolAgentLoop(ToolAgentLoop):
         active = getattr(agent_data, "_active_tools", self.tools)
         schemas = [tool.tool_schema for tool in active.values()]
         for ids, tool_msgs in turns[:n_full]:
-            room = self.response_length - len(agent_data.response_mask)
-            if len(ids) > room:  # the prefix does not fit the response: cut, and stop the episode
-                await self._replay_assistant(agent_data, ids[:room])
-                self._truncated = True
+            if await self._replay_assistant(agent_data, ids):  # the prefix does not fit the response: stop the episode
                 return AgentState.TERMINATED
-            await self._replay_assistant(agent_data, ids)
             agent_data.assistant_turns += 1
             content, calls = await self.tool_parser.extract_tool_calls(ids, schemas)
             agent_data.tool_calls = calls
@@ -170,14 +170,10 @@ class PrefixGuidedToolAgentLoop(ToolAgentLoop):
             return AgentState.TERMINATED
         if head:
             ids = turns[n_full][0][:head]
-            room = self.response_length - len(agent_data.response_mask)
-            if len(ids) >= room:
-                await self._replay_assistant(agent_data, ids[:room])
-                self._truncated = len(ids) > room
+            if await self._replay_assistant(agent_data, ids):
                 return AgentState.TERMINATED
-            await self._replay_assistant(agent_data, ids)
             self._turn_head = ids
-        if len(agent_data.response_mask) >= self.response_length:
+        if len(agent_data.response_mask) >= self.response_length:  # (a head that exactly fills it, too)
             return AgentState.TERMINATED
         return AgentState.GENERATING
 
@@ -207,14 +203,11 @@ class PrefixGuidedToolAgentLoop(ToolAgentLoop):
         return state
 
 
-AGENT_NAME = "prefix_guided_tool"
-
-
 def check_config(config) -> None:
     """Before Ray: refuse what this loop cannot honour, naming the key (called by mix_src.main_mix_ppo)."""
     from omegaconf import OmegaConf
 
-    if OmegaConf.select(config, "actor_rollout_ref.rollout.agent.default_agent_loop") != AGENT_NAME:
+    if OmegaConf.select(config, "actor_rollout_ref.rollout.agent.default_agent_loop") != "prefix_guided_tool":
         return
     if OmegaConf.select(config, "mix.data.truncate_targets", default=False):
         raise ValueError("mix.data.truncate_targets=true with the prefix_guided_tool agent loop: a tool episode's "

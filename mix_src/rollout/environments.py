@@ -1,16 +1,10 @@
-"""Tool-use environments in one file: a class a researcher subclasses to bring a multi-turn task (items, tools, an
-expert episode per item, a score, an evaluation; mix_src/AGENTS_TOOLS.md, with the Atropos / Trinity-RFT mapping)::
-
-    @register_environment("my_env")  # the rows' data_source; put the file in mix.plugins
-    class MyEnv(ToolEnv):
-        def items(self, split, n, seed): ...
-        def expert_episode(self, item): ...  # the off-policy target, replayed by mix_src.rollout.agent_loop_tools
-        def score(self, item, response): ...
-
-:func:`compute_score` (verl's custom-reward signature) scores the rows by their environment; ``tools()`` returns
-plain functions for verl's ``@function_tool`` (``rollout.multi_turn.function_tool_path``; see
-``recipes/toy_calculator/tools.py``). Registry entries are self-describing (:mod:`mix_src.extend`); environments
-run on both trainer bases unless they say otherwise.
+"""Tool-use environments in one file: a researcher subclasses :class:`ToolEnv` to bring a multi-turn task (items,
+tools, an expert episode per item replayed by mix_src.rollout.agent_loop_tools, a score, an evaluation) and registers
+it with ``@register_environment("name")`` (the rows' data_source; the file goes in ``mix.plugins``). The methods mapped
+to Atropos / Trinity-RFT: mix_src/AGENTS_TOOLS.md. :func:`compute_score` (verl's custom-reward signature) scores the
+rows by their environment; ``tools()`` returns plain functions for verl's ``@function_tool``
+(``rollout.multi_turn.function_tool_path``; see ``recipes/toy_calculator/tools.py``). Registry entries are
+self-describing (:mod:`mix_src.extend`); environments run on both trainer bases unless they say otherwise.
 """
 
 from __future__ import annotations
