@@ -6,8 +6,8 @@ import torch
 from omegaconf import OmegaConf
 
 from mix_src.config.mix_config import mix_config_from_dict
-from mix_src.trainer.stages import (filter_metric_values, length_clip_metrics, luffy_advantages, prefix_mask_tensor,
-                            prefix_step_metrics, solve_metrics, solved_rows)
+from mix_src.trainer.stages import (filter_metric_values, length_clip_metrics, luffy_advantages, luffy_metrics,
+                                    prefix_mask_tensor, solved_rows)
 
 
 def test_prefix_mask_tensor_pads_and_stays_inside_the_response():
@@ -47,14 +47,16 @@ def test_luffy_advantages_other_estimators_go_through_verl():
 
 def test_solve_and_prefix_metrics():
     solved = np.array([1, 0, 0, 0, 1, 1, 1, 1], dtype=bool)
-    off = np.array([1, 0, 0, 0, 1, 0, 0, 0], dtype=bool)
+    prefix_mask = torch.zeros(8, 3, dtype=torch.bool)
+    prefix_mask[0, :2] = prefix_mask[4, :1] = True  # rows 0 and 4 off-policy
+    response_mask = torch.tensor([[1, 1, 1]] * 4 + [[1, 1, 0]] * 4)
     uids = ["a"] * 4 + ["b"] * 4
-    m = solve_metrics(solved, off, uids)
+    m = luffy_metrics(solved, prefix_mask, response_mask, uids, [1.0, 0, 0, 0, 0.5, 0, 0, 0])
     assert m == {"batch/solve_none": 0.0, "batch/solve_all": 0.5, "batch/solved": 5 / 8,
-                 "batch/on_solved": 3 / 6, "batch/off_solved": 1.0}  # fmt: skip
-    prefix_mask = torch.tensor([[1, 1, 0], [0, 0, 0]], dtype=torch.bool)
-    p = prefix_step_metrics([1.0, 0.0], prefix_mask, torch.tensor([[1, 1, 1], [1, 1, 0]]))
-    assert p == {"batch/avg_prefix_ratio": 0.5, "batch/off_policy_rows": 1, "batch/prefix_token_frac": pytest.approx(2 / 5)}
+                 "batch/on_solved": 3 / 6, "batch/off_solved": 1.0, "batch/avg_prefix_ratio": 1.5 / 8,
+                 "batch/off_policy_rows": 2, "batch/prefix_token_frac": pytest.approx(3 / 20)}  # fmt: skip
+    more = luffy_metrics(solved, prefix_mask, response_mask, uids, [0.0] * 8, [True] + [False] * 7, [0, 1] * 4)
+    assert more["batch/prefix_truncated"] == 1 and more["reward/ungradable"] == 4
 
 
 def test_solved_rows_prefers_acc_and_falls_back_to_scores():

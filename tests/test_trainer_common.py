@@ -76,23 +76,26 @@ def test_the_generate_contract_is_checked_the_same_on_both_bases():
     """stages.pass_arguments: the checks both bases' generate() ran as two copies (legacy _generate, V1PolicyRunner)."""
     from mix_src.stages import pass_arguments
 
-    ratios, targets = pass_arguments([0.5, 1], ("a", "b"), 2)
+    ratios, targets, _ = pass_arguments([0.5, 1], ("a", "b"), [0, 0], 1, 0)
     assert ratios.dtype == np.float64 and ratios.tolist() == [0.5, 1.0] and targets == ["a", "b"]
-    assert pass_arguments(np.zeros((1, 3)), None, 3)[1] is None
+    assert pass_arguments(np.zeros((1, 3)), None, [0] * 3, 1, 0)[1] is None
     with pytest.raises(ValueError, match=r"rollout policy: 3 ratios for 2 rows"):
-        pass_arguments([0.1, 0.2, 0.3], None, 2)
+        pass_arguments([0.1, 0.2, 0.3], None, [0, 0], 1, 0)
     with pytest.raises(ValueError, match=r"rollout policy: 1 targets for 2 rows"):
-        pass_arguments([0.1, 0.2], ["a"], 2)
+        pass_arguments([0.1, 0.2], ["a"], [0, 0], 1, 0)
     with pytest.raises(ValueError, match=r"generate\(prompts=\.\.\.\) takes no rows"):
-        pass_arguments([0.1], None, 1, rows_given=True, prompts_given=True)
+        pass_arguments([0.1], None, [0], 1, 0, rows_given=True, prompts_given=True)
 
 
 def test_a_later_pass_and_kept_prompts_are_reseeded_the_same_on_both_bases():
-    """stages.pass_row_seeds: the pass-seed rule both bases' generate() wrote as two copies (legacy
+    """stages.pass_arguments' seeds: the pass-seed rule both bases' generate() wrote as two copies (legacy
     legacy_collect._generate, V1PolicyRunner): pass 0 keeps the rows' seeds, a later pass redraws, prompt rows kept from
-    an earlier step take a pass index of this step (<0.01 s; fails before the merge: no pass_row_seeds)."""
+    an earlier step take a pass index of this step (<0.01 s)."""
     from mix_src.algo.seeding import pass_seeds
-    from mix_src.trainer.stages import pass_row_seeds
+    from mix_src.trainer.stages import pass_arguments
+
+    def pass_row_seeds(seeds, step, passes, kept):
+        return pass_arguments([0.0] * len(seeds), None, seeds, step, passes, prompts_given=kept)[2]
 
     seeds = np.array([3, 5, 7], dtype=np.int64)
     assert np.array_equal(pass_row_seeds(seeds, 4, 0, False), seeds)

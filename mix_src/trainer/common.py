@@ -11,11 +11,11 @@ import numpy as np
 import torch
 from verl.utils.config import omega_conf_to_dataclass
 
-from mix_src.algo.flops import COUNTS, add_step_flops, rollout_flops, shape_unreadable
+from mix_src.algo.flops import COUNTS, ModelShape, add_step_flops, rollout_flops, shape_unreadable
 from mix_src.worker.loss import MixPolicyLoss, add_combine_inputs, add_kept_token_counts, install_loss, pop_entropy_state
 from mix_src.algo.seeding import request_seeds
 from mix_src.trainer.rollout_policy import ROLLOUT_POLICIES, RolloutContext
-from mix_src.trainer.stages import MIX_STATE_FILE, draw_prefix_ratios, model_shape
+from mix_src.trainer.stages import MIX_STATE_FILE, draw_prefix_ratios
 
 __all__ = ["MixTrainerCommon"]
 
@@ -29,8 +29,6 @@ class MixTrainerCommon:
     _rollout_flops: Optional[dict] = None  # generation FLOPs since the last step's count
     _entropy_state: Optional[dict] = None  # the learned entropy coefficient's state (mix.loss.use_adaptive_entropy)
     _rollout_state: Optional[dict] = None  # the rollout policy's own state (RolloutContext.state)
-
-    _model_shape = model_shape  # mix_src/trainer/stages.py
 
     # ---- prefix seeding: keyed by (seed, global_step, gen_index), so a resumed run draws what an uninterrupted one drew
     def _row_ratios(self, num_prompts: int, gen_index: int, targets) -> np.ndarray:
@@ -56,6 +54,21 @@ class MixTrainerCommon:
         return out
 
     # ---- FLOPs (mix_src/algo/flops.py) ----------------------------------------------------------------------------
+    def _model_shape(self) -> ModelShape:
+        """The actor's shape, read once from its ``config.json`` (a read failure is kept and raised on every use)."""
+        if self._flops_shape is None:
+            from transformers import AutoConfig
+
+            model_cfg = self.config.actor_rollout_ref.model
+            try:
+                cfg = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.get("trust_remote_code", False))
+                self._flops_shape = ModelShape.from_hf_config(cfg.to_dict())
+            except Exception as e:  # noqa: BLE001 - kept, and raised to the caller on every use
+                self._flops_shape = e
+        if isinstance(self._flops_shape, Exception):
+            raise self._flops_shape
+        return self._flops_shape
+
     def _flops_totals(self) -> dict:
         """The run's FLOPs so far per count."""
         if self._flops is None:

@@ -40,7 +40,7 @@ from mix_src.algo.flops import lengths_from_masks
 from mix_src.config.mix_config import MixConfig
 from mix_src.trainer.common import MixTrainerCommon
 from mix_src.trainer.legacy_collect import LegacyCollect, merge_rollout_timing  # noqa: F401  (re-exported)
-from mix_src.trainer.stages import MIX_STATE_FILE, FilterGroupsExhausted, model_shape  # noqa: F401  (re-exported)
+from mix_src.trainer.stages import MIX_STATE_FILE, FilterGroupsExhausted  # noqa: F401  (re-exported)
 from mix_src.trainer.stages import (length_clip_metrics, luffy_advantage_stage, on_policy_rollout_correction,
                                     on_policy_rollout_metrics, start_data_epoch)  # fmt: skip
 

@@ -20,7 +20,7 @@ from mix_src.algo.flops import lengths_from_masks
 from mix_src.trainer.dataset import TARGET_FIELD
 from mix_src.trainer.rollout_policy import solved as rows_solved
 from mix_src.trainer.stages import (FilterGroupsExhausted, filter_metric_values, luffy_metrics, pass_arguments,
-                                    pass_row_seeds, prefix_mask_tensor)  # fmt: skip
+                                    prefix_mask_tensor)  # fmt: skip
 
 __all__ = ["LegacyCollect", "merge_rollout_timing"]
 
@@ -120,13 +120,12 @@ class LegacyCollect:
                 idx = np.arange(len(batch)) if rows is None else np.asarray(rows, dtype=np.int64)
                 sub = gen_batch if rows is None else gen_batch[idx]
                 src = None
-            ratios, targets = pass_arguments(ratios, targets, len(idx), rows is not None, prompts is not None)
+            ratios, targets, seeds = pass_arguments(ratios, targets, sub.non_tensor_batch["rollout_seed"], self.global_steps,
+                                                    len(passes), rows is not None, prompts is not None)  # fmt: skip
             sub = DataProto(batch=sub.batch, non_tensor_batch=dict(sub.non_tensor_batch), meta_info=dict(sub.meta_info))
-            sub.non_tensor_batch["prefix_ratio"] = ratios
+            sub.non_tensor_batch["prefix_ratio"], sub.non_tensor_batch["rollout_seed"] = ratios, seeds
             if targets is not None:
                 sub.non_tensor_batch[TARGET_FIELD] = np.asarray(targets, dtype=object)
-            sub.non_tensor_batch["rollout_seed"] = pass_row_seeds(sub.non_tensor_batch["rollout_seed"], self.global_steps,
-                                                                  len(passes), src is not None)  # fmt: skip
             if not self._rollout_awake:  # a colocated reward model put it to sleep after the last batch
                 self._wake_rollout()
             out = self.async_rollout_manager.generate_sequences(sub)

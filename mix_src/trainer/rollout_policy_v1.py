@@ -21,7 +21,7 @@ from verl import DataProto
 from verl.utils import tensordict_utils as tu
 
 from mix_src.trainer.dataset import TARGET_FIELD
-from mix_src.trainer.stages import pass_arguments, pass_row_seeds, prefix_mask_tensor
+from mix_src.trainer.stages import pass_arguments, prefix_mask_tensor
 from mix_src.trainer.v1_replay import extra_fields, tag_lengths
 
 __all__ = ["TQ_KEY", "V1PolicyRunner"]
@@ -69,14 +69,13 @@ class V1PolicyRunner:
         def generate(pass_ratios, rows=None, targets=None, prompts=None):
             if prompts is not None:
                 tds = list(prompts.non_tensor_batch[PROMPT_RECORD])
-                seeds = pass_row_seeds(prompts.non_tensor_batch["rollout_seed"], self.trainer.global_steps, self._passes, True)
-                group_uids = list(prompts.non_tensor_batch["uid"])
+                seeds, group_uids = prompts.non_tensor_batch["rollout_seed"], list(prompts.non_tensor_batch["uid"])
             else:
                 idx = np.arange(n * P) if rows is None else np.asarray(rows, dtype=np.int64)
                 tds = [tu.index_select_tensor_dict(batch, [int(prompt_rows[r])]) for r in idx]
-                seeds = pass_row_seeds(base_seeds[idx], self.trainer.global_steps, self._passes, False)
-                group_uids = list(row_uid[idx])
-            pass_ratios, targets = pass_arguments(pass_ratios, targets, len(tds), rows is not None, prompts is not None)
+                seeds, group_uids = base_seeds[idx], list(row_uid[idx])
+            pass_ratios, targets, seeds = pass_arguments(pass_ratios, targets, seeds, self.trainer.global_steps,
+                                                         self._passes, rows is not None, prompts is not None)  # fmt: skip
             out = self._run_pass(tds, pass_ratios, seeds, targets)
             out.non_tensor_batch["uid"] = np.asarray(group_uids, dtype=object)
             return out

@@ -17,11 +17,10 @@ from mix_src.algo import core_alg, seeding
 from mix_src.algo.core_alg import apply_prefix_advantage_weights
 from mix_src.algo.prefix import compute_prefix_ratios
 
-__all__ = ["MIX_STATE_FILE", "FilterGroupsExhausted", "model_shape", "DATA_DROP", "DATA_EPOCH", "SUMMED_REWARD_METRICS",
+__all__ = ["MIX_STATE_FILE", "FilterGroupsExhausted", "DATA_DROP", "DATA_EPOCH", "SUMMED_REWARD_METRICS",
            "draw_prefix_ratios", "filter_metric_values", "length_clip_metrics", "luffy_advantage_stage",
-           "luffy_advantages", "luffy_metrics", "pass_arguments", "pass_row_seeds", "on_policy_rollout_metrics",
-           "on_policy_rollout_correction", "prefix_mask_tensor", "prefix_step_metrics", "prompt_data_key",
-           "solve_metrics", "start_data_epoch"]  # fmt: skip
+           "luffy_advantages", "luffy_metrics", "pass_arguments", "on_policy_rollout_metrics",
+           "on_policy_rollout_correction", "prefix_mask_tensor", "prompt_data_key", "solved_rows", "start_data_epoch"]
 
 
 MIX_STATE_FILE = "mix_state.pt"  # the MIX loop's own state, saved beside verl's checkpoint of each step
@@ -29,25 +28,6 @@ MIX_STATE_FILE = "mix_state.pt"  # the MIX loop's own state, saved beside verl's
 
 class FilterGroupsExhausted(RuntimeError):
     """Filter groups could not fill a training batch within ``algorithm.filter_groups.max_num_gen_batches``."""
-
-
-def model_shape(trainer: Any):
-    """The actor's :class:`~mix_src.algo.flops.ModelShape`, read once from its ``config.json`` and cached on the trainer
-    (``_flops_shape``; a read failure is kept and raised again on every use)."""
-    if trainer._flops_shape is None:
-        from transformers import AutoConfig
-
-        from mix_src.algo.flops import ModelShape
-
-        model_cfg = trainer.config.actor_rollout_ref.model
-        try:
-            cfg = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.get("trust_remote_code", False))
-            trainer._flops_shape = ModelShape.from_hf_config(cfg.to_dict())
-        except Exception as e:  # noqa: BLE001 - kept, and raised to the caller on every use
-            trainer._flops_shape = e
-    if isinstance(trainer._flops_shape, Exception):
-        raise trainer._flops_shape
-    return trainer._flops_shape
 
 
 def draw_prefix_ratios(mix: Any, num_prompts: int, n: int, *, seed: int, global_step: int, gen_index: int,
@@ -68,19 +48,23 @@ def draw_prefix_ratios(mix: Any, num_prompts: int, n: int, *, seed: int, global_
     return np.where(has_target, ratios, 0.0)
 
 
-def pass_arguments(ratios: Sequence[float], targets: Optional[Sequence], num_rows: int, rows_given: bool = False,
-                   prompts_given: bool = False) -> tuple[np.ndarray, Optional[list]]:
-    """A rollout policy's ``generate(ratios, rows=None, targets=None, prompts=None)`` arguments, checked: ``prompts``
-    takes no ``rows``, one ratio and (if given) one target per row. Returns (num_rows,) float64 ratios, targets list."""
+def pass_arguments(ratios: Sequence[float], targets: Optional[Sequence], seeds: Sequence[int], global_step: int,
+                   num_passes: int, rows_given: bool = False, prompts_given: bool = False) -> tuple[np.ndarray, ...]:
+    """A rollout policy's ``generate(ratios, rows=None, targets=None, prompts=None)`` arguments for rows whose base
+    sampling seeds are ``seeds``, checked: ``prompts`` takes no ``rows``, one ratio and (if given) one target per row.
+    Returns (rows,) float64 ratios, the targets list and the rows' int64 sampling seeds of pass ``num_passes``
+    (:func:`mix_src.algo.seeding.pass_seeds`); prompt rows kept from an earlier step (``prompts=``) take a pass index
+    of this step."""
     if prompts_given and rows_given:
         raise ValueError("rollout policy: generate(prompts=...) takes no rows")
     ratios = np.asarray(ratios, dtype=np.float64).reshape(-1)
-    if ratios.shape != (num_rows,):
-        raise ValueError(f"rollout policy: {ratios.size} ratios for {num_rows} rows")
+    if ratios.shape != (len(seeds),):
+        raise ValueError(f"rollout policy: {ratios.size} ratios for {len(seeds)} rows")
     targets = None if targets is None else list(targets)
-    if targets is not None and len(targets) != num_rows:
-        raise ValueError(f"rollout policy: {len(targets)} targets for {num_rows} rows")
-    return ratios, targets
+    if targets is not None and len(targets) != len(seeds):
+        raise ValueError(f"rollout policy: {len(targets)} targets for {len(seeds)} rows")
+    index = (int(global_step) << 16) + num_passes + 1 if prompts_given else num_passes
+    return ratios, targets, seeding.pass_seeds(np.asarray(seeds, dtype=np.int64), index)
 
 
 def prefix_mask_tensor(row_masks: Sequence, response_mask: torch.Tensor) -> torch.Tensor:
@@ -141,43 +125,27 @@ def solved_rows(acc: Optional[Sequence], scores: Callable[[], np.ndarray]) -> np
     return np.asarray(scores()) > 0
 
 
-def solve_metrics(solved: np.ndarray, off_policy_rows: np.ndarray, uids: Sequence) -> dict[str, float]:
-    """LUFFY's solve metrics over the rows the step trains on: ``batch/solve_none``, ``solve_all`` (fractions of
-    prompt groups), ``solved``, ``on_solved``, ``off_solved`` (of rows). ``solved``, ``off_policy_rows``: (bsz,) bool."""
-    solved = np.asarray(solved, dtype=bool)
-    off = np.asarray(off_policy_rows, dtype=bool)
-    gid = core_alg.group_ids(np.asarray(uids, dtype=object)).numpy()
-    n_groups = int(gid.max()) + 1 if len(gid) else 0
-    solved_per_group = np.bincount(gid, weights=solved, minlength=n_groups)
-    size = np.bincount(gid, minlength=n_groups)
-    return {
-        "batch/solve_none": float(np.mean(solved_per_group == 0)),
-        "batch/solve_all": float(np.mean(solved_per_group == size)),
-        "batch/solved": float(solved.mean()),
-        "batch/on_solved": float(solved[~off].mean()) if (~off).any() else 0.0,
-        "batch/off_solved": float(solved[off].mean()) if off.any() else 0.0,
-    }
-
-
-def prefix_step_metrics(ratios: Sequence[float], prefix_mask: torch.Tensor, response_mask: torch.Tensor) -> dict[str, float]:
-    """``batch/avg_prefix_ratio`` (exact sum: row order cannot change it), ``batch/off_policy_rows``,
-    ``batch/prefix_token_frac`` (prefix tokens / response tokens). ``prefix_mask``, ``response_mask``: (bsz, L)."""
-    ratios = np.asarray(ratios, dtype=np.float64)
-    return {
-        "batch/avg_prefix_ratio": math.fsum(ratios) / max(len(ratios), 1),
-        "batch/off_policy_rows": int(prefix_mask.any(-1).sum()),
-        "batch/prefix_token_frac": float((prefix_mask.sum() / response_mask.sum().clamp(min=1)).item()),
-    }
-
-
 def luffy_metrics(solved: np.ndarray, prefix_mask: torch.Tensor, response_mask: torch.Tensor, uids: Sequence,
                   ratios: Sequence[float], truncated: Optional[Sequence] = None,
                   ungradable: Optional[Sequence] = None) -> dict[str, float]:
-    """LUFFY's metrics of the rows a step trains on: :func:`solve_metrics`, :func:`prefix_step_metrics`, and when the
-    rows report them ``batch/prefix_truncated`` and ``reward/ungradable`` (rows the reward could not grade).
+    """LUFFY's metrics of the rows a step trains on: ``batch/solve_none``, ``solve_all`` (fractions of prompt groups),
+    ``solved``, ``on_solved``, ``off_solved`` (of rows), ``batch/avg_prefix_ratio`` (exact sum: row order cannot change
+    it), ``off_policy_rows``, ``prefix_token_frac`` (prefix tokens / response tokens), and when the rows report them
+    ``batch/prefix_truncated`` and ``reward/ungradable`` (rows the reward could not grade).
     ``solved``: (bsz,) bool; ``prefix_mask``, ``response_mask``: (bsz, L); the others (bsz,)."""
-    out = solve_metrics(solved, prefix_mask.any(-1).numpy(), uids)
-    out.update(prefix_step_metrics(ratios, prefix_mask, response_mask))
+    solved, off = np.asarray(solved, dtype=bool), prefix_mask.any(-1).numpy()
+    gid = core_alg.group_ids(np.asarray(uids, dtype=object)).numpy()
+    solved_per_group = np.bincount(gid, weights=solved)
+    out = {
+        "batch/solve_none": float(np.mean(solved_per_group == 0)),
+        "batch/solve_all": float(np.mean(solved_per_group == np.bincount(gid))),
+        "batch/solved": float(solved.mean()),
+        "batch/on_solved": float(solved[~off].mean()) if (~off).any() else 0.0,
+        "batch/off_solved": float(solved[off].mean()) if off.any() else 0.0,
+        "batch/avg_prefix_ratio": math.fsum(np.asarray(ratios, dtype=np.float64)) / max(len(ratios), 1),
+        "batch/off_policy_rows": int(off.sum()),
+        "batch/prefix_token_frac": float((prefix_mask.sum() / response_mask.sum().clamp(min=1)).item()),
+    }
     if truncated is not None:
         out["batch/prefix_truncated"] = int(sum(bool(t) for t in truncated))
     if ungradable is not None:
@@ -303,9 +271,3 @@ def start_data_epoch(dataloader: Any, dataset: Any, state: dict) -> Optional[int
                         "(data.custom_cls, set by mix_src's configs)")
     return leave_out(set(state[DATA_EPOCH]))
 
-
-def pass_row_seeds(seeds: Sequence[int], global_step: int, num_passes: int, prompts_given: bool) -> np.ndarray:
-    """(rows,) int64 sampling seeds of a rollout policy's next ``generate`` pass (:func:`mix_src.algo.seeding.pass_seeds`,
-    pass ``num_passes``); prompt rows kept from an earlier step (``prompts=``) take a pass index of this step."""
-    index = (int(global_step) << 16) + num_passes + 1 if prompts_given else num_passes
-    return seeding.pass_seeds(np.asarray(seeds, dtype=np.int64), index)
