@@ -87,13 +87,6 @@ class Entry:
     options: Mapping[str, Any] = field(default_factory=dict)
     settings: Mapping[str, Setting] = field(default_factory=dict)
 
-    def refusal(self, registry: "Registry", base: str) -> Optional[str]:
-        """The error text if this entry cannot run on ``base``, else None."""
-        if base in self.bases:
-            return None
-        return (f"{registry.config_key}={self.name!r} is not supported on the {base!r} trainer base "
-                f"(trainer.use_v1={str(base == 'v1').lower()}): {self.why_not[base]}")
-
 
 class Registry(Generic[F]):
     """Name -> function. ``kind`` names the extension point in errors; ``config_key`` the key that picks from it;
@@ -176,9 +169,6 @@ class Registry(Generic[F]):
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
 
-    def __len__(self) -> int:
-        return len(self.names())
-
 
 def trainer_base(config: Any) -> str:
     """``"v1"`` with ``trainer.use_v1=true``, else ``"legacy"``."""
@@ -201,9 +191,9 @@ def check_selected_entries(config: Any) -> None:
     base = trainer_base(config)
     resolve_settings(config)
     for registry, entry in _selected_entries(config):
-        why = entry.refusal(registry, base)
-        if why:
-            raise EntryConfigError(why)
+        if base not in entry.bases:
+            raise EntryConfigError(f"{registry.config_key}={entry.name!r} is not supported on the {base!r} trainer "
+                                   f"base (trainer.use_v1={str(base == 'v1').lower()}): {entry.why_not[base]}")
         if entry.check is not None:
             try:
                 entry.check(config)

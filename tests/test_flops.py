@@ -77,12 +77,11 @@ def test_budget_accepted_on_v1_before_ray():
     """The V1 trainer counts and stops too (MixV1Mixin.step / on_step_end; run in tests/test_bases_equivalence.py
     and tests/test_mix_trainer_v1.py)."""
     from mix_src.main_mix_ppo import check_v1_config
-    from mix_src.config.mix_config import mix_config_from_dict
 
     for mode in ("sync", "colocate_async"):
         cfg = OmegaConf.create({"trainer": {"v1": {"trainer_mode": mode}, "device": "cpu"}, "mix": {"flops_budget": 1e9},
                                 "algorithm": {}})  # fmt: skip
-        check_v1_config(cfg, mix_config_from_dict({"flops_budget": 1e9}))
+        check_v1_config(cfg)
 
 
 def test_add_step_flops_and_an_unreadable_shape_as_both_trainer_bases_log_them(capsys):

@@ -47,7 +47,6 @@ def test_unknown_key_lists_valid_keys():
         (["mix.n_prefix=0.5"], r"mix\.n_prefix=0\.5 must be an integer"),
         (["mix.filter_groups.carry_over=true"], r"algorithm\.filter_groups\.enable=false"),
         (["mix.loss.use_adaptive_entropy=true", "actor_rollout_ref.actor.entropy_coeff=0"], r"entropy_coeff"),
-        (["mix.n_prefix=1", "algorithm.rollout_correction.bypass_mode=true"], r"rollout_correction\.bypass_mode=true replaces"),
     ],
 )
 def test_bad_values_name_key_and_range(overrides, pattern):

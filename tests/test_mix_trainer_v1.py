@@ -352,9 +352,11 @@ def test_recipes_v1_variant(name, mode):
     if extras:  # refused as is, naming the key
         with pytest.raises(MixConfigError, match=r"max_num_gen_batches=10 .*no step has generation batches"):
             refused = compose_recipe(name, v1)
-            check_v1_config(refused, validate_mix_config(refused))
+            validate_mix_config(refused)
+            check_v1_config(refused)
     cfg = compose_recipe(name, v1 + extras)
-    check_v1_config(cfg, validate_mix_config(cfg))
+    validate_mix_config(cfg)
+    check_v1_config(cfg)
 
 
 def test_cpu_backend_shortens_the_replay_buffer_poll():

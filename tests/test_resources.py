@@ -58,7 +58,7 @@ def test_a_disk_too_small_is_refused_naming_the_key(tmp_path, monkeypatch):
     with pytest.raises(MixConfigError, match=r"trainer\.default_local_dir=.*ckpt: .* keeps 2 checkpoint\(s\)"):
         check_checkpoint_dir(cfg)
     # without the bound every one of verl's default 30 epochs' saves would stay: counted from the data
-    monkeypatch.setattr(resources, "parquet_rows", lambda files: 46_080)
+    monkeypatch.setattr(resources, "rows_of", lambda paths: 46_080)
     cfg = _paper(tmp_path, tmp_path / "ckpt", "trainer.total_training_steps=null", "trainer.max_actor_ckpt_to_keep=null")
     monkeypatch.setattr(resources.shutil, "disk_usage", lambda p: Usage(10**13, 0, 10**13))
     with pytest.raises(MixConfigError, match=r"keeps 216 checkpoint\(s\)"):  # 46080 // 128 x 30 = 10800 steps

@@ -57,24 +57,16 @@ def is_episode(text: Optional[str]) -> bool:
     return isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
 
 
-def prompt_problem(prompt) -> Optional[str]:
-    """Why a prompt is not a non-empty chat list of ``{role: str, content: str}`` messages, or ``None``."""
-    prompt = _as_list(prompt)
+def row_problem(prompt, reward_model) -> Optional[str]:
+    """Why a row cannot train or be graded (a prompt that is not a non-empty chat list of ``{role: str, content:
+    str}`` messages, a ground truth missing or ungradable), or ``None``: THE row rule, shared by :func:`check_data`
+    (driver) and :class:`mix_src.trainer.dataset.RLHFDatasetWithTarget` (workers) so both see the same rows."""
+    prompt, reward_model = _as_list(prompt), _as_list(reward_model)
     if not isinstance(prompt, (list, tuple)) or not prompt:
         return "prompt is not a non-empty list of {role, content} messages"
     if any(not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str)
            for m in prompt):
         return "a prompt message is not {role: str, content: str}"
-    return None
-
-
-def row_problem(prompt, reward_model) -> Optional[str]:
-    """Why a row cannot train or be graded, or ``None``: THE row rule, shared by :func:`check_data` (driver)
-    and :class:`mix_src.trainer.dataset.RLHFDatasetWithTarget` (workers) so both see the same rows."""
-    why = prompt_problem(prompt)
-    if why is not None:
-        return why
-    reward_model = _as_list(reward_model)
     if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
         return "reward_model has no ground_truth"
     why = ground_truth_problem(reward_model["ground_truth"])

@@ -164,9 +164,7 @@ class LossConfig:
 
     @classmethod
     def from_dict(cls, values: Any) -> "LossConfig":
-        """Build from a mapping or a dataclass with these field names; unknown keys are an error."""
-        if dataclasses.is_dataclass(values) and not isinstance(values, type):
-            values = dataclasses.asdict(values)
+        """Build from a mapping (None: the defaults); unknown keys are an error."""
         return _build(cls, dict(values or {}), "mix.loss")
 
 
@@ -365,14 +363,6 @@ def validate_mix_config(config: Any) -> MixConfig:
     n = int(config.actor_rollout_ref.rollout.n)
     if mix.n_prefix > n:
         raise MixConfigError(f"mix.n_prefix={mix.n_prefix} > actor_rollout_ref.rollout.n={n}; use 0..{n} or -1 (all)")
-    if mix.n_prefix != 0:
-        rc = config.algorithm.get("rollout_correction") or {}
-        # decoupled rollout_is / rollout_rs run over on-policy tokens only (stages.on_policy_rollout_correction)
-        if rc.get("bypass_mode"):
-            raise MixConfigError("algorithm.rollout_correction.bypass_mode=true replaces old log-probs by rollout "
-                                 "log-probs for every token, and target (prefix) tokens have none; use decoupled mode "
-                                 "(bypass_mode=false with rollout_is / rollout_rs), which keeps prefix tokens out, or "
-                                 "set mix.n_prefix=0")
     actor = config.actor_rollout_ref.actor
     if mix.loss.use_adaptive_entropy and not (actor.get("calculate_entropy", False) or actor.entropy_coeff != 0):
         raise MixConfigError("mix.loss.use_adaptive_entropy=true needs the entropy on the worker: set "

@@ -9,7 +9,7 @@ EntryConfigError` for a registry entry) naming the key, file or value and what t
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -57,7 +57,7 @@ def check_keys(config: DictConfig) -> Any:
     check_verl_keys(config, mix)
     _check_backend(config)
     if bool(config.trainer.get("use_v1", False)):
-        check_v1_config(config, mix)
+        check_v1_config(config)
     try:
         check_tool_loop_config(config)
     except ValueError as e:
@@ -116,10 +116,7 @@ def export_plugins(config: DictConfig) -> list[str]:
     with open_dict(config):
         if specs:
             config.mix.plugins = specs
-        ray_init = config.setdefault("ray_kwargs", {}).setdefault("ray_init", {})
-        runtime_env = ray_init.setdefault("runtime_env", {})
-        runtime_env.setdefault("env_vars", {})
-        runtime_env.env_vars.update(env)
+        OmegaConf.update(config, "ray_kwargs.ray_init.runtime_env.env_vars", env, merge=True, force_add=True)
     for spec in specs:
         print(f"[mix_src] plugin loaded: {spec}")
     return specs
@@ -182,9 +179,9 @@ def check_separate_async(config: DictConfig) -> None:
                                  f"places the pool; set it to {needed}")
 
 
-def check_v1_config(config: DictConfig, mix: Any) -> None:
-    """Refuse, before Ray starts, the settings (:data:`V1_REFUSALS`) LUFFY on verl's V1 trainer (mix_src/trainer/v1.py)
-    cannot honour; registry entries declare their own bases (:func:`check_selected_entries`)."""
+def check_v1_config(config: DictConfig) -> None:
+    """Refuse, before Ray starts, the settings (not registry entries: those declare their own bases,
+    :func:`check_selected_entries`) that LUFFY on verl's V1 trainer (mix_src/trainer/v1.py) cannot honour."""
     mode = config.trainer.v1.trainer_mode
     if mode not in V1_MODES:
         raise MixConfigError(f"trainer.v1.trainer_mode={mode!r}: use one of {', '.join(V1_MODES)}")
@@ -195,24 +192,13 @@ def check_v1_config(config: DictConfig, mix: Any) -> None:
     except ImportError as e:
         raise MixConfigError("trainer.use_v1=true: verl's V1 trainer moves data through TransferQueue, which is not "
                              "installed; `pip install transferqueue==0.1.11`, or set trainer.use_v1=false") from e
-    for key, refused, reason in V1_REFUSALS:
-        value = refused(config, mix)
-        if value is not None:
-            raise MixConfigError(f"{key}={value} is not supported on trainer.use_v1=true: {reason}")
-
-
-# The settings (not registry entries: those declare their own bases) that LUFFY on verl's V1 trainer refuses:
-# (key, refused(config, mix) -> the refused value or None, why). check_v1_config reads only this table.
-V1_REFUSALS: list[tuple[str, Callable[[DictConfig, Any], Any], str]] = [
-    ("algorithm.filter_groups.max_num_gen_batches",
-     lambda c, m: (c.algorithm.filter_groups.max_num_gen_batches if c.trainer.v1.trainer_mode != "sync"
-                   and (c.algorithm.get("filter_groups") or {}).get("enable", False)
-                   and int(c.algorithm.filter_groups.get("max_num_gen_batches", 0) or 0) > 0 else None),
-     "in the async modes no step has generation batches of its own to count: verl's ReplayBufferAsync "
-     "(verl/trainer/ppo/v1/replay_buffer.py wait_for_sampleable) refills each evicted group as it is evicted and the "
-     "trainer dispatches a batch every step plus trainer.v1.<mode>.num_warmup_batches ahead (trainer_base.py "
-     "prepare_step, _add_async_warmup_batches), so a step trains on groups dispatched in earlier steps; set it to 0 "
-     "and bound generation with the off-policy sampler settings, or use trainer.v1.trainer_mode=sync"),
-]
-
-
+    fg = config.algorithm.get("filter_groups") or {}
+    if mode != "sync" and fg.get("enable", False) and int(fg.get("max_num_gen_batches", 0) or 0) > 0:
+        raise MixConfigError(
+            f"algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches} is not supported on "
+            "trainer.use_v1=true: in the async modes no step has generation batches of its own to count: verl's "
+            "ReplayBufferAsync (verl/trainer/ppo/v1/replay_buffer.py wait_for_sampleable) refills each evicted group "
+            "as it is evicted and the trainer dispatches a batch every step plus trainer.v1.<mode>.num_warmup_batches "
+            "ahead (trainer_base.py prepare_step, _add_async_warmup_batches), so a step trains on groups dispatched "
+            "in earlier steps; set it to 0 and bound generation with the off-policy sampler settings, or use "
+            "trainer.v1.trainer_mode=sync")

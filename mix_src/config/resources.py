@@ -85,13 +85,8 @@ def total_steps(config: DictConfig) -> Optional[int]:
     steps = config.trainer.get("total_training_steps")
     if steps is not None and int(steps) > 0:
         return int(steps)
-    rows = parquet_rows(config.data.train_files)
+    rows = rows_of(data_files(config.data.train_files, remote=True))
     return None if rows is None else rows // int(config.data.train_batch_size) * int(config.trainer.total_epochs)
-
-
-def parquet_rows(files: Any) -> Optional[int]:
-    """Rows of all ``files``; None when one is remote or not parquet (the count is unknown, said in the line)."""
-    return rows_of(data_files(files, remote=True))
 
 
 def describe(plan: dict, save_freq: int, keep: Any, with_optimizer: bool) -> str:
