@@ -81,10 +81,7 @@ def normalize_choice(value: str, numbers: bool = False) -> str | None:
     ``"(4)"``, ``"4."`` -> ``"4"``; anything else -> ``None``."""
     s = _TEXT_WRAP.sub(r"\1", value.strip()).strip().strip("$").strip()
     m = (_LABEL_ONLY if numbers else _LETTER_ONLY).match(s)
-    if m is None:
-        return None
-    rest = s[m.end():]
-    if rest and not rest[0].isspace():  # "Bob" is not the letter B, "42x" is not the label 42
+    if m is None or s[m.end():m.end() + 1].strip():  # "Bob" is not the letter B, "42x" is not the label 42
         return None
     return m.group(1)
 
@@ -122,7 +119,7 @@ def choice_correct(answer: str, gold: str) -> bool:
     return (int(chosen) if chosen.isdigit() else ord(chosen) - ord("A") + 1) == int(gold)
 
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")  # plain numbers
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")  # plain numbers in a text
 _NUMBER_FULL = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 
 
@@ -135,20 +132,8 @@ def parse_number(s: str) -> float | None:
         return None
     if "," in t and not re.fullmatch(r"[-+]?\d{1,3}(,\d{3})+(\.\d*)?", t):
         return None  # "1,2" is a tuple, not a number
-    try:
-        value = float(t.replace(",", ""))
-    except ValueError:
-        return None
+    value = float(t.replace(",", ""))  # cannot fail: t matched _NUMBER_FULL (float reads every \d, as the regex)
     return value if math.isfinite(value) else None
-
-
-def extract_number(answer: str) -> str | None:
-    """The candidate number text: the last ``\\boxed{}`` content, else the last number in the text."""
-    boxed = last_boxed(answer)
-    if boxed is not None:
-        return boxed
-    numbers = _NUMBER.findall(answer)
-    return numbers[-1] if numbers else None
 
 
 def numbers_equal(a: float, b: float) -> bool:

@@ -189,7 +189,8 @@ def _prepare(data_source, solution_str, ground_truth, extra_info, cfg: RewardCon
         if cfg.require_think:
             return _row(cfg.format_error_score)  # a format error
         answer = solution_str  # graded anyway; format_ok still says the think block is missing
-    if cfg.require_boxed and answers.last_boxed(answer) is None:
+    boxed = answers.last_boxed(answer)
+    if cfg.require_boxed and boxed is None:
         return _row(cfg.format_error_score)  # a format error
     kind = answer_type_for(data_source, extra_info, cfg)
 
@@ -203,15 +204,14 @@ def _prepare(data_source, solution_str, ground_truth, extra_info, cfg: RewardCon
 
     if kind == "numeric":
         gold_value = answers.parse_number(gt)
-        candidate = answers.extract_number(answer)
-        if candidate is None:
+        candidates = [boxed] if boxed is not None else answers.NUMBER.findall(answer)  # \boxed{} > last number
+        if not candidates:
             return _result(cfg, False, format_ok)
-        value = answers.parse_number(candidate)
+        value = answers.parse_number(candidates[-1])
         if gold_value is not None and value is not None:
             return _result(cfg, answers.numbers_equal(value, gold_value), format_ok)
         # not plain numbers (e.g. \frac{7}{2}): fall through to math-verify
 
-    boxed = answers.last_boxed(answer)
     if boxed is not None:
         if answers.normalize_latex(boxed) == answers.normalize_latex(gt) != "":
             return _result(cfg, True, format_ok)  # exact match: no need for a worker

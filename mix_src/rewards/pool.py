@@ -1,6 +1,5 @@
-"""A persistent pool of grading processes with a hard per-item deadline (any picklable module-level function):
-a single-threaded zygote (``python -c``) imports the grader once (``preload``) and forks workers, each killed at
-its deadline and replaced. Why not ``multiprocessing`` and how it cleans up: mix_src/rewards/README.md, "Grading
+"""A persistent pool of grading processes with a hard per-item deadline (any picklable module-level function): a
+zygote that forks the workers, why not ``multiprocessing``, and the clean-up: mix_src/rewards/README.md, "Grading
 processes". :meth:`GradingPool.run` is thread-safe.
 """
 

@@ -34,14 +34,12 @@ def parse_episode(target: Any) -> list[dict[str, str]]:
                                  "with mix_src.rollout.environments.ToolEnv.rows") from e
     if not isinstance(episode, list):
         raise ExpertEpisodeError(f"expert episode must be a JSON list of messages, got {type(episode).__name__}")
-    prev = None
     for i, msg in enumerate(episode):
         role = msg.get("role") if isinstance(msg, dict) else None
         if role not in ("assistant", "tool") or not isinstance(msg.get("content"), str):
             raise ExpertEpisodeError(f"expert episode message {i}: want role assistant|tool with str content, got {msg!r}")
-        if role == "tool" and prev is None:
+        if role == "tool" and i == 0:
             raise ExpertEpisodeError("expert episode must start with an assistant turn, got a tool message first")
-        prev = role
     return episode
 
 
@@ -55,13 +53,11 @@ def plan_prefix(turn_lengths: Sequence[int], ratio: float) -> tuple[int, int]:
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"prefix ratio must be in [0, 1], got {ratio}")
     n_tokens = int(np.floor(ratio * sum(turn_lengths)))
-    n_full = 0
-    for length in turn_lengths:
+    for n_full, length in enumerate(turn_lengths):
         if n_tokens < length:
             return n_full, n_tokens
         n_tokens -= length
-        n_full += 1
-    return n_full, 0
+    return len(turn_lengths), 0
 
 
 class _TurnHeadParser:
@@ -101,8 +97,7 @@ class PrefixGuidedToolAgentLoop(ToolAgentLoop):
             out.response_logprobs = (lp + [0.0] * (n - len(lp)))[:n]
         flags = np.array((self._prefix_flags + [0] * n)[:n], dtype=np.uint8)
         extra = out.extra_fields
-        for key in SERVER_EXTRA_KEYS:  # same keys on every row (DataProto.concat), served or not
-            extra.setdefault(key, None)
+        extra.update({key: extra.get(key) for key in SERVER_EXTRA_KEYS})  # same keys on every row (DataProto.concat)
         if not self._served and kwargs.get("global_steps") is not None:
             version = int(kwargs["global_steps"]) - 1
             extra.update(global_steps=version, min_global_steps=version, max_global_steps=version)

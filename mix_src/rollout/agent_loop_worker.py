@@ -30,7 +30,6 @@ class InProcessRewardWorker:
     ``extra_info.update(...)``), and ``extra_info`` is shared by a prompt's samples."""
 
     def __init__(self, worker):
-        self.worker = worker
         # handle.compute_score.remote(data): the coroutine, which verl awaits as it awaits an ObjectRef
         self.compute_score = SimpleNamespace(remote=lambda data: worker.compute_score(copy_row(data)))
 
