@@ -18,17 +18,6 @@ import traceback
 from typing import Iterator
 
 
-def _innermost(exc: BaseException) -> tuple[BaseException, list[BaseException]]:
-    """The worker's own exception and the chain of Ray wrappers above it (outermost first)."""
-    from ray.exceptions import RayTaskError
-
-    chain: list[BaseException] = []
-    while isinstance(exc, RayTaskError) and exc.cause is not None and exc.cause is not exc:
-        chain.append(exc)
-        exc = exc.cause
-    return exc, chain
-
-
 def _first_line(text: str) -> str:
     return next((line.strip() for line in str(text).splitlines() if line.strip()), "")
 
@@ -47,9 +36,11 @@ def failure_line(exc: BaseException) -> str:
     """``[mix_src] FAILED in <worker>: <ExcType>: <first line>`` for an exception raised through Ray."""
     from ray.exceptions import RayActorError, RayTaskError
 
-    cause, chain = _innermost(exc)
-    if chain:
-        worker = _task_name(chain[-1])  # the task that raised it: its function (Class.method) and process
+    cause, task = exc, None  # the worker's own exception under Ray's wrappers (one per hop); the innermost wrapper
+    while isinstance(cause, RayTaskError) and cause.cause is not None and cause.cause is not cause:
+        task, cause = cause, cause.cause
+    if task is not None:
+        worker = _task_name(task)  # the task that raised it: its function (Class.method) and process
     elif isinstance(cause, RayActorError):
         match = re.search(r"class_name:\s*(\S+)", str(cause))
         worker = f"actor {match.group(1)}" if match else "a Ray actor"

@@ -45,13 +45,9 @@ class LegacyCollect:
         num_gen = 0
         while (not filtering and num_gen == 0) or (filtering and n_groups < target_groups):
             if filtering and max_gen > 0 and num_gen >= max_gen:
-                raise FilterGroupsExhausted(
-                    f"filter groups: after {num_gen} generation batches (algorithm.filter_groups.max_num_gen_batches="
-                    f"{max_gen}) only {n_groups} of data.train_batch_size={target_groups} prompt groups had a non-zero "
-                    f"std of '{self.filter_cfg.metric}' ({stats['groups'] - stats['kept']} of {stats['groups']} "
-                    "groups dropped). Raise algorithm.filter_groups.max_num_gen_batches (0 = no limit), lower "
-                    "data.train_batch_size, or use prompts of a difficulty where some but not all samples succeed."
-                )
+                raise FilterGroupsExhausted.after(f"{num_gen} generation batches", max_gen, n_groups, target_groups,
+                                                  self.filter_cfg.metric,
+                                                  f"{stats['groups'] - stats['kept']} of {stats['groups']} groups dropped")
             batch_dict = next(batches, None)
             if batch_dict is None:
                 if pool:

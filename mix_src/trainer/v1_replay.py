@@ -98,7 +98,11 @@ class V1ReplayBufferRules:
         def _wait_for_next_poll(buf, partition_id, last_debug_time):
             if (partition_id == "train" and trainer._gen_budget_spent == trainer.global_steps
                     and not buf.pending_keys[partition_id] and not buf.running_keys[partition_id]):  # fmt: skip
-                raise FilterGroupsExhausted(trainer._exhausted_message(len(buf.finished_keys[partition_id])))
+                fg, gen_bs = trainer.config.algorithm.filter_groups, trainer._gen_batch_prompts()
+                raise FilterGroupsExhausted.after(
+                    f"{trainer._step_prompts() // gen_bs} generation batches of {gen_bs} prompts", fg.max_num_gen_batches,
+                    len(buf.finished_keys[partition_id]), trainer.config.data.train_batch_size, fg.metric,
+                    f"mix.filter_groups.rule={trainer.mix.filter_groups.rule!r}")
             return verl_wait(partition_id, last_debug_time)
 
         def _select_prompt_uids(buf, partition_id, sampleable_keys, batch_size):
@@ -139,16 +143,6 @@ class V1ReplayBufferRules:
     def _step_prompts(self) -> int:
         """Prompts fetched for generation in the current global step."""
         return self._fetch_prompts if self._fetch_step == self.global_steps else 0
-
-    def _exhausted_message(self, kept: int) -> str:
-        fg, prompts, gen_bs = self.config.algorithm.filter_groups, self._step_prompts(), self._gen_batch_prompts()
-        return (
-            f"filter groups: after {prompts // gen_bs} generation batches of {gen_bs} prompts (algorithm.filter_groups."
-            f"max_num_gen_batches={fg.max_num_gen_batches}) only {kept} of data.train_batch_size="
-            f"{self.config.data.train_batch_size} prompt groups had a non-zero std of '{fg.metric}' (mix.filter_groups."
-            f"rule={self.mix.filter_groups.rule!r}). Raise algorithm.filter_groups.max_num_gen_batches (0 = no limit), "
-            "lower data.train_batch_size, or use prompts of a difficulty where some but not all samples succeed."
-        )
 
 
 def make_dapo_filtered_keys(rule: str, on_policy_only: bool) -> Callable:
