@@ -10,9 +10,7 @@ before Ray starts, so no caller special-cases a name:
     @REG.register("mine", bases=("legacy",), why_not={"v1": "needs a second generation pass"},
                   settings={"k": integer(3, 1)}, check=lambda cfg: ..., reads=("mix.my_key",))
 
-Plugins (``mix.plugins``) are loaded on the driver before the config is validated, and in every Ray process
-through ``MIX_PLUGINS`` and :mod:`mix_src.plugins` (mix_src/README.md says how); every registry lookup re-checks
-``MIX_PLUGINS`` first.
+Plugins (``mix.plugins``): loaded on the driver and, through ``MIX_PLUGINS``, in every Ray process (mix_src/README.md).
 """
 
 from __future__ import annotations
@@ -46,10 +44,6 @@ class Setting:
     ok: Callable[[Any], bool] = lambda v: True
     want: str = "any value"
     nullable: bool = False
-
-    def error(self, key: str, value: Any) -> Optional[str]:
-        ok = (value is None and self.nullable) or self.ok(value)
-        return None if ok else f"{key}={value!r} must be {self.want}{' or null' if self.nullable else ''}"
 
 
 def number(default: Any, lo: float = float("-inf"), hi: float = float("inf"), nullable: bool = False) -> Setting:
@@ -217,9 +211,9 @@ def resolve_settings(config: Any) -> None:
             raise EntryConfigError(f"{registry.config_key}={name!r}: unknown key(s) {[where[k] for k in unknown]}; "
                                    f"valid: {sorted(declared)}")  # fmt: skip
         for key, value in given.items():
-            why = declared[key].error(where[key], value)
-            if why:
-                raise EntryConfigError(why)
+            s = declared[key]
+            if not ((value is None and s.nullable) or s.ok(value)):
+                raise EntryConfigError(f"{where[key]}={value!r} must be {s.want}{' or null' if s.nullable else ''}")
         if not declared:
             continue
         full = registry.settings(name, given)

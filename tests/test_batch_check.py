@@ -7,7 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from e2e import MIX_CPU, tiny_overrides
-from mix_src.config.batch_check import check_batch_arithmetic, parquet_rows
+from mix_src.config.batch_check import check_batch_arithmetic, rows_of
 from mix_src.config.mix_config import MixConfigError, validate_mix_config
 from scripts.probe_bad_inputs import Composer
 
@@ -46,7 +46,7 @@ def test_settings_that_train_pass(compose, tiny_assets):
     check_batch_arithmetic(compose())  # the tiny e2e settings
     check_batch_arithmetic(compose("trainer.use_v1=true", A + "ppo_mini_batch_size=3"))  # V1 pads
     check_batch_arithmetic(compose("trainer.total_epochs=0", "trainer.val_only=true"))  # evaluation only
-    assert parquet_rows(tiny_assets["train"]) == pq.ParquetFile(tiny_assets["train"]).metadata.num_rows == 32
+    assert rows_of([tiny_assets["train"]]) == pq.ParquetFile(tiny_assets["train"]).metadata.num_rows == 32
 
 
 def test_target_cap_follows_the_response_length(compose):

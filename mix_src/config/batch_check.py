@@ -94,21 +94,17 @@ def _check_mini_batches(config: DictConfig) -> None:
                              f"asserts it in the worker); use a divisor of {mini * n // dp}, or use_dynamic_bsz=true")
 
 
-def parquet_rows(path: str) -> Optional[int]:
-    """Rows in a parquet file (or a directory of them) from the footer, without reading them; None when it
-    cannot be read as parquet (the data check names that)."""
+def rows_of(paths: Iterable[str]) -> Optional[int]:
+    """Rows of these parquet files (or directories of them) together, from the footers without reading them; None
+    when there are none or one cannot be read as parquet (the data check names that)."""
     import pyarrow.parquet as pq
 
     try:
-        return pq.ParquetDataset(path).count_rows() if os.path.isdir(path) else pq.ParquetFile(path).metadata.num_rows
+        counts = [pq.ParquetDataset(p).count_rows() if os.path.isdir(p) else pq.ParquetFile(p).metadata.num_rows
+                  for p in paths]
     except Exception:  # noqa: BLE001  (format errors are the data check's, slot 4)
         return None
-
-
-def rows_of(paths: Iterable[str]) -> Optional[int]:
-    """Rows of these parquet files together (:func:`parquet_rows`); None when there are none or one is unreadable."""
-    counts = [parquet_rows(p) for p in paths]
-    return None if not counts or None in counts else sum(counts)
+    return sum(counts) if counts else None
 
 
 def _check_rows(config: DictConfig) -> None:

@@ -130,11 +130,10 @@ def dotted_get(config: Any, dotted: str, default: Any = None) -> Any:
 
 def _refuse_estimator(config: Any, mix: Any) -> Optional[str]:
     """verl's estimators whose inputs only verl's own fit makes."""
-    if str(dotted_get(config, "algorithm.adv_estimator")) != "remax":
-        return None
     return ("algorithm.adv_estimator=remax needs a greedy baseline rollout per prompt (verl's fit generates it with "
             "the sampled rollouts, ray_trainer.py `__do_sample__`); the MIX loop does not generate one. Use grpo, "
-            "grpo_split, rloo, reinforce_plus_plus, or gae (with a critic).")
+            "grpo_split, rloo, reinforce_plus_plus, or gae (with a critic)."
+            ) if str(dotted_get(config, "algorithm.adv_estimator")) == "remax" else None
 
 
 def _refuse_bypass_mode(config: Any, mix: Any) -> Optional[str]:
@@ -179,11 +178,10 @@ def _refuse_policy_loss_mode(config: Any, mix: Any) -> Optional[str]:
 
 
 def _refuse_sglang(config: Any, mix: Any) -> Optional[str]:
-    if dotted_get(config, "actor_rollout_ref.rollout.name") != "sglang":
-        return None
     return ("actor_rollout_ref.rollout.name=sglang: verl[sglang]==0.9.1 pins sglang==0.5.12, which requires "
             "transformers==5.6.0, a version verl 0.9.1 itself excludes (transformers!=5.6.0), so SGLang and this verl "
-            "cannot be installed in one environment. Use actor_rollout_ref.rollout.name=vllm (`make install-gpu`).")
+            "cannot be installed in one environment. Use actor_rollout_ref.rollout.name=vllm (`make install-gpu`)."
+            ) if dotted_get(config, "actor_rollout_ref.rollout.name") == "sglang" else None
 
 
 def _refuse_layered_summon_base_sync(config: Any, mix: Any) -> Optional[str]:
@@ -203,18 +201,18 @@ def _refuse_layered_summon_base_sync(config: Any, mix: Any) -> Optional[str]:
     return None
 
 
-CHECKS: list[Callable[[Any, Any], Optional[str]]] = [  # in order; each returns its refusal or None
-    _refuse_estimator, _refuse_bypass_mode, _refuse_correction_without_logprobs, _refuse_profiler,
-    _refuse_policy_loss_mode, _refuse_sglang, _refuse_layered_summon_base_sync]
-
-# The settings refused (for the README and the guard test): key=value that triggers it -> check.
-REFUSED_SETTINGS: dict[str, Callable] = {
-    "algorithm.adv_estimator=remax": _refuse_estimator,
-    "algorithm.rollout_correction.bypass_mode=true": _refuse_bypass_mode,
-    "global_profiler.steps=[1]": _refuse_profiler,
-    "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode": _refuse_policy_loss_mode,
-    "actor_rollout_ref.rollout.name=sglang": _refuse_sglang,
+# The checks, in order (each returns its refusal or None) -> a key=value that alone triggers it (for the guard test;
+# None: it takes several keys)
+CHECKS: dict[Callable[[Any, Any], Optional[str]], Optional[str]] = {
+    _refuse_estimator: "algorithm.adv_estimator=remax",
+    _refuse_bypass_mode: "algorithm.rollout_correction.bypass_mode=true",
+    _refuse_correction_without_logprobs: None,
+    _refuse_profiler: "global_profiler.steps=[1]",
+    _refuse_policy_loss_mode: "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode",
+    _refuse_sglang: "actor_rollout_ref.rollout.name=sglang",
+    _refuse_layered_summon_base_sync: None,
 }
+REFUSED_SETTINGS = {setting: check for check, setting in CHECKS.items() if setting}
 
 
 def check_verl_keys(config: Any, mix: Any = None) -> None:
