@@ -98,10 +98,9 @@ def extract_choice(answer: str, numbers: bool = False) -> str | None:
     """The chosen label (letters; with ``numbers`` also 1-99): the last ``\\boxed{}``, else the last "answer is X"
     / "Answer: X", else an answer that is only a label; ``None`` when there is none."""
     boxed = last_boxed(answer)
-    if boxed is not None:
-        label = normalize_choice(boxed, numbers)
-        if label is not None:
-            return label
+    label = normalize_choice(boxed, numbers) if boxed is not None else None
+    if label is not None:
+        return label
     found = [m.group(1) for m in (_ANSWER_IS_LABEL if numbers else _ANSWER_IS).finditer(answer[-_MC_SCAN_CHARS:])
              if m.group(1).isupper() or m.group(1).isdigit()]
     if found:
@@ -114,9 +113,7 @@ def choice_correct(answer: str, gold: str) -> bool:
     if not gold.isdigit():
         return extract_choice(answer) == gold
     chosen = extract_choice(answer, numbers=True)
-    if chosen is None:
-        return False
-    return (int(chosen) if chosen.isdigit() else ord(chosen) - ord("A") + 1) == int(gold)
+    return chosen is not None and (int(chosen) if chosen.isdigit() else ord(chosen) - ord("A") + 1) == int(gold)
 
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")  # plain numbers in a text

@@ -172,9 +172,8 @@ class PrefixGuidedToolAgentLoop(ToolAgentLoop):
             return AgentState.TERMINATED
         return AgentState.GENERATING
 
-    async def _handle_generating_state(
-        self, agent_data: AgentData, sampling_params: dict[str, Any], ignore_termination: bool = False
-    ) -> AgentState:
+    async def _handle_generating_state(self, agent_data: AgentData, sampling_params: dict[str, Any],
+                                       ignore_termination: bool = False) -> AgentState:
         pad = len(agent_data.response_mask) - len(agent_data.response_logprobs)
         if self.rollout_config.calculate_log_probs and pad > 0:  # expert / tool tokens: 0.0, verl's alignment holds
             agent_data.response_logprobs = list(agent_data.response_logprobs) + [0.0] * pad
