@@ -362,7 +362,7 @@ def test_recipes_v1_variant(name, mode):
 def test_cpu_backend_shortens_the_replay_buffer_poll():
     """verl polls TransferQueue every 2 s (replay_buffer.py:144, not configurable); on the CPU backend 0.05 s."""
     import mix_src.cpu as cpu_backend
-    from mix_src.cpu.v1_patches import CPU_POLL_INTERVAL_S
+    from mix_src.cpu.worker_patches import CPU_POLL_INTERVAL_S
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 
     assert cpu_backend.is_active()

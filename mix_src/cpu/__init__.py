@@ -19,6 +19,7 @@ every Ray process.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import logging
@@ -50,11 +51,9 @@ def _accelerator_detected() -> bool:
 
     for name in PlatformRegistry.registered_names():
         cls = PlatformRegistry.get(name)
-        try:  # "cpu": ours, once registered
+        with contextlib.suppress(Exception):  # a probe that fails is no sign; "cpu": ours, once registered
             if name != "cpu" and cls is not None and cls().is_platform_available(use_smi_check=True):
                 return True
-        except Exception:
-            continue
     return False
 
 
@@ -204,10 +203,10 @@ def after_import(module_name: str, cb: Callable, *, written_for: Optional[dict] 
     PATCHES.append(patch)
     if module_name in sys.modules:
         _run_hook(patch, sys.modules[module_name])
-        return patch
-    _HOOKS.callbacks.setdefault(module_name, []).append(patch)
-    if _HOOKS not in sys.meta_path:
-        sys.meta_path.insert(0, _HOOKS)
+    else:
+        _HOOKS.callbacks.setdefault(module_name, []).append(patch)
+        if _HOOKS not in sys.meta_path:
+            sys.meta_path.insert(0, _HOOKS)
     return patch
 
 
@@ -323,7 +322,7 @@ def activate() -> None:
         return
     from verl.plugin.platform import PlatformRegistry
 
-    from . import v1_patches, vllm_cpu, worker_patches
+    from . import vllm_cpu, worker_patches
     from .platform import PlatformCPU
 
     both = ("trainer", "worker")  # modules the trainer process and every actor worker have imported by then
@@ -338,7 +337,8 @@ def activate() -> None:
     after_import("verl.utils.config", vllm_cpu.patch_validate_config, written_for=VERL_0_9_1)
     if vllm_cpu.cpu_build_on_path():  # vLLM's CPU build installed; only runs with rollout.name=vllm import it
         after_import("vllm.model_executor.layers.utils", vllm_cpu.keep_linear_weights, written_for=vllm_cpu.WRITTEN_FOR, required_in=())
-    after_import("verl.trainer.ppo.v1.replay_buffer", v1_patches.patch_replay_buffer_poll, written_for=v1_patches.WRITTEN_FOR, required_in=())
+    after_import("verl.trainer.ppo.v1.replay_buffer", worker_patches.patch_replay_buffer_poll, written_for=VERL_0_9_1,
+                 required_in=())
     after_import("verl.workers.engine.fsdp.transformer_impl", worker_patches.unpin_reference_offload,
                  written_for=worker_patches.UNPIN_REFERENCE_OFFLOAD_WRITTEN_FOR, required_in=both)
     after_import("verl.utils.model", worker_patches.cpu_attention_critic,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
-import os
 import pickle
 import time
 from dataclasses import dataclass
@@ -23,20 +22,12 @@ import ray
 import torch
 import torch.distributed as dist
 
-from verl.checkpoint_engine.base import (
-    CheckpointEngine,
-    CheckpointEngineRegistry,
-    TensorMeta,
-    merge_weight_chunks,
-    split_weight_chunks,
-)
+from verl.checkpoint_engine.base import (CheckpointEngine, CheckpointEngineRegistry, TensorMeta, merge_weight_chunks,
+                                         split_weight_chunks)
 
-logger = logging.getLogger(__name__)
-logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
+from . import CHECKPOINT_ENGINE as BACKEND  # declared in mix_src.cpu, which imports this module with its versions
 
-# the engine's name, declared in mix_src.cpu (which imports this module lazily, with its written_for versions)
-from . import CHECKPOINT_ENGINE as BACKEND  # noqa: E402
-
+logger = logging.getLogger(__name__)  # its level: mix_src.cpu's (VERL_LOGGING_LEVEL)
 _ALIGN = 16  # byte alignment of every tensor in a bucket, so ``.view(dtype)`` of a received chunk is always legal
 
 

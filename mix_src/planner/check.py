@@ -162,11 +162,9 @@ def check_memory(config: Any) -> Optional[str]:
 
 
 def _gpu(name: Optional[str], cpu: bool) -> Optional[Gpu]:
-    """The GPU to plan for: ``mix.planner.gpu`` (a key of GPUS), else the driver's CUDA device 0; None on the CPU
-    backend without a name, or with no CUDA device visible (then nothing is checked)."""
+    """The GPU to plan for: ``mix.planner.gpu`` (a GPUS key: ``PlannerConfig`` checks it), else the driver's CUDA
+    device 0; None on the CPU backend without a name, or with no CUDA device visible (then nothing is checked)."""
     if name:
-        if name not in GPUS:
-            raise PlannerRefusal(f"mix.planner.gpu={name!r}: use one of {sorted(GPUS)} or null (the driver's GPU)")
         return GPUS[name]
     if cpu:
         return None

@@ -11,6 +11,7 @@ from typing import Mapping
 from mix_src.algo.flops import ModelShape
 
 GB = 10**9
+GIB = 2**30
 
 # Bytes per parameter of the FSDP actor's training state. verl trains the actor in fp32 unless
 # actor_rollout_ref.actor.fsdp_config.model_dtype says otherwise (verl/workers/engine/fsdp/transformer_impl.py
@@ -42,9 +43,6 @@ def checkpoint_bytes(num_params: int, with_optimizer: bool = True) -> int:
         raise ValueError(f"num_params={num_params} must be >= 0")
     per_param = PARAM_BYTES + (ADAM_BYTES if with_optimizer else 0)
     return int(num_params) * per_param + CHECKPOINT_EXTRA_BYTES
-
-
-GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -100,8 +98,7 @@ class RunShape:
     flash_ce: bool = True
 
 
-# --------------------------------------------------------------------------------------------------------
-# memory terms, bytes per GPU
+# ---------------------------------------------------------------------------------- memory terms, bytes per GPU
 @dataclass(frozen=True)
 class Term:
     """One memory term: ``bytes`` on one GPU, how it is counted (``basis``)."""
@@ -137,18 +134,13 @@ def gather_bytes(shape: ModelShape) -> int:
     return 2 * (2 * shape.vocab * shape.d_model + 2 * layer)
 
 
-def layer_activation_bytes_per_token(shape: ModelShape) -> int:
-    """bf16 activations one decoder layer keeps for its backward, per token: input, 2 norms, q, k, v, attention
-    output, o_proj output, residual, gate, up, SiLU(gate), product, down output (flash attention keeps only
-    its log-sum-exp)."""
-    kv = shape.n_kv_heads * shape.head_dim
-    return 2 * (7 * shape.d_model + 2 * kv + 4 * shape.d_ff)
-
-
 def activation_bytes(shape: ModelShape, tokens: int, checkpointing: bool) -> int:
     """Activations of an update micro-batch of ``tokens`` tokens: with gradient checkpointing each layer's
-    input (bf16) plus one layer's activations recomputed in the backward; without, every layer's."""
-    one_layer = layer_activation_bytes_per_token(shape) * tokens
+    input (bf16) plus one layer's activations recomputed in the backward; without, every layer's. One decoder
+    layer keeps for its backward, per token, bf16: input, 2 norms, q, k, v, attention output, o_proj output,
+    residual, gate, up, SiLU(gate), product, down output (flash attention keeps only its log-sum-exp)."""
+    kv = shape.n_kv_heads * shape.head_dim
+    one_layer = 2 * (7 * shape.d_model + 2 * kv + 4 * shape.d_ff) * tokens
     if checkpointing:
         return shape.n_layers * 2 * shape.d_model * tokens + one_layer
     return shape.n_layers * one_layer
@@ -292,8 +284,7 @@ def plan_memory(hf_config: Mapping, run: RunShape, gpu: Gpu) -> MemoryPlan:
     return MemoryPlan(phases=phases, kv_sequences=seqs, gpu=gpu)
 
 
-# --------------------------------------------------------------------------------------------------------
-# GPU-hours
+# -------------------------------------------------------------------------------------------------- GPU-hours
 @dataclass(frozen=True)
 class TimePlan:
     """Seconds per step on the whole cluster (wall clock) and GPU-hours of the run."""
