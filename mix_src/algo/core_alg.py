@@ -184,17 +184,12 @@ class AdaptiveEntropyCoef:
 
     log(alpha) starts at log(init_coef) and is trained by AdamW on alpha_loss = (H - H*) * alpha: alpha falls while
     the entropy H is above the target H* and rises below it; max_coef caps alpha by projecting log(alpha). Use
-    `ac.coef` during a mini-batch, then `ac.update(mean_entropy)` once per optimiser step.
+    `ac.coef` during a mini-batch, then `ac.update(mean_entropy)` once per optimiser step. init_coef, lr, max_coef
+    > 0: checked as actor.entropy_coeff (worker/loss.py), mix.loss.alpha_lr and entropy_coeff_max (config).
     """
 
     def __init__(self, init_coef: float, target_entropy: float, lr: float = 1e-2, max_coef: float | None = None,
                  betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 1e-2):
-        if not init_coef > 0:
-            raise ValueError(f"init_coef (the initial entropy coefficient) must be > 0, got {init_coef}")
-        if max_coef is not None and not max_coef > 0:
-            raise ValueError(f"max_coef must be > 0 or None, got {max_coef}")
-        if not lr > 0:
-            raise ValueError(f"lr (alpha_lr) must be > 0, got {lr}")
         self.target_entropy = float(target_entropy)
         self.max_coef = max_coef
         start = init_coef if max_coef is None else min(init_coef, max_coef)

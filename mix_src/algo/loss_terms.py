@@ -23,7 +23,7 @@ import torch
 
 from mix_src.algo.token_maths import (
     LOG_RATIO_CLAMP, LOSS_AGG_MODES, OFF_POLICY_RESHAPES, ON_POLICY_RESHAPES, P_DIV_P_ALIASES, ReshapeParams,
-    _bool_mask, _check_choice, _check_same_shape, _count, _nonzero, agg_loss, masked_mean, off_policy_shape,
+    _bool_mask, _check_same_shape, _count, _nonzero, agg_loss, masked_mean, off_policy_shape,
     on_policy_ratio,
 )  # fmt: skip
 from mix_src.algo.off_policy_behaviour import OFF_POLICY_BEHAVIOURS
@@ -78,35 +78,23 @@ class TokenLossConfig:
     on_params: ReshapeParams = field(init=False)
 
     def __post_init__(self):
-        gamma_arg = self.off_policy_reshape_gamma
-        on_gamma_arg = gamma_arg if self.on_policy_reshape_gamma is None else self.on_policy_reshape_gamma
-        self.off_policy_reshape, off_gamma = _resolve_reshape("off_policy_reshape", self.off_policy_reshape, gamma_arg)
-        self.on_policy_reshape, on_gamma = _resolve_reshape("on_policy_reshape", self.on_policy_reshape, on_gamma_arg)
-        _check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
-        for key, value, arg in (("off_policy_reshape_gamma", off_gamma, gamma_arg),
-                                ("on_policy_reshape_gamma", on_gamma, on_gamma_arg)):  # fmt: skip
-            if not value > 0:
-                raise ValueError(f"{key} must be > 0, got {arg}")
+        if self.on_policy_reshape_gamma is None:
+            self.on_policy_reshape_gamma = self.off_policy_reshape_gamma
+        for side in ("off", "on"):  # the original's names p_div_p_<gamma>: the gamma goes to its own key
+            gamma = P_DIV_P_ALIASES.get(getattr(self, f"{side}_policy_reshape"))
+            if gamma is not None:
+                setattr(self, f"{side}_policy_reshape", "p_div_p")
+                setattr(self, f"{side}_policy_reshape_gamma", gamma)
+        _check_off_shaping(self, "mix.loss")  # the checks of mix.loss's keys of these names (the token terms' check_loss)
+        _check_on_policy(self, "mix.loss")
         if not 0 <= self.cliprange < 1:
             raise ValueError(f"cliprange must be in [0, 1), got {self.cliprange}")
         if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
             raise ValueError(f"clip_ratio_c must be > 1 or None, got {self.clip_ratio_c}")
-        if self.all_max_clip is not None and not 0 < self.all_max_clip <= 1:
-            raise ValueError(f"all_max_clip must be in (0, 1] or None, got {self.all_max_clip}")
-        if self.off_max_clip is not None and self.off_min_clip is not None and self.off_min_clip > self.off_max_clip:
-            raise ValueError(f"off_min_clip ({self.off_min_clip}) must be <= off_max_clip ({self.off_max_clip})")
-        self.off_params = ReshapeParams(off_gamma, self.off_policy_reshape_weight, self.off_policy_reshape_pow_exp)
-        self.on_params = ReshapeParams(on_gamma, self.on_policy_reshape_weight, self.on_policy_reshape_pow_exp)
-
-
-def _resolve_reshape(arg: str, mode: str, gamma: float) -> tuple[str, float]:
-    if mode in P_DIV_P_ALIASES:
-        return "p_div_p", P_DIV_P_ALIASES[mode]
-    registry = OFF_POLICY_RESHAPES if arg.startswith("off") else ON_POLICY_RESHAPES
-    if mode not in registry:
-        raise ValueError(f"{arg}={mode!r} is not allowed; allowed values: "
-                         f"{', '.join([*registry.names(), *P_DIV_P_ALIASES])}")
-    return mode, gamma
+        self.off_params = ReshapeParams(self.off_policy_reshape_gamma, self.off_policy_reshape_weight,
+                                        self.off_policy_reshape_pow_exp)  # fmt: skip
+        self.on_params = ReshapeParams(self.on_policy_reshape_gamma, self.on_policy_reshape_weight,
+                                       self.on_policy_reshape_pow_exp)  # fmt: skip
 
 
 @dataclass
@@ -294,15 +282,19 @@ def ppo_clip_term(batch: TokenBatch, cfg: TokenLossConfig, sets: TokenSets, acc:
     acc.obj, acc.dobj, acc.kl_sum = obj, dobj, _dot(sets.log_ratio, on_f)
 
 
-def _check_off_policy(loss: Any, p: str) -> None:
+def _check_off_shaping(loss: Any, p: str) -> None:
     _check_reshape(loss, p, "off", OFF_POLICY_RESHAPES)
+    if loss.off_max_clip is not None and loss.off_min_clip is not None and loss.off_min_clip > loss.off_max_clip:
+        raise ValueError(f"{p}.off_min_clip={loss.off_min_clip} > {p}.off_max_clip={loss.off_max_clip}")
+
+
+def _check_off_policy(loss: Any, p: str) -> None:
+    _check_off_shaping(loss, p)
     if loss.off_policy_behaviour is not None and loss.off_policy_behaviour not in OFF_POLICY_BEHAVIOURS:
         raise ValueError(OFF_POLICY_BEHAVIOURS.unknown(loss.off_policy_behaviour))
     if loss.off_policy_behaviour is not None and loss.use_sft_multitask_loss:
         raise ValueError(f"{p}.off_policy_behaviour={loss.off_policy_behaviour!r} weighs the off-policy loss, which "
                          f"{p}.use_sft_multitask_loss replaces by SFT; pick one")
-    if loss.off_max_clip is not None and loss.off_min_clip is not None and loss.off_min_clip > loss.off_max_clip:
-        raise ValueError(f"{p}.off_min_clip={loss.off_min_clip} > {p}.off_max_clip={loss.off_max_clip}")
 
 
 @register_loss_term(

@@ -6,7 +6,7 @@ response width; masks (B, L), non-zero = valid.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -26,11 +26,6 @@ LOG_RATIO_CLAMP = 20.0  # |l - l_old| is clamped before exp, as verl's vanilla P
 def _bool_mask(mask: torch.Tensor) -> torch.Tensor:
     """(any shape) bool/int/float mask -> bool mask of the same shape (non-zero = valid)."""
     return mask if mask.dtype == torch.bool else mask.bool()
-
-
-def _check_choice(name: str, value: str, allowed: Sequence[str]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not allowed; allowed values: {', '.join(map(str, allowed))}")
 
 
 def _check_same_shape(**tensors: torch.Tensor | None) -> None:
@@ -81,7 +76,8 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
         luffy-token-sum-norm    sum(m*l) / W * dp_size   (LUFFY's loss_remove_token_mean: divide the token
                                 sum by the response width, not by a token or sequence count)
     """
-    _check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is not allowed; allowed values: {', '.join(LOSS_AGG_MODES)}")
     if loss_agg_mode == "token-mean":
         if batch_num_tokens is None:
             if dp_size > 1:
@@ -133,37 +129,20 @@ where the clamp is active; False when r is computed from log_prob / old_log_prob
 register_on_policy_reshape = ON_POLICY_RESHAPES.register
 
 
-# ---- built-in on-policy reshapes (d = log_ratio) --------------------------------------------------
-@register_on_policy_reshape("no_reshape")
-def _on_no_reshape(log_ratio, lp, old, params):  # e^d
-    r = torch.exp(log_ratio)
-    return r, r
+# ---- the built-in reshapes (formulas: mix_src/README.md "Loss options"); d = log_ratio, w = weight, k = pow_exp
+def _exp_pow(x: torch.Tensor, k: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e^x)^k and its derivative k (e^x)^k (for k = 1 the same tensor, e^x)."""
+    if k == 1.0:
+        r = torch.exp(x)
+        return r, r
+    r = torch.exp(k * x)
+    return r, k * r
 
 
-@register_on_policy_reshape("logp")
-def _on_logp(log_ratio, lp, old, params):  # d itself (not exponentiated)
-    return log_ratio, 1.0
+def _p_logp(p: torch.Tensor, x: torch.Tensor, w: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return p + w * x, p + w  # p + w*x and its derivative
 
 
-@register_on_policy_reshape("p_logp")
-def _on_p_logp(log_ratio, lp, old, params):  # e^d + w*d
-    e = torch.exp(log_ratio)
-    return e + params.weight * log_ratio, e + params.weight
-
-
-@register_on_policy_reshape("square_root")
-def _on_square_root(log_ratio, lp, old, params):  # (e^d)^(1/2)
-    r = torch.exp(0.5 * log_ratio)
-    return r, 0.5 * r
-
-
-@register_on_policy_reshape("pow")
-def _on_pow(log_ratio, lp, old, params):  # (e^d)^k
-    r = torch.exp(params.pow_exp * log_ratio)
-    return r, params.pow_exp * r
-
-
-@register_on_policy_reshape("p_div_p", through_log_ratio=False)
 def _on_p_div_p(log_ratio, lp, old, params):  # [p/(p+gamma)] / [p_old/(p_old+gamma)]; dr/dl = r * gamma/(p+gamma)
     p, p_old = torch.exp(lp), torch.exp(old)
     denom = p + params.gamma
@@ -171,38 +150,21 @@ def _on_p_div_p(log_ratio, lp, old, params):  # [p/(p+gamma)] / [p_old/(p_old+ga
     return r, r * (params.gamma / denom)
 
 
-# ---- built-in off-policy reshapes ----------------------------------------------------------------
-@register_off_policy_reshape("no_reshape")
-def _off_no_reshape(lp, p, params):  # p
-    return p, p
-
-
-@register_off_policy_reshape("logp")
-def _off_logp(lp, p, params):  # w*l
-    return params.weight * lp, params.weight
-
-
-@register_off_policy_reshape("p_logp")
-def _off_p_logp(lp, p, params):  # w*l + p
-    return params.weight * lp + p, p + params.weight
-
-
-@register_off_policy_reshape("square_root")
-def _off_square_root(lp, p, params):  # sqrt(p)
-    f = torch.exp(0.5 * lp)
-    return f, 0.5 * f
-
-
-@register_off_policy_reshape("pow")
-def _off_pow(lp, p, params):  # p^k
-    f = torch.exp(params.pow_exp * lp)
-    return f, params.pow_exp * f
-
-
-@register_off_policy_reshape("p_div_p")
 def _off_p_div_p(lp, p, params):  # f = p/(p+gamma); df/dl = gamma*p/(p+gamma)^2 = f * (1 - f)
     f = p / (p + params.gamma)
     return f, torch.addcmul(f, f, f, value=-1.0)
+
+
+for _name, _on, _off in (  # name, on-policy fn(d, l, l_old, params), off-policy fn(l, p, params)
+    ("no_reshape", lambda d, lp, old, q: _exp_pow(d), lambda lp, p, q: (p, p)),
+    ("logp", lambda d, lp, old, q: (d, 1.0), lambda lp, p, q: (q.weight * lp, q.weight)),
+    ("p_logp", lambda d, lp, old, q: _p_logp(torch.exp(d), d, q.weight), lambda lp, p, q: _p_logp(p, lp, q.weight)),
+    ("square_root", lambda d, lp, old, q: _exp_pow(d, 0.5), lambda lp, p, q: _exp_pow(lp, 0.5)),
+    ("pow", lambda d, lp, old, q: _exp_pow(d, q.pow_exp), lambda lp, p, q: _exp_pow(lp, q.pow_exp)),
+    ("p_div_p", _on_p_div_p, _off_p_div_p),
+):  # fmt: skip
+    register_on_policy_reshape(_name, through_log_ratio=_name != "p_div_p")(_on)
+    register_off_policy_reshape(_name)(_off)
 
 
 def _by_autograd(value_of, lp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
