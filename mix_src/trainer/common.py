@@ -61,7 +61,8 @@ class MixTrainerCommon:
 
             model_cfg = self.config.actor_rollout_ref.model
             try:
-                cfg = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.get("trust_remote_code", False))
+                cfg = AutoConfig.from_pretrained(model_cfg.path,
+                                                 trust_remote_code=model_cfg.get("trust_remote_code", False))
                 self._flops_shape = ModelShape.from_hf_config(cfg.to_dict())
             except Exception as e:  # noqa: BLE001 - kept, and raised to the caller on every use
                 self._flops_shape = e
@@ -81,10 +82,8 @@ class MixTrainerCommon:
             shape = self._model_shape()
         except Exception:  # noqa: BLE001 - reported (fatal with a budget) at the step's count
             return
-        if self._rollout_flops is None:
-            self._rollout_flops = {c: 0.0 for c in COUNTS}
-        for c in COUNTS:
-            self._rollout_flops[c] += rollout_flops(shape, prompt_lens, response_lens, generated_lens, c)
+        pending, lens = self._rollout_flops or {}, (prompt_lens, response_lens, generated_lens)
+        self._rollout_flops = {c: pending.get(c, 0.0) + rollout_flops(shape, *lens, c) for c in COUNTS}
 
     def _pending_rollout_flops(self) -> dict:
         """The generation FLOPs added since the last count (then reset)."""

@@ -199,7 +199,10 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
             batch = self._collect_batch(batches, metrics, timing)  # stages 1-3
             if batch is None:
                 return None
-            is_last_step = self._count_flops(batch, metrics) or is_last_step  # mix.flops_budget: this step is the last
+            if not self._flops_off(metrics):  # flops/*; the step that reaches mix.flops_budget is the last
+                p, r, _ = lengths_from_masks(batch.batch["attention_mask"], batch.batch["responses"])
+                self._budget_reached = self._count_step_flops(p, r, self._pending_rollout_flops(), metrics)
+                is_last_step = self._budget_reached or is_last_step
             self._sleep_rollout()
             batch = self._compute_log_probs(batch, metrics, timing)  # stage 4
             batch = self._compute_advantages(batch, metrics, timing)  # stage 5
@@ -215,14 +218,6 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
         if hasattr(self.train_dataset, "on_batch_end"):  # verl's experimental dataset hook, as in its fit
             self.train_dataset.on_batch_end(batch=batch)
         return metrics
-
-    def _count_flops(self, batch: DataProto, metrics: dict) -> bool:
-        """The step's ``flops/*`` (:meth:`MixTrainerCommon._count_step_flops`); True when it reaches the budget."""
-        if self._flops_off(metrics):
-            return False
-        p, r, _ = lengths_from_masks(batch.batch["attention_mask"], batch.batch["responses"])
-        self._budget_reached = self._count_step_flops(p, r, self._pending_rollout_flops(), metrics)
-        return self._budget_reached
 
     def _dump_rollouts(self, batch: DataProto, timing: dict, rollout_data_dir: str) -> None:
         """``trainer.rollout_data_dir``: verl's JSONL dump of the step's rows, plus their prefix ratio and tokens."""

@@ -45,9 +45,9 @@ class LegacyCollect:
         num_gen = 0
         while (not filtering and num_gen == 0) or (filtering and n_groups < target_groups):
             if filtering and max_gen > 0 and num_gen >= max_gen:
+                dropped = f"{stats['groups'] - stats['kept']} of {stats['groups']} groups dropped"
                 raise FilterGroupsExhausted.after(f"{num_gen} generation batches", max_gen, n_groups, target_groups,
-                                                  self.filter_cfg.metric,
-                                                  f"{stats['groups'] - stats['kept']} of {stats['groups']} groups dropped")
+                                                  self.filter_cfg.metric, dropped)
             batch_dict = next(batches, None)
             if batch_dict is None:
                 if pool:
@@ -111,13 +111,13 @@ class LegacyCollect:
                 src = prompts[np.arange(len(prompts))]
                 sub = self._get_gen_batch(src)  # pops the generation keys off the copy `src`
                 sub.meta_info = dict(gen_batch.meta_info)
-                idx = np.arange(len(src))
             else:
                 idx = np.arange(len(batch)) if rows is None else np.asarray(rows, dtype=np.int64)
                 sub = gen_batch if rows is None else gen_batch[idx]
                 src = None
-            ratios, targets, seeds = pass_arguments(ratios, targets, sub.non_tensor_batch["rollout_seed"], self.global_steps,
-                                                    len(passes), rows is not None, prompts is not None)  # fmt: skip
+            seeds = sub.non_tensor_batch["rollout_seed"]
+            ratios, targets, seeds = pass_arguments(ratios, targets, seeds, self.global_steps, len(passes),
+                                                    rows is not None, src is not None)
             sub = DataProto(batch=sub.batch, non_tensor_batch=dict(sub.non_tensor_batch), meta_info=dict(sub.meta_info))
             sub.non_tensor_batch["prefix_ratio"], sub.non_tensor_batch["rollout_seed"] = ratios, seeds
             if targets is not None:

@@ -75,7 +75,7 @@ class V1PolicyRunner:
                 tds = [tu.index_select_tensor_dict(batch, [int(prompt_rows[r])]) for r in idx]
                 seeds, group_uids = base_seeds[idx], list(row_uid[idx])
             pass_ratios, targets, seeds = pass_arguments(pass_ratios, targets, seeds, self.trainer.global_steps,
-                                                         self._passes, rows is not None, prompts is not None)  # fmt: skip
+                                                         self._passes, rows is not None, prompts is not None)
             out = self._run_pass(tds, pass_ratios, seeds, targets)
             out.non_tensor_batch["uid"] = np.asarray(group_uids, dtype=object)
             return out
@@ -232,6 +232,4 @@ def _row_lengths(t: torch.Tensor) -> torch.Tensor:
 def _column(batch, key: str) -> list:
     """A per-prompt column of verl's prompt TensorDict as a list."""
     value = batch.get(key)
-    if isinstance(value, torch.Tensor):
-        return value.tolist()
     return list(value.tolist()) if hasattr(value, "tolist") else list(value)

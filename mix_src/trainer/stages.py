@@ -30,12 +30,12 @@ class FilterGroupsExhausted(RuntimeError):
     """Filter groups could not fill a training batch within ``algorithm.filter_groups.max_num_gen_batches``."""
 
     @classmethod
-    def after(cls, batches: str, max_gen: Any, kept: int, target: Any, metric: Any, detail: str) -> FilterGroupsExhausted:
+    def after(cls, batches: str, max_gen: Any, kept: int, target: Any, metric: Any, detail: str):
         """Both bases' error: after ``batches`` only ``kept`` of ``target`` prompt groups were kept."""
-        return cls(f"filter groups: after {batches} (algorithm.filter_groups.max_num_gen_batches={max_gen}) only {kept} "
-                   f"of data.train_batch_size={target} prompt groups had a non-zero std of '{metric}' ({detail}). Raise "
-                   "algorithm.filter_groups.max_num_gen_batches (0 = no limit), lower data.train_batch_size, or use "
-                   "prompts of a difficulty where some but not all samples succeed.")
+        return cls(f"filter groups: after {batches} (algorithm.filter_groups.max_num_gen_batches={max_gen}) only "
+                   f"{kept} of data.train_batch_size={target} prompt groups had a non-zero std of '{metric}' "
+                   f"({detail}). Raise algorithm.filter_groups.max_num_gen_batches (0 = no limit), lower "
+                   "data.train_batch_size, or use prompts of a difficulty where some but not all samples succeed.")
 
 
 def draw_prefix_ratios(mix: Any, num_prompts: int, n: int, *, seed: int, global_step: int, gen_index: int,

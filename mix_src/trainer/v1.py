@@ -60,7 +60,6 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
         self.n = int(config.actor_rollout_ref.rollout.n)
         self._fetch_step, self._fetch_index = None, 0  # prompt fetches within one global step (ratio seeds)
         self._policy_metrics: dict = {}  # a multi-pass rollout policy's pass counts since the last step's metrics
-        self._batch_fetch_index = 0  # the fetch index of the last prompt batch (its ratios' and seeds' key)
         self._fetch_prompts = 0  # prompts fetched in step _fetch_step (max_num_gen_batches)
         self._gen_budget_spent = -1  # the global step whose generation budget ran out
         self._carry_metrics: dict = {}  # carry_over counts of the step (train/num_*carried*)
@@ -70,10 +69,8 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
     def _init_dataloader(self):
         """verl's dataloaders (``trainer_base.py`` ``_init_dataloader`` 708-724, through the module's
         ``create_rl_dataset``); for this one call the training set's builder also gets ``data.mix`` (targets)."""
-        build = trainer_base.create_rl_dataset
-        train_data_cfg = OmegaConf.create(OmegaConf.to_container(self.config.data, resolve=True))
-        with open_dict(train_data_cfg):
-            train_data_cfg.mix = OmegaConf.create(OmegaConf.to_container(self.config.mix, resolve=True))
+        build, data = trainer_base.create_rl_dataset, OmegaConf.to_container(self.config.data, resolve=True)
+        train_data_cfg = OmegaConf.create({**data, "mix": OmegaConf.to_container(self.config.mix, resolve=True)})
 
         def create_rl_dataset(data_paths, data_config, tokenizer, processor, is_train=True, max_samples=-1):
             return build(data_paths, train_data_cfg if is_train else data_config, tokenizer, processor,
@@ -126,15 +123,11 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
 
     # ---- mix.flops_budget: the step's FLOPs (mix_src/trainer/common.py), counted as the legacy base counts them ---
     def step(self, metrics: dict, timing_raw: dict):
+        """verl's step, then ``flops/*`` over its trained rows plus the rows generated since the last count;
+        ``_budget_step`` is set when ``mix.flops_budget`` is reached with this step."""
         batch = super().step(metrics, timing_raw)
-        self._count_flops(batch, metrics)
-        return batch
-
-    def _count_flops(self, batch, metrics: dict) -> None:
-        """``flops/*`` over the step's trained rows plus the rows generated since the last count; sets ``_budget_step``
-        when ``mix.flops_budget`` is reached with this step."""
         if self._flops_off(metrics):
-            return
+            return batch
         keep = _trained_rows(batch)
         p, r = tag_lengths([batch.tags[i] for i in keep])
         if streams_on_v1(self.mix.rollout_policy) and not getattr(self, "_counts_generation", False):
@@ -144,6 +137,7 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
             self.add_rollout_flops(p, r, r - data.to_padded_tensor()["prefix_mask"].long().sum(-1).numpy())
         if self._count_step_flops(p, r, self._pending_rollout_flops(), metrics):
             self._budget_step = self.global_steps
+        return batch
 
     def on_step_end(self):
         """verl's (weight sync). A step that reached ``mix.flops_budget`` is the run's last: verl's ``fit``
@@ -241,19 +235,19 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
         targets = None if targets is None else [t for t in targets.tolist() for _ in range(self.n)]
         ratios = self._row_ratios(len(batch), self._fetch_index, targets)
         seeds = self._row_seeds(len(batch), self._fetch_index)
-        self._batch_fetch_index = self._fetch_index
         self._fetch_index += 1
         tu.assign_non_tensor_stack(batch, "prefix_ratios", ratios.reshape(len(batch), self.n).tolist())
         tu.assign_non_tensor_stack(batch, "rollout_seeds", seeds.reshape(len(batch), self.n).tolist())
         return batch
 
     def _submit_batch_to_rollout(self, batch):
-        """verl's stage; a rollout policy that V1 does not stream generates pass by pass through
-        :class:`mix_src.trainer.rollout_policy_v1.V1PolicyRunner`, the agent-loop manager for this call."""
+        """verl's stage (right after ``_next_train_batch``: ``trainer_base.py`` 1514-1523); a rollout policy that V1
+        does not stream generates pass by pass through :class:`mix_src.trainer.rollout_policy_v1.V1PolicyRunner`, the
+        agent-loop manager for this call, keyed by the batch's fetch index."""
         if streams_on_v1(self.mix.rollout_policy):
             return super()._submit_batch_to_rollout(batch)
         manager = self.agent_loop_manager
-        self.agent_loop_manager = V1PolicyRunner(self, manager, self._batch_fetch_index, self._policy_metrics)
+        self.agent_loop_manager = V1PolicyRunner(self, manager, self._fetch_index - 1, self._policy_metrics)
         try:
             return super()._submit_batch_to_rollout(batch)
         finally:

@@ -100,9 +100,9 @@ class V1ReplayBufferRules:
                     and not buf.pending_keys[partition_id] and not buf.running_keys[partition_id]):  # fmt: skip
                 fg, gen_bs = trainer.config.algorithm.filter_groups, trainer._gen_batch_prompts()
                 raise FilterGroupsExhausted.after(
-                    f"{trainer._step_prompts() // gen_bs} generation batches of {gen_bs} prompts", fg.max_num_gen_batches,
-                    len(buf.finished_keys[partition_id]), trainer.config.data.train_batch_size, fg.metric,
-                    f"mix.filter_groups.rule={trainer.mix.filter_groups.rule!r}")
+                    f"{trainer._step_prompts() // gen_bs} generation batches of {gen_bs} prompts",
+                    fg.max_num_gen_batches, len(buf.finished_keys[partition_id]), trainer.config.data.train_batch_size,
+                    fg.metric, f"mix.filter_groups.rule={trainer.mix.filter_groups.rule!r}")
             return verl_wait(partition_id, last_debug_time)
 
         def _select_prompt_uids(buf, partition_id, sampleable_keys, batch_size):
@@ -161,17 +161,13 @@ def make_dapo_filtered_keys(rule: str, on_policy_only: bool) -> Callable:
         keys = [k for k in self.partitions[partition_id] if k.split("_")[0] in new]
         if not keys:
             return {u for u, v in cache.items() if v is not None}, Counter(v for v in cache.values() if v is not None)
-        summed = self.filter_groups_metric in SUMMED_REWARD_METRICS
-        fields = ["extra_fields", "rm_scores"] if summed else ["extra_fields"]
+        fields = ["extra_fields"] + (["rm_scores"] if self.filter_groups_metric in SUMMED_REWARD_METRICS else [])
         data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=fields)
         extra = extra_fields(data["extra_fields"])
         infos = [e.get("reward_extra_info", {}) for e in extra]
-
-        def extra_values(name):
-            return [float(i[name]) for i in infos] if all(name in i for i in infos) else None
-
         values = filter_metric_values(
-            self.filter_groups_metric, lambda: [float(v.sum().item()) for v in data["rm_scores"]], extra_values,
+            self.filter_groups_metric, lambda: [float(v.sum().item()) for v in data["rm_scores"]],
+            lambda name: [float(i[name]) for i in infos] if all(name in i for i in infos) else None,
             sorted(set().union(*infos)),
         ).tolist()  # fmt: skip
         uids = [k.split("_")[0] for k in keys]
