@@ -7,8 +7,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from e2e import MIX_CPU, tiny_overrides
-from mix_src.config.batch_check import check_batch_arithmetic, rows_of
+from mix_src.config.batch_check import check_batch_arithmetic
+from mix_src.config.data_check import check_data
 from mix_src.config.mix_config import MixConfigError, validate_mix_config
+from mix_src.config.resources import rows_of
 from scripts.probe_bad_inputs import Composer
 
 @pytest.fixture(scope="module")
@@ -32,14 +34,24 @@ A = "actor_rollout_ref.actor."
     ([A + "optim.lr=0"], r"optim\.lr=0"),
     (["trainer.total_epochs=0"], r"trainer\.total_epochs=0: the run would exit having trained nothing"),
     (["trainer.total_training_steps=0"], r"trainer\.total_training_steps=0"),
-    (["data.train_batch_size=64", A + "ppo_mini_batch_size=64"],
-     r"data\.train_files has 32 rows, fewer than one batch \(data\.train_batch_size=64\)"),
-    (["data.train_max_samples=3"], r"has 3 rows \(data\.train_max_samples=3\), fewer than one batch"),
 ])
 def test_batch_arithmetic_refused_naming_keys_and_numbers(compose, overrides, pattern):
     cfg = compose(*overrides)
     with pytest.raises(MixConfigError, match=pattern):
         check_batch_arithmetic(cfg)
+
+
+@pytest.mark.parametrize("overrides, pattern", [
+    (["data.train_batch_size=64", A + "ppo_mini_batch_size=64"],
+     r"data\.train_files: 32 usable rows .*fewer than data\.train_batch_size=64"),
+    (["data.train_max_samples=3"], r"data\.train_files: 3 usable rows .*fewer than data\.train_batch_size=4"),
+    (["data.gen_batch_size=40"], r"32 usable rows .*fewer than data\.gen_batch_size=40.*lower data\.gen_batch_size"),
+])
+def test_too_few_rows_for_one_batch_refused_once_by_the_data_check(compose, overrides, pattern):
+    """The rows must fill one of the loader's batches (gen_batch_size, else train_batch_size): the data check
+    (preflight slot 4) counts them after its drops, so the batch check does not count them again."""
+    with pytest.raises(MixConfigError, match=pattern):
+        check_data(compose(*overrides))
 
 
 def test_settings_that_train_pass(compose, tiny_assets):

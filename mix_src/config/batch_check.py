@@ -8,20 +8,14 @@ mix_src/config/README.md, "Batch arithmetic"). verl's driver-side ``validate_con
   verl/trainer/ppo/v1/trainer_base.py 1589-1621);
 * micro-batches: 0 is a ``ZeroDivisionError`` (engine_workers.py 287), and ``total_data_size %
   micro_batch_size_per_gpu == 0`` is asserted (verl/workers/engine/utils.py 125);
-* rows and steps: the train loader drops the last partial batch (``drop_last=True``, ray_trainer.py 404-411), so too
-  few rows or no epochs/steps exit 0 having trained nothing (ray_trainer.py 435-440, 1465).
-
-Rows are counted from the parquet footer; an unreadable file is left to the data check (preflight slot 4).
+* steps: no epochs/steps exit 0 having trained nothing (ray_trainer.py 435-440, 1465); too few rows for one batch
+  (the loader's ``drop_last=True``, ray_trainer.py 404-411) are the data check's (preflight slot 4), after its drops.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Iterable, Optional
-
 from omegaconf import DictConfig, OmegaConf
 
-from mix_src.config.data_check import data_files
 from mix_src.config.mix_config import MixConfigError
 
 A = "actor_rollout_ref.actor"
@@ -34,7 +28,6 @@ def check_batch_arithmetic(config: DictConfig) -> None:
     _check_positive(config)
     _check_training_length(config)
     _check_mini_batches(config)
-    _check_rows(config)
 
 
 def _check_positive(config: DictConfig) -> None:
@@ -93,32 +86,3 @@ def _check_mini_batches(config: DictConfig) -> None:
                              f"{mini * n // dp} rows (ppo_mini_batch_size {mini} x rollout.n {n} / {dp} ranks; verl "
                              f"asserts it in the worker); use a divisor of {mini * n // dp}, or use_dynamic_bsz=true")
 
-
-def rows_of(paths: Iterable[str]) -> Optional[int]:
-    """Rows of these parquet files (or directories of them) together, from the footers without reading them; None
-    when there are none or one cannot be read as parquet (the data check names that)."""
-    import pyarrow.parquet as pq
-
-    try:
-        counts = [pq.ParquetDataset(p).count_rows() if os.path.isdir(p) else pq.ParquetFile(p).metadata.num_rows
-                  for p in paths]
-    except Exception:  # noqa: BLE001  (format errors are the data check's, slot 4)
-        return None
-    return sum(counts) if counts else None
-
-
-def _check_rows(config: DictConfig) -> None:
-    if bool(config.trainer.get("val_only", False)):
-        return
-    rows = rows_of(data_files(config.data.train_files))
-    if rows is None:
-        return  # remote or unreadable: not countable here
-    cap = int(config.data.get("train_max_samples", -1) or -1)
-    rows = min(rows, cap) if cap > 0 else rows
-    batch = int(config.data.get("gen_batch_size", None) or config.data.train_batch_size)
-    if rows < batch:
-        key = "data.gen_batch_size" if config.data.get("gen_batch_size", None) else "data.train_batch_size"
-        raise MixConfigError(f"data.train_files has {rows} "
-                             f"rows{f' (data.train_max_samples={cap})' if cap > 0 else ''}, fewer than one batch "
-                             f"({key}={batch}): verl's loader drops the partial batch, so the run would train nothing; "
-                             f"lower {key} to <= {rows} or add rows")

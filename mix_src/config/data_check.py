@@ -17,7 +17,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from mix_src.config.mix_config import MixConfigError
 from mix_src.rewards.answers import ground_truth_problem
@@ -310,10 +310,12 @@ def check_data(config: DictConfig) -> dict[str, FileReport]:
             continue  # a remote file: not counted
         limit = int(data.get(f"{role}_max_samples", -1) or -1)
         usable = min(usable, limit) if limit > 0 else usable
-        need = int(data.train_batch_size) if role == "train" else 1
+        # the loader's batch (verl/trainer/ppo/ray_trainer.py 404-411)
+        batch_key = "data.gen_batch_size" if role == "train" and data.get("gen_batch_size") else "data.train_batch_size"
+        need = int(OmegaConf.select(config, batch_key)) if role == "train" else 1
         if usable < need:
-            what = f"data.train_batch_size={need}" if role == "train" else "one row"
+            what = f"{batch_key}={need}" if role == "train" else "one row"
             raise MixConfigError(f"{key}: {usable} usable rows after the drops above, fewer than {what}; verl's "
                                  "dataloader drops the last incomplete batch, so nothing would train. Add rows or "
-                                 "lower data.train_batch_size")
+                                 f"lower {batch_key}")
     return reports

@@ -1,9 +1,5 @@
-"""The checks the driver runs before Ray starts, in one stage that reads top to bottom (the order and its
-costs: mix_src/config/README.md).
-
-``run(config)`` is what ``python -m mix_src.main_mix_ppo`` calls before ``ray.init``; each step raises
-:class:`~mix_src.config.mix_config.MixConfigError` (or ``FileNotFoundError`` for a path, :class:`~mix_src.extend.
-EntryConfigError` for a registry entry) naming the key, file or value and what to do.
+"""The checks the driver runs before Ray starts (:func:`run`, called by ``python -m mix_src.main_mix_ppo`` before
+``ray.init``), one stage that reads top to bottom; its order, errors and costs: mix_src/config/README.md.
 """
 
 from __future__ import annotations
@@ -96,10 +92,9 @@ def _check_backend(config: DictConfig) -> None:
 
 
 def export_plugins(config: DictConfig) -> list[str]:
-    """Make every Ray process load what this one did, and fail as loudly: ``mix_src.plugins`` goes into verl's
-    ``VERL_USE_EXTERNAL_MODULES`` (imported by verl/__init__.py in each process; it loads verl's entry points,
-    :func:`mix_src.extend.load_verl_plugins`, and the ``mix.plugins``, whose specs go into ``MIX_PLUGINS``); the
-    rollout name into ``MIX_CPU_ROLLOUT`` (the CPU backend's "active" line). Both in this process's environment (a
+    """Make every Ray process load what this one did, and fail as loudly (mix_src/README.md, extending):
+    ``mix_src.plugins`` into verl's ``VERL_USE_EXTERNAL_MODULES``, the ``mix.plugins`` specs into ``MIX_PLUGINS``,
+    the rollout name into ``MIX_CPU_ROLLOUT`` (the CPU backend's "active" line), in this process's environment (a
     local Ray cluster inherits it) and ``ray_kwargs.ray_init.runtime_env.env_vars``. Returns the plugin specs."""
     load_verl_plugins()  # this process imported verl before the environment said so
     mix = config.get("mix") or {}

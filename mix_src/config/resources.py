@@ -14,11 +14,10 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from mix_src.config.batch_check import rows_of
 from mix_src.config.data_check import data_files
 from mix_src.config.mix_config import MixConfigError
 from mix_src.planner import checkpoint_bytes, count_params
@@ -76,6 +75,19 @@ def kept_at_once(saves: Optional[int], keep: Optional[int]) -> Optional[int]:
         peak = max(keep, 2)  # k = 1 keeps the old one until the new one is written (register_checkpoint)
         return peak if saves is None else min(peak, saves)
     return saves
+
+
+def rows_of(paths: Iterable[str]) -> Optional[int]:
+    """Rows of these parquet files (or directories of them) together, from the footers without reading them; None
+    when there are none or one cannot be read as parquet (the data check names that)."""
+    import pyarrow.parquet as pq
+
+    try:
+        counts = [pq.ParquetDataset(p).count_rows() if os.path.isdir(p) else pq.ParquetFile(p).metadata.num_rows
+                  for p in paths]
+    except Exception:  # noqa: BLE001  (format errors are the data check's, slot 4)
+        return None
+    return sum(counts) if counts else None
 
 
 def total_steps(config: DictConfig) -> Optional[int]:
