@@ -45,10 +45,8 @@ register_prefix_token_select = PREFIX_TOKEN_SELECTS.register
 
 
 def apply_prefix_token_selection(advantages: torch.Tensor, prefix_mask: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """(B, L) advantages, prefix_mask, keep -> new (B, L) advantages with 0 on the prefix tokens not kept."""
-    if keep.shape != advantages.shape or prefix_mask.shape != advantages.shape:
-        raise ValueError(f"expected (B, L) tensors of one shape, got advantages {tuple(advantages.shape)}, "
-                         f"prefix_mask {tuple(prefix_mask.shape)}, keep {tuple(keep.shape)}")  # fmt: skip
+    """(B, L) advantages, prefix_mask, keep -> new (B, L) advantages with 0 on the prefix tokens not kept (the shapes:
+    checked by select_prefix_tokens)."""
     drop = prefix_mask.bool() & ~keep.bool()
     return torch.where(drop, torch.zeros_like(advantages), advantages)
 

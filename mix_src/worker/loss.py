@@ -69,6 +69,11 @@ def _row_values(data: TensorDict, keys, feature: str, helper: str) -> dict[str, 
     return values
 
 
+def _population(info: dict, counts: dict, tokens: str, rows: str) -> dict:
+    """verl's global numbers ``info`` with a population's own mini-batch size (mix.loss.combine; >= 1: 0/0 -> 0)."""
+    return dict(info, batch_num_tokens=max(counts[tokens], 1.0), global_batch_size=max(counts[rows], 1.0))
+
+
 def install_loss(worker_group: Any, loss: "MixPolicyLoss") -> None:
     """``worker_group.set_loss_fn(loss)`` once the workers are up (both bases); each actor worker checks its CPU-backend
     patches on arrival (``__setstate__``), this process its own (no-ops off the CPU backend)."""
@@ -201,8 +206,9 @@ class MixPolicyLoss:
             if prefix_on_policy:  # the entry's option: prefix tokens get the on-policy PPO-clip loss
                 ctx.prefix_mask = torch.zeros_like(ctx.prefix_mask)
         ctx.rl_mask, sft_mask = response_mask, None
-        if mix.row_loss is not None:  # the rows' own choice
-            ctx.rl_mask, sft_mask = self._row_masks(data, response_mask, ctx.prefix_mask)
+        if mix.row_loss is not None:  # the rows' own choice ('sft_row' (bsz,): checked by add_sft_token_counts)
+            sft_row = data[SFT_ROW].to(response_mask.device).bool().reshape(-1)
+            ctx.rl_mask, sft_mask = ROW_LOSSES.get(mix.row_loss)(response_mask, ctx.prefix_mask, sft_row)
         elif mix.use_sft_multitask_loss:  # the prefix tokens take the SFT term, the on-policy rows PPO-clip
             sft_mask = ctx.prefix_mask
 
@@ -243,14 +249,16 @@ class MixPolicyLoss:
         token_batch = partial(TokenBatch, batch["old_log_probs"], ctx.log_prob,
                               loss_remove_clip=remove_clip,
                               rollout_is_weights=batch.get("rollout_is_weights", None), **policy_info)  # fmt: skip
-        if mix.combine is not None:  # a registered loss combination (mix_src.algo.loss_combine)
-            pg_loss, out = self._combined_policy_loss(ctx, token_batch)
-        elif mix.use_sft_multitask_loss:
-            off_rows = prefix_mask.any(dim=-1, keepdim=True)  # rows with a prefix are off-policy rows
-            out = token_loss(token_batch(ctx.advantages, ctx.response_mask & ~off_rows, torch.zeros_like(prefix_mask)),
+        if mix.combine is not None or mix.use_sft_multitask_loss:  # PPO-clip on the on-policy rows (no prefix token)
+            on_mask = ctx.response_mask & ~prefix_mask.any(dim=-1, keepdim=True)
+            counts = _row_values(ctx.data, COMBINE_FIELDS, "mix.loss.combine", "add_combine_inputs") if mix.combine else {}
+            on_info = _population(ctx.info, counts, ON_TOKENS, ON_ROWS) if mix.combine else {}
+            out = token_loss(token_batch(ctx.advantages, on_mask, torch.zeros_like(prefix_mask), **on_info),
                              self.ppo_clip_config)  # fmt: skip
             out["off_policy_prob"] = masked_mean(ctx.log_prob.detach().exp(), prefix_mask)
             pg_loss = out["pg_loss"]
+            if mix.combine is not None:  # a registered loss combination (mix_src.algo.loss_combine)
+                pg_loss = self._combined_policy_loss(ctx, on_mask, on_info, counts, pg_loss)
         else:
             rl_mask = ctx.rl_mask
             behaviour = None  # the prefix tokens' recorded behaviour log-probs (mix_src/algo/off_policy_behaviour.py)
@@ -284,16 +292,6 @@ class MixPolicyLoss:
         out["on_pg_loss"] = loss.detach()
         return loss
 
-    def _row_masks(self, data: TensorDict, response_mask: torch.Tensor, prefix_mask: torch.Tensor):
-        """(rl_mask, sft_mask), each (bsz, L) bool, from the row loss ``mix.loss.row_loss`` and `sft_row`."""
-        if SFT_ROW not in data.keys():
-            raise KeyError(f"mix.loss.row_loss={self.mix.row_loss!r} needs the per-row field '{SFT_ROW}' (bsz,) in the "
-                           "batch; a rollout policy that marks SFT rows sets it (e.g. recipes/hpt)")
-        sft_row = data[SFT_ROW].to(response_mask.device).bool().reshape(-1)
-        if sft_row.shape[0] != response_mask.shape[0]:
-            raise ValueError(f"'{SFT_ROW}' has {sft_row.shape[0]} rows for a micro-batch of {response_mask.shape[0]}")
-        return ROW_LOSSES.get(self.mix.row_loss)(response_mask, prefix_mask, sft_row)
-
     def _sft_scale(self, data: TensorDict, info: dict, policy_agg: Callable) -> SftScale:
         """The numbers of ``mix.loss.sft_loss_agg`` (mix_src/algo/row_loss.py SftScale)."""
         grad_accum = 1.0
@@ -306,22 +304,13 @@ class MixPolicyLoss:
             sft_tokens = max(counted, 1.0)  # 0 SFT tokens: a numerator of 0 too
         return SftScale(sft_tokens, int(info["dp_size"]), grad_accum, policy_agg)
 
-    def _combined_policy_loss(self, ctx: "_LossContext", token_batch: Callable[..., TokenBatch]):
-        """``mix.loss.combine``: PPO-clip on the on-policy rows, combined with the expert tokens by the entry."""
-        mix, log_prob, prefix_mask = self.mix, ctx.log_prob, ctx.prefix_mask
-        counts = _row_values(ctx.data, COMBINE_FIELDS, "mix.loss.combine", "add_combine_inputs")
-        expert_rows = prefix_mask.any(dim=-1, keepdim=True)  # rows with a prefix are expert rows
-        on_mask = ctx.response_mask & ~expert_rows
-
-        def numbers(tokens: str, rows: str) -> dict:  # the population's global mini-batch size (>= 1: 0/0 -> 0)
-            return dict(ctx.info, batch_num_tokens=max(counts[tokens], 1.0), global_batch_size=max(counts[rows], 1.0))
-
-        on_info, expert_info = numbers(ON_TOKENS, ON_ROWS), numbers(EXPERT_TOKENS, EXPERT_ROWS)
-        out = token_loss(token_batch(ctx.batch["advantages"], on_mask, torch.zeros_like(prefix_mask), **on_info),
-                         self.ppo_clip_config)  # fmt: skip
-        out["off_policy_prob"] = masked_mean(log_prob.detach().exp(), prefix_mask)
+    def _combined_policy_loss(self, ctx: "_LossContext", on_mask: torch.Tensor, on_info: dict, counts: dict,
+                              rl_loss: torch.Tensor) -> torch.Tensor:
+        """``mix.loss.combine``: PPO-clip ``rl_loss`` on the on-policy rows, combined with the expert tokens by the entry."""
+        mix, prefix_mask = self.mix, ctx.prefix_mask
+        expert_info = _population(ctx.info, counts, EXPERT_TOKENS, EXPERT_ROWS)
         inputs = CombineInputs(
-            log_prob=log_prob, on_mask=on_mask, expert_mask=prefix_mask, rl_loss=out["pg_loss"],
+            log_prob=ctx.log_prob, on_mask=on_mask, expert_mask=prefix_mask, rl_loss=rl_loss,
             agg_on=lambda m: agg_loss(m, on_mask, self.loss_agg_mode, **on_info),
             agg_expert=lambda m: agg_loss(m, prefix_mask, self.loss_agg_mode, **expert_info),
             global_step=int(counts[GLOBAL_STEP]),
@@ -329,7 +318,7 @@ class MixPolicyLoss:
         loss, extra = LOSS_COMBINES.get(mix.combine)(inputs, LOSS_COMBINES.settings(mix.combine, mix.combine_args))
         ctx.metrics.update(Metric.from_dict({f"actor/{k}": float(v) for k, v in extra.items()},
                                             aggregation=AggregationType.MEAN))  # fmt: skip
-        return loss, out
+        return loss
 
     # ---- entropy coefficient -------------------------------------------------------------------------
 
