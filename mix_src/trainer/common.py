@@ -115,10 +115,11 @@ class MixTrainerCommon:
         actor_cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
         install_loss(self.actor_rollout_wg, MixPolicyLoss(actor_cfg, self.mix.loss, entropy_state=self._entropy_state))
 
-    def _add_loss_inputs(self, batch: Any, dp_size) -> None:
+    def _add_loss_inputs(self, batch: Any) -> None:
         """The per-row inputs the worker loss reads (mix_src/worker/loss.py: kept-token counts for
         ``mix.loss.all_max_clip`` / ``row_loss``, ``mix.loss.combine``'s population counts), added to the DataProto
-        ``batch`` before the actor update. ``dp_size()``: the actor's data-parallel size."""
+        ``batch`` before the actor update (verl's ``_get_dp_size``: the actor's data-parallel size)."""
+        dp_size = lambda: self._get_dp_size(self.actor_rollout_wg, "actor")  # noqa: E731
         add_kept_token_counts(batch, self.config, self.mix.loss, dp_size)
         add_combine_inputs(batch, self.config, self.mix.loss, dp_size, self.global_steps)
 

@@ -290,7 +290,7 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
         if self.config.trainer.critic_warmup > self.global_steps:
             self._wake_rollout()
             return
-        self._add_loss_inputs(batch, lambda: self._get_dp_size(self.actor_rollout_wg, "actor"))
+        self._add_loss_inputs(batch)
         with marked_timer("update_actor", timing):
             actor_output = self._update_actor(batch)
         self._keep_entropy_state(actor_output.meta_info["metrics"])  # the learned entropy coefficient

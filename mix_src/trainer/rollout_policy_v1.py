@@ -41,7 +41,6 @@ class V1PolicyRunner:
     def __init__(self, trainer: Any, manager: Any, gen_index: int, metrics: dict, poll_s: float = 0.2):
         self.trainer, self.manager, self.gen_index, self.metrics, self.poll_s = trainer, manager, gen_index, metrics, poll_s
         self.n = int(trainer.n)
-        self.response_length = int(trainer.config.actor_rollout_ref.rollout.response_length)
         self._scratch: list[str] = []  # scratch uids of this call's passes
         self._passes = 0
 
@@ -145,32 +144,27 @@ class V1PolicyRunner:
         data = tq.kv_batch_get(keys=keys, partition_id=PARTITION, select_fields=fields)
         extra = extra_fields(data.pop("extra_fields"))
         prompt_lens, response_lens = _row_lengths(data["prompts"]), _row_lengths(data["responses"])
-        padded = data.to_padded_tensor()
-        width = max(self.response_length, padded["response_mask"].shape[-1], padded["responses"].shape[-1])
+        padded, rollout = data.to_padded_tensor(), self.trainer.config.actor_rollout_ref.rollout
+        width = max(int(rollout.response_length), padded["response_mask"].shape[-1], padded["responses"].shape[-1])
         p_width = max(int(self.trainer.config.data.max_prompt_length), padded["prompts"].shape[-1])
 
         def pad(t, w=width):
             return torch.nn.functional.pad(t, (0, w - t.shape[-1]))
 
         response_mask = pad(padded["response_mask"])
-        scores = pad(padded["rm_scores"].float())
-        prefix_mask = prefix_mask_tensor([e.get("prefix_token_mask") for e in extra], response_mask)
-        positions_p, positions_r = torch.arange(p_width), torch.arange(width)
-        attention_mask = torch.cat([(positions_p[None] < prompt_lens[:, None]), (positions_r[None] < response_lens[:, None])],
-                                   dim=-1).long()  # fmt: skip
-        tensors = {"responses": pad(padded["responses"]), "prompts": pad(padded["prompts"], p_width),
-                   "attention_mask": attention_mask}  # fmt: skip
+        tensors = {"response_mask": response_mask, "token_level_scores": pad(padded["rm_scores"].float()),
+                   "prefix_mask": prefix_mask_tensor([e.get("prefix_token_mask") for e in extra], response_mask),
+                   "responses": pad(padded["responses"]), "prompts": pad(padded["prompts"], p_width),
+                   "attention_mask": torch.cat([torch.arange(p_width)[None] < prompt_lens[:, None],
+                                                torch.arange(width)[None] < response_lens[:, None]], dim=-1).long()}
         if "rollout_log_probs" in padded.keys():
             tensors["rollout_log_probs"] = pad(padded["rollout_log_probs"].float())
         non_tensor = {TQ_KEY: np.asarray(keys, dtype=object),
                       "prefix_ratio": np.asarray([float(e.get("prefix_ratio", 0.0) or 0.0) for e in extra])}  # fmt: skip
         infos = [e.get("reward_extra_info", {}) or {} for e in extra]
-        for key in set().union(*infos):
-            if all(key in i for i in infos):
-                non_tensor[key] = np.asarray([i[key] for i in infos])
-        batch = TensorDict({"response_mask": response_mask, "token_level_scores": scores, "prefix_mask": prefix_mask,
-                            **tensors}, batch_size=[len(keys)])  # fmt: skip
-        return DataProto(batch=batch, non_tensor_batch=non_tensor)
+        non_tensor.update({key: np.asarray([i[key] for i in infos]) for key in set().union(*infos)
+                           if all(key in i for i in infos)})  # the reward's extra keys every row has
+        return DataProto(batch=TensorDict(tensors, batch_size=[len(keys)]), non_tensor_batch=non_tensor)
 
     # ---- the chosen rows become the groups' rows -----------------------------------------------------------
     def _commit(self, out, uids: list[str]) -> None:

@@ -20,6 +20,7 @@ from tensordict import TensorDict
 
 from verl import DataProto
 from verl.trainer.main_ppo import TaskRunnerV1
+from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl.trainer.ppo.v1 import get_trainer_cls, trainer_base, trainer_separate_async
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
@@ -52,6 +53,7 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
     """LUFFY's stages in verl's V1 trainer hooks; put it before verl's mode trainer (see the module docstring)."""
 
     mix: MixConfig
+    _get_dp_size = RayPPOTrainer._get_dp_size  # a worker group's data-parallel size (verl's ray_trainer.py 1162)
 
     def __init__(self, config, **kwargs):
         self.mix = validate_mix_config(config)
@@ -114,7 +116,7 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
                            "set by a rollout policy that marks SFT rows (e.g. recipes/hpt: mix.rollout_policy=hpt) "
                            f"(TransferQueue: {e})") from e
         proto = DataProto(batch=data.to_padded_tensor())
-        self._add_loss_inputs(proto, lambda: _actor_dp_size(self.actor_rollout_wg))
+        self._add_loss_inputs(proto)
         new = [k for k in (KEPT_TOKENS, SFT_TOKENS, *COMBINE_FIELDS) if k in proto.batch.keys()]
         if new:
             out = TensorDict({k: proto.batch[k] for k in new}, batch_size=len(batch))
@@ -328,13 +330,6 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
 
 def _trained_rows(batch) -> list[int]:  # verl's padding rows excluded
     return [i for i, tag in enumerate(batch.tags) if not tag.get("is_padding", False)]
-
-
-def _actor_dp_size(worker_group) -> int:
-    """The actor's data-parallel size, as verl's ``RayPPOTrainer._get_dp_size`` reads it (ray_trainer.py 1162)."""
-    if "actor" not in worker_group._dispatch_info:
-        worker_group._dispatch_info["actor"] = worker_group._query_dispatch_info("actor")
-    return max(worker_group._dispatch_info["actor"]) + 1
 
 
 @register_trainer("mix_sync")  # mix_<trainer.v1.trainer_mode>
