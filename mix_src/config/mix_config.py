@@ -38,12 +38,6 @@ class DataConfig:
     # (None: data.max_response_length - 1, so a whole target plus its EOS fits the response; see target_limit)
     truncate_targets: bool = False  # ... or truncated to it when true (also counted)
 
-    def check(self, p: str) -> None:
-        _in_range(f"{p}.sample_target_ratio", self.sample_target_ratio, 0.0, 1.0)
-        _in_range(f"{p}.max_target_length", self.max_target_length, 1, None)
-        if not self.target_key:
-            raise MixConfigError(f"{p}.target_key must be a non-empty column name")
-
     def target_limit(self, max_response_length: Optional[int]) -> int:
         """Longest target kept, in tokens: ``max_target_length``, or by default ``max_response_length - 1`` (the
         rollout appends EOS to a whole target, and a response has ``max_response_length`` tokens; LUFFY's 8192 with
@@ -176,9 +170,6 @@ class FilterGroupsConfig:
     carry_over: bool = False  # keep surplus kept groups for the next step instead of discarding them
     on_policy_only: bool = False  # compute a group's metric std over its on-policy rows only
 
-    def check(self, p: str) -> None:
-        _registered(GROUP_FILTERS, self.rule)
-
 
 @dataclass
 class PlannerConfig:
@@ -186,12 +177,6 @@ class PlannerConfig:
 
     check: bool = True  # refuse what cannot fit (fp32 params + grads + AdamW > GPU), print the estimate otherwise
     gpu: Optional[str] = None  # plan for this GPU (mix_src.planner.estimate.GPUS) instead of the driver's; also on CPU
-
-    def check_values(self, p: str) -> None:
-        from mix_src.planner.estimate import GPUS
-
-        if self.gpu is not None and self.gpu not in GPUS:
-            raise MixConfigError(f"{p}.gpu={self.gpu!r}: use one of {sorted(GPUS)} or null (the driver's GPU)")
 
 
 @dataclass
@@ -220,6 +205,9 @@ class MixConfig:
     planner: PlannerConfig = field(default_factory=PlannerConfig)
 
     def check(self, p: str = "mix") -> None:
+        """The checks of every section but ``loss`` (checked when built: :class:`LossConfig`)."""
+        from mix_src.planner.estimate import GPUS
+
         _in_range(f"{p}.n_prefix", self.n_prefix, -1, None)
         _registered(PREFIX_STRATEGIES, self.prefix_strategy)
         _registered(ROLLOUT_POLICIES, self.rollout_policy)
@@ -246,9 +234,14 @@ class MixConfig:
         _in_range(f"{p}.flops_budget", self.flops_budget, 1.0, None)
         if self.flops_count not in FLOPS_COUNTS:
             raise MixConfigError(f"{p}.flops_count={self.flops_count!r}: use one of {list(FLOPS_COUNTS)}")
-        self.data.check(f"{p}.data")
-        self.filter_groups.check(f"{p}.filter_groups")
-        self.planner.check_values(f"{p}.planner")
+        _in_range(f"{p}.data.sample_target_ratio", self.data.sample_target_ratio, 0.0, 1.0)
+        _in_range(f"{p}.data.max_target_length", self.data.max_target_length, 1, None)
+        if not self.data.target_key:
+            raise MixConfigError(f"{p}.data.target_key must be a non-empty column name")
+        _registered(GROUP_FILTERS, self.filter_groups.rule)
+        if self.planner.gpu is not None and self.planner.gpu not in GPUS:
+            raise MixConfigError(f"{p}.planner.gpu={self.planner.gpu!r}: use one of {sorted(GPUS)} or null (the "
+                                 "driver's GPU)")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -322,7 +315,7 @@ def _resolve_target_limit(config: Any, mix: MixConfig) -> None:
     """Refuse a ``mix.data.max_target_length`` whose target + EOS cannot fit ``data.max_response_length``; write
     the resolved limit (default ``max_response_length - 1``) into both ``mix`` and ``config.mix.data``, so the
     datasets Ray builds read the number checked here."""
-    from omegaconf import open_dict
+    from omegaconf import OmegaConf, open_dict
 
     response = config.get("data", {}).get("max_response_length")
     if response is None:
@@ -336,8 +329,7 @@ def _resolve_target_limit(config: Any, mix: MixConfig) -> None:
     mix.data.max_target_length = mix.data.target_limit(response)
     if config.get("mix") is not None:
         with open_dict(config):
-            config.mix.setdefault("data", {})
-            config.mix.data.max_target_length = mix.data.max_target_length
+            OmegaConf.update(config, "mix.data.max_target_length", mix.data.max_target_length, force_add=True)
 
 
 def uses_critic(config: Any) -> bool:
