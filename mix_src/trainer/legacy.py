@@ -221,10 +221,9 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
 
     def _dump_rollouts(self, batch: DataProto, timing: dict, rollout_data_dir: str) -> None:
         """``trainer.rollout_data_dir``: verl's JSONL dump of the step's rows, plus their prefix ratio and tokens."""
-        _, extra = extract_reward(batch)
-        extra = dict(extra)
-        extra["prefix_ratio"] = np.asarray(batch.non_tensor_batch["prefix_ratio"], dtype=np.float64)
-        extra["prefix_tokens"] = batch.batch["prefix_mask"].sum(-1).numpy()
+        extra = {**extract_reward(batch)[1],
+                 "prefix_ratio": np.asarray(batch.non_tensor_batch["prefix_ratio"], dtype=np.float64),
+                 "prefix_tokens": batch.batch["prefix_mask"].sum(-1).numpy()}
         self._log_rollout_data(batch, extra, timing, rollout_data_dir)
 
     # ---- stage 4: old and reference log-probs ------------------------------------------------------------------------
@@ -279,8 +278,7 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
                                          num_repeat=self.n, norm_adv_by_std_in_grpo=algo.get("norm_adv_by_std_in_grpo", True),
                                          config=algo)  # fmt: skip
 
-            batch = luffy_advantage_stage(verl_advantage, batch.batch["prefix_mask"], algo, self.mix)(batch)
-        return batch
+            return luffy_advantage_stage(verl_advantage, batch.batch["prefix_mask"], algo, self.mix)(batch)
 
     # ---- stage 6: update, checkpoint, weight sync --------------------------------------------------------------------
     def _update(self, batch: DataProto, metrics: dict, timing: dict, is_last_step: bool) -> None:

@@ -150,10 +150,8 @@ class LegacyCollect:
         if self.use_rm and "rm_scores" not in batch.batch.keys():
             self._sleep_rollout()
             batch = batch.union(self._compute_reward_colocate(batch))
-        reward_tensor, extra = extract_reward(batch)
-        batch.batch["token_level_scores"] = reward_tensor
-        for key, values in extra.items():
-            batch.non_tensor_batch[key] = np.asarray(values)
+        batch.batch["token_level_scores"], extra = extract_reward(batch)
+        batch.non_tensor_batch.update({key: np.asarray(values) for key, values in extra.items()})
         return batch
 
     def _filter_groups(self, batch: DataProto):

@@ -78,12 +78,10 @@ def pass_arguments(ratios: Sequence[float], targets: Optional[Sequence], seeds: 
 def prefix_mask_tensor(row_masks: Sequence, response_mask: torch.Tensor) -> torch.Tensor:
     """(bsz, response_len) bool: the rows' ``prefix_token_mask`` arrays (one 0/1 array, or None / empty for an
     on-policy row, per row), right-padded, within the response."""
-    bsz, width = response_mask.shape
-    out = torch.zeros(bsz, width, dtype=torch.bool)
+    out, width = torch.zeros(response_mask.shape, dtype=torch.bool), response_mask.shape[-1]
     for i, m in enumerate(row_masks):
         if m is not None and len(m):
-            k = min(len(m), width)
-            out[i, :k] = torch.as_tensor(np.asarray(m[:k], dtype=bool))
+            out[i, : min(len(m), width)] = torch.as_tensor(np.asarray(m[:width], dtype=bool))
     return out & response_mask.bool()
 
 
@@ -115,11 +113,10 @@ def luffy_advantage_stage(verl_advantage: Callable, prefix_mask: torch.Tensor, a
             out = verl_advantage(data, **kwargs)
             return out.batch["advantages"], out.batch["returns"]
 
-        adv, ret = luffy_advantages(
+        data.batch["advantages"], data.batch["returns"] = luffy_advantages(
             data.batch["token_level_rewards"], data.batch["response_mask"], data.non_tensor_batch["uid"],
             prefix_mask, algorithm, mix, verl_estimator=verl_estimator,
         )  # fmt: skip
-        data.batch["advantages"], data.batch["returns"] = adv, ret
         return data
 
     return advantages

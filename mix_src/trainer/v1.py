@@ -163,8 +163,7 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
 
     def _consume_sync_metrics(self) -> dict:
         """verl's weight-sync metrics, plus the validation run at a step that reached ``mix.flops_budget``."""
-        metrics = dict(super()._consume_sync_metrics())
-        metrics.update(getattr(self, "_budget_val_metrics", None) or {})
+        metrics = {**super()._consume_sync_metrics(), **(getattr(self, "_budget_val_metrics", None) or {})}
         self._budget_val_metrics = None
         return metrics
 
@@ -282,11 +281,9 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
         :func:`~mix_src.trainer.stages.luffy_advantage_stage` and :func:`~mix_src.trainer.stages.on_policy_rollout_correction`;
         then the rows' ``prefix_mask`` is written to TransferQueue (nested like ``response_mask``) for the loss."""
         prefix_mask, nested_response_mask = tq_prefix_mask(batch.keys, batch.partition_id)
-        algo, mix = self.config.algorithm, self.mix
-        verl_advantage = trainer_base.compute_advantage_for_multi_trajectories
+        advantages = luffy_advantage_stage(trainer_base.compute_advantage_for_multi_trajectories, prefix_mask,
+                                           self.config.algorithm, self.mix)
         verl_correction = trainer_base.compute_rollout_correction_and_add_to_batch
-
-        advantages = luffy_advantage_stage(verl_advantage, prefix_mask, algo, mix)
 
         def correction(data, rc):
             return on_policy_rollout_correction(data, prefix_mask, rc, verl_correction)
