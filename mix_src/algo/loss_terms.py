@@ -1,13 +1,11 @@
 """LUFFY's loss as a registry of terms, and the composer of its mixed token loss (pure torch).
 
-Each term of the actor loss is one entry of :data:`LOSS_TERMS` stating what it reads (``inputs``: batch fields;
-``reads``: config keys), its trainer bases, what it ``writes`` and its config checks (``check_loss(loss_config,
-"mix.loss")``, raising ValueError naming the key, run once before Ray when ``LossConfig`` is built); the terms and
-what each adds: mix_src/README.md "The loss as a registry of terms". Token terms (ppo_clip, shaped_off_policy) write
-a per-token objective J and dJ/dl into one (B, L) matrix; :func:`token_loss` (the original's
-``compute_token_on_off_policy_loss``, luffy/verl/verl/mix_src/mix_core_alg.py:69-240, arXiv 2504.14945 section 3)
-aggregates -J once with ``agg_loss``, so on- and off-policy tokens share one sum, as in the original. The worker
-loss adds the scalar terms (policy, sft, entropy, kl) in registration order. Departures: core_alg.py's docstring.
+Each term is one entry of :data:`LOSS_TERMS` stating its batch fields (``inputs``), config keys (``reads``), trainer
+bases, what it ``writes`` and its config checks (``check_loss``, run when ``LossConfig`` is built): mix_src/README.md
+"The loss as a registry of terms". Token terms write a per-token objective J and dJ/dl into one (B, L) matrix;
+:func:`token_loss` (the original's ``compute_token_on_off_policy_loss``, luffy/verl/verl/mix_src/mix_core_alg.py:69-240,
+arXiv 2504.14945 section 3) aggregates -J once, so on- and off-policy tokens share one sum, as in the original. The
+worker loss adds the scalar terms in registration order. Departures: core_alg.py's docstring.
 
 Notation (shapes): B rows, L response width; l = log_prob, l_old = old_log_prob, d = l - l_old, p = exp(l), A the
 advantages; valid = response_mask, off = prefix_mask & valid (demonstration tokens), on = valid & ~off.
@@ -85,7 +83,7 @@ class TokenLossConfig:
             if gamma is not None:
                 setattr(self, f"{side}_policy_reshape", "p_div_p")
                 setattr(self, f"{side}_policy_reshape_gamma", gamma)
-        _check_off_shaping(self, "mix.loss")  # the checks of mix.loss's keys of these names (the token terms' check_loss)
+        _check_off_shaping(self, "mix.loss")  # the token terms' checks of mix.loss's keys of these names
         _check_on_policy(self, "mix.loss")
         if not 0 <= self.cliprange < 1:
             raise ValueError(f"cliprange must be in [0, 1), got {self.cliprange}")
@@ -258,7 +256,12 @@ def ppo_clip_term(batch: TokenBatch, cfg: TokenLossConfig, sets: TokenSets, acc:
                              sets.in_clamp)  # fmt: skip
     obj = adv * r
     dobj = obj if dr is r else adv * dr
-    clip_rows = _clip_rows(batch.loss_remove_clip, sets.lp)  # None: no row is clipped
+    remove = batch.loss_remove_clip  # clip_rows: the rows that take the PPO clip, broadcasting to (B, L); None: none
+    if torch.is_tensor(remove):
+        clip_rows = ~remove.to(device=sets.lp.device, dtype=torch.bool).reshape(-1, 1)
+        clip_rows = clip_rows if bool(clip_rows.any()) else None
+    else:
+        clip_rows = None if remove else torch.ones((), dtype=torch.bool, device=sets.lp.device)
     if clip_rows is not None:
         obj_clipped = adv * r.clamp(1.0 - cfg.cliprange, max(cfg.clip_upper_bound, 1.0 + cfg.cliprange))
         is_clipped = (obj_clipped < obj) & clip_rows
@@ -334,14 +337,6 @@ def shaped_off_policy_term(batch: TokenBatch, cfg: TokenLossConfig, sets: TokenS
         acc.dobj = acc.obj.clone()
     acc.obj.view(-1)[idx] = obj_off
     acc.dobj.view(-1)[idx] = adv_o * df
-
-
-def _clip_rows(loss_remove_clip: bool | torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
-    """Which rows take the PPO clip: None for none, else a bool tensor broadcasting against ``like`` (B, L)."""
-    if not torch.is_tensor(loss_remove_clip):
-        return None if loss_remove_clip else torch.ones((), dtype=torch.bool, device=like.device)
-    keep = ~loss_remove_clip.to(device=like.device, dtype=torch.bool).reshape(-1, 1)
-    return keep if bool(keep.any()) else None
 
 
 # ---- the scalar terms of the worker loss (mix_src/worker/loss.py sums them in this order) ------------------------------

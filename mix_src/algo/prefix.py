@@ -120,8 +120,6 @@ def compute_prefix_ratios(num_prompts: int, n: int, *, strategy: str = "random",
     """(num_prompts * n,) float64 ratios in [0, 1], one per row, rows ordered i*n + j (the module docstring gives
     every rule; n = rollout.n, global_step counts from 1, rng is seeded by the trainer from (seed, global_step)).
     The config values are checked once before Ray (mix_src/config/mix_config.py and the strategy's entry check)."""
-    if strategy not in PREFIX_STRATEGIES:
-        raise ValueError(PREFIX_STRATEGIES.unknown(strategy))
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if num_prompts < 0:

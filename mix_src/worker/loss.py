@@ -69,11 +69,6 @@ def _row_values(data: TensorDict, keys, feature: str, helper: str) -> dict[str, 
     return values
 
 
-def _population(info: dict, counts: dict, tokens: str, rows: str) -> dict:
-    """verl's global numbers ``info`` with a population's own mini-batch size (mix.loss.combine; >= 1: 0/0 -> 0)."""
-    return dict(info, batch_num_tokens=max(counts[tokens], 1.0), global_batch_size=max(counts[rows], 1.0))
-
-
 def install_loss(worker_group: Any, loss: "MixPolicyLoss") -> None:
     """``worker_group.set_loss_fn(loss)`` once the workers are up (both bases); each actor worker checks its CPU-backend
     patches on arrival (``__setstate__``), this process its own (no-ops off the CPU backend)."""
@@ -249,16 +244,14 @@ class MixPolicyLoss:
         token_batch = partial(TokenBatch, batch["old_log_probs"], ctx.log_prob,
                               loss_remove_clip=remove_clip,
                               rollout_is_weights=batch.get("rollout_is_weights", None), **policy_info)  # fmt: skip
-        if mix.combine is not None or mix.use_sft_multitask_loss:  # PPO-clip on the on-policy rows (no prefix token)
-            on_mask = ctx.response_mask & ~prefix_mask.any(dim=-1, keepdim=True)
-            counts = _row_values(ctx.data, COMBINE_FIELDS, "mix.loss.combine", "add_combine_inputs") if mix.combine else {}
-            on_info = _population(ctx.info, counts, ON_TOKENS, ON_ROWS) if mix.combine else {}
-            out = token_loss(token_batch(ctx.advantages, on_mask, torch.zeros_like(prefix_mask), **on_info),
+        if mix.combine is not None:  # a registered loss combination (mix_src.algo.loss_combine)
+            pg_loss, out = self._combined_policy_loss(ctx, token_batch)
+        elif mix.use_sft_multitask_loss:
+            off_rows = prefix_mask.any(dim=-1, keepdim=True)  # rows with a prefix are off-policy rows
+            out = token_loss(token_batch(ctx.advantages, ctx.response_mask & ~off_rows, torch.zeros_like(prefix_mask)),
                              self.ppo_clip_config)  # fmt: skip
             out["off_policy_prob"] = masked_mean(ctx.log_prob.detach().exp(), prefix_mask)
             pg_loss = out["pg_loss"]
-            if mix.combine is not None:  # a registered loss combination (mix_src.algo.loss_combine)
-                pg_loss = self._combined_policy_loss(ctx, on_mask, on_info, counts, pg_loss)
         else:
             rl_mask = ctx.rl_mask
             behaviour = None  # the prefix tokens' recorded behaviour log-probs (mix_src/algo/off_policy_behaviour.py)
@@ -304,13 +297,22 @@ class MixPolicyLoss:
             sft_tokens = max(counted, 1.0)  # 0 SFT tokens: a numerator of 0 too
         return SftScale(sft_tokens, int(info["dp_size"]), grad_accum, policy_agg)
 
-    def _combined_policy_loss(self, ctx: "_LossContext", on_mask: torch.Tensor, on_info: dict, counts: dict,
-                              rl_loss: torch.Tensor) -> torch.Tensor:
-        """``mix.loss.combine``: PPO-clip ``rl_loss`` on the on-policy rows, combined with the expert tokens by the entry."""
-        mix, prefix_mask = self.mix, ctx.prefix_mask
-        expert_info = _population(ctx.info, counts, EXPERT_TOKENS, EXPERT_ROWS)
+    def _combined_policy_loss(self, ctx: "_LossContext", token_batch: Callable[..., TokenBatch]):
+        """``mix.loss.combine``: PPO-clip on the on-policy rows, combined with the expert tokens by the entry."""
+        mix, log_prob, prefix_mask = self.mix, ctx.log_prob, ctx.prefix_mask
+        counts = _row_values(ctx.data, COMBINE_FIELDS, "mix.loss.combine", "add_combine_inputs")
+        expert_rows = prefix_mask.any(dim=-1, keepdim=True)  # rows with a prefix are expert rows
+        on_mask = ctx.response_mask & ~expert_rows
+
+        def numbers(tokens: str, rows: str) -> dict:  # the population's global mini-batch size (>= 1: 0/0 -> 0)
+            return dict(ctx.info, batch_num_tokens=max(counts[tokens], 1.0), global_batch_size=max(counts[rows], 1.0))
+
+        on_info, expert_info = numbers(ON_TOKENS, ON_ROWS), numbers(EXPERT_TOKENS, EXPERT_ROWS)
+        out = token_loss(token_batch(ctx.batch["advantages"], on_mask, torch.zeros_like(prefix_mask), **on_info),
+                         self.ppo_clip_config)  # fmt: skip
+        out["off_policy_prob"] = masked_mean(log_prob.detach().exp(), prefix_mask)
         inputs = CombineInputs(
-            log_prob=ctx.log_prob, on_mask=on_mask, expert_mask=prefix_mask, rl_loss=rl_loss,
+            log_prob=log_prob, on_mask=on_mask, expert_mask=prefix_mask, rl_loss=out["pg_loss"],
             agg_on=lambda m: agg_loss(m, on_mask, self.loss_agg_mode, **on_info),
             agg_expert=lambda m: agg_loss(m, prefix_mask, self.loss_agg_mode, **expert_info),
             global_step=int(counts[GLOBAL_STEP]),
@@ -318,7 +320,7 @@ class MixPolicyLoss:
         loss, extra = LOSS_COMBINES.get(mix.combine)(inputs, LOSS_COMBINES.settings(mix.combine, mix.combine_args))
         ctx.metrics.update(Metric.from_dict({f"actor/{k}": float(v) for k, v in extra.items()},
                                             aggregation=AggregationType.MEAN))  # fmt: skip
-        return loss
+        return loss, out
 
     # ---- entropy coefficient -------------------------------------------------------------------------
 
