@@ -110,12 +110,11 @@ def test_blocked_logprobs_match_verls_row_loop(monkeypatch):
     """The CPU backend's log-prob helper is bit-identical to verl's per-row fallback, values and gradients."""
     import verl.utils.torch_functional as tf
 
-    import mix_src.cpu
     from mix_src.cpu import logprobs
 
-    mix_src.cpu._patch_logprobs(tf)
+    logprobs.patch_logprobs(tf)
     assert tf.logprobs_from_logits_v2 is logprobs.logprobs_from_logits_chunked
-    verl_v2 = mix_src.cpu._VERL_LOGPROBS_V2
+    verl_v2 = logprobs._VERL_LOGPROBS_V2
     logits = (torch.randn(300, 45, dtype=torch.float32) * 3).requires_grad_()
     labels = torch.randint(0, 45, (300,))
     for chunk in (logprobs._CHUNK_ELEMENTS, 45 * 7):  # one block; blocks of 7 rows

@@ -196,10 +196,9 @@ def after_import(module_name: str, cb: Callable, *, written_for: Optional[dict] 
         raise ValueError(f"after_import({module_name!r}, {patch.name}): unknown checkpoint(s) {unknown}; use {CHECKPOINTS}")
     check_written_for(patch.name, patch.written_for, error=PatchVersionError)
     if not _module_file_exists(module_name):
-        raise PatchTargetMissing(
-            f"mix_src.cpu patch {patch.name} hooks module {module_name!r}, which does not exist in this environment "
-            "(moved or renamed by the library?): find where the patched code lives now and update the patch"
-        )
+        raise PatchTargetMissing(f"mix_src.cpu patch {patch.name} hooks module {module_name!r}, which does not exist "
+                                 "in this environment (moved or renamed by the library?): find where the patched code "
+                                 "lives now and update the patch")
     PATCHES.append(patch)
     if module_name in sys.modules:
         _run_hook(patch, sys.modules[module_name])
@@ -221,10 +220,9 @@ def check_hooks_fired(checkpoint: str) -> None:
             f"{p.name} on {p.module!r} ({'imported without the hook running' if p.module in sys.modules else 'never imported'})"
             for p in missing
         )
-        raise HookNotFired(
-            f"mix_src.cpu: {len(missing)} patch(es) did not apply by the {checkpoint!r} checkpoint (pid {os.getpid()}): "
-            f"{lines}. The patched code moved or is imported differently in this verl; update the patch."
-        )
+        raise HookNotFired(f"mix_src.cpu: {len(missing)} patch(es) did not apply by the {checkpoint!r} checkpoint "
+                           f"(pid {os.getpid()}): {lines}. The patched code moved or is imported differently in this "
+                           "verl; update the patch.")
 
 
 def replace(owner, name: str, patched: Callable) -> None:
@@ -273,18 +271,6 @@ def _patch_gloo(mod) -> None:
         replace(mod, patched.__name__, patched)
 
 
-_VERL_LOGPROBS_V2 = None  # verl's original, kept for non-fp32 logits
-
-
-def _patch_logprobs(mod) -> None:
-    global _VERL_LOGPROBS_V2
-    from .logprobs import logprobs_from_logits_chunked
-
-    if mod.logprobs_from_logits_v2 is not logprobs_from_logits_chunked:
-        _VERL_LOGPROBS_V2 = mod.logprobs_from_logits_v2
-        mod.logprobs_from_logits_v2 = logprobs_from_logits_chunked
-
-
 def _register_rollout_adapter(mod) -> None:
     mod._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = "mix_src.cpu.hf_rollout.HFServerAdapter"
 
@@ -299,11 +285,9 @@ CHECKPOINT_ENGINE = "cpu_gloo"  # checkpoint_engine.py's name in verl's Checkpoi
 
 
 def _register_checkpoint_engine(mod) -> None:
-    """Register ``cpu_gloo`` in verl's registry: importing ``checkpoint_engine.py`` registers and checks it.
-
-    By module name, never ``from .checkpoint_engine import <name>``: when a process imports that module first,
-    its own ``import verl.checkpoint_engine.base`` runs this hook while its body is half done, and reading a
-    name from it would fail (circular import); its body's end registers and checks."""
+    """Register ``cpu_gloo`` in verl's registry: importing ``checkpoint_engine.py`` registers and checks it. By
+    module name, never ``from .checkpoint_engine import <name>``: a process that imports that module first runs this
+    hook from its ``import verl.checkpoint_engine.base``, its body half done (reading a name would fail)."""
     importlib.import_module(f"{__name__}.checkpoint_engine")
 
 
@@ -322,7 +306,7 @@ def activate() -> None:
         return
     from verl.plugin.platform import PlatformRegistry
 
-    from . import vllm_cpu, worker_patches
+    from . import logprobs, vllm_cpu, worker_patches
     from .platform import PlatformCPU
 
     both = ("trainer", "worker")  # modules the trainer process and every actor worker have imported by then
@@ -331,7 +315,7 @@ def activate() -> None:
     after_import("verl.utils.distributed", _patch_gloo, written_for={**VERL_0_9_1, "torch": "2.13.0"}, required_in=("worker",))
     after_import("verl.workers.engine.fsdp.transformer_impl", _register_engines, written_for=VERL_0_9_1, required_in=both)
     after_import("verl.workers.rollout.base", _register_rollout_adapter, written_for=VERL_0_9_1)
-    after_import("verl.utils.torch_functional", _patch_logprobs, written_for=VERL_0_9_1, required_in=both)
+    after_import("verl.utils.torch_functional", logprobs.patch_logprobs, written_for=VERL_0_9_1, required_in=both)
     after_import("verl.workers.rollout.replica", _register_replica, written_for=VERL_0_9_1)
     vllm_cpu.alias_vllm_distribution()
     after_import("verl.utils.config", vllm_cpu.patch_validate_config, written_for=VERL_0_9_1)

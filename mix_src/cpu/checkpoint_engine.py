@@ -108,9 +108,8 @@ class GlooCheckpointEngine(CheckpointEngine):
         await asyncio.to_thread(self._broadcast, bucket)
 
     @torch.no_grad()
-    async def send_weights(
-        self, weights: Generator[tuple[str, torch.Tensor], None, None], global_steps: Optional[int] = None
-    ) -> dict:
+    async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None],
+                           global_steps: Optional[int] = None) -> dict:
         if self.rank is None:
             raise RuntimeError("cpu_gloo checkpoint engine: send_weights before init_process_group")
         if self.rank < 0:  # producing each weight is collective over the actor group: every rank walks it
@@ -136,10 +135,8 @@ class GlooCheckpointEngine(CheckpointEngine):
         acks = await asyncio.to_thread(self._wait_for_acks)
         for rank, ack in acks.items():
             if ack != (n_tensors, n_bytes):
-                raise RuntimeError(
-                    f"cpu_gloo checkpoint engine: rollout rank {rank} took {ack[0]} tensors / {ack[1]} bytes, "
-                    f"sent {n_tensors} / {n_bytes}"
-                )
+                raise RuntimeError(f"cpu_gloo checkpoint engine: rollout rank {rank} took {ack[0]} tensors / {ack[1]} "
+                                   f"bytes, sent {n_tensors} / {n_bytes}")
         seconds = time.perf_counter() - start
         logger.info("cpu_gloo checkpoint engine: sent %d tensors (%.2f MiB) in %d buckets to %d rollout ranks in %.2f s",
                     n_tensors, n_bytes / 2**20, index + 1, len(acks), seconds)  # fmt: skip

@@ -27,12 +27,10 @@ def refuse_strategy(config: Any) -> Optional[str]:
     for key in _built(config, STRATEGY_KEYS):
         value = dotted_get(config, key)
         if value is not None and str(value) != "fsdp2":
-            return (
-                f"{key}={value}: the CPU backend runs FSDP2 only. FSDP1 (fsdp) builds its module with "
-                "sync_module_states=True, which torch refuses for CPU parameters ('requires them to be on GPU'), and "
-                "mix_src.cpu registers verl's FSDP engines alone for device cpu (no megatron/veomni engine). "
-                f"Set {key}=fsdp2 (backend/cpu.yaml does)."
-            )
+            return (f"{key}={value}: the CPU backend runs FSDP2 only. FSDP1 (fsdp) builds its module with "
+                    "sync_module_states=True, which torch refuses for CPU parameters ('requires them to be on GPU'), "
+                    "and mix_src.cpu registers verl's FSDP engines alone for device cpu (no megatron/veomni engine). "
+                    f"Set {key}=fsdp2 (backend/cpu.yaml does).")
     return None
 
 
@@ -41,20 +39,16 @@ def refuse_flash_attention(config: Any) -> Optional[str]:
         key = f"{section}.override_config.attn_implementation"
         value = dotted_get(config, key)
         if value is not None and str(value) not in CPU_ATTENTION:
-            return (
-                f"{key}={value}: flash-attention kernels are CUDA kernels and flash-attn is not installable on a "
-                f"CPU-only host; use one of {', '.join(CPU_ATTENTION)} (backend/cpu.yaml sets eager)."
-            )
+            return (f"{key}={value}: flash-attention kernels are CUDA kernels and flash-attn is not installable on a "
+                    f"CPU-only host; use one of {', '.join(CPU_ATTENTION)} (backend/cpu.yaml sets eager).")
     return None
 
 
 def refuse_liger(config: Any) -> Optional[str]:
     for section in _built(config, MODEL_SECTIONS):
         if dotted_get(config, f"{section}.use_liger", False):
-            return (
-                f"{section}.use_liger=true: Liger kernels are Triton GPU kernels (liger-kernel, not installed on the "
-                f"CPU backend); set {section}.use_liger=false."
-            )
+            return (f"{section}.use_liger=true: Liger kernels are Triton GPU kernels (liger-kernel, not installed on "
+                    f"the CPU backend); set {section}.use_liger=false.")
     return None
 
 

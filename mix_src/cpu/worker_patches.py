@@ -31,16 +31,12 @@ def unpin_reference_offload(mod) -> None:
     if original is None or getattr(original, "_mix_src_cpu", False):
         return
 
-    class UnpinnedCPUOffloadPolicy(original):
-        """``CPUOffloadPolicy`` that never pins memory (pinning needs an accelerator)."""
-
-        _mix_src_cpu = True
-
+    class UnpinnedCPUOffloadPolicy(original):  # never pins memory (pinning needs an accelerator)
         def __init__(self, pin_memory: bool = False):
             super().__init__(pin_memory=False)
 
     UnpinnedCPUOffloadPolicy.__qualname__ = UnpinnedCPUOffloadPolicy.__name__
-    mod.CPUOffloadPolicy = UnpinnedCPUOffloadPolicy
+    replace(mod, "CPUOffloadPolicy", UnpinnedCPUOffloadPolicy)  # marked _mix_src_cpu, with torch's docstring
 
 
 def critic_attention(model_config) -> str:

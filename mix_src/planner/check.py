@@ -3,6 +3,7 @@ Ray (preflight slot 6); the arithmetic is in :mod:`mix_src.planner.estimate`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Any, Mapping, Optional
@@ -72,12 +73,10 @@ def load_model_config(path: str) -> tuple[Optional[dict], str]:
     if not os.path.isfile(local):
         if str(path) in PRESETS:
             return dict(PRESETS[str(path)]), f"preset {path} (mix_src/planner/presets.py)"
-        try:
+        with contextlib.suppress(Exception):  # not a valid repo id, no hub library: nothing to read
             from huggingface_hub import try_to_load_from_cache
 
             local = try_to_load_from_cache(str(path), "config.json")
-        except Exception:  # noqa: BLE001  (not a valid repo id, no hub library: nothing to read)
-            pass
     if isinstance(local, str) and os.path.isfile(local):
         with open(local) as f:
             return json.load(f), local

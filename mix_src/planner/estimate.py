@@ -109,11 +109,9 @@ class Term:
 
 
 def state_terms(n_params: int, run: RunShape) -> list[Term]:
-    """fp32 parameters, gradients and AdamW states of the FSDP actor during the update, per GPU. verl loads
-    whatever ``param_offload`` / ``optimizer_offload`` moved to the CPU back onto the GPU for the update
-    (verl/workers/engine/base.py BaseEngineCtx._context_switch, train mode), so those flags do not lower this;
-    only ``offload_policy`` (FSDP2's CPUOffloadPolicy, verl/workers/engine/fsdp/transformer_impl.py
-    _build_fsdp_module) keeps the states on the CPU through it."""
+    """fp32 parameters, gradients and AdamW states of the FSDP actor during the update, per GPU: ``param_offload`` /
+    ``optimizer_offload`` are loaded back for it (verl/workers/engine/base.py BaseEngineCtx._context_switch), only
+    ``offload_policy`` keeps them on the CPU (verl/workers/engine/fsdp/transformer_impl.py _build_fsdp_module)."""
     if run.offload_policy:
         return [Term("fp32 params + grads + AdamW", 0, "fsdp_config.offload_policy: on the CPU")]
     s = run.fsdp_shards
@@ -148,9 +146,8 @@ def activation_bytes(shape: ModelShape, tokens: int, checkpointing: bool) -> int
 
 def entropy_bytes(shape: ModelShape, run: RunShape, tokens: int, grad: bool) -> int:
     """What verl's entropy of ``[tokens, vocab]`` bf16 logits adds (verl/utils/torch_functional.py
-    entropy_from_logits[_with_chunking]): 0 compiled (a fused reduction); eager with a gradient, what autograd saves
-    (2 B per logit; chunked 8 B); without, the temporaries' peak (4 B per logit; chunked 12 B x chunk x vocab).
-    Why each figure: mix_src/planner/README.md "Entropy"; tests/test_planner.py::test_entropy_bytes_match_verl."""
+    entropy_from_logits[_with_chunking]): with a gradient what autograd saves, without the temporaries' peak. Why
+    each figure: mix_src/planner/README.md "Entropy"; tests/test_planner.py::test_entropy_bytes_match_verl."""
     if run.entropy_compiled:
         return 0
     tv = tokens * shape.vocab
@@ -305,11 +302,9 @@ class TimePlan:
 
 def plan_time(hf_config: Mapping, run: RunShape, gpu: Gpu, *, mean_response: float, mfu: float,
               kv_sequences: int) -> TimePlan:
-    """GPU-hours of ``run.steps`` steps. Training passes: :func:`mix_src.algo.flops.rl_step_flops` ("full" count) of
-    ``batch x n`` rows of ``prompt_len + mean_response`` tokens at ``mfu`` of the GPU's bf16 peak. Decode
-    (memory-bandwidth-bound): each engine (``rollout_tp`` GPUs) decodes its share of the on-policy rows
-    ``min(max_num_seqs, kv_sequences)`` at a time; one decode step reads the engine's bf16 weights and the KV
-    cache of the sequences decoding (at their mean context), over the engine's summed HBM bandwidth."""
+    """GPU-hours of ``run.steps`` steps: training passes by :func:`mix_src.algo.flops.rl_step_flops` ("full" count)
+    at ``mfu`` of the GPU's bf16 peak, plus decode, memory-bandwidth-bound (each engine ``min(max_num_seqs,
+    kv_sequences)`` sequences at a time; mix_src/planner/README.md "Decode")."""
     from mix_src.algo.flops import rl_step_flops
 
     shape = ModelShape.from_hf_config(hf_config)
