@@ -35,7 +35,6 @@ class MixTaskRunner(BaseTaskRunner):
         from verl.trainer.ppo.utils import create_rl_dataset, create_rl_sampler, need_critic, need_reference_policy
         from verl.utils.config import omega_conf_to_dataclass, validate_config
         from verl.utils.dataset.rl_dataset import collate_fn
-        from verl.workers.config import HFModelConfig
 
         from mix_src.trainer.legacy import MIXRayPPOTrainer
 
@@ -50,7 +49,7 @@ class MixTaskRunner(BaseTaskRunner):
         self.add_teacher_model_resource_pool(config)
         validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
 
-        model_config: HFModelConfig = omega_conf_to_dataclass(config.actor_rollout_ref.model)
+        model_config = omega_conf_to_dataclass(config.actor_rollout_ref.model)  # verl's HFModelConfig
         tokenizer, processor = model_config.tokenizer, model_config.processor
 
         # the training set gets the mix settings (targets); validation rows never get a prefix
@@ -85,9 +84,7 @@ def run_mix_ppo(config: DictConfig) -> None:
             run_ppo(config, task_runner_class=ray.remote(num_cpus=1)(MixTaskRunner))
 
 
-@hydra.main(config_path="config", config_name="mix_ppo", version_base=None)
-def main(config: DictConfig) -> None:
-    run_mix_ppo(config)
+main = hydra.main(config_path="config", config_name="mix_ppo", version_base=None)(run_mix_ppo)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,16 @@ def check_checkpoint_dir(config: DictConfig) -> Optional[dict]:
     if save_freq <= 0:
         return None  # verl saves only when save_freq > 0 (ray_trainer.py fit)
     directory = os.path.abspath(os.path.expanduser(str(trainer.default_local_dir)))
-    probe_write(directory)
+    probe = os.path.join(directory, f".mix_src_write_probe_{uuid.uuid4().hex}")
+    try:  # created, and a small file written and deleted there
+        os.makedirs(directory, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"mix_src checkpoint directory probe\n")
+        os.remove(probe)
+    except OSError as e:
+        raise MixConfigError(f"trainer.default_local_dir={directory}: cannot write checkpoints there "
+                             f"({type(e).__name__}: {e}). Point trainer.default_local_dir (or OUTPUT_DIR for a recipe) "
+                             "at a writable directory") from e
     steps = total_steps(config)
     saves = None if steps is None else steps // save_freq + (1 if steps % save_freq else 0)
     keep = trainer.get("max_actor_ckpt_to_keep")
@@ -53,20 +62,6 @@ def check_checkpoint_dir(config: DictConfig) -> Optional[dict]:
                              "Point trainer.default_local_dir (or OUTPUT_DIR for a recipe) at a larger disk, lower "
                              "trainer.max_actor_ckpt_to_keep, or raise trainer.save_freq")
     return plan
-
-
-def probe_write(directory: str) -> None:
-    """Create ``directory`` and write + delete a small file in it; refuse, naming the key, when either fails."""
-    probe = os.path.join(directory, f".mix_src_write_probe_{uuid.uuid4().hex}")
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with open(probe, "wb") as f:
-            f.write(b"mix_src checkpoint directory probe\n")
-        os.remove(probe)
-    except OSError as e:
-        raise MixConfigError(f"trainer.default_local_dir={directory}: cannot write checkpoints there "
-                             f"({type(e).__name__}: {e}). Point trainer.default_local_dir (or OUTPUT_DIR for a recipe) "
-                             "at a writable directory") from e
 
 
 def kept_at_once(saves: Optional[int], keep: Optional[int]) -> Optional[int]:
