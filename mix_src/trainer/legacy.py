@@ -21,12 +21,8 @@ from tqdm import tqdm
 from verl import DataProto
 from verl.protocol import pad_dataproto_to_divisor
 from verl.trainer.ppo import core_algos
-from verl.trainer.ppo.metric_utils import (
-    compute_data_metrics,
-    compute_throughout_metrics,
-    compute_timing_metrics,
-    compute_variance_proxy_metrics,
-)
+from verl.trainer.ppo.metric_utils import (compute_data_metrics, compute_throughout_metrics, compute_timing_metrics,
+                                           compute_variance_proxy_metrics)  # fmt: skip
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer, apply_kl_penalty, compute_advantage, compute_spec_decode_metrics
 from verl.trainer.ppo.reward import extract_reward
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
@@ -172,9 +168,9 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
         actor, by verl's old-log-prob pass, padded to a multiple of world size x log-prob micro-batch (verl's
         static micro-batching); the rollout replicas sleep first, as before stage 4."""
         self._sleep_rollout()
-        sub = DataProto(batch=rows.batch, non_tensor_batch=dict(rows.non_tensor_batch), meta_info=dict(rows.meta_info))
-        sub.meta_info["temperature"] = self.config.actor_rollout_ref.rollout.temperature
         rollout, world = self.config.actor_rollout_ref.rollout, self.actor_rollout_wg.world_size
+        sub = DataProto(batch=rows.batch, non_tensor_batch=dict(rows.non_tensor_batch),
+                        meta_info={**rows.meta_info, "temperature": rollout.temperature})
         micro = rollout.get("log_prob_micro_batch_size_per_gpu") or (
             (rollout.get("log_prob_micro_batch_size") or world) // world)
         sub, _ = pad_dataproto_to_divisor(sub, world * max(int(micro), 1))  # engine_workers.py:624, utils.py:125

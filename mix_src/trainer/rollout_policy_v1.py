@@ -50,11 +50,10 @@ class V1PolicyRunner:
         uids = [str(u) for u in _column(batch, "uid")]
         base_seeds = np.asarray(_column(batch, "rollout_seeds"), dtype=np.int64).reshape(-1)  # (P*n,)
         ratios = np.asarray(_column(batch, "prefix_ratios"), dtype=np.float64).reshape(-1)
-        targets = _column(batch, TARGET_FIELD) if TARGET_FIELD in batch.keys() else None
         row_uid = np.array([u for u in uids for _ in range(n)], dtype=object)
         view = {"uid": row_uid}
-        if targets is not None:
-            view[TARGET_FIELD] = np.array([t for t in targets for _ in range(n)], dtype=object)
+        if TARGET_FIELD in batch.keys():
+            view[TARGET_FIELD] = np.array([t for t in _column(batch, TARGET_FIELD) for _ in range(n)], dtype=object)
         prompt_rows = np.repeat(np.arange(P), n)
 
         def records(rows) -> Any:
@@ -103,9 +102,9 @@ class V1PolicyRunner:
         tu.assign_non_tensor_data(sub, "global_steps", int(self.trainer.global_steps))
         self.manager.generate_sequences(sub)
         keys, tags = self._wait(scratch)
-        view = self._view(keys)
+        p, r = tag_lengths([tags[k] for k in keys])  # the rows' prompt and response lengths (agent_loop_tq.py 204)
+        view = self._view(keys, torch.from_numpy(p), torch.from_numpy(r))
         if hasattr(self.trainer, "add_rollout_flops"):  # every row the pass generated, kept or not
-            p, r = tag_lengths([tags[k] for k in keys])
             self.trainer.add_rollout_flops(p, r, r - view.batch["prefix_mask"].long().sum(-1).numpy())
         return view
 
@@ -134,7 +133,7 @@ class V1PolicyRunner:
             keys.append(rows[0])
         return keys, tags
 
-    def _view(self, keys: list[str]):
+    def _view(self, keys: list[str], prompt_lens: torch.Tensor, response_lens: torch.Tensor):
         """The pass's rows as a DataProto a rollout policy reads: :data:`VIEW_TENSORS` right-padded to
         ``rollout.response_length`` (``prompts`` to ``data.max_prompt_length``; ``attention_mask`` over ``prompts``
         then ``responses``, unlike the legacy batch's left-padded prompts), the reward's extra keys and :data:`TQ_KEY`."""
@@ -143,7 +142,6 @@ class V1PolicyRunner:
             fields.append("rollout_log_probs")
         data = tq.kv_batch_get(keys=keys, partition_id=PARTITION, select_fields=fields)
         extra = extra_fields(data.pop("extra_fields"))
-        prompt_lens, response_lens = _row_lengths(data["prompts"]), _row_lengths(data["responses"])
         padded, rollout = data.to_padded_tensor(), self.trainer.config.actor_rollout_ref.rollout
         width = max(int(rollout.response_length), padded["response_mask"].shape[-1], padded["responses"].shape[-1])
         p_width = max(int(self.trainer.config.data.max_prompt_length), padded["prompts"].shape[-1])
@@ -214,13 +212,6 @@ class V1PolicyRunner:
         if keys:
             tq.kv_clear(keys=keys, partition_id=PARTITION)
         self._scratch = []
-
-
-def _row_lengths(t: torch.Tensor) -> torch.Tensor:
-    """(rows,) lengths of a TransferQueue field's rows: nested (jagged) when they differ, a plain tensor when not."""
-    if t.is_nested:
-        return t.offsets().diff()
-    return torch.full((t.shape[0],), t.shape[-1] if t.dim() > 1 else 1, dtype=torch.long)
 
 
 def _column(batch, key: str) -> list:

@@ -214,11 +214,8 @@ def on_policy_rollout_metrics(data: Any, prefix_mask: torch.Tensor) -> dict[str,
     on_policy = mask * (~prefix_mask.bool()).to(mask.dtype)
     if on_policy.sum() == 0:
         return {}
-    view = DataProto.from_dict(tensors={
-        "rollout_log_probs": data.batch["rollout_log_probs"], "old_log_probs": data.batch["old_log_probs"],
-        "response_mask": on_policy, "responses": data.batch["responses"],
-    })  # fmt: skip
-    return calculate_debug_metrics(view)
+    tensors = {k: data.batch[k] for k in ("rollout_log_probs", "old_log_probs", "response_mask", "responses")}
+    return calculate_debug_metrics(DataProto.from_dict(tensors={**tensors, "response_mask": on_policy}))
 
 
 def on_policy_rollout_correction(data: Any, prefix_mask: torch.Tensor, rc: Any, correct: Callable) -> tuple[Any, dict]:

@@ -37,19 +37,18 @@ class V1ReplayBufferRules:
         verl_sync = getattr(buffer, "_sync_metadata_from_transfer_queue", None)
         if verl_sync is None or not streams_on_v1(self.mix.rollout_policy):
             return  # a policy with several passes: V1PolicyRunner counts its passes
-        trainer = self
-        trainer._counted_rows = set()
+        self._counted_rows = set()
 
-        def _sync_metadata_from_transfer_queue(buf):
+        def _sync_metadata_from_transfer_queue(buf):  # buf: the buffer; self: the trainer
             verl_sync()
             rows = buf.partitions.get("train", {})
-            trainer._counted_rows &= rows.keys()  # cleared rows are gone for good
-            new = [k for k, tag in rows.items() if k not in trainer._counted_rows and "response_len" in tag]
+            self._counted_rows &= rows.keys()  # cleared rows are gone for good
+            new = [k for k, tag in rows.items() if k not in self._counted_rows and "response_len" in tag]
             if new:  # their generation FLOPs: response minus prefix tokens, as the legacy base counts a pass
                 prefix, _ = tq_prefix_mask(new, "train")
                 p, r = tag_lengths([rows[k] for k in new])
-                trainer.add_rollout_flops(p, r, r - prefix.long().sum(-1).numpy())
-                trainer._counted_rows.update(new)
+                self.add_rollout_flops(p, r, r - prefix.long().sum(-1).numpy())
+                self._counted_rows.update(new)
 
         checked("v1.replay_buffer.sync_metadata")
         buffer._sync_metadata_from_transfer_queue = types.MethodType(_sync_metadata_from_transfer_queue, buffer)
@@ -92,32 +91,31 @@ class V1ReplayBufferRules:
         )
         if not self._steps_in_sync:
             return buffer
-        trainer = self
         verl_wait, verl_select, verl_clear = buffer._wait_for_next_poll, buffer._select_prompt_uids, buffer._clear_groups
 
-        def _wait_for_next_poll(buf, partition_id, last_debug_time):
-            if (partition_id == "train" and trainer._gen_budget_spent == trainer.global_steps
+        def _wait_for_next_poll(buf, partition_id, last_debug_time):  # buf: the buffer; self: the trainer
+            if (partition_id == "train" and self._gen_budget_spent == self.global_steps
                     and not buf.pending_keys[partition_id] and not buf.running_keys[partition_id]):  # fmt: skip
-                fg, gen_bs = trainer.config.algorithm.filter_groups, trainer._gen_batch_prompts()
+                fg, gen_bs = self.config.algorithm.filter_groups, self._gen_batch_prompts()
                 raise FilterGroupsExhausted.after(
-                    f"{trainer._step_prompts() // gen_bs} generation batches of {gen_bs} prompts",
-                    fg.max_num_gen_batches, len(buf.finished_keys[partition_id]), trainer.config.data.train_batch_size,
-                    fg.metric, f"mix.filter_groups.rule={trainer.mix.filter_groups.rule!r}")
+                    f"{self._step_prompts() // gen_bs} generation batches of {gen_bs} prompts",
+                    fg.max_num_gen_batches, len(buf.finished_keys[partition_id]), self.config.data.train_batch_size,
+                    fg.metric, f"mix.filter_groups.rule={self.mix.filter_groups.rule!r}")
             return verl_wait(partition_id, last_debug_time)
 
         def _select_prompt_uids(buf, partition_id, sampleable_keys, batch_size):
             selected, partition_snapshot, steps = verl_select(partition_id, sampleable_keys, batch_size)
             buf._mix_surplus = set(sampleable_keys) - set(selected) if partition_id == "train" else None
-            if partition_id == "train" and trainer.mix.filter_groups.carry_over:
-                trainer._carry_metrics["train/num_carried_prompts"] = sum(
-                    int(steps.get(u, trainer.global_steps) < trainer.global_steps) for u in selected)
+            if partition_id == "train" and self.mix.filter_groups.carry_over:
+                self._carry_metrics["train/num_carried_prompts"] = sum(
+                    int(steps.get(u, self.global_steps) < self.global_steps) for u in selected)
             return selected, partition_snapshot, steps
 
         def _clear_groups(buf, partition_id, uids):
             surplus = getattr(buf, "_mix_surplus", None)
-            if trainer.mix.filter_groups.carry_over and surplus and set(uids) == surplus:
+            if self.mix.filter_groups.carry_over and surplus and set(uids) == surplus:
                 buf._mix_surplus = None
-                trainer._carry_metrics["train/num_surplus_carried"] = len(surplus)
+                self._carry_metrics["train/num_surplus_carried"] = len(surplus)
                 return None  # carried: they stay finished in TransferQueue for the next step
             return verl_clear(partition_id, uids)
 
