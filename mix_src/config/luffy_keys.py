@@ -140,7 +140,7 @@ def _fit_target_cap(out: list[str], log: Callable[[str], None]) -> list[str]:
         return out
     log(f"[mix_src] LUFFY cap mix.data.max_target_length={cap} >= data.max_response_length={response} -> null "
         f"(data.max_response_length - 1 = {int(response) - 1}: a whole target keeps its EOS)")
-    return [f"mix.data.max_target_length=null" if _split(o)[1] == "mix.data.max_target_length" else o for o in out]
+    return ["mix.data.max_target_length=null" if _split(o)[1] == "mix.data.max_target_length" else o for o in out]
 
 
 def _official_loss_scale(out: list[str], log: Callable[[str], None]) -> list[str]:

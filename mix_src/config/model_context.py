@@ -14,6 +14,7 @@ import os
 from typing import Any, Optional
 
 import torch
+from omegaconf import OmegaConf, open_dict
 
 from mix_src.config.mix_config import MixConfigError, uses_critic
 from mix_src.config.verl_parity import dotted_get
@@ -39,8 +40,6 @@ def model_context_length(model_cfg: Any, *, local_files_only: Optional[bool] = N
     override = override.get("model_config", override) if hasattr(override, "get") else {}
     keep = {k: v for k, v in dict(override).items() if k in ("max_position_embeddings", "text_config")}
     if keep:
-        from omegaconf import OmegaConf
-
         keep = OmegaConf.to_container(OmegaConf.create(keep), resolve=True)
         update_model_config(hf_config, override_config_kwargs=keep)
     return get_max_position_embeddings(hf_config)
@@ -51,8 +50,6 @@ def resolve_max_model_len(config) -> Optional[int]:
     refuse a prompt + response that does not fit it, or an explicit value beyond it (verl's server refuses that too);
     an explicit value below prompt + response is deliberate (answers are clamped to the room left). Returns the value
     the rollout will use, or None where the model config cannot be read here."""
-    from omegaconf import open_dict
-
     rollout, model = config.actor_rollout_ref.rollout, config.actor_rollout_ref.model
     explicit = rollout.get("max_model_len")
     prompt_len, response_len = int(config.data.max_prompt_length), int(config.data.max_response_length)
