@@ -188,13 +188,12 @@ class AdaptiveEntropyCoef:
     > 0: checked as actor.entropy_coeff (worker/loss.py), mix.loss.alpha_lr and entropy_coeff_max (config).
     """
 
-    def __init__(self, init_coef: float, target_entropy: float, lr: float = 1e-2, max_coef: float | None = None,
-                 betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 1e-2):
+    def __init__(self, init_coef: float, target_entropy: float, lr: float = 1e-2, max_coef: float | None = None):
         self.target_entropy = float(target_entropy)
         self.max_coef = max_coef
         start = init_coef if max_coef is None else min(init_coef, max_coef)
         self.log_alpha = torch.tensor(math.log(start), dtype=torch.float64, requires_grad=True)
-        self.optimizer = torch.optim.AdamW([self.log_alpha], lr=lr, betas=betas, weight_decay=weight_decay)
+        self.optimizer = torch.optim.AdamW([self.log_alpha], lr=lr)  # betas (0.9, 0.999), weight_decay 1e-2
 
     @property
     def coef(self) -> float:  # alpha = exp(log_alpha)

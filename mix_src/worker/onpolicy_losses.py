@@ -44,16 +44,7 @@ class OnPolicyMode:
     refused: str = ""  # why it cannot be the on-policy term ("" = usable)
 
 
-ON_POLICY_MODES: dict[str, OnPolicyMode] = {}
-
-
-def register_on_policy_mode(entry: OnPolicyMode) -> OnPolicyMode:
-    """Declare (or replace) the properties of the verl policy loss ``entry.name``."""
-    ON_POLICY_MODES[entry.name] = entry
-    return entry
-
-
-for _entry in (
+ON_POLICY_MODES: dict[str, OnPolicyMode] = {entry.name: entry for entry in (
     OnPolicyMode("vanilla", luffy_kernel=True, clip_high_is_ratio_bound=True),
     OnPolicyMode("gspo", sequence_level=True, clip_high_is_ratio_bound=True),
     OnPolicyMode("geo_mean", aggregation=ROW_MEAN, sequence_level=True),
@@ -70,8 +61,14 @@ for _entry in (
         "(verl/trainer/ppo/rollout_corr_helper.py ~1109-1144) overwrites old_log_probs with rollout_log_probs for "
         "every token (prefix tokens have none: the agent loop writes 0) and the MIX trainers always recompute old "
         "log-probs; use decoupled rollout correction (rollout_is / rollout_rs), which keeps prefix tokens out")),
-):  # fmt: skip
-    register_on_policy_mode(_entry)
+)}  # fmt: skip
+
+
+def register_on_policy_mode(entry: OnPolicyMode) -> OnPolicyMode:
+    """Declare (or replace) the properties of the verl policy loss ``entry.name``."""
+    ON_POLICY_MODES[entry.name] = entry
+    return entry
+
 
 PLUGIN_DEFAULT = OnPolicyMode("<plugin>", micro_batch_exact=False)  # token-level, the actor's aggregation
 
