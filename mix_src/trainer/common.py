@@ -21,8 +21,8 @@ __all__ = ["MixTrainerCommon"]
 
 
 class MixTrainerCommon:
-    """Needs ``config``, ``mix``, ``n``, ``prefix_seed``, ``global_steps``, ``actor_rollout_wg``,
-    ``use_reference_policy``."""
+    """Needs ``config``, ``mix``, ``n``, ``prefix_seed``, ``global_steps``, ``actor_rollout_wg`` (and verl's
+    ``_get_dp_size``), ``use_reference_policy``."""
 
     _flops_shape: Any = None  # the actor's ModelShape, read from its config.json on first use (or the read error)
     _flops: Optional[dict] = None  # the run's training FLOPs so far per count (saved: a resumed budget counts them)

@@ -169,7 +169,6 @@ class RLHFDatasetWithTarget(RLHFDataset):
         logger.info(msg)
 
     def _prompt_ends_with_think(self, messages) -> bool:
-        text = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=False, **self.apply_chat_template_kwargs
-        )
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False,
+                                                  **self.apply_chat_template_kwargs)
         return isinstance(text, str) and text.endswith(THINK_OPEN)

@@ -50,8 +50,7 @@ def failure_line(exc: BaseException) -> str:
         worker = "the driver"
     if isinstance(cause, RayTaskError):  # a wrapper without a cause (an unserialisable exception)
         return f"[mix_src] FAILED in {worker}: {_first_line(cause.traceback_str)}"
-    name = getattr(cause, "__class__", type(cause)).__name__
-    name = re.sub(r"^RayTaskError\((\w+)\)$", r"\1", name)
+    name = re.sub(r"^RayTaskError\((\w+)\)$", r"\1", getattr(cause, "__class__", type(cause)).__name__)
     return f"[mix_src] FAILED in {worker}: {name}: {_first_line(cause) or '(no message)'}"
 
 

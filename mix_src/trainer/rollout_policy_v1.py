@@ -40,13 +40,12 @@ class V1PolicyRunner:
 
     def __init__(self, trainer: Any, manager: Any, gen_index: int, metrics: dict, poll_s: float = 0.2):
         self.trainer, self.manager, self.gen_index, self.metrics, self.poll_s = trainer, manager, gen_index, metrics, poll_s
-        self.n = int(trainer.n)
         self._scratch: list[str] = []  # scratch uids of this call's passes
         self._passes = 0
 
     # ---- the agent-loop manager's one method that _submit_batch_to_rollout calls ------------------------
     def generate_sequences(self, batch) -> None:
-        n, P = self.n, len(batch)
+        n, P = self.trainer.n, len(batch)
         uids = [str(u) for u in _column(batch, "uid")]
         base_seeds = np.asarray(_column(batch, "rollout_seeds"), dtype=np.int64).reshape(-1)  # (P*n,)
         ratios = np.asarray(_column(batch, "prefix_ratios"), dtype=np.float64).reshape(-1)
@@ -166,7 +165,7 @@ class V1PolicyRunner:
 
     # ---- the chosen rows become the groups' rows -----------------------------------------------------------
     def _commit(self, out, uids: list[str]) -> None:
-        n = self.n
+        n = self.trainer.n
         if TQ_KEY not in out.non_tensor_batch or any(k is None for k in out.non_tensor_batch[TQ_KEY]):
             raise ValueError(f"rollout policy {self.trainer.mix.rollout_policy!r} returned rows that no ctx.generate "
                              "call produced (on V1 every returned row must come from a generation pass)")  # fmt: skip

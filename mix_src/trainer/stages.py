@@ -259,8 +259,6 @@ def start_data_epoch(dataloader: Any, dataset: Any, state: dict) -> Optional[int
     The choice is saved in ``state[DATA_EPOCH]``; a run resumed mid-epoch (torchdata's ``next_iter_state`` is set)
     applies it again, so the restored sampler walks the same rows. Returns the rows left (None: no-op)."""
     drop = state.get(DATA_DROP)
-    if drop is None and DATA_EPOCH not in state:
-        return None
     fresh = getattr(dataloader, "next_iter_state", None) is None
     if fresh and drop is not None and len(dataset) > int(drop["min_left"]):
         state[DATA_EPOCH] = sorted(drop["keys"])

@@ -60,8 +60,7 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
         seed = self.mix.seed if self.mix.seed is not None else config.data.get("seed", None)
         self.prefix_seed = 0 if seed is None else int(seed)
         self.n = int(config.actor_rollout_ref.rollout.n)
-        # step _fetch_step's prompt fetches so far (their ratios' and seeds' key) and prompts (max_num_gen_batches)
-        self._fetch_step, self._fetch_index, self._fetch_prompts = None, 0, 0
+        self._fetch_step, self._fetch_index, self._fetch_prompts = None, 0, 0  # fetch index (ratio seeds), prompts
         self._policy_metrics: dict = {}  # a multi-pass rollout policy's pass counts since the last step's metrics
         self._gen_budget_spent = -1  # the global step whose generation budget ran out
         self._carry_metrics: dict = {}  # carry_over counts of the step (train/num_*carried*)
