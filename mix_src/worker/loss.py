@@ -19,7 +19,7 @@ kl_loss, kl_coef) plus LUFFY's (loss_terms.TOKEN_METRICS as actor/<name>) and th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Mapping, Optional
 
@@ -92,7 +92,6 @@ class _LossContext:
     total_agg: Any
     metrics: dict
     rl_mask: Optional[torch.Tensor] = None
-    terms: Optional[TermInputs] = field(default=None, repr=False)
 
 
 class MixPolicyLoss:
@@ -137,8 +136,6 @@ class MixPolicyLoss:
     def __setstate__(self, state: dict) -> None:
         """Unpickled on each actor worker by ``set_loss_fn``: check that worker's CPU-backend patches applied."""
         self.__dict__.update(state)
-        import torch.distributed
-
         if torch.distributed.is_available() and torch.distributed.is_initialized():  # a worker, not a test
             from mix_src.cpu import check_hooks_fired
 
@@ -147,13 +144,12 @@ class MixPolicyLoss:
     # ---- the loss --------------------------------------------------------------------------------
 
     def __call__(self, model_output: Mapping[str, Any], data: TensorDict, dp_group=None):
-        """The loss of one micro-batch: the scalar terms of LOSS_TERMS (mix_src/algo/loss_terms.py: policy, sft, entropy,
-        kl), summed left to right in registration order; actor/pg_loss is the sum of the terms marked pg_loss."""
-        ctx = self._context(model_output, data, dp_group)
+        """The loss of one micro-batch (module docstring); actor/pg_loss is the sum of the terms marked pg_loss."""
+        ctx, terms = self._context(model_output, data, dp_group)
         loss = pg_loss = None
         for name in LOSS_TERMS.names():
             options = LOSS_TERMS.options(name)
-            term = LOSS_TERMS.get(name)(ctx.terms) if options.get("stage") == "scalar" else None
+            term = LOSS_TERMS.get(name)(terms) if options.get("stage") == "scalar" else None
             if term is not None:
                 loss = term if loss is None else loss + term
             if options.get("pg_loss"):
@@ -161,8 +157,8 @@ class MixPolicyLoss:
         ctx.metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=ctx.total_agg)
         return loss, ctx.metrics
 
-    def _context(self, model_output: Mapping[str, Any], data: TensorDict, dp_group) -> "_LossContext":
-        """The micro-batch padded to (bsz, response_len), verl's global numbers, the masks and the terms' inputs."""
+    def _context(self, model_output: Mapping[str, Any], data: TensorDict, dp_group) -> tuple[_LossContext, TermInputs]:
+        """The micro-batch padded to (bsz, response_len), verl's global numbers and masks; the terms' inputs."""
         config, mix = self.config, self.mix
         log_prob = no_padding_2_padding(model_output["log_probs"], data)  # (bsz, response_len)
         entropy = model_output.get("entropy", None)
@@ -219,7 +215,7 @@ class MixPolicyLoss:
                 raise KeyError("actor.use_kl_loss is on but the batch has no 'ref_log_prob'")
             return kl_penalty(logprob=log_prob, ref_logprob=batch["ref_log_prob"], kl_penalty=config.kl_loss_type)
 
-        ctx.terms = TermInputs(
+        return ctx, TermInputs(
             log_prob=log_prob, response_mask=response_mask, agg=agg, policy=lambda: self._policy_loss(ctx),
             entropy=entropy, entropy_coef=lambda: self._entropy_coefficient(entropy, response_mask, info, dp_group,
                                                                             ctx.metrics),
@@ -227,7 +223,6 @@ class MixPolicyLoss:
             sft_agg=lambda lp, mask: SFT_AGGS.get(mix.sft_loss_agg)(lp, mask, self._sft_scale(data, info, agg)),
             sft_coef=mix.sft_loss_coef, kld=kld if config.use_kl_loss else None, kl_coef=config.kl_loss_coef, log=log,
         )  # fmt: skip
-        return ctx
 
     def _policy_loss(self, ctx: "_LossContext") -> torch.Tensor:
         """The policy loss: a loss combination, PPO-clip on the on-policy rows (use_sft_multitask_loss), or the LUFFY
