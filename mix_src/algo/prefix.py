@@ -132,7 +132,6 @@ def compute_prefix_ratios(num_prompts: int, n: int, *, strategy: str = "random",
     if num_prefixed == 0 or num_prompts == 0:
         return ratios.reshape(-1)
 
-    # one draw per prompt (shared) or per prefixed row (per-sample)
     shape = (num_prompts, 1) if share_across_samples else (num_prompts, num_prefixed)
     draw = PrefixDraw(
         shape=shape, num_prompts=num_prompts, num_prefixed=num_prefixed, share_across_samples=share_across_samples,

@@ -49,8 +49,8 @@ class SftScale:
     dp_size: int
     # the official gradient-accumulation divisor (ppo_mini_batch_size // ppo_micro_batch_size per GPU: the rank's
     # rows / micro-batch rows with static micro-batches, 1 with dynamic ones, as in the official runs)
-    grad_accum: float = 1.0
-    policy_agg: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None  # the policy loss's aggregation
+    grad_accum: float
+    policy_agg: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # the policy loss's aggregation
 
 
 SftAgg = Callable[[torch.Tensor, torch.Tensor, SftScale], torch.Tensor]
@@ -72,8 +72,6 @@ def _global_token_mean(log_prob: torch.Tensor, sft_mask: torch.Tensor, scale: Sf
 def _policy_loss_agg(log_prob: torch.Tensor, sft_mask: torch.Tensor, scale: SftScale) -> torch.Tensor:
     """Aggregated exactly like the policy loss (same mode, same global normalisation: e.g. token sum / W), so the two
     terms share one scale and the sum stays micro-batch invariant. log_prob, sft_mask: (bsz, L) -> scalar."""
-    if scale.policy_agg is None:
-        raise ValueError("mix.loss.sft_loss_agg=policy_loss_agg needs the policy loss's aggregation (SftScale.policy_agg)")
     return scale.policy_agg(-log_prob, sft_mask)
 
 

@@ -18,8 +18,7 @@ __all__ = ["LOG_RATIO_CLAMP", "LOSS_AGG_MODES", "OFF_POLICY_RESHAPES", "ON_POLIC
 
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
                   "luffy-token-sum-norm")
-# The original baked gamma into the option name; these names stay accepted as aliases.
-P_DIV_P_ALIASES = {"p_div_p_0.1": 0.1, "p_div_p_0.3": 0.3, "p_div_p_0.5": 0.5}
+P_DIV_P_ALIASES = {"p_div_p_0.1": 0.1, "p_div_p_0.3": 0.3, "p_div_p_0.5": 0.5}  # the original's names (gamma in them)
 LOG_RATIO_CLAMP = 20.0  # |l - l_old| is clamped before exp, as verl's vanilla PPO loss does
 
 
@@ -53,8 +52,7 @@ def _nonzero(count: torch.Tensor) -> torch.Tensor:
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of `values` over the non-zero entries of `mask` (same shape); 0 (not NaN) when the mask is
-    empty. Returns a scalar tensor."""
+    """Mean of `values` over the non-zero entries of `mask` (same shape), a scalar tensor; 0 (not NaN) if none."""
     return masked_sum(values, mask) / _nonzero(_count(mask))
 
 
