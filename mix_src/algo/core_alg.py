@@ -42,13 +42,9 @@ __all__ = ["LOG_RATIO_CLAMP", "P_DIV_P_ALIASES", "LOSS_AGG_MODES", "OFF_POLICY_R
            "register_on_policy_reshape"]  # fmt: skip
 
 
-def group_ids(index: Any) -> torch.Tensor:
-    """index: (B,) group id per row (numpy array of str/int, list, or tensor) -> (B,) long ids in [0, G)."""
-    return _group_ids(index, len(index))[0]
-
-
-def _group_ids(index: Any, num_rows: int) -> tuple[torch.Tensor, int]:
-    """As :func:`group_ids`, also returning G (vectorised, no Python loop over rows)."""
+def group_ids(index: Any, num_rows: int | None = None) -> torch.Tensor:
+    """index: (B,) group id per row (numpy array of str/int, list, or tensor) -> (B,) long ids in [0, G), vectorised
+    (no Python loop over rows); B must be num_rows (default len(index))."""
     if isinstance(index, torch.Tensor):
         _, inverse = torch.unique(index.reshape(-1), return_inverse=True)
     else:
@@ -63,10 +59,10 @@ def _group_ids(index: Any, num_rows: int) -> tuple[torch.Tensor, int]:
         if inverse is None:
             _, inverse = np.unique(ids, return_inverse=True)
         inverse = torch.from_numpy(inverse.reshape(-1).astype(np.int64))
+    num_rows = len(index) if num_rows is None else num_rows
     if inverse.numel() != num_rows:
         raise ValueError(f"index has {inverse.numel()} entries but there are {num_rows} rows")
-    num_groups = int(inverse.max()) + 1 if num_rows else 0
-    return inverse, num_groups
+    return inverse
 
 
 @torch.no_grad()
@@ -93,8 +89,8 @@ def compute_grpo_outcome_advantage_split(token_level_rewards: torch.Tensor, resp
         raise ValueError(f"epsilon must be >= 0, got {epsilon}")
 
     scores = token_level_rewards.sum(dim=-1)  # (B,)
-    gid, num_groups = _group_ids(index, num_rows)
-    gid = gid.to(scores.device)
+    gid = group_ids(index, num_rows).to(scores.device)
+    num_groups = int(gid.max()) + 1 if num_rows else 0
     stat_dtype = torch.float64  # per-row statistics are cheap; compute them in double
     r = scores.to(stat_dtype)
 

@@ -288,16 +288,14 @@ class MixPolicyLoss:
             grad_accum = max(float(info["global_batch_size"]) / info["dp_size"] / float(micro_rows), 1.0)
         sft_tokens = None  # the SFT tokens of this micro-batch's global mini-batch (add_sft_token_counts)
         if SFT_TOKENS in data.keys():
-            counted = _row_values(data, (SFT_TOKENS,), "mix.loss.row_loss", "add_sft_token_counts")[SFT_TOKENS]
-            sft_tokens = max(counted, 1.0)  # 0 SFT tokens: a numerator of 0 too
+            sft_tokens = _row_values(data, (SFT_TOKENS,), "mix.loss.row_loss", "add_sft_token_counts")[SFT_TOKENS]
         return SftScale(sft_tokens, int(info["dp_size"]), grad_accum, policy_agg)
 
     def _combined_policy_loss(self, ctx: "_LossContext", token_batch: Callable[..., TokenBatch]):
         """``mix.loss.combine``: PPO-clip on the on-policy rows, combined with the expert tokens by the entry."""
         mix, log_prob, prefix_mask = self.mix, ctx.log_prob, ctx.prefix_mask
         counts = _row_values(ctx.data, COMBINE_FIELDS, "mix.loss.combine", "add_combine_inputs")
-        expert_rows = prefix_mask.any(dim=-1, keepdim=True)  # rows with a prefix are expert rows
-        on_mask = ctx.response_mask & ~expert_rows
+        on_mask = ctx.response_mask & ~prefix_mask.any(dim=-1, keepdim=True)  # rows with a prefix are expert rows
 
         def numbers(tokens: str, rows: str) -> dict:  # the population's global mini-batch size (>= 1: 0/0 -> 0)
             return dict(ctx.info, batch_num_tokens=max(counts[tokens], 1.0), global_batch_size=max(counts[rows], 1.0))
