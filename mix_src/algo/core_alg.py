@@ -130,11 +130,10 @@ def _rows_times_mask(row_values: torch.Tensor, mask: torch.Tensor, block_elems: 
     return out
 
 
-def apply_prefix_advantage_weights(
-    advantages: torch.Tensor, prefix_mask: torch.Tensor, alpha: float, beta: float
-) -> torch.Tensor:
-    """LUFFY's alpha/beta prefix weighting (the original's mix_trainer.py, advantage stage): A * (alpha * g + beta * (1 - g)).
-    advantages, prefix_mask: (B, L) -> a new (B, L) tensor: prefix tokens scaled by alpha, the others by beta."""
+def apply_prefix_advantage_weights(advantages: torch.Tensor, prefix_mask: torch.Tensor, alpha: float,
+                                   beta: float) -> torch.Tensor:
+    """LUFFY's alpha/beta prefix weighting (the original's mix_trainer.py, advantage stage): A * (alpha * g + beta *
+    (1 - g)); advantages, prefix_mask: (B, L) -> a new (B, L) tensor, prefix tokens scaled by alpha, others by beta."""
     _check_same_shape(advantages=advantages, prefix_mask=prefix_mask)
     return torch.where(_bool_mask(prefix_mask), advantages * alpha, advantages * beta)
 

@@ -217,9 +217,8 @@ class MixPolicyLoss:
 
         return ctx, TermInputs(
             log_prob=log_prob, response_mask=response_mask, agg=agg, policy=lambda: self._policy_loss(ctx),
-            entropy=entropy, entropy_coef=lambda: self._entropy_coefficient(entropy, response_mask, info, dp_group,
-                                                                            ctx.metrics),
-            sft_mask=sft_mask,
+            entropy=entropy, sft_mask=sft_mask,
+            entropy_coef=lambda: self._entropy_coefficient(entropy, response_mask, info, dp_group, ctx.metrics),
             sft_agg=lambda lp, mask: SFT_AGGS.get(mix.sft_loss_agg)(lp, mask, self._sft_scale(data, info, agg)),
             sft_coef=mix.sft_loss_coef, kld=kld if config.use_kl_loss else None, kl_coef=config.kl_loss_coef, log=log,
         )  # fmt: skip
@@ -296,11 +295,9 @@ class MixPolicyLoss:
         mix, log_prob, prefix_mask = self.mix, ctx.log_prob, ctx.prefix_mask
         counts = _row_values(ctx.data, COMBINE_FIELDS, "mix.loss.combine", "add_combine_inputs")
         on_mask = ctx.response_mask & ~prefix_mask.any(dim=-1, keepdim=True)  # rows with a prefix are expert rows
-
-        def numbers(tokens: str, rows: str) -> dict:  # the population's global mini-batch size (>= 1: 0/0 -> 0)
-            return dict(ctx.info, batch_num_tokens=max(counts[tokens], 1.0), global_batch_size=max(counts[rows], 1.0))
-
-        on_info, expert_info = numbers(ON_TOKENS, ON_ROWS), numbers(EXPERT_TOKENS, EXPERT_ROWS)
+        on_info, expert_info = (  # each population's own global mini-batch size (>= 1: 0/0 -> 0)
+            dict(ctx.info, batch_num_tokens=max(counts[tokens], 1.0), global_batch_size=max(counts[rows], 1.0))
+            for tokens, rows in ((ON_TOKENS, ON_ROWS), (EXPERT_TOKENS, EXPERT_ROWS)))
         out = token_loss(token_batch(ctx.batch["advantages"], on_mask, torch.zeros_like(prefix_mask), **on_info),
                          self.ppo_clip_config)  # fmt: skip
         out["off_policy_prob"] = masked_mean(log_prob.detach().exp(), prefix_mask)
