@@ -195,7 +195,7 @@ class GradingPool:
                     socket.send_fds(self._ctrl, [b"S"], [theirs.fileno()])
                     (pid,) = _PID.unpack(_recv_exact(self._ctrl, _PID.size))
                     return _Worker(pid, Connection(ours.detach()))
-                except (OSError, ConnectionError) as exc:
+                except OSError as exc:  # ConnectionError and socket timeouts included
                     ours.close()
                     self._stop_zygote()
                     if attempt == 2:
@@ -221,7 +221,7 @@ class GradingPool:
         ours.settimeout(self.start_timeout_s)  # bounds the start and then each fork request
         try:
             _recv_exact(ours, _PID.size)  # "ready", sent after the preload
-        except (OSError, ConnectionError) as exc:
+        except OSError as exc:  # ConnectionError and socket timeouts included
             proc.kill()
             code = proc.wait()
             ours.close()

@@ -198,7 +198,7 @@ class PrefixGuidedToolAgentLoop(ToolAgentLoop):
 
 
 def check_config(config) -> None:
-    """Before Ray: refuse what this loop cannot honour, naming the key (called by mix_src.main_mix_ppo)."""
+    """Before Ray: refuse what this loop cannot honour, naming the key (called by mix_src.config.preflight)."""
     from omegaconf import OmegaConf
 
     if OmegaConf.select(config, "actor_rollout_ref.rollout.agent.default_agent_loop") != "prefix_guided_tool":
