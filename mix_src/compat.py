@@ -34,10 +34,10 @@ class Patch:
 PATCHES: dict[str, Patch] = {}
 
 
-def declare(name: str, target: str, site: str, why: str, written_for: Optional[dict] = None) -> None:
+def declare(name: str, target: str, site: str, why: str) -> None:
     if name in PATCHES:
         raise ValueError(f"patch {name!r} declared twice")
-    PATCHES[name] = Patch(name, target, site, why, dict(VERL if written_for is None else written_for))
+    PATCHES[name] = Patch(name, target, site, why, dict(VERL))
 
 
 # ---- the main path's patches (the CPU backend's live in mix_src/cpu, declared with after_import) -------------
