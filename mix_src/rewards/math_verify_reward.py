@@ -64,6 +64,13 @@ class RewardConfig:
             raise ValueError(f"reward_kwargs.answer_type must be one of {ANSWER_TYPES} or null, "
                              f"got {self.answer_type!r}")
 
+    @property
+    def workers(self) -> int:
+        if self.num_workers:
+            return self.num_workers
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # usable
+        return max(1, min(cpus, 8))
+
 
 _NUMBER_OPTIONS = ("correct_score", "wrong_score", "format_error_score", "timeout_s")
 _OPTION_NAMES = tuple(f.name for f in fields(RewardConfig))
@@ -227,9 +234,7 @@ def _finish(cfg: RewardConfig, data_source, job: _Pending, outcome: Outcome) -> 
 
 
 def _pool(cfg: RewardConfig) -> GradingPool:
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # usable
-    workers = cfg.num_workers or max(1, min(cpus, 8))
-    return get_pool(workers, cfg.memory_limit_mb, preload="mix_src.rewards.grading:warmup")
+    return get_pool(cfg.workers, cfg.memory_limit_mb, preload="mix_src.rewards.grading:warmup")
 
 
 # -------------------------------------------------------------------------------------------- API
