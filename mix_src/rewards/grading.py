@@ -41,9 +41,7 @@ def grade_math(answer: str, ground_truth: str) -> bool:
     if not gold:
         raise ValueError(f"math-verify cannot parse the ground truth {ground_truth[:80]!r}")
     pred = parse(answer, extraction_config=_pred_config(), parsing_timeout=None)
-    if not pred:
-        return False
-    return bool(verify(gold, pred, timeout_seconds=None))
+    return bool(pred) and bool(verify(gold, pred, timeout_seconds=None))
 
 
 # One of each common answer shape: grading them once in the zygote warms the LaTeX parser's DFA cache

@@ -330,8 +330,7 @@ def get_pool(max_workers: int, memory_limit_mb: int = 0, preload: str | None = N
     with _POOLS_LOCK:
         pool = _POOLS.get(key)
         if pool is None or pool.owner_pid != os.getpid() or pool._closed:
-            pool = GradingPool(max_workers, memory_limit_mb, preload)
-            _POOLS[key] = pool
+            pool = _POOLS[key] = GradingPool(max_workers, memory_limit_mb, preload)
         return pool
 
 
