@@ -96,9 +96,8 @@ def replace_rows(first, rows: np.ndarray, second):
         raise ValueError(f"replace_rows: the passes have different tensors: {sorted(a_keys ^ b_keys)}")
     parts = []
     for part, other in ((first, second), (second, first)):
-        non_tensor = dict(part.non_tensor_batch)
-        for key in other.non_tensor_batch.keys() - non_tensor.keys():
-            non_tensor[key] = np.full(len(part), None, dtype=object)
+        missing = other.non_tensor_batch.keys() - part.non_tensor_batch.keys()
+        non_tensor = {**part.non_tensor_batch, **{key: np.full(len(part), None, dtype=object) for key in missing}}
         parts.append(DataProto(batch=part.batch, non_tensor_batch=non_tensor, meta_info=part.meta_info))
     order = np.arange(len(first))
     order[rows] = len(first) + np.arange(len(rows))
