@@ -20,6 +20,7 @@ from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_pad
 
 from mix_src.algo.core_alg import agg_loss, compute_token_on_off_policy_loss, kept_tokens_per_mini_batch, masked_mean
 from mix_src.worker.loss import KEPT_TOKENS, MixLossConfig, MixPolicyLoss
+from mix_src.worker.onpolicy_losses import knob_refusals
 
 VOCAB, PROMPT, RESPONSE = 13, 4, 6
 
@@ -290,8 +291,8 @@ def test_errors():
     data["prefix_mask"] = data["prefix_mask"][:, :3]
     with pytest.raises(ValueError, match="prefix_mask has shape"):
         run_mini_batch(MixPolicyLoss(actor_config()), data, 6, model)
-    with pytest.raises(ValueError, match="loss_mode='bypass_mode'"):  # any other verl loss: test_onpolicy_losses.py
-        MixPolicyLoss(actor_config(policy_loss={"loss_mode": "bypass_mode"}))
+    # refused before Ray (onpolicy_losses.knob_refusals via config/verl_parity.py); other verl losses: test_onpolicy_losses
+    assert "loss_mode='bypass_mode'" in knob_refusals("bypass_mode", MixLossConfig(), actor_config())[0]
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['mix.loss.use_off_policy_loss'\]; valid keys of mix.loss: \['off_policy_reshape'"):
         MixPolicyLoss(actor_config(), {"use_off_policy_loss": True})
     with pytest.raises(ValueError, match="mix.loss.off_policy_reshape='p_div_p_0.2' is not a registered off-policy reshape"):

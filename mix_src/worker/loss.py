@@ -37,7 +37,7 @@ from mix_src.worker.loss_inputs import (  # noqa: F401 (re-exported: the trainer
 )  # fmt: skip
 from mix_src.algo.loss_terms import LOSS_TERMS, TOKEN_METRICS, TermInputs, TokenBatch, TokenLossConfig, token_loss
 from mix_src.algo.loss_combine import LOSS_COMBINES, CombineInputs
-from mix_src.worker.onpolicy_losses import knob_refusals, mode_entry, on_policy_config, on_policy_term
+from mix_src.worker.onpolicy_losses import mode_entry, on_policy_config, on_policy_term
 from mix_src.config.mix_config import LossConfig as MixLossConfig  # the `mix.loss` section, checked when built
 from mix_src.algo.prefix_select import PREFIX_TOKEN_SELECTS, PrefixTokenView, select_prefix_tokens
 from mix_src.algo.off_policy_behaviour import BEHAVIOUR_LOG_PROB, OFF_POLICY_BEHAVIOURS
@@ -106,10 +106,8 @@ class MixPolicyLoss:
         self.config = config
         self.mix = loss_config if isinstance(loss_config, MixLossConfig) else MixLossConfig.from_dict(loss_config)
         loss_mode = config.policy_loss.get("loss_mode", "vanilla") if config.get("policy_loss") else "vanilla"
-        refusals = knob_refusals(loss_mode, self.mix, config)  # mix_src/worker/onpolicy_losses.py: the mode x knob table
-        if refusals:
-            raise ValueError("; ".join(refusals))
-        # None: the LUFFY kernel's PPO-clip (vanilla); else the ActorConfig verl's own loss gets on on-policy tokens
+        # None: the LUFFY kernel's PPO-clip (vanilla); else the ActorConfig verl's own loss gets on on-policy tokens (the
+        # mode x mix.loss knob table is checked once, before Ray: onpolicy_losses.knob_refusals, config/verl_parity.py)
         self.on_policy_config = None if mode_entry(loss_mode).luffy_kernel else on_policy_config(config, self.mix)
         self.cliprange = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
         clip_high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
