@@ -23,7 +23,8 @@ def test_forward_flops_by_hand():
     # + LM head 2*d*V*sum T = 640, + attention 2*L*H*d_head*sum T(T+1) = 2*1*2*2*42 = 336
     assert forward_flops(SHAPE, [3, 5], "full") == 2624 + 640 + 336 == 3600
     assert sft_step_flops(SHAPE, [3, 5], "full") == 3 * 3600
-    # an unknown count is refused once, as mix.flops_count (test_budget_refused_with_a_critic_and_bad_values)
+    with pytest.raises(ValueError, match="count"):  # a direct call's typo never counts silently as "6n"
+        forward_flops(SHAPE, [3], "7n")
 
 
 def test_rl_step_and_rollout_by_hand():

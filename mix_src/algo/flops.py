@@ -67,6 +67,8 @@ class ModelShape:
 def forward_flops(shape: ModelShape, seq_lens, count: str = "full") -> float:
     """Summed forward FLOPs F(T) (module docstring; ``count`` as mix.flops_count) of sequences ``seq_lens`` [rows]."""
     t = np.asarray(seq_lens, dtype=np.float64).reshape(-1)
+    if count not in COUNTS:  # a run's count is refused as mix.flops_count before Ray; this stops a direct call's typo
+        raise ValueError(f"FLOPs count {count!r}: use one of {COUNTS}")
     if np.any(t < 0):
         raise ValueError("negative sequence length")
     total = 2.0 * shape.non_embedding_params * t.sum()
