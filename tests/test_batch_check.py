@@ -46,12 +46,19 @@ def test_batch_arithmetic_refused_naming_keys_and_numbers(compose, overrides, pa
      r"data\.train_files: 32 usable rows .*fewer than data\.train_batch_size=64"),
     (["data.train_max_samples=3"], r"data\.train_files: 3 usable rows .*fewer than data\.train_batch_size=4"),
     (["data.gen_batch_size=40"], r"32 usable rows .*fewer than data\.gen_batch_size=40.*lower data\.gen_batch_size"),
+    # a smaller loader batch (filter groups) still needs one training batch of rows
+    (["data.train_batch_size=64", A + "ppo_mini_batch_size=64", "data.gen_batch_size=8",
+      "algorithm.filter_groups.enable=true"], r"32 usable rows .*fewer than data\.train_batch_size=64"),
 ])
 def test_too_few_rows_for_one_batch_refused_once_by_the_data_check(compose, overrides, pattern):
     """The rows must fill one of the loader's batches (gen_batch_size, else train_batch_size): the data check
     (preflight slot 4) counts them after its drops, so the batch check does not count them again."""
     with pytest.raises(MixConfigError, match=pattern):
         check_data(compose(*overrides))
+
+
+def test_evaluation_only_needs_no_loader_batch(compose):
+    check_data(compose("data.gen_batch_size=40", "algorithm.filter_groups.enable=true", "trainer.val_only=true"))
 
 
 def test_settings_that_train_pass(compose, tiny_assets):

@@ -310,9 +310,10 @@ def check_data(config: DictConfig) -> dict[str, FileReport]:
             continue  # a remote file: not counted
         limit = int(data.get(f"{role}_max_samples", -1) or -1)
         usable = min(usable, limit) if limit > 0 else usable
-        # the loader's batch (verl/trainer/ppo/ray_trainer.py 404-411)
-        batch_key = "data.gen_batch_size" if role == "train" and data.get("gen_batch_size") else "data.train_batch_size"
-        need = int(OmegaConf.select(config, batch_key)) if role == "train" else 1
+        # one training batch and, unless evaluating only, one of the loader's (verl/trainer/ppo/ray_trainer.py 404-411)
+        need, batch_key = int(data.train_batch_size) if role == "train" else 1, "data.train_batch_size"
+        if role == "train" and int(data.get("gen_batch_size") or 0) > need and not config.trainer.get("val_only"):
+            need, batch_key = int(data.gen_batch_size), "data.gen_batch_size"
         if usable < need:
             what = f"{batch_key}={need}" if role == "train" else "one row"
             raise MixConfigError(f"{key}: {usable} usable rows after the drops above, fewer than {what}; verl's "
