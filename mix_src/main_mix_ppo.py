@@ -20,7 +20,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from verl.trainer.main_ppo_v0 import BaseTaskRunner
 
 from mix_src.config.preflight import (  # noqa: F401  (the checks before Ray; these names stay importable from here)
-    check_v1_config, export_plugins, prepare_config, run as config_stage,  # config_stage: every check before Ray
+    V1_MODES, check_separate_async, check_v1_config, export_plugins, prepare_config,
+    run as config_stage,  # config_stage: every check before Ray
 )
 from mix_src.trainer.failure import report_failure
 from mix_src.config.luffy_keys import translate_overrides

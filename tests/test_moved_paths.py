@@ -56,3 +56,16 @@ def test_old_pkg_reward_path_resolves_the_toy_task():
     from scripts.experiments.toy_tasks.addition import compute_score
 
     assert fn is compute_score
+
+
+def test_names_plugins_and_scripts_import_keep_their_signatures():
+    """#38's size cuts kept these: the entry module's re-exports of the checks that moved to config/preflight.py,
+    and the rollout-policy helper's optional per-row solved flags."""
+    import numpy as np
+
+    from mix_src.config import preflight
+    from mix_src.main_mix_ppo import V1_MODES, check_separate_async
+    from mix_src.trainer.rollout_policy import group_all_failed
+
+    assert V1_MODES is preflight.V1_MODES and check_separate_async is preflight.check_separate_async
+    assert group_all_failed(None, 2, rows_solved=np.array([True, False, False, False])).tolist() == [False, True]

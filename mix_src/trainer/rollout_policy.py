@@ -111,6 +111,7 @@ def solved(batch) -> np.ndarray:
     return solved_rows(batch.non_tensor_batch.get("acc"), lambda: batch.batch["token_level_scores"].sum(-1).numpy())
 
 
-def group_all_failed(batch, n: int) -> np.ndarray:
-    """(num_prompts,) bool: prompts none of whose n rows (i*n .. i*n + n-1) solved the task."""
-    return ~solved(batch).reshape(-1, n).any(axis=1)
+def group_all_failed(batch, n: int, rows_solved: Optional[np.ndarray] = None) -> np.ndarray:
+    """(num_prompts,) bool: prompts none of whose n rows (i*n .. i*n + n-1) solved the task (``rows_solved``: a
+    plugin's own (bsz,) bool, else :func:`solved`)."""
+    return ~(solved(batch) if rows_solved is None else rows_solved).reshape(-1, n).any(axis=1)
