@@ -17,7 +17,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig
 
 from mix_src.config.mix_config import MixConfigError
 from mix_src.rewards.answers import ground_truth_problem

@@ -83,7 +83,8 @@ def _check_backend(config: DictConfig) -> None:
             raise MixConfigError("trainer.device=cpu (+backend=cpu) but the CPU backend is off in this process: this "
                                  "machine shows an accelerator "
                                  f"({'; '.join(mix_src.cpu.accelerator_signs()) or 'VERL_PLATFORM is not cpu'}). Run "
-                                 "with VERL_PLATFORM=cpu to train on CPU here, or drop +backend=cpu to use the accelerator.")
+                                 "with VERL_PLATFORM=cpu to train on CPU here, or drop +backend=cpu to use the "
+                                 "accelerator.")
         from mix_src.cpu.config_check import check_worker_keys
 
         check_worker_keys(config)

@@ -106,8 +106,8 @@ class MixPolicyLoss:
         self.config = config
         self.mix = loss_config if isinstance(loss_config, MixLossConfig) else MixLossConfig.from_dict(loss_config)
         loss_mode = config.policy_loss.get("loss_mode", "vanilla") if config.get("policy_loss") else "vanilla"
-        # None: the LUFFY kernel's PPO-clip (vanilla); else the ActorConfig verl's own loss gets on on-policy tokens (the
-        # mode x mix.loss knob table is checked once, before Ray: onpolicy_losses.knob_refusals, config/verl_parity.py)
+        # None: the LUFFY kernel's PPO-clip (vanilla); else the ActorConfig verl's own loss gets on on-policy tokens
+        # (the mode x mix.loss knob table is checked once, before Ray: onpolicy_losses.knob_refusals, verl_parity.py)
         self.on_policy_config = None if mode_entry(loss_mode).luffy_kernel else on_policy_config(config, self.mix)
         self.cliprange = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
         clip_high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
