@@ -29,6 +29,7 @@ class MixTrainerCommon:
     _rollout_flops: Optional[dict] = None  # generation FLOPs since the last step's count
     _entropy_state: Optional[dict] = None  # the learned entropy coefficient's state (mix.loss.use_adaptive_entropy)
     _rollout_state: Optional[dict] = None  # the rollout policy's own state (RolloutContext.state)
+    _policy_step_metrics: Optional[list] = None  # the RolloutContext.metrics of this step's generation batches
 
     # ---- prefix seeding: keyed by (seed, global_step, gen_index), so a resumed run draws what an uninterrupted one drew
     def _row_ratios(self, num_prompts: int, gen_index: int, targets) -> np.ndarray:
@@ -51,7 +52,16 @@ class MixTrainerCommon:
         out = ROLLOUT_POLICIES.get(self.mix.rollout_policy)(ctx)
         if len(out) != len(batch):
             raise ValueError(f"rollout policy {self.mix.rollout_policy!r} returned {len(out)} rows for {len(batch)}")
+        if ctx.metrics:
+            self._policy_step_metrics = [*(self._policy_step_metrics or []), dict(ctx.metrics)]
         return out
+
+    def _pop_policy_metrics(self) -> dict:
+        """The rollout policy's metrics of this step (RolloutContext.metrics; each name's mean over the step's
+        generation batches that reported it), then cleared."""
+        parts, self._policy_step_metrics = self._policy_step_metrics or [], None
+        names = dict.fromkeys(k for part in parts for k in part)
+        return {k: float(np.mean([float(p[k]) for p in parts if k in p])) for k in names}
 
     # ---- FLOPs (mix_src/algo/flops.py) ----------------------------------------------------------------------------
     def _model_shape(self) -> ModelShape:

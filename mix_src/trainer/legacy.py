@@ -322,6 +322,7 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
     def _add_step_metrics(self, batch: DataProto, metrics: dict, timing: dict) -> None:
         metrics["training/global_step"] = self.global_steps
         metrics["training/epoch"] = self._epoch
+        metrics.update(self._pop_policy_metrics())  # the rollout policy's own (RolloutContext.metrics)
         metrics.update(compute_data_metrics(batch=batch, use_critic=self.use_critic))
         # the clip ratios against the configured limits, as on V1 (lengths as verl's metric_utils.py 60-92 reads them)
         width, mask, rollout = batch.batch["responses"].shape[-1], batch.batch["attention_mask"], self.config.actor_rollout_ref.rollout

@@ -45,6 +45,8 @@ class RolloutContext:
     entropy(rows) -> (rows, response_len) float tensor: per-token entropy of rows that ``generate`` returned,
         under the current actor (verl's old-log-prob pass with ``calculate_entropy``); None where the trainer
         base offers none (V1).
+    metrics: the policy's per-step metrics ({name: float}), logged with the step's metrics on both bases (a step of
+        several generation batches logs each name's mean over them).
     """
 
     batch: Any
@@ -58,6 +60,7 @@ class RolloutContext:
     state: dict = field(default_factory=dict)
     tokenizer: Any = None
     entropy: Optional[Callable[..., Any]] = None
+    metrics: dict = field(default_factory=dict)
 
 
 RolloutPolicy = Callable[[RolloutContext], Any]
