@@ -160,21 +160,77 @@ def _refuse_profiler(config: Any, mix: Any) -> Optional[str]:
 
 def _refuse_policy_loss_mode(config: Any, mix: Any) -> Optional[str]:
     """Any registered verl policy loss is the on-policy term, unless the mode x mix.loss knob table
-    (mix_src/worker/onpolicy_losses.py knob_refusals) refuses the pair; bypass_mode is refused there."""
-    from mix_src.worker.onpolicy_losses import knob_refusals
+    (mix_src/worker/onpolicy_losses.py knob_refusals) refuses the pair (bypass_mode is refused there), the mode's entry
+    declares a key the config leaves unusable (``required_refusals``: dro_beta), or verl's own loss function, called
+    once here on a tiny batch with this actor config, raises (any other value only the worker would have found)."""
+    from mix_src.worker.onpolicy_losses import knob_refusals, mode_entry, required_refusals
 
     mode = dotted_get(config, "actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla")
-    if mode == "vanilla":
-        return None
+    actor = config.actor_rollout_ref.actor
     if mix is None:
         from mix_src.config.mix_config import validate_mix_config
 
         mix = validate_mix_config(config)
     try:
-        refusals = knob_refusals(mode, mix.loss, config.actor_rollout_ref.actor)
+        refusals = [] if mode == "vanilla" else knob_refusals(mode, mix.loss, actor)
     except ValueError as e:  # a name verl does not know
         return str(e)
-    return "; ".join(refusals) or None
+    refusals = refusals or required_refusals(mode, actor)
+    if refusals or mode_entry(mode).luffy_kernel:
+        return "; ".join(refusals) or None
+    return _loss_call_refusal(mode, actor)
+
+
+def _tiny_inputs() -> tuple:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(2, 3, generator=g)
+    return old, old + 0.1 * torch.randn(2, 3, generator=g), torch.randn(2, 3, generator=g), torch.ones(2, 3)
+
+
+def _loss_call_refusal(mode: str, actor: Any) -> Optional[str]:
+    """verl's ``mode`` loss called once on 2x3 tokens with the run's actor config (as verl's worker builds it:
+    ``omega_conf_to_dataclass``; a micro-batch size is filled in where none is set, since that is checked elsewhere)."""
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+    from verl.utils.config import omega_conf_to_dataclass
+
+    section = OmegaConf.create(OmegaConf.to_container(actor, resolve=True))
+    if section.get("ppo_micro_batch_size") is None and section.get("ppo_micro_batch_size_per_gpu") is None:
+        section.ppo_micro_batch_size_per_gpu = 1
+    old, log_prob, adv, mask = _tiny_inputs()
+    try:
+        actor_config = omega_conf_to_dataclass(section)
+        get_policy_loss_fn(mode)(old_log_prob=old, log_prob=log_prob, advantages=adv, response_mask=mask,
+                                 loss_agg_mode=actor_config.loss_agg_mode, config=actor_config, rollout_is_weights=None)
+    except Exception as e:  # noqa: BLE001 - any failure of verl's loss is the refusal's reason
+        return (f"actor_rollout_ref.actor.policy_loss.loss_mode={mode!r} fails with this actor config before "
+                f"training (verl's loss function, called once here): {type(e).__name__}: {e}. Set the key it names "
+                "under actor_rollout_ref.actor.policy_loss (or actor_rollout_ref.actor).")
+    return None
+
+
+def _refuse_rollout_correction_settings(config: Any, mix: Any) -> Optional[str]:
+    """verl's rollout correction called once on 2x3 tokens with the run's ``algorithm.rollout_correction`` (what its
+    ``compute_rollout_correction_and_add_to_batch`` passes on): e.g. a ``rollout_rs`` mode with verl's default
+    ``rollout_rs_threshold: null`` raises there only at the first step."""
+    rc = dotted_get(config, "algorithm.rollout_correction")
+    if not rc or not (rc.get("rollout_is") or rc.get("rollout_rs")):
+        return None
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    old, rollout, _, mask = _tiny_inputs()
+    keys = ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs", "rollout_rs_threshold")
+    try:
+        compute_rollout_correction_and_rejection_mask(old, rollout, mask, **{k: rc.get(k) for k in keys if k in rc})
+    except Exception as e:  # noqa: BLE001
+        set_ = " ".join(f"algorithm.rollout_correction.{k}={rc.get(k)!r}" for k in ("rollout_is", "rollout_rs")
+                        if rc.get(k))  # fmt: skip
+        return (f"{set_} fails before training (verl's "
+                f"compute_rollout_correction_and_rejection_mask, called once here): {type(e).__name__}: {e}. Set the "
+                "algorithm.rollout_correction key it names (e.g. rollout_rs_threshold).")
+    return None
 
 
 def _refuse_sglang(config: Any, mix: Any) -> Optional[str]:
@@ -207,6 +263,7 @@ CHECKS: dict[Callable[[Any, Any], Optional[str]], Optional[str]] = {
     _refuse_estimator: "algorithm.adv_estimator=remax",
     _refuse_bypass_mode: "algorithm.rollout_correction.bypass_mode=true",
     _refuse_correction_without_logprobs: None,
+    _refuse_rollout_correction_settings: "algorithm.rollout_correction.rollout_rs=token_k1",
     _refuse_profiler: "global_profiler.steps=[1]",
     _refuse_policy_loss_mode: "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode",
     _refuse_sglang: "actor_rollout_ref.rollout.name=sglang",

@@ -20,14 +20,30 @@ A plugin's ``@register_policy_loss`` loss gets :data:`PLUGIN_DEFAULT` unless it 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["ON_POLICY_MODES", "PLUGIN_DEFAULT", "OnPolicyMode", "knob_refusals", "mode_entry", "on_policy_config",
-           "on_policy_term", "register_on_policy_mode"]  # fmt: skip
+__all__ = ["ON_POLICY_MODES", "PLUGIN_DEFAULT", "OnPolicyMode", "RequiredKey", "knob_refusals", "mode_entry",
+           "on_policy_config", "on_policy_term", "register_on_policy_mode", "required_refusals"]  # fmt: skip
 
 ACTOR_AGG, ROW_MEAN = "actor", "row-mean"  # aggregation: the actor's loss_agg_mode / torch.mean over rows
+
+
+@dataclass(frozen=True)
+class RequiredKey:
+    """A key of ``actor_rollout_ref.actor`` a mode needs set, whose verl default does not run it."""
+
+    key: str  # under actor_rollout_ref.actor
+    ok: Callable[[Any], bool]
+    what: str  # what to set it to, and why
+
+
+def _positive(value: Any) -> bool:
+    try:
+        return value is not None and float(value) > 0
+    except (TypeError, ValueError):
+        return False
 
 
 @dataclass(frozen=True)
@@ -42,6 +58,7 @@ class OnPolicyMode:
     clip_high_is_ratio_bound: bool = False  # it bounds the ratio above by 1 + clip_ratio_high
     luffy_kernel: bool = False  # the LUFFY kernel computes the on-policy term (vanilla)
     refused: str = ""  # why it cannot be the on-policy term ("" = usable)
+    required: tuple[RequiredKey, ...] = ()  # keys verl's defaults leave unusable for this mode
 
 
 ON_POLICY_MODES: dict[str, OnPolicyMode] = {entry.name: entry for entry in (
@@ -51,7 +68,9 @@ ON_POLICY_MODES: dict[str, OnPolicyMode] = {entry.name: entry for entry in (
     OnPolicyMode("sapo", aggregation="seq-mean-token-mean", ratio_clip=False),
     OnPolicyMode("cispo", clip_high_is_ratio_bound=True),
     OnPolicyMode("gpg", ratio_clip=False),
-    OnPolicyMode("dro", ratio_clip=False),
+    OnPolicyMode("dro", ratio_clip=False, required=(RequiredKey(
+        "policy_loss.dro_beta", _positive, "a positive float, DRO's quadratic log-ratio penalty beta (verl's default "
+        "is null, and its DRO loss raises on it: verl/trainer/ppo/core_algos.py compute_policy_loss_dro ~2028-2030)"),)),
     OnPolicyMode("dppo_tv"),
     OnPolicyMode("dppo_kl"),
     OnPolicyMode("clip_cov", micro_batch_exact=False, clip_high_is_ratio_bound=True),
@@ -83,6 +102,19 @@ def mode_entry(loss_mode: str) -> OnPolicyMode:
         raise ValueError(f"actor.policy_loss.loss_mode={loss_mode!r} is not a registered verl policy loss; "
                          f"registered: {sorted(POLICY_LOSS_REGISTRY)} (a plugin registers more: mix.plugins)")
     return replace(PLUGIN_DEFAULT, name=loss_mode)
+
+
+def required_refusals(loss_mode: str, actor: Any) -> list[str]:
+    """The keys ``loss_mode``'s entry declares required that ``actor`` (actor_rollout_ref.actor) leaves unusable."""
+    out = []
+    for req in mode_entry(loss_mode).required:
+        node = actor
+        for part in req.key.split("."):
+            node = None if node is None else node.get(part, None)
+        if not req.ok(node):
+            out.append(f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode!r} needs "
+                       f"actor_rollout_ref.actor.{req.key} (now {node!r}): set it to {req.what}")
+    return out
 
 
 def _clip_high(actor: Any) -> float:
