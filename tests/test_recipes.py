@@ -28,7 +28,7 @@ PLOT_SCRIPT = REPO_ROOT / "scripts" / "plot_metrics.py"
 GPU_RECIPES = [
     "luffy_zero", "on_policy_grpo", "rl_with_sft_loss", "sft_then_rl",
     "dapo_filter", "luffy_filter", "prefix_curriculum", "guide_on_failure", "hpt", "chord", "prefix_rft", "exgrpo",
-    "guided_gspo",
+    "guided_gspo", "pass_rate_control",
 ]  # fmt: skip
 RECIPES = [*GPU_RECIPES, "cpu_tiny", "toy_calculator"]
 
@@ -102,6 +102,13 @@ EXPECTED = {
         "mix.loss.off_policy_reshape_gamma": 0.1, "mix.loss.loss_agg_mode": "luffy-token-sum-norm",
         "data.train_batch_size": 128, "trainer.total_training_steps": 701,
     },
+    "pass_rate_control": {
+        "mix.rollout_policy": "pass_rate_control", "mix.n_prefix": -1, "mix.loss.prefix_token_select": "replay_masked",
+        "mix.loss.loss_remove_clip": False, "algorithm.adv_estimator": "grpo", "algorithm.norm_adv_by_std_in_grpo": True,
+        "mix.plugin_options": {"pass_rate_control": {"target": 0.5, "band_low": 0.25, "band_high": 0.75, "gain": 0.5,
+                                                     "init_ratio": 0.5, "smoothing": 0.0, "failure_prefixes": False}},
+        "data.train_batch_size": 128, "actor_rollout_ref.rollout.n": 8,
+    },
     "toy_calculator": {
         "mix.n_prefix": 1, "mix.min_prefix_ratio": 1.0, "mix.plugins": ["scripts.experiments.toy_tasks.calculator"],
         "actor_rollout_ref.rollout.agent.default_agent_loop": "prefix_guided_tool",
@@ -131,6 +138,7 @@ RUN_SH_OVERRIDES = {
     "chord": [f"mix.plugins=[{RECIPES_DIR / 'chord' / 'chord.py'}]"],
     "prefix_rft": [f"mix.plugins=[{RECIPES_DIR / 'prefix_rft' / 'prefix_rft.py'}]"],
     "exgrpo": [f"mix.plugins=[{RECIPES_DIR / 'exgrpo' / 'exgrpo.py'}]"],
+    "pass_rate_control": [f"mix.plugins=[{RECIPES_DIR / 'pass_rate_control' / 'pass_rate_control.py'}]"],
     "toy_calculator": [f"actor_rollout_ref.rollout.multi_turn.function_tool_path={RECIPES_DIR / 'toy_calculator' / 'tools.py'}"],
 }  # fmt: skip
 
