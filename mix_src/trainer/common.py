@@ -14,6 +14,7 @@ from verl.utils.config import omega_conf_to_dataclass
 from mix_src.algo.flops import COUNTS, ModelShape, add_step_flops, rollout_flops, shape_unreadable
 from mix_src.worker.loss import MixPolicyLoss, add_combine_inputs, add_kept_token_counts, install_loss, pop_entropy_state
 from mix_src.algo.seeding import request_seeds
+from mix_src.config.run_identity import write_run_file
 from mix_src.trainer.rollout_policy import ROLLOUT_POLICIES, RolloutContext
 from mix_src.trainer.stages import MIX_STATE_FILE, draw_prefix_ratios
 
@@ -155,6 +156,11 @@ class MixTrainerCommon:
         trainer = self.config.trainer
         folder = trainer.resume_from_path if trainer.resume_mode == "resume_path" else self._step_folder()
         return folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder)
+
+    def _save_run_file(self) -> None:
+        """``mix_run.json`` in this step's folder: the run's identity and config, which the next run's pre-Ray check
+        compares before it resumes this checkpoint (mix_src/config/run_identity.py)."""
+        write_run_file(self._step_folder(), self.config)
 
     def _save_mix_state(self, **own) -> None:
         """``mix_state.pt`` in this step's folder: the shared state plus the base's ``own`` keys."""

@@ -303,6 +303,7 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
     def _save_checkpoint(self):
         """verl's checkpoint plus ``mix_state.pt`` with the epoch, the carried groups and the dataloader position."""
         super()._save_checkpoint()
+        self._save_run_file()
         self._save_mix_state(epoch=self._epoch, carry=self._carry, dataloader=self.train_dataloader.state_dict())
 
     def _load_checkpoint(self):

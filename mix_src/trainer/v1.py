@@ -168,6 +168,7 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
 
     def _save_checkpoint(self):
         super()._save_checkpoint()
+        self._save_run_file()
         folder = self._step_folder()
         if self._carries_in_tq():  # the carried groups live in TransferQueue: saved as verl saves it in async modes
             tq.save_checkpoint(os.path.join(folder, "transfer_queue"), metadata={"global_steps": self.global_steps})
