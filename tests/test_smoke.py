@@ -1,33 +1,11 @@
-"""``make smoke-gpu``'s script on the CPU backend (SMOKE_BACKEND=cpu): 2 LUFFY steps, 1 validation, a checkpoint
-and a resume, each a real ``python -m mix_src.main_mix_ppo`` with its own Ray cluster. It checks the plumbing on
-CPU, not GPU kernels, vLLM or memory (scripts/gpu/smoke.py)."""
+"""``make smoke-gpu``'s verdict (scripts/gpu/smoke.py). The script itself runs on the CPU backend (2 LUFFY steps, 1
+validation, a checkpoint and a resume, each a real ``python -m mix_src.main_mix_ppo`` with its own Ray cluster) as
+the smoke step of the visit script's CPU rehearsal: tests/test_gpu_visit.py
+``test_visit_runs_end_to_end_on_the_cpu_backend`` (``--model random:tiny``), which asserts what its run here did."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
-
-import pytest
-
-from e2e import cpu_env, run_command, read_metrics, tail
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.mark.ray
-def test_smoke_script_passes_on_the_cpu_backend(tmp_path):
-    log = tmp_path / "smoke.log"
-    cmd = [sys.executable, "-m", "scripts.gpu.smoke", "--out", str(tmp_path / "out")]
-    env = cpu_env({"SMOKE_BACKEND": "cpu", "PYTHONPATH": str(REPO)})
-    rc, wall, _, timed_out, _ = run_command(cmd, env, log, timeout=900, cwd=REPO)
-    text = log.read_text()
-    assert not timed_out and rc == 0 and "[smoke] PASS" in text, tail(log)
-    assert "tokens/s" in text and "planner (" in text
-    out = tmp_path / "out"
-    assert [m["step"] for m in read_metrics(out / "train_metrics.jsonl")] == [1, 2]
-    assert [m["step"] for m in read_metrics(out / "resume_metrics.jsonl")] == [3]  # resumed from global_step_2
-    assert (out / "checkpoints" / "global_step_2" / "actor").is_dir()
-    assert "global_step_2" in (out / "resume.log").read_text()  # verl's "Load from checkpoint folder" line
 
 
 def test_verdict_names_the_first_failure(tmp_path):
@@ -42,3 +20,8 @@ def test_verdict_names_the_first_failure(tmp_path):
     assert "no validation" in verdict((0, [{"step": 1}, {"step": 2}], 60.0, Path("a.log")), ok, tmp_path, 600)
     assert "> 600 s" in verdict(ok, (0, [{"step": 3}], 590.0, Path("b.log")), tmp_path, 600)
     assert "no checkpoint" in verdict(ok, ok, tmp_path / "missing", None)
+    full = {"response_length/min": 32, "response_length/max": 32}
+    steps12 = (0, [{"step": 1, **full}, {"step": 2, **full, **val}], 60.0, Path("a.log"))
+    assert verdict(steps12, (0, [{"step": 3, **full}], 30.0, Path("b.log")), tmp_path, None, 32) is None
+    short = (0, [{"step": 3, "response_length/min": 31, "response_length/max": 32}], 30.0, Path("b.log"))
+    assert "step 3: response lengths (min, max) (31, 32), not all 32" in verdict(steps12, short, tmp_path, None, 32)

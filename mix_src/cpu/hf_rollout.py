@@ -101,7 +101,8 @@ class HFRolloutServer:
                              f"{self.max_model_len}")  # fmt: skip
         c = self.config  # default max_tokens as verl's vLLM server's (vllm_async_server.py::generate)
         default_max = min(c.response_length, c.prompt_length + c.response_length - len(prompt_ids))
-        spec = SamplingSpec.from_params(sampling_params, default_max, max_possible)
+        # rollout.ignore_eos unless the request says otherwise, as the vLLM server's setdefault
+        spec = SamplingSpec.from_params({"ignore_eos": c.ignore_eos, **sampling_params}, default_max, max_possible)
 
         future = asyncio.get_running_loop().create_future()
         self._pending.append((prompt_ids, spec, future))

@@ -12,6 +12,12 @@ FSDP, a small real model (``--model``: a Hub id or a local path; default Qwen/Qw
 ``nvidia-smi`` (all processes on the GPU), budget 10 minutes. ``--backend cpu``: the CPU backend (mix_src/cpu)
 with the tiny random model; what CI runs. It checks the plumbing (configs, Ray, workers, checkpoint, resume),
 not GPU kernels, vLLM or memory; the planner line there is for the named GPU, not the CPU.
+
+``--model random:<shape>`` (either backend; shapes in scripts/gpu/random_model.py: qwen2.5-0.5b, qwen2.5-1.5b,
+tiny) needs no Hub: a random-initialised model of that shape with a generated full-vocabulary tokenizer and
+locally made data with full-length targets, built under ``--out``; the runs get ``HF_HUB_OFFLINE=1``,
+``TRANSFORMERS_OFFLINE=1`` and ``actor_rollout_ref.rollout.ignore_eos=true``, so every row, prefixed or
+sampled, is ``data.max_response_length`` tokens long, which the verdict checks.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ GPU_BUDGET_S = 600  # the issue's bound for both runs on one 80 GB GPU
 # Sizes per backend: the GPU run is small enough for minutes, large enough to exercise vLLM and FSDP for real.
 SIZES = {
     "gpu": dict(batch=8, n=4, prompt=256, response=512, timeout=GPU_BUDGET_S),
-    "cpu": dict(batch=2, n=2, prompt=32, response=16, timeout=300),
+    "cpu": dict(batch=2, n=2, prompt=32, response=32, timeout=300),  # 32: room for random:tiny's targets
 }
 
 
@@ -132,8 +138,10 @@ def read_metrics(path: Path) -> list[dict]:
     return [steps[k] for k in sorted(steps)]
 
 
-def verdict(first: tuple, second: tuple, ckpt: Path, budget_s: float | None) -> str | None:
-    """None when everything the smoke test checks held, else the first reason it failed."""
+def verdict(first: tuple, second: tuple, ckpt: Path, budget_s: float | None,
+            full_length: int | None = None) -> str | None:
+    """None when everything the smoke test checks held, else the first reason it failed. ``full_length``: every
+    training step's responses (prefixed and sampled rows alike) must be that many tokens."""
     (rc1, m1, t1, log1), (rc2, m2, t2, log2) = first, second
     if rc1 != 0:
         return f"the 2-step run exited {rc1} (log {log1})"
@@ -147,6 +155,10 @@ def verdict(first: tuple, second: tuple, ckpt: Path, budget_s: float | None) -> 
         return f"the resumed run exited {rc2} (log {log2})"
     if [m["step"] for m in m2] != [3]:
         return f"the resumed run logged steps {[m['step'] for m in m2]}, not [3]: it did not resume (log {log2})"
+    for m in (m1 + m2) if full_length else ():
+        lengths = (m.get("response_length/min"), m.get("response_length/max"))
+        if lengths != (full_length, full_length):
+            return f"step {m['step']}: response lengths (min, max) {lengths}, not all {full_length} (log {log1})"
     if budget_s is not None and t1 + t2 > budget_s:
         return f"both runs took {t1 + t2:.0f} s > {budget_s} s"
     return None
@@ -176,17 +188,27 @@ def planner_line(backend: str, args: list[str], model: str, gpu: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=["gpu", "cpu"], default=os.environ.get("SMOKE_BACKEND", "gpu"))
-    ap.add_argument("--model", help="Hub id or local path (gpu; default Qwen/Qwen2.5-0.5B-Instruct)")
+    ap.add_argument("--model", help="Hub id or local path (gpu; default Qwen/Qwen2.5-0.5B-Instruct), or random:<shape> "
+                    "(either backend; no Hub: scripts/gpu/random_model.py)")
     ap.add_argument("--out", default=str(REPO / "outputs" / "smoke"), help="assets, logs, checkpoints")
     ap.add_argument("--gpu", default="h100-80gb", help="the planner's GPU for the estimate line")
     ap.add_argument("extra", nargs="*", help="Hydra overrides added to both runs (e.g. recipes/common.sh's SDPA set)")
     a = ap.parse_args(argv)
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    from scripts.make_tiny_assets import build
+    random_model = (a.model or "").startswith("random:")
+    if random_model:  # no Hub: the shape built here, the runs offline (HF_HUB_OFFLINE in their environment)
+        from scripts.gpu import random_model as rm
 
-    assets = build(str(out / "assets"), seed=0)
-    model = assets["model"] if a.backend == "cpu" else (a.model or "Qwen/Qwen2.5-0.5B-Instruct")
+        rm.offline()
+        assets = rm.build(a.model, str(out / "assets" / rm.shape_of(a.model)),
+                          response_length=SIZES[a.backend]["response"])
+        a.extra = ["actor_rollout_ref.rollout.ignore_eos=true", *a.extra]  # sampled rows as long as prefixed ones
+    else:
+        from scripts.make_tiny_assets import build
+
+        assets = build(str(out / "assets"), seed=0)
+    model = assets["model"] if a.backend == "cpu" or random_model else (a.model or "Qwen/Qwen2.5-0.5B-Instruct")
     timeout = SIZES[a.backend]["timeout"]
     ckpt = out / "checkpoints"
     if ckpt.exists():
@@ -217,7 +239,8 @@ def main(argv=None) -> int:
         print(f"[smoke] measured peak GPU memory (nvidia-smi, all processes): {peak.peak / 1e9:.1f} GB")
     else:
         print("[smoke] measured peak: not on the CPU backend (it checks the plumbing, not GPU memory)")
-    why = verdict(first, second, ckpt, GPU_BUDGET_S if a.backend == "gpu" else None)
+    why = verdict(first, second, ckpt, GPU_BUDGET_S if a.backend == "gpu" else None,
+                  SIZES[a.backend]["response"] if random_model else None)
     print(f"[smoke] {'PASS' if why is None else 'FAIL: ' + why}")
     return 0 if why is None else 1
 
