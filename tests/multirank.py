@@ -57,6 +57,39 @@ def dynamic_split(attention_mask: torch.Tensor, ranks: int, max_token_len: int) 
     return out
 
 
+def verl_balanced_order(attention_mask: torch.Tensor, ranks: int) -> list[torch.Tensor]:
+    """The rows each DP rank gets after verl 0.9.1's ``RayPPOTrainer._balance_batch`` (trainer.balance_batch, on by
+    default): verl's own ``get_seqlen_balanced_partitions`` over ``calculate_workload`` of the row lengths, each
+    partition sorted by (workload, row) and zig-zagged, then the contiguous DataProto.chunk dispatch
+    (verl/trainer/ppo/ray_trainer.py ``_balance_batch``, as ray_trainer calls it: equal_size=True)."""
+    from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions
+
+    workload = calculate_workload(attention_mask.sum(-1)).tolist()
+    out = []
+    for partition in get_seqlen_balanced_partitions(workload, k_partitions=ranks, equal_size=True):
+        partition = sorted(partition, key=lambda x: (workload[x], x))
+        out.append(torch.as_tensor(partition[::2] + partition[1::2][::-1], dtype=torch.long))
+    return out
+
+
+def verl_split(attention_mask: torch.Tensor, ranks: int, *, micro_rows: int | None = None,
+               max_token_len: int | None = None) -> Split:
+    """verl 0.9.1's whole layout of one mini-batch: :func:`verl_balanced_order`, then each rank's micro-batches as its
+    engine makes them (verl/workers/engine/utils.py prepare_micro_batches): ``micro_rows`` consecutive rows
+    (use_dynamic_bsz=False, tu.chunk_tensordict) or verl's ``rearrange_micro_batches`` up to ``max_token_len`` tokens
+    with the ranks' micro-batch count made equal (its all-reduce MAX over the DP group, here min_num_micro_batch)."""
+    per_rank = verl_balanced_order(attention_mask, ranks)
+    if micro_rows is not None:
+        return [list(rows.split(micro_rows)) for rows in per_rank]
+
+    def pack(rows, at_least=None):
+        td = tu.get_tensordict({"attention_mask": attention_mask[rows], "input_ids": attention_mask[rows]})
+        return rearrange_micro_batches(td, max_token_len=max_token_len, min_num_micro_batch=at_least)[1]
+
+    count = max(len(pack(rows)) for rows in per_rank)
+    return [[rows[torch.as_tensor(idx, dtype=torch.long)] for idx in pack(rows, count)] for rows in per_rank]
+
+
 def group_split(tokens_per_group: Sequence[int], group_rows: Sequence[torch.Tensor], ranks: int,
                 max_tokens: int | None, groups_per_micro: int | None = None) -> Split:
     """Whole groups (prompts) to ranks in contiguous chunks, then to micro-batches: ``groups_per_micro`` groups

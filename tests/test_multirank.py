@@ -33,8 +33,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from multirank import (dp_gradient, dynamic_split, group_split, official_micro_losses, ours_micro_losses,
-                       random_batch, static_split)  # fmt: skip
+from multirank import (dp_gradient, official_micro_losses, ours_micro_losses, random_batch, static_split,
+                       verl_split)  # fmt: skip
 from test_loss import PROMPT, RESPONSE, VOCAB, BigramLM
 from test_recipes import compose_recipe
 
@@ -53,36 +53,55 @@ def composed(name: str, one_gpu: bool = False):
     return compose_recipe(name, one_gpu_overrides() if one_gpu else ())
 
 
-def recipe_loss(name: str, **actor):
-    """MixPolicyLoss built from the composed recipe (its plugins loaded), with ``actor_rollout_ref.actor`` keys
-    replaced by ``actor``."""
+def data_shape(kind: str) -> dict:
+    """The only keys the tests change in a composed recipe: the data's shape (lengths, micro-batch sizes)."""
+    return {"data.max_prompt_length": PROMPT, "data.max_response_length": RESPONSE,
+            "actor_rollout_ref.actor.use_dynamic_bsz": kind == "dynamic",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": MAX_TOKENS,
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": MICRO_ROWS}  # fmt: skip
+
+
+@functools.lru_cache(maxsize=None)
+def shaped(name: str, kind: str):
+    """The recipe composed as run.sh composes it, with :func:`data_shape`'s keys as command-line overrides (so the
+    recipe's own interpolations, e.g. prefix_rft's loss_scale_factor = ${data.max_response_length}, follow them)."""
+    return compose_recipe(name, [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in data_shape(kind).items()])
+
+
+def recipe_loss(name: str, kind: str = "dynamic"):
+    """MixPolicyLoss built from the composed recipe (its plugins loaded) with :func:`data_shape`'s keys only."""
     from verl.utils.config import omega_conf_to_dataclass
 
     from mix_src.worker.loss import MixPolicyLoss
     from mix_src.config.mix_config import validate_mix_config
     from mix_src.extend import load_plugins
 
-    cfg = copy.deepcopy(composed(name))
-    for key, value in actor.items():
-        OmegaConf.update(cfg, f"actor_rollout_ref.actor.{key}", value)
+    cfg = shaped(name, kind)
     load_plugins(list(cfg.mix.plugins))
     return MixPolicyLoss(omega_conf_to_dataclass(cfg.actor_rollout_ref.actor), validate_mix_config(cfg).loss)
 
 
 def split_of(kind: str, padded: dict, ranks: int):
-    """(split, GA, micro_rows): the same row split for ours and the official loss."""
+    """(split, GA, micro_rows): verl 0.9.1's layout (balance_batch on, then the engine's micro-batches) and the
+    official gradient-accumulation divisor (rank rows / micro rows static; 1 dynamic, as the official scripts)."""
     rows = len(padded["response_mask"])
     if kind == "static":
-        return static_split(rows, ranks, MICRO_ROWS), rows // ranks // MICRO_ROWS, MICRO_ROWS
-    return dynamic_split(padded["attention_mask"], ranks, MAX_TOKENS), 1, None
+        return verl_split(padded["attention_mask"], ranks, micro_rows=MICRO_ROWS), rows // ranks // MICRO_ROWS, MICRO_ROWS
+    return verl_split(padded["attention_mask"], ranks, max_token_len=MAX_TOKENS), 1, None
 
 
-def assert_same_gradient(ours, official, model):
+def assert_same_gradient(ours, official, model, factor: float = 1.0):
+    """ours x factor == official (factor: a known constant of the run's scale)."""
     (g_ours,), _ = dp_gradient([model.w], ours)
     (g_off,), _ = dp_gradient([model.w], official)
     assert g_off.abs().sum() > 0
-    torch.testing.assert_close(g_ours, g_off, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(g_ours * factor, g_off, rtol=1e-4, atol=1e-7)
     return g_ours, g_off
+
+
+def zero_advantages(padded: dict) -> dict:
+    """The batch with every advantage 0: the policy term's gradient vanishes, the entropy and SFT terms stay."""
+    return dict(padded, advantages=torch.zeros_like(padded["advantages"]))
 
 
 # ---- the official losses, per micro-batch -----------------------------------------------------------------
@@ -111,137 +130,174 @@ def official_masked_mean(values, mask):  # verl_F.masked_mean of the official fo
     return (values * mask).sum() / mask.sum()
 
 
-def luffy_official(entropy_coeff: float):
-    def loss(sub, log_prob, entropy):
-        eos = sub["response_mask"].float()
-        pg = official_luffy_pg_loss(sub["old_log_probs"], log_prob, sub["advantages"], eos, sub["prefix_mask"].bool())
-        return pg - official_masked_mean(entropy, eos) * entropy_coeff  # mix_actor.py:202, :226
-    return loss
+OFFICIAL_ENTROPY_COEFF = 0.001  # LUFFY exp_scripts/train.sh, HPT exp_scripts/train.sh, ExGRPO run_exgrpo.sh
+
+
+def luffy_official(sub, log_prob, entropy):
+    """LUFFY's micro-batch loss: the policy token sum / W minus 0.001 x the micro-batch's token-mean entropy
+    (mix_actor.py:202, :226)."""
+    eos = sub["response_mask"].float()
+    pg = official_luffy_pg_loss(sub["old_log_probs"], log_prob, sub["advantages"], eos, sub["prefix_mask"].bool())
+    return pg - official_masked_mean(entropy, eos) * OFFICIAL_ENTROPY_COEFF
+
+
+def policy_scale(ranks: int, ga: int) -> float:
+    """ours x this = the official policy term: the official divides by N x W x GA, the recipe by its literal 65536
+    (8 GPUs x 8192): 1 at the official run's N = 8, W = 8192, GA = 1."""
+    return 65536 / (ranks * RESPONSE * ga)
 
 
 # ---- LUFFY ------------------------------------------------------------------------------------------------
 
 
 def test_luffy_paper_defaults_are_the_official_8_gpu_weights():
-    """The paper base resolves to LUFFY's effective weights on its 8 GPUs: loss_scale_factor = 8 x 8192 and the
-    entropy coefficient 0.001 x 8192 / 24,576 (recipes/luffy_zero/README.md); NGPUS=1 keeps both numbers, so the
-    per-token scale (1/65536) and the entropy : policy ratio of the 8-GPU run."""
+    """The paper base resolves to LUFFY's own numbers: loss_scale_factor = 8 x 8192 (the token sum / 8192 on each of 8
+    GPUs, averaged) and the entropy bonus 0.001 x each micro-batch's token mean (mix.loss.entropy_agg), no constant
+    resting on a token count; NGPUS=1 keeps both."""
     for name in ("luffy_zero", "hpt", "exgrpo"):
         cfg = composed(name)
         actor = cfg.actor_rollout_ref.actor
         assert actor.loss_scale_factor == 8 * cfg.data.max_response_length == 65536, name
-        assert actor.entropy_coeff == pytest.approx(0.001 * 8192 / 24576, rel=0.02), name
+        assert actor.entropy_coeff == OFFICIAL_ENTROPY_COEFF and cfg.mix.loss.entropy_agg == "micro_batch_token_mean"
         one = composed(name, one_gpu=True)
         assert one.actor_rollout_ref.actor.loss_scale_factor == 65536 and one.data.max_response_length == 3072
         assert one.actor_rollout_ref.actor.entropy_coeff == actor.entropy_coeff
-    nominal = compose_recipe("luffy_zero", ["actor_rollout_ref.actor.loss_scale_factor=${data.max_response_length}",
-                                            "actor_rollout_ref.actor.entropy_coeff=0.001"])  # fmt: skip
-    assert nominal.actor_rollout_ref.actor.loss_scale_factor == 8192  # the documented nominal override
+        assert one.mix.loss.entropy_agg == "micro_batch_token_mean"
 
 
 @pytest.mark.parametrize("ranks", RANKS)
 @pytest.mark.parametrize("kind", SPLITS)
-def test_luffy_policy_loss_equals_official_on_n_ranks(ranks, kind):
-    """The luffy_zero recipe's loss with loss_scale_factor = N x W x GA gives the official gradient on N ranks for
-    any split (the policy term; the entropy term: next test)."""
+def test_luffy_equals_official_on_n_ranks(ranks, kind):
+    """The luffy_zero recipe's own loss (entropy included) against LUFFY's, both under verl 0.9.1's layout (balancing
+    on, unequal lengths): the entropy term equals the official exactly (advantages 0: the policy term vanishes); the
+    policy term (entropy output dropped) is the official x N W GA / 65536, so the whole loss equals the official at
+    the official run's 8 GPUs x 8192 x GA 1."""
     model = BigramLM(seed=1)
     padded = random_batch(model, 0, GROUPS, GROUP, vocab=VOCAB, prompt=PROMPT, response=RESPONSE, expert_rows=(0,))
     split, ga, micro_rows = split_of(kind, padded, ranks)
-    ours = recipe_loss("luffy_zero", loss_scale_factor=ranks * RESPONSE * ga, entropy_coeff=0.0)
-    assert_same_gradient(
-        ours_micro_losses(ours, model, padded, split, use_dynamic_bsz=kind == "dynamic", micro_rows=micro_rows,
-                          drop_entropy=True),
-        official_micro_losses(luffy_official(0.0), model, padded, split, ga), model)  # fmt: skip
+    ours = recipe_loss("luffy_zero", kind)
+    run = dict(use_dynamic_bsz=kind == "dynamic", micro_rows=micro_rows)
+    still = zero_advantages(padded)
+    assert_same_gradient(ours_micro_losses(ours, model, still, split, **run),
+                         official_micro_losses(luffy_official, model, still, split, ga), model)  # fmt: skip
+    no_entropy = lambda sub, lp, ent: luffy_official(sub, lp, ent.detach() * 0)  # noqa: E731
+    assert_same_gradient(ours_micro_losses(ours, model, padded, split, drop_entropy=True, **run),
+                         official_micro_losses(no_entropy, model, padded, split, ga), model,
+                         policy_scale(ranks, ga))  # fmt: skip
 
 
 @pytest.mark.parametrize("ranks", RANKS)
-def test_luffy_entropy_weight_equals_official_at_equal_micro_batches(ranks):
-    """LUFFY's entropy bonus is a token mean per micro-batch, so its weight depends on the split: with micro-batches
-    of N_mb response tokens each, c = 0.001 x W / N_mb reproduces it exactly (recipes/luffy_zero/README.md: 0.00033
-    for the official ~24,576 response tokens per micro-batch); the whole loss then equals the official one."""
+def test_luffy_entropy_constant_differs_from_the_official(ranks):
+    """The entropy weighting before (a constant aggregated like the policy term: 0.00033 / 65536 a token) is not the
+    official per micro-batch mean: its ratio to the official is N_k / 24,824 tokens per micro-batch."""
+    import dataclasses as dc
+
     model = BigramLM(seed=2)
-    padded = random_batch(model, 1, GROUPS, GROUP, vocab=VOCAB, prompt=PROMPT, response=RESPONSE, expert_rows=(0,),
-                          full_length=True)  # fmt: skip
-    split, ga, micro_rows = split_of("static", padded, ranks)
-    coeff = 0.001 * RESPONSE / (MICRO_ROWS * RESPONSE)
-    ours = recipe_loss("luffy_zero", loss_scale_factor=ranks * RESPONSE * ga, entropy_coeff=coeff)
-    assert_same_gradient(
-        ours_micro_losses(ours, model, padded, split, use_dynamic_bsz=False, micro_rows=micro_rows),
-        official_micro_losses(luffy_official(0.001), model, padded, split, ga), model)  # fmt: skip
+    padded = zero_advantages(random_batch(model, 1, GROUPS, GROUP, vocab=VOCAB, prompt=PROMPT, response=RESPONSE))
+    split, ga, micro_rows = split_of("dynamic", padded, ranks)
+    ours = recipe_loss("luffy_zero")
+    ours.mix = dc.replace(ours.mix, entropy_agg=None)
+    (g_const,), _ = dp_gradient([model.w], ours_micro_losses(ours, model, padded, split, use_dynamic_bsz=True))
+    (g_off,), _ = dp_gradient([model.w], official_micro_losses(luffy_official, model, padded, split, ga))
+    assert not torch.allclose(g_const, g_off, rtol=1e-2, atol=1e-6)
+
+
+def test_entropy_agg_refused_before_ray():
+    """mix.loss.entropy_agg: a bad name is refused when the mix section is built (before Ray), naming key and value."""
+    from mix_src.config.mix_config import MixConfigError, mix_config_from_dict
+
+    assert mix_config_from_dict({"loss": {"entropy_agg": "micro_batch_token_mean"}}).loss.entropy_agg
+    with pytest.raises(MixConfigError, match=r"mix.loss.entropy_agg='token_mean' is not an entropy aggregation"):
+        mix_config_from_dict({"loss": {"entropy_agg": "token_mean"}})
 
 
 # ---- HPT --------------------------------------------------------------------------------------------------
 
 
-def hpt_batch(model, seed: int):
-    """GROUPS prompts x GROUP rows; every third prompt (and prompt 0) an SFT prompt: its GROUP rows are copies of one
-    target (prefix_mask = response_mask, sft_row 1), as the hpt rollout policy makes them. Returns (padded for ours
-    with sft_row, the official rows of each group: one row for an SFT prompt, as the official trainer keeps)."""
+def hpt_batch(model, seed: int, plugin):
+    """GROUPS prompts x GROUP rows through the hpt recipe's own rollout policy (``plugin.hpt``): the first pass
+    on-policy, a prompt solved 0 times (every third prompt, and prompt 0) switched to SFT on its target, which the
+    second pass writes into its rows. Returns (padded as the recipe hands it to the trainer, official rows: the RL
+    rows and one target row per SFT prompt, as the official trainer keeps)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from verl import DataProto
+
     from mix_src.algo.row_loss import SFT_ROW
 
     padded = random_batch(model, seed, GROUPS, GROUP, vocab=VOCAB, prompt=PROMPT, response=RESPONSE)
     sft_groups = [g for g in range(GROUPS) if g % 3 == 0]
-    sft_row = torch.zeros(GROUPS * GROUP)
-    official_rows = []
-    for g in range(GROUPS):
+    target = {key: value.clone() for key, value in padded.items()}  # a target per prompt: its row 0
+    for g in sft_groups:
         rows = torch.arange(g * GROUP, (g + 1) * GROUP)
-        if g in sft_groups:
-            for key in padded:
-                padded[key][rows] = padded[key][rows[0]].clone()
-            padded["prefix_mask"][rows] = padded["response_mask"][rows]
-            sft_row[rows] = 1.0
-            official_rows.append(rows[:1])
-        else:
-            official_rows.append(rows)
-    padded[SFT_ROW] = sft_row
-    return padded, official_rows
+        for key in target:
+            target[key][rows] = padded[key][rows[0]]
+    target["prefix_mask"] = target["response_mask"].clone()
+    scores = torch.ones(GROUPS * GROUP)
+    scores[[r for g in sft_groups for r in range(g * GROUP, (g + 1) * GROUP)]] = 0.0
+
+    def proto(source, rows, prefix):
+        tensors = {key: source[key][rows].clone() for key in source}
+        tensors["prefix_mask"] = tensors["response_mask"].clone() if prefix else torch.zeros_like(tensors["prefix_mask"])
+        tensors["token_level_scores"] = scores[rows][:, None] * tensors["response_mask"]
+        return DataProto.from_dict(tensors=tensors)
+
+    def generate(ratios, rows=None):
+        rows = np.arange(GROUPS * GROUP) if rows is None else np.asarray(rows)
+        return proto(target if np.any(ratios > 0) else padded, torch.as_tensor(rows), bool(np.any(ratios > 0)))
+
+    mix = SimpleNamespace(plugin_options={})
+    ctx = SimpleNamespace(n=GROUP, batch=list(range(GROUPS * GROUP)), mix=mix, generate=generate,
+                          prefix_ratios=lambda: np.ones(GROUPS * GROUP))  # fmt: skip
+    out = plugin.hpt(ctx)
+    ours = {key: out.batch[key] for key in (*padded, SFT_ROW)}
+    assert set(torch.nonzero(ours[SFT_ROW]).flatten().tolist()) == {r for g in sft_groups for r in range(g * GROUP, (g + 1) * GROUP)}
+    keep = [r for r in range(GROUPS * GROUP) if not (r // GROUP in sft_groups and r % GROUP)]
+    return ours, keep
 
 
 def hpt_official(sub, log_prob, entropy):
-    from test_hpt import official_sft_branch_loss
+    """One micro-batch of the official HPT actor (Unify-Post-Training ae332f5, mix_actor.py:135-165, :477): the SFT
+    token mean over the rows holding a prefix (0 when none: the official skips the NaN) x SFT_LOSS_COEF 1.0 + the
+    on-policy rows' token sum / W (advantages 0 here) - 0.001 x the micro-batch's token-mean entropy."""
+    eos = sub["response_mask"].float()
+    off = sub["prefix_mask"].bool().any(-1)
+    sft = official_masked_mean(-log_prob[off], eos[off]) if off.any() else torch.tensor(0.0)
+    return sft * 1.0 - official_masked_mean(entropy, eos) * OFFICIAL_ENTROPY_COEFF
 
-    return official_sft_branch_loss(log_prob, sub["old_log_probs"], sub["advantages"], sub["response_mask"].float(),
-                                    sub["prefix_mask"].bool(), 1.0)  # official SFT_LOSS_COEF=1.0, the recipe's too
 
+def hpt_plugin():
+    import sys
 
-def hpt_case(ranks: int, kind: str, seed: int = 3):
-    """(ours per rank/micro-batch, official per rank/micro-batch, GA, model) under one group-level split."""
-    from mix_src.algo.core_alg import kept_tokens_per_mini_batch
-    from mix_src.algo.row_loss import SFT_ROW, SFT_TOKENS
+    from mix_src.extend import load_plugins
 
-    model = BigramLM(seed=1)
-    padded, official_rows = hpt_batch(model, seed)
-    group_rows = [torch.arange(g * GROUP, (g + 1) * GROUP) for g in range(GROUPS)]
-    tokens = [int(padded["attention_mask"][r].sum()) for r in group_rows]
-    groups_per_micro = 1 if kind == "static" else None
-    ours_split = group_split(tokens, group_rows, ranks, 2 * GROUP * (PROMPT + RESPONSE), groups_per_micro)
-    official_split = group_split(tokens, official_rows, ranks, 2 * GROUP * (PROMPT + RESPONSE), groups_per_micro)
-    ga = GROUPS // ranks if kind == "static" else 1  # one group per static micro-batch
-    sft_mask = padded["response_mask"].bool() & padded[SFT_ROW].bool()[:, None]
-    padded[SFT_TOKENS] = kept_tokens_per_mini_batch(sft_mask, ranks, GROUPS * GROUP).float()
-    return padded, ours_split, official_split, ga, model
+    load_plugins(list(composed("hpt").mix.plugins))
+    return next(m for name, m in sys.modules.items() if name.startswith("mix_plugin_hpt_"))
 
 
 @pytest.mark.parametrize("ranks", RANKS)
 @pytest.mark.parametrize("kind", SPLITS)
 def test_hpt_equals_official_on_n_ranks(ranks, kind):
-    """The hpt recipe (sft_loss_agg=micro_batch_token_mean, loss_scale_factor = N x W x GA) gives the official
-    gradient on N ranks: the SFT term a token mean per micro-batch summed over (rank, micro-batch) pairs. The global
-    token mean (sft_loss_agg=global_token_mean, the weighting before) does not at N = 8: the official SFT : RL weight
-    is M times larger, M = the (rank, micro-batch) pairs holding an SFT row."""
-    from mix_src.algo.row_loss import SFT_ROW, SFT_TOKENS
+    """The hpt recipe (its rollout policy's batch, its composed loss) against the official HPT actor, laid out by
+    verl 0.9.1 (balancing on, unequal lengths, static and dynamic micro-batches): the official batch is the RL rows
+    and one row per SFT prompt, at the places verl's balancing gives those rows in ours. SFT and entropy terms
+    (advantages 0) equal exactly, wherever the SFT prompts' other rows land: the recipe keeps one live target row
+    per SFT prompt. f270849's recipe (8 live copies, spread over ranks and micro-batches) fails this."""
+    from mix_src.algo.row_loss import SFT_ROW
 
-    padded, ours_split, official_split, ga, model = hpt_case(ranks, kind)
-    ours = recipe_loss("hpt", loss_scale_factor=ranks * RESPONSE * ga, entropy_coeff=0.0)
-    assert ours.mix.sft_loss_agg == "micro_batch_token_mean"
-    run = dict(use_dynamic_bsz=kind == "dynamic", micro_rows=GROUP if kind == "static" else None,
-               extra=(SFT_ROW, SFT_TOKENS), drop_entropy=True)  # fmt: skip
-    official = official_micro_losses(hpt_official, model, padded, official_split, ga)
-    g_ours, g_off = assert_same_gradient(ours_micro_losses(ours, model, padded, ours_split, **run), official, model)
-    if ranks == 8:
-        ours.mix = dataclasses.replace(ours.mix, sft_loss_agg="global_token_mean")
-        (g_global,), _ = dp_gradient([model.w], ours_micro_losses(ours, model, padded, ours_split, **run))
-        assert not torch.allclose(g_global, g_off, rtol=1e-2, atol=1e-6)
+    model = BigramLM(seed=1)
+    padded, keep = hpt_batch(model, 3, hpt_plugin())
+    padded = zero_advantages(padded)
+    split, ga, micro_rows = split_of(kind, padded, ranks)
+    keep_set = set(keep)
+    official_split = [[mb[torch.tensor([int(r) in keep_set for r in mb], dtype=torch.bool)] for mb in rank]
+                      for rank in split]  # fmt: skip
+    ours = recipe_loss("hpt", kind)
+    assert ours.mix.sft_loss_agg == "micro_batch_token_mean" and ours.mix.entropy_agg == "micro_batch_token_mean"
+    run = dict(use_dynamic_bsz=kind == "dynamic", micro_rows=micro_rows, extra=(SFT_ROW,))
+    assert_same_gradient(ours_micro_losses(ours, model, padded, split, **run),
+                         official_micro_losses(hpt_official, model, padded, official_split, ga), model)
 
 
 # ---- RL w/ SFT loss (LUFFY's baseline) ---------------------------------------------------------------------
@@ -264,19 +320,25 @@ def official_rl_sft_loss(sub, log_prob, entropy, sft_loss_coef=1.0):
 @pytest.mark.parametrize("ranks", RANKS)
 @pytest.mark.parametrize("kind", SPLITS)
 def test_rl_with_sft_loss_equals_official_on_n_ranks(ranks, kind):
-    """The rl_with_sft_loss recipe (sft_loss_agg=micro_batch_token_mean, loss_scale_factor = N x W x GA) gives the
-    official gradient on N ranks: the NLL a token mean per micro-batch, like HPT's. The policy-loss aggregation
-    (policy_loss_agg, the recipe's weighting before: token sum / W) does not."""
+    """The rl_with_sft_loss recipe (sft_loss_agg=micro_batch_token_mean, luffy_paper's entropy) under verl's layout:
+    SFT + entropy terms (advantages 0) equal the official exactly; the policy term is the official x N W GA / 65536
+    (equal at 8 x 8192 x 1). The policy-loss aggregation of the NLL (policy_loss_agg, the weighting before) is not."""
     model = BigramLM(seed=1)
     padded = random_batch(model, 4, GROUPS, GROUP, vocab=VOCAB, prompt=PROMPT, response=RESPONSE, expert_rows=(0,))
     split, ga, micro_rows = split_of(kind, padded, ranks)
-    ours = recipe_loss("rl_with_sft_loss", loss_scale_factor=ranks * RESPONSE * ga, entropy_coeff=0.0)
+    ours = recipe_loss("rl_with_sft_loss", kind)
     assert ours.mix.use_sft_multitask_loss and ours.mix.sft_loss_agg == "micro_batch_token_mean"
-    run = dict(use_dynamic_bsz=kind == "dynamic", micro_rows=micro_rows, drop_entropy=True)
-    official = official_micro_losses(official_rl_sft_loss, model, padded, split, ga)
-    g_ours, g_off = assert_same_gradient(ours_micro_losses(ours, model, padded, split, **run), official, model)
+    run = dict(use_dynamic_bsz=kind == "dynamic", micro_rows=micro_rows)
+
+    def official(sub, log_prob, entropy):
+        return official_rl_sft_loss(sub, log_prob, entropy) - official_masked_mean(
+            entropy, sub["response_mask"].float()) * OFFICIAL_ENTROPY_COEFF
+
+    still = zero_advantages(padded)
+    g_ours, g_off = assert_same_gradient(ours_micro_losses(ours, model, still, split, **run),
+                                         official_micro_losses(official, model, still, split, ga), model)
     ours.mix = dataclasses.replace(ours.mix, sft_loss_agg="policy_loss_agg")
-    (g_policy,), _ = dp_gradient([model.w], ours_micro_losses(ours, model, padded, split, **run))
+    (g_policy,), _ = dp_gradient([model.w], ours_micro_losses(ours, model, still, split, **run))
     assert not torch.allclose(g_policy, g_off, rtol=1e-2, atol=1e-6)
 
 
@@ -307,14 +369,16 @@ def test_exgrpo_equals_official_on_n_ranks(ranks, kind, phase):
     """The exgrpo recipe against the official loss, per phase: during the warm-up the official trainer sets
     loss_remove_clip=False (PPO clip 0.2 on every on-policy token), once mixed the script's True, with each replayed
     row's old log-probs replaced by its recorded ones. The rollout policy's per-row ``mix_loss_remove_clip`` carries
-    the phase to the worker loss; loss_scale_factor = N x W x GA as for LUFFY."""
+    the phase to the worker loss; verl's layout, unequal lengths; the recipe's 65536 = the official N W GA at 8 x 8192
+    x 1 (policy_scale), as for LUFFY."""
     import sys
 
     from mix_src.worker.loss import REMOVE_CLIP
     from mix_src.algo.off_policy_behaviour import BEHAVIOUR_LOG_PROB
     from test_exgrpo import official_exgrpo_loss
 
-    ours = recipe_loss("exgrpo", entropy_coeff=0.0, loss_scale_factor=1)  # scale set below, once GA is known
+    ours = recipe_loss("exgrpo", kind)
+    assert ours.mix.entropy_agg == "micro_batch_token_mean"  # the entropy term: luffy_paper's, as test_luffy_*
     ex = next(m for name, m in sys.modules.items() if name.startswith("mix_plugin_exgrpo_"))
     mixed = phase == "mixed"
     model = BigramLM(seed=1)
@@ -327,7 +391,6 @@ def test_exgrpo_equals_official_on_n_ranks(ranks, kind, phase):
     assert remove_clip is mixed  # official: False during the warm-up, the script's True afterwards
     padded[REMOVE_CLIP] = torch.full((GROUPS * GROUP,), float(remove_clip))
     split, ga, micro_rows = split_of(kind, padded, ranks)
-    ours = recipe_loss("exgrpo", entropy_coeff=0.0, loss_scale_factor=ranks * RESPONSE * ga)
 
     def official(sub, log_prob, entropy):
         eos, prefix = sub["response_mask"].float(), sub["prefix_mask"].bool()
@@ -340,7 +403,7 @@ def test_exgrpo_equals_official_on_n_ranks(ranks, kind, phase):
     run = dict(use_dynamic_bsz=kind == "dynamic", micro_rows=micro_rows, extra=(BEHAVIOUR_LOG_PROB, REMOVE_CLIP),
                drop_entropy=True)  # fmt: skip
     assert_same_gradient(ours_micro_losses(ours, model, padded, split, **run),
-                         official_micro_losses(official, model, padded, split, ga), model)
+                         official_micro_losses(official, model, padded, split, ga), model, policy_scale(ranks, ga))
 
 
 # ---- CHORD ------------------------------------------------------------------------------------------------
@@ -375,7 +438,7 @@ def test_chord_equals_official_on_n_ranks(ranks, kind):
 
     step = 7
     model, padded, split, micro_rows = chord_case(ranks, kind, step)
-    ours = recipe_loss("chord")
+    ours = recipe_loss("chord", kind)
     cfg = composed("chord")
     rows = GROUPS * GROUP
     expert_rows = int(padded["prefix_mask"].bool().any(-1).sum())
@@ -416,7 +479,7 @@ def official_prefix_rft_loss(sub, log_prob, entropy, mask_ratio=0.8, cliprange=0
     ratio = torch.exp(log_prob - sub["old_log_probs"])
     clip1 = torch.max(-adv * ratio, -adv * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange))
     pg_losses = torch.where(adv < 0, torch.min(-adv * clip_ratio_c, clip1), clip1)
-    return (pg_losses * eos).sum() / eos.shape[-1]
+    return ((pg_losses - OFFICIAL_ENTROPY_COEFF * entropy) * eos).sum() / eos.shape[-1]
 
 
 @pytest.mark.parametrize("ranks", RANKS)
@@ -430,7 +493,8 @@ def test_prefix_rft_against_official_on_n_ranks(ranks, kind):
     model = BigramLM(seed=1)
     padded = random_batch(model, 9, GROUPS, GROUP, vocab=VOCAB, prompt=PROMPT, response=RESPONSE, expert_rows=(0,))
     split, ga, micro_rows = split_of(kind, padded, ranks)
-    ours = recipe_loss("prefix_rft", entropy_coeff=0.0, loss_scale_factor=RESPONSE)
+    ours = recipe_loss("prefix_rft", kind)
+    assert ours.config.entropy_coeff == OFFICIAL_ENTROPY_COEFF and ours.mix.entropy_agg is None
     rows = GROUPS * GROUP
     mini_per_gpu = rows // ranks
 
@@ -444,9 +508,11 @@ def test_prefix_rft_against_official_on_n_ranks(ranks, kind):
     (g_ours,), _ = dp_gradient([model.w], ours_micro_losses(ours, model, padded, split, **run))
     (g_off,), _ = dp_gradient([model.w], official_micro_losses(official, model, padded, split))
     assert g_off.abs().sum() > 0
-    if kind == "static":
-        torch.testing.assert_close(g_ours * rows / (ranks * ga), g_off, rtol=1e-4, atol=1e-7)
-    else:
+    micro_rows_seen = {len(mb) for rank in split for mb in rank}
+    if kind == "static" or len(micro_rows_seen) == 1:  # every micro-batch the same rows: one constant factor
+        factor = rows / (ranks * ga) if kind == "static" else micro_rows_seen.pop() * rows / (mini_per_gpu * ranks)
+        torch.testing.assert_close(g_ours * factor, g_off, rtol=1e-4, atol=1e-7)
+    else:  # rows / per-GPU mini-batch differs between micro-batches: no constant reproduces it
         cosine = torch.nn.functional.cosine_similarity(g_ours.flatten(), g_off.flatten(), dim=0)
         assert cosine < 1 - 1e-4
 
@@ -459,7 +525,7 @@ def test_simulation_equals_gloo_averaging(tmp_path):
     model = BigramLM(seed=1)
     padded = random_batch(model, 0, 4, GROUP, vocab=VOCAB, prompt=PROMPT, response=RESPONSE, expert_rows=(0,))
     split = static_split(4 * GROUP, 2, MICRO_ROWS // 2)
-    ours = recipe_loss("luffy_zero", loss_scale_factor=2 * RESPONSE, entropy_coeff=0.001)
+    ours = recipe_loss("luffy_zero", "static")
     run = dict(use_dynamic_bsz=False, micro_rows=MICRO_ROWS // 2)
     (simulated,), _ = dp_gradient([model.w], ours_micro_losses(ours, model, padded, split, **run))
     (real,) = gloo_gradient(model, ours, padded, split, tmp_path, **run)

@@ -362,6 +362,7 @@ class TermInputs:
     kld: Optional[Callable[[], torch.Tensor]]
     kl_coef: float
     log: Callable[..., None]
+    entropy_agg: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None  # None: agg (mix.loss.entropy_agg)
 
 
 @register_loss_term("policy", stage="scalar", pg_loss=True, inputs=("old_log_probs", "advantages", "prefix_mask"),
@@ -390,7 +391,29 @@ def sft_term(t: TermInputs) -> Optional[torch.Tensor]:
     return t.sft_coef * sft_loss
 
 
+# mix.loss.entropy_agg: None / policy_loss_agg = aggregated like the policy loss (agg); micro_batch_token_mean = each
+# micro-batch's token mean / the gradient-accumulation divisor, no DP factor (the official LUFFY, HPT and ExGRPO actors:
+# entropy_loss = masked_mean(entropy, response_mask), loss = (pg_loss - entropy_loss * c) / gradient_accumulation,
+# luffy/verl/verl/mix_src/mix_actor.py:202, :226, :243)
+ENTROPY_AGGS = ("policy_loss_agg", "micro_batch_token_mean")
+
+
+def micro_batch_token_mean(values: torch.Tensor, mask: torch.Tensor, grad_accum: float) -> torch.Tensor:
+    """The micro-batch's token mean of ``values`` over ``mask`` / grad_accum (0 with the graph kept when the mask is
+    empty); FSDP's average over ranks then gives sum_{(rank, micro-batch)} mean / (dp * GA). (B, L) -> ()."""
+    m = mask.to(values.dtype)
+    count = m.sum()
+    if not count > 0:
+        return (values * 0.0).sum()
+    return (values * m).sum() / count / grad_accum
+
+
 def _check_entropy(loss: Any, p: str) -> None:
+    agg = getattr(loss, "entropy_agg", None)
+    if agg is not None and agg not in ENTROPY_AGGS:
+        raise ValueError(f"{p}.entropy_agg={agg!r} is not an entropy aggregation; use null or policy_loss_agg (like "
+                         "the policy loss) or micro_batch_token_mean (each micro-batch's token mean, as the official "
+                         "LUFFY actor)")
     if not loss.alpha_lr > 0:
         raise ValueError(f"{p}.alpha_lr={loss.alpha_lr!r} must be > 0")
     if loss.target_entropy < 0:
@@ -401,14 +424,14 @@ def _check_entropy(loss: Any, p: str) -> None:
 
 @register_loss_term("entropy", stage="scalar", inputs=("entropy", "response_mask"),
                     writes="- c * agg(entropy); actor/entropy_loss (and the adaptive coefficient's metrics)",
-                    reads=("actor_rollout_ref.actor.entropy_coeff", "mix.loss.use_adaptive_entropy",
+                    reads=("actor_rollout_ref.actor.entropy_coeff", "mix.loss.entropy_agg", "mix.loss.use_adaptive_entropy",
                            "mix.loss.adaptive_entropy_fixed", "mix.loss.target_entropy", "mix.loss.alpha_lr",
                            "mix.loss.entropy_coeff_max"), check_loss=_check_entropy)  # fmt: skip
 def entropy_term(t: TermInputs) -> Optional[torch.Tensor]:
-    """The entropy bonus, aggregated like the policy loss over every valid token."""
+    """The entropy bonus over every valid token, aggregated like the policy loss or by ``mix.loss.entropy_agg``."""
     if t.entropy is None:
         return None
-    entropy_loss = t.agg(t.entropy, t.response_mask)
+    entropy_loss = (t.entropy_agg or t.agg)(t.entropy, t.response_mask)
     coef = t.entropy_coef()
     t.log("actor/entropy_loss", entropy_loss, total=True)
     return -(coef * entropy_loss)

@@ -35,7 +35,8 @@ from mix_src.worker.loss_inputs import (  # noqa: F401 (re-exported: the trainer
     COMBINE_FIELDS, ENTROPY_STATE, EXPERT_ROWS, EXPERT_TOKENS, GLOBAL_STEP, KEPT_TOKENS, ON_ROWS, ON_TOKENS, REMOVE_CLIP,
     add_combine_inputs, add_kept_token_counts, add_sft_token_counts, pop_entropy_state, uses_kept_token_counts,
 )  # fmt: skip
-from mix_src.algo.loss_terms import LOSS_TERMS, TOKEN_METRICS, TermInputs, TokenBatch, TokenLossConfig, token_loss
+from mix_src.algo.loss_terms import (LOSS_TERMS, TOKEN_METRICS, TermInputs, TokenBatch, TokenLossConfig,
+                                     micro_batch_token_mean, token_loss)  # fmt: skip
 from mix_src.algo.loss_combine import LOSS_COMBINES, CombineInputs
 from mix_src.worker.onpolicy_losses import mode_entry, on_policy_config, on_policy_term
 from mix_src.config.mix_config import LossConfig as MixLossConfig  # the `mix.loss` section, checked when built
@@ -67,6 +68,15 @@ def _row_values(data: TensorDict, keys, feature: str, helper: str) -> dict[str, 
                              f"than {helper} assumed (actor.shuffle must be false)")
         values[key] = float(value.reshape(-1)[0]) if value.numel() else 0.0
     return values
+
+
+def _grad_accum(data: TensorDict, info: dict) -> float:
+    """The official actors' gradient-accumulation divisor (ppo_mini_batch_size // ppo_micro_batch_size per GPU): the
+    rank's rows / micro-batch rows with static micro-batches, 1 with dynamic ones (as in every official script)."""
+    micro_rows = tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=None)
+    if not tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True) and micro_rows and info["global_batch_size"]:
+        return max(float(info["global_batch_size"]) / info["dp_size"] / float(micro_rows), 1.0)
+    return 1.0
 
 
 def install_loss(worker_group: Any, loss: "MixPolicyLoss") -> None:
@@ -219,6 +229,8 @@ class MixPolicyLoss:
             entropy_coef=lambda: self._entropy_coefficient(entropy, response_mask, info, dp_group, ctx.metrics),
             sft_agg=lambda lp, mask: SFT_AGGS.get(mix.sft_loss_agg)(lp, mask, self._sft_scale(data, info, agg)),
             sft_coef=mix.sft_loss_coef, kld=kld if config.use_kl_loss else None, kl_coef=config.kl_loss_coef, log=log,
+            entropy_agg=(lambda v, m: micro_batch_token_mean(v, m, _grad_accum(data, info)))
+            if mix.entropy_agg == "micro_batch_token_mean" else None,
         )  # fmt: skip
 
     def _policy_loss(self, ctx: "_LossContext") -> torch.Tensor:
@@ -279,14 +291,10 @@ class MixPolicyLoss:
 
     def _sft_scale(self, data: TensorDict, info: dict, policy_agg: Callable) -> SftScale:
         """The numbers of ``mix.loss.sft_loss_agg`` (mix_src/algo/row_loss.py SftScale)."""
-        grad_accum = 1.0
-        micro_rows = tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=None)
-        if not tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True) and micro_rows and info["global_batch_size"]:
-            grad_accum = max(float(info["global_batch_size"]) / info["dp_size"] / float(micro_rows), 1.0)
         sft_tokens = None  # the SFT tokens of this micro-batch's global mini-batch (add_sft_token_counts)
         if SFT_TOKENS in data.keys():
             sft_tokens = _row_values(data, (SFT_TOKENS,), "mix.loss.row_loss", "add_sft_token_counts")[SFT_TOKENS]
-        return SftScale(sft_tokens, int(info["dp_size"]), grad_accum, policy_agg)
+        return SftScale(sft_tokens, int(info["dp_size"]), _grad_accum(data, info), policy_agg)
 
     def _combined_policy_loss(self, ctx: "_LossContext", token_batch: Callable[..., TokenBatch]):
         """``mix.loss.combine``: PPO-clip on the on-policy rows, combined with the expert tokens by the entry."""

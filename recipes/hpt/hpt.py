@@ -14,9 +14,11 @@ Per generation batch:
    the other prompts keep their ``n`` on-policy rows (``sft_row`` = 0).
 
 The loss is the core's row loss ``mix.loss.row_loss=sft_rows`` (mix_src/algo/row_loss.py): the policy loss on the
-RL rows + ``sft_loss_coef`` x the token-mean NLL of the SFT rows. The official code keeps one target row
-per SFT prompt; here the group keeps its ``n`` rows (n identical copies), which leaves the token-mean
-NLL unchanged (README: every difference). Settings: ``mix.plugin_options.hpt.switch_gate`` (default 0).
+RL rows + ``sft_loss_coef`` x the token-mean NLL of the SFT rows. The official code keeps one target row per SFT
+prompt (its trainer removes the prompt's on-policy rows and adds one off-policy row). verl's batch keeps ``n`` rows
+per prompt, so the group keeps its ``n`` rows but only the first carries the target's tokens: the other ``n - 1``
+get an all-zero ``response_mask`` (and ``prefix_mask``), so no term counts them and, wherever verl's balancing puts
+them, each SFT prompt weighs one row's tokens in one micro-batch, as the official (README: every difference). Settings: ``mix.plugin_options.hpt.switch_gate`` (default 0).
 Load it with ``mix.plugins=[recipes/hpt/hpt.py] mix.rollout_policy=hpt mix.loss.row_loss=sft_rows``.
 """
 
@@ -79,4 +81,16 @@ def hpt(ctx: RolloutContext):
     rows = np.flatnonzero(np.repeat(sft_prompts, n))
     out = replace_rows(first, rows, ctx.generate(ratios[rows], rows)) if rows.size else first
     out.batch[SFT_ROW] = torch.as_tensor(np.repeat(sft_prompts, n), dtype=torch.float32)
-    return out
+    return drop_copies(out, sft_prompts, n)
+
+
+def drop_copies(batch, sft_prompts: np.ndarray, n: int):
+    """The official keeps one target row per SFT prompt: the rows 1..n-1 of each SFT prompt's group (copies of row 0)
+    get an all-zero response_mask and prefix_mask, so no loss term, count or aggregation sees them."""
+    copies = np.flatnonzero((np.arange(len(sft_prompts) * n) % n > 0) & np.repeat(sft_prompts, n))
+    if copies.size:
+        index = torch.as_tensor(copies)
+        for key in ("response_mask", "prefix_mask"):  # both always there in the trainer (RolloutContext.generate)
+            if key in batch.batch.keys():
+                batch.batch[key][index] = 0
+    return batch
