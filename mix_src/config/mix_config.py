@@ -75,6 +75,7 @@ class LossConfig:
     sft_loss_agg: Optional[str] = None  # the SFT term's aggregation (mix_src/algo/row_loss.py SFT_AGGS); None: the
     # row loss's global_token_mean, use_sft_multitask_loss's policy_loss_agg
     off_policy_behaviour: Optional[str] = None  # recorded behaviour log-probs of prefix tokens (mix_src/algo/off_policy_behaviour.py); None = LUFFY
+    entropy_agg: Optional[str] = None  # the entropy bonus's aggregation (loss_terms.ENTROPY_AGGS); None: like the policy loss
     use_adaptive_entropy: bool = False  # learn the entropy coefficient (starts at actor.entropy_coeff)
     adaptive_entropy_fixed: bool = False  # c = entropy_coeff * target_entropy / H (no learning)
     target_entropy: float = 1.0  # H*, token-mean entropy target of both adaptive variants
