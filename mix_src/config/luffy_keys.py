@@ -145,7 +145,7 @@ def _fit_target_cap(out: list[str], log: Callable[[str], None]) -> list[str]:
 
 def _official_loss_scale(out: list[str], log: Callable[[str], None]) -> list[str]:
     """LUFFY's ``loss_remove_token_mean=True`` divided each GPU's token sum by the response width W and FSDP averaged
-    the G GPUs' gradients (luffy/verl/verl/mix_src/mix_core_alg.py:236-237, mix_actor.py:243-244): sum / (G x W).
+    the G GPUs' gradients (luffy/verl/verl/mix_src/mix_core_alg.py:233-234, mix_actor.py:243-244): sum / (G x W).
     Ours divides the global token sum by ``actor.loss_scale_factor``, so G x W reproduces it (unless set already)."""
     values = _values(out)
     if values.get("mix.loss.loss_agg_mode") != "luffy-token-sum-norm" or A + "loss_scale_factor" in values:
