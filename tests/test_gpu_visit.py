@@ -77,8 +77,8 @@ def test_full_length_targets_fill_the_response(tiny_random):
     rows = pd.concat([pd.read_parquet(tiny_random["train"]), pd.read_parquet(tiny_random["val"])])
     targets = [tok.encode(t[0]["content"], add_special_tokens=False) for t in rows["target"]]
     assert {len(build_prefix(t, 1.0, tok.eos_token_id)) for t in targets} == {32}
-    prompts = {len(tok.apply_chat_template(list(p), add_generation_prompt=True, tokenize=False)) for p in rows["prompt"]}
-    assert len(prompts) == 1
+    chats = [tok.apply_chat_template(list(p), add_generation_prompt=True, tokenize=False) for p in rows["prompt"]]
+    assert len({len(tok.encode(c, add_special_tokens=False)) for c in chats}) == 1
     with pytest.raises(ValueError, match="raise the response length"):
         full_length_target(tok, 18, 10)
 
@@ -128,14 +128,27 @@ def test_hf_rollout_honours_rollout_ignore_eos(tiny_assets):
     assert lengths == {False: [1, 8], True: [8, 1]}
 
 
-def test_visit_fails_early_with_the_reason(tmp_path, capsys):
+def test_visit_fails_early_with_the_reason(tmp_path, capsys, monkeypatch):
     from scripts.gpu import visit
 
     assert visit.main(["--out", str(tmp_path / "a"), "--backend", "cpu", "--pieces", str(tmp_path / "none")]) == 1
     rec = json.loads((tmp_path / "a" / "visit.json").read_text())
     assert [(s["step"], s["status"]) for s in rec["steps"]] == [("host", "ok"), ("install", "failed")]
-    assert rec["result"] == "FAIL" and "no such folder" in rec["reason"] and "[visit] FAIL: install" in capsys.readouterr().out
+    assert rec["result"] == "FAIL" and "no such folder" in rec["reason"]
+    assert "[visit] FAIL: install" in capsys.readouterr().out
     assert (tmp_path / "a" / "host.json").is_file() and (tmp_path / "a" / "pip_freeze_host.txt").stat().st_size
+    # a visit split over calls (each device call <= 10 min): a call without host adds to visit.json
+    assert visit.main(["--out", str(tmp_path / "b"), "--backend", "cpu", "--steps", "host"]) == 0
+    assert visit.main(["--out", str(tmp_path / "b"), "--backend", "cpu", "--steps", "install", "--no-install"]) == 0
+    rec = json.loads((tmp_path / "b" / "visit.json").read_text())
+    assert [(s["step"], s["status"]) for s in rec["steps"]] == [("host", "ok"), ("install", "skipped")]
+    assert [c["steps"] for c in rec["calls"]] == [["host"], ["install"]] and rec["result"] == "so far ok"
+    with pytest.raises(SystemExit):
+        visit.main(["--out", str(tmp_path / "c"), "--steps", "lunch", "--no-install"])
+    which = visit.shutil.which  # no NVIDIA driver: the GPU backend stops at host, before any install
+    monkeypatch.setattr(visit.shutil, "which", lambda name: None if name == "nvidia-smi" else which(name))
+    assert visit.main(["--out", str(tmp_path / "d"), "--pieces", str(tmp_path)]) == 1
+    assert "host: no nvidia-smi on PATH" in json.loads((tmp_path / "d" / "visit.json").read_text())["reason"]
 
 
 def test_visit_installs_through_the_wheelhouse_command(tmp_path, monkeypatch):
@@ -152,6 +165,10 @@ def test_visit_installs_through_the_wheelhouse_command(tmp_path, monkeypatch):
     assert visit.install(tmp_path / "out", sys.executable, str(tmp_path / "pieces"), None)["packages"] > 10
     assert json.loads(Path(str(fake) + ".args").read_text()) == ["install", "--pieces", str(tmp_path / "pieces"),
                                                                  "--python", sys.executable]
+    visit.install(tmp_path / "out", "unused", str(tmp_path / "pieces"), str(tmp_path / "venv"))
+    assert json.loads(Path(str(fake) + ".args").read_text()) == ["install", "--pieces", str(tmp_path / "pieces"),
+                                                                 "--venv", str(tmp_path / "venv"),
+                                                                 "--host-python", sys.executable]
     fake.write_text("print('missing wheel: ray==2.60.0'); raise SystemExit(3)\n")
     with pytest.raises(visit.StepFailed, match="exited 3: missing wheel: ray==2.60.0"):
         visit.install(tmp_path / "out", sys.executable, str(tmp_path / "pieces"), None)
@@ -168,7 +185,7 @@ def test_visit_runs_end_to_end_on_the_cpu_backend(tmp_path):
     rec = json.loads((out / "visit.json").read_text())
     assert rec["result"] == "PASS" and [(s["step"], s["status"]) for s in rec["steps"]] == [
         ("host", "ok"), ("install", "skipped"), ("imports", "ok"), ("smoke", "ok")]
-    assert all(isinstance(s["seconds"], float) for s in rec["steps"]) and rec["args"]["shape"] == "tiny"
+    assert all(isinstance(s["seconds"], float) for s in rec["steps"]) and rec["calls"][0]["shape"] == "tiny"
     host = json.loads((out / "host.json").read_text())
     assert host["glibc"].startswith("glibc") and (out / "pip_freeze_host.txt").read_text().count("==") > 50
     assert {"torch", "verl", "ray", "mix_src"} <= set(json.loads((out / "imports.json").read_text())["modules"])

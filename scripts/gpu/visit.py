@@ -12,10 +12,10 @@ its reason, and ``OUT/visit.json`` holds every step's seconds, status and reason
 1. ``host``: the machine before the install: Python, glibc, CPUs, memory, disk, ``nvidia-smi`` (driver, GPU; on
    the GPU backend a node without it fails here), the commit, ``pip freeze`` of the interpreter (``host.json``,
    ``nvidia-smi.txt``, ``pip_freeze_host.txt``).
-2. ``install`` (skipped with ``--no-install``): ``--venv DIR`` is made with ``--system-site-packages`` (the host's
-   torch is reused), then ``python scripts/gpu/wheelhouse.py install --pieces DIR --python PY`` joins the
-   wheelhouse's pieces, verifies and installs with no index (the air-gapped issue's command); ``pip_freeze.txt``
-   after it.
+2. ``install`` (skipped with ``--no-install``): ``python scripts/gpu/wheelhouse.py install --pieces DIR`` with
+   ``--python PY``, or ``--venv DIR --host-python <this python>`` (a venv over the host's packages: its torch is
+   reused), joins the wheelhouse's pieces, verifies them and installs with no index, this package included (the
+   air-gapped issue's command, scripts/gpu/README.md); ``pip_freeze.txt`` after it.
 3. ``imports``: torch, transformers, ray, verl, mix_src (and vLLM and CUDA on the GPU backend; flash-attn is
    optional: without it the smoke gets the sdpa overrides) with their versions (``imports.json``).
 4. ``smoke``: ``python -m scripts.gpu.smoke --model random:<shape>`` (no Hub; scripts/gpu/random_model.py), on
@@ -43,6 +43,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 SDPA = ["+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         "actor_rollout_ref.model.use_remove_padding=false"]  # scripts/gpu/README.md, "Without flash-attn"
+STEPS = ("host", "install", "imports", "smoke")
 TIMEOUTS = {"host": 120, "install": 900, "imports": 300, "smoke": {"gpu": 1500, "cpu": 900}}
 
 IMPORTS = r"""
@@ -77,8 +78,12 @@ class StepFailed(Exception):
 class Visit:
     """The steps' records: ``OUT/visit.json`` rewritten after every step."""
 
-    def __init__(self, out: Path, args: dict):
-        self.out, self.record = out, {"args": args, "steps": [], "result": None, "reason": None}
+    def __init__(self, out: Path, args: dict, resume: bool):
+        """``resume``: a later call of the same visit (``--steps`` without host): OUT/visit.json's steps kept."""
+        self.out, self.record = out, {"calls": [], "steps": [], "result": None, "reason": None, "seconds": 0.0}
+        if resume and (out / "visit.json").is_file():
+            self.record.update(json.loads((out / "visit.json").read_text()))
+        self.record["calls"].append(args)
 
     def step(self, name: str, fn) -> dict:
         """Run ``fn()`` (returns a dict of facts, raises StepFailed), timed; record it; re-raise a failure."""
@@ -172,7 +177,9 @@ def host(out: Path, python: str, backend: str) -> dict:
         sh([smi], out / "nvidia-smi.txt", 60)
     elif backend == "gpu":
         raise StepFailed("no nvidia-smi on PATH: no NVIDIA driver here, so no GPU run (--backend cpu rehearses)")
-    rc, text = sh([python, "-m", "pip", "freeze"], out / "host.log", 120)
+    frozen = python if shutil.which(python) else sys.executable  # a venv still to be made: the host's python
+    facts["frozen"] = frozen
+    rc, text = sh([frozen, "-m", "pip", "freeze"], out / "host.log", 120)
     (out / "pip_freeze_host.txt").write_text(text if rc == 0 else f"pip freeze exit {rc}\n{text}")
     facts["packages"] = len(text.splitlines()) if rc == 0 else f"pip freeze exit {rc}"
     (out / "host.json").write_text(json.dumps(facts, indent=1) + "\n")
@@ -186,14 +193,12 @@ def install(out: Path, python: str, pieces: str, venv: str | None) -> dict:
     if not wheelhouse.is_file():
         raise StepFailed(f"{wheelhouse.relative_to(REPO)} is missing: this tree has no wheelhouse command")
     log = out / "install.log"
-    if venv and not Path(python).exists():
-        rc, text = sh([sys.executable, "-m", "venv", "--system-site-packages", venv], log, 120)
-        if rc:
-            raise StepFailed(f"python -m venv --system-site-packages {venv} exited {rc}: {last_line(text)}")
-    rc, text = sh([sys.executable, str(wheelhouse), "install", "--pieces", pieces, "--python", python], log,
-                  TIMEOUTS["install"])
+    target = ["--venv", venv, "--host-python", sys.executable] if venv else ["--python", python]
+    rc, text = sh([sys.executable, str(wheelhouse), "install", "--pieces", pieces, *target], log, TIMEOUTS["install"])
     if rc:
-        raise StepFailed(f"wheelhouse install exited {rc}: {last_line(text)} (log {log})")
+        said = last_line(text, "install:")  # the wheelhouse's own reason (a missing wheel is named), else pip's
+        raise StepFailed(f"wheelhouse install exited {rc}: {last_line(text) if said == '(no output)' else said} "
+                         f"(log {log})")
     rc, text = sh([python, "-m", "pip", "freeze"], log, 120)
     (out / "pip_freeze.txt").write_text(text)
     return {"packages": len(text.splitlines())}
@@ -249,12 +254,19 @@ def main(argv=None) -> int:
     ap.add_argument("--pieces", help="the wheelhouse's pieces (scripts/gpu/wheelhouse.py)")
     ap.add_argument("--no-install", action="store_true", help="the interpreter already has the packages")
     ap.add_argument("--python", help="the interpreter to install into and run with (default: this one)")
-    ap.add_argument("--venv", help="a venv to make (--system-site-packages) and install into; sets --python")
+    ap.add_argument("--venv", help="the venv the wheelhouse makes over this python's packages and installs into; "
+                    "sets --python")
     ap.add_argument("--gpu", default="h200-141gb", help="the planner's GPU for the smoke's estimate line")
     ap.add_argument("--bundle", help="write OUT's records and logs (no weights) to this .tar.gz at the end")
+    ap.add_argument("--steps", default=",".join(STEPS),
+                    help="the steps this call runs, in order (a visit split over calls of at most 10 minutes: "
+                         "host,install,imports then smoke; a call without host adds to OUT/visit.json)")
     ap.add_argument("extra", nargs="*", help="Hydra overrides for the smoke's runs")
     a = ap.parse_args(argv)
-    if not a.no_install and not a.pieces:
+    steps = a.steps.split(",")
+    if not set(steps) <= set(STEPS):
+        ap.error(f"--steps {a.steps}: each of {','.join(STEPS)}")
+    if "install" in steps and not a.no_install and not a.pieces:
         ap.error("give --pieces DIR (the wheelhouse's pieces) or --no-install")
     if a.venv and a.python:
         ap.error("--venv sets the interpreter: give --venv or --python, not both")
@@ -264,29 +276,36 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
                PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    visit = Visit(out, {"backend": a.backend, "shape": shape, "python": python, "pieces": a.pieces,
-                        "install": not a.no_install, "extra": a.extra})
-    start = time.monotonic()
+    visit = Visit(out, {"steps": steps, "backend": a.backend, "shape": shape, "python": python, "pieces": a.pieces,
+                        "install": not a.no_install, "extra": a.extra}, resume="host" not in steps)
+    start, seconds = time.monotonic(), visit.record["seconds"]
     try:
-        visit.step("host", lambda: host(out, python, a.backend))
-        if a.no_install:
-            visit.skip("install", "--no-install")
-        else:
-            visit.step("install", lambda: install(out, python, a.pieces, a.venv))
-        found = visit.step("imports", lambda: imports(out, python, a.backend, env))
-        flash = bool(found["modules"].get("flash_attn"))
-        visit.step("smoke", lambda: smoke(out, python, a.backend, shape, a.gpu, a.extra, env, flash))
-        visit.record.update(result="PASS")
+        for name in STEPS:
+            if name not in steps:
+                continue
+            if name == "host":
+                visit.step("host", lambda: host(out, python, a.backend))
+            elif name == "install" and a.no_install:
+                visit.skip("install", "--no-install")
+            elif name == "install":
+                visit.step("install", lambda: install(out, python, a.pieces, a.venv))
+            elif name == "imports":
+                visit.step("imports", lambda: imports(out, python, a.backend, env))
+            else:  # without flash-attn (imports.json, this call's or an earlier one's) the smoke trains with sdpa
+                found = json.loads((out / "imports.json").read_text()) if (out / "imports.json").is_file() else {}
+                flash = bool(found.get("modules", {}).get("flash_attn"))
+                visit.step("smoke", lambda: smoke(out, python, a.backend, shape, a.gpu, a.extra, env, flash))
+        visit.record.update(result="PASS" if "smoke" in steps else "so far ok", reason=None)
     except StepFailed as e:
         visit.record.update(result="FAIL", reason=f"{visit.record['steps'][-1]['step']}: {e}")
-    visit.record["seconds"] = round(time.monotonic() - start, 1)
+    visit.record["seconds"] = round(seconds + time.monotonic() - start, 1)
     visit.save()
     if a.bundle:
         bundle(out, Path(a.bundle))
     times = ", ".join(f"{s['step']} {s['seconds']:.0f} s" for s in visit.record["steps"])
     print(f"[visit] {visit.record['result']}" + (f": {visit.record['reason']}" if visit.record["reason"] else "")
           + f" ({times}; {visit.record['seconds']:.0f} s in all; records in {out})", flush=True)
-    return 0 if visit.record["result"] == "PASS" else 1
+    return 1 if visit.record["result"] == "FAIL" else 0
 
 
 if __name__ == "__main__":
