@@ -12,7 +12,7 @@ TORCH_CPU_INDEX    ?= https://download.pytorch.org/whl/cpu
 TORCH_INSTALL_ARGS ?=
 INSTALL_TORCH       = $(PY) scripts/install_torch.py --index $(TORCH_CPU_INDEX) $(TORCH_INSTALL_ARGS)
 
-.PHONY: install install-torch test test-fast test-extra demo evidence compare bench clean install-gpu check-gpu-install
+.PHONY: install install-torch test test-fast test-kernels test-extra demo evidence compare bench clean install-gpu check-gpu-install
 
 $(STAMP): setup.py scripts/install_torch.py
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -45,6 +45,13 @@ TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 test: install
 	$(PY) -m pytest -m "not extra" $(XDIST) $(PYTEST_ARGS)
+
+# The two guards (and the tolerance tests) again under another CPU kernel set: ATen's plain kernels and MKL's
+# compatible path, not the AVX2 set the suite pins (tests/kernels.py), so they compare within the tolerance
+# (tests/guard/README.md, "Machines"). CI runs it after make test (.ci/run).
+KERNELS_ENV ?= ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE
+test-kernels: install
+	$(KERNELS_ENV) $(PY) -m pytest $(XDIST) tests/test_loss_guard.py tests/test_guard.py tests/test_kernels.py $(PYTEST_ARGS)
 
 # The opt-in tier, not in CI: slow runs of low value for the main path (each marked `extra`, its reason beside it)
 test-extra: install
