@@ -486,10 +486,12 @@ def official_prefix_rft_loss(sub, log_prob, entropy, mask_ratio=0.8, cliprange=0
 @pytest.mark.parametrize("kind", SPLITS)
 def test_prefix_rft_against_official_on_n_ranks(ranks, kind):
     """Our Prefix-RFT settings are our own (the official repository ships no experiment config): Dr. GRPO's token sum
-    / (W x rows of the global mini-batch). The official "dr_grpo" with static micro-batches is the token sum /
-    (N x W x GA): a constant factor rows / (N x GA) from ours, on any N. With dynamic micro-batches the official
-    scales micro-batch k by its rows / the per-GPU mini-batch (dp_actor.py:705-708), which no constant reproduces:
-    its gradient points elsewhere than ours."""
+    / (W x rows of the global mini-batch), entropy 0.001 aggregated the same way (the official's verl agg_loss of its
+    mode). The official "dr_grpo" with static micro-batches is the token sum / (N x W x GA): a constant factor
+    rows / (N x GA) from ours, on any N. With dynamic micro-batches the official Prefix-RFT
+    scales micro-batch k by its rows / the per-GPU mini-batch (dp_actor.py:705-708): one constant (rows_k x rows /
+    (mini x N)) where verl's layout gives every micro-batch the same rows, else none, and its gradient points
+    elsewhere than ours. Measured against: the README's reading of "dr_grpo" (recipe.prefix_rft_v2 is not shipped)."""
     model = BigramLM(seed=1)
     padded = random_batch(model, 9, GROUPS, GROUP, vocab=VOCAB, prompt=PROMPT, response=RESPONSE, expert_rows=(0,))
     split, ga, micro_rows = split_of(kind, padded, ranks)
