@@ -6,6 +6,7 @@ CPU smoke test: 2 LUFFY steps, a validation, a checkpoint and a resume)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import sys
@@ -115,14 +116,14 @@ def test_hf_rollout_honours_rollout_ignore_eos(tiny_assets):
     from mix_src.cpu.hf_rollout import HFRolloutServer
 
     greedy = {"temperature": 0.0, "top_k": -1, "top_p": 1.0}
+    config = RolloutConfig(name="hf", prompt_length=32, response_length=8, tensor_model_parallel_size=1,
+                           dtype="float32")
+    server = HFRolloutServer(config, HFModelConfig(path=tiny_assets["model"], tokenizer_path=tiny_assets["tokenizer"]))
+    first = asyncio.run(server.generate([5, 6, 7], {**greedy, "ignore_eos": True}, "probe")).token_ids[0]
+    server.eos_token_ids = {first}  # the greedy first token is EOS now
     lengths = {}
     for ignore in (False, True):
-        config = RolloutConfig(name="hf", prompt_length=32, response_length=8, tensor_model_parallel_size=1,
-                               dtype="float32", ignore_eos=ignore)
-        server = HFRolloutServer(config, HFModelConfig(path=tiny_assets["model"],
-                                                       tokenizer_path=tiny_assets["tokenizer"]))
-        first = asyncio.run(server.generate([5, 6, 7], {**greedy, "ignore_eos": True}, "probe")).token_ids[0]
-        server.eos_token_ids = {first}  # the greedy first token is EOS now
+        server.config = dataclasses.replace(config, ignore_eos=ignore)  # actor_rollout_ref.rollout.ignore_eos
         lengths[ignore] = [len(asyncio.run(server.generate([5, 6, 7], dict(p), "r")).token_ids)
                            for p in (greedy, {**greedy, "ignore_eos": not ignore})]
     assert lengths == {False: [1, 8], True: [8, 1]}
