@@ -15,7 +15,7 @@ import torch
 
 from verl import DataProto
 
-from mix_src.algo.prefix_select import PrefixTokenView, select_prefix_tokens
+from mix_src.algo.prefix_select import PREFIX_TOKEN_SELECTS, PrefixTokenView, select_prefix_tokens
 from mix_src.config.mix_config import mix_config_from_dict
 from mix_src.trainer.rollout_policy import ROLLOUT_POLICIES, RolloutContext
 
@@ -162,6 +162,7 @@ def test_replay_masked_zeroes_every_prefix_advantage():
                            advantages=torch.ones(2, 3), response_mask=torch.ones(2, 3, dtype=torch.bool),
                            prefix_mask=pm, ratio=0.0)  # fmt: skip
     scripted([[0, 0, 0, 0]], lambda i, r, t: 0.0)  # loads the plugin
+    assert "ratio" in PREFIX_TOKEN_SELECTS.settings("replay_masked", {})  # what the worker loss reads
     adv, kept, on_policy = select_prefix_tokens("replay_masked", view)
     assert adv.tolist() == [[0.0, 0.0, 1.0], [1.0, 1.0, 1.0]] and not kept.any() and not on_policy
 

@@ -103,8 +103,8 @@ def _check(config) -> None:
                                "to the rows a steered group regenerates (-1 = every failed / solved row)")
 
 
-@register_prefix_token_select("replay_masked")
-def replay_masked(view) -> torch.Tensor:
+@register_prefix_token_select("replay_masked", settings={"ratio": number(0.0, 0.0, 1.0)})  # the worker reads a ratio;
+def replay_masked(view) -> torch.Tensor:  # this entry ignores it
     """The paper's masking of replayed tokens: no prefix token keeps its advantage (all get 0)."""
     return torch.zeros_like(view.prefix_mask, dtype=torch.bool)
 
