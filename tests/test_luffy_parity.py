@@ -37,21 +37,22 @@ def test_on_policy_grpo_has_no_dual_clip():
     assert capped["pg_loss"].item() == pytest.approx(3.0)
 
 
-def test_luffy_zero_matching_entropy_coefficient_arithmetic():
-    """README (luffy_zero): LUFFY's per-GPU loss sum_k [sum ell / 8192 - 0.001 * mean_k(H)] over micro-batches,
-    averaged over 8 GPUs, equals ours sum ell / 65536 - c * sum H / 65536 with c = 0.001 * 8192 / N_mb."""
+def test_luffy_zero_entropy_is_the_official_micro_batch_mean():
+    """README (luffy_zero): LUFFY's per-GPU loss sum_k [sum ell / 8192 - 0.001 * mean_k(H)] over micro-batches of
+    unequal token counts, averaged over 8 GPUs, equals ours: sum ell / 65536 and 0.001 x each micro-batch's token
+    mean (mix.loss.entropy_agg=micro_batch_token_mean), whatever the micro-batches hold."""
     from mix_src.algo.core_alg import agg_loss
+    from mix_src.algo.loss_terms import micro_batch_token_mean
 
     g = torch.Generator().manual_seed(0)
-    gpus, micro, n_mb = 8, 3, 24  # 3 micro-batches of 2 rows x 12 tokens per GPU: N_mb = 24 response tokens
+    gpus, micro, width = 8, 3, 8192
     ell = torch.randn(gpus, micro, 2, 12, generator=g, dtype=torch.float64)
     ent = torch.rand(gpus, micro, 2, 12, generator=g, dtype=torch.float64)
-    mask = torch.ones(2, 12, dtype=torch.bool)
-    width = 8192
-    luffy = sum(ell[d, k].sum() / width - 0.001 * ent[d, k].mean() for d in range(gpus) for k in range(micro)) / gpus
-    c = 0.001 * width / n_mb
-    ours = sum(agg_loss(ell[d, k], mask, "luffy-token-sum-norm", dp_size=gpus, loss_scale_factor=gpus * width)
-               - c * agg_loss(ent[d, k], mask, "luffy-token-sum-norm", dp_size=gpus, loss_scale_factor=gpus * width)
+    masks = torch.rand(gpus, micro, 2, 12, generator=g) < 0.6  # unequal token counts per micro-batch
+    masks[..., 0] = True
+    luffy = sum((ell[d, k] * masks[d, k]).sum() / width - 0.001 * ent[d, k][masks[d, k]].mean()
+                for d in range(gpus) for k in range(micro)) / gpus
+    ours = sum(agg_loss(ell[d, k], masks[d, k], "luffy-token-sum-norm", dp_size=gpus, loss_scale_factor=gpus * width)
+               - 0.001 * micro_batch_token_mean(ent[d, k], masks[d, k], 1.0)
                for d in range(gpus) for k in range(micro)) / gpus  # FSDP averages the DP ranks' gradients
     assert ours.item() == pytest.approx(luffy.item(), rel=1e-12)
-    assert 0.001 * 8192 / 24_576 == pytest.approx(0.00033, rel=0.02)  # the README number, rounded

@@ -40,7 +40,8 @@ EXPECTED = {
         "mix.loss.loss_remove_clip": True, "mix.loss.off_policy_reshape": "p_div_p",
         "mix.loss.off_policy_reshape_gamma": 0.1, "mix.loss.loss_agg_mode": "luffy-token-sum-norm",
         "actor_rollout_ref.actor.loss_scale_factor": 65536, "data.train_batch_size": 128,  # 8 GPUs x 8192
-        "actor_rollout_ref.actor.entropy_coeff": 0.00033, "actor_rollout_ref.actor.use_kl_loss": False,
+        "actor_rollout_ref.actor.entropy_coeff": 0.001, "mix.loss.entropy_agg": "micro_batch_token_mean",
+        "actor_rollout_ref.actor.use_kl_loss": False,
     },
     "guided_gspo": {
         "actor_rollout_ref.actor.policy_loss.loss_mode": "gspo", "mix.n_prefix": 1, "mix.loss.loss_remove_clip": False,
