@@ -113,11 +113,14 @@ def test_train_sh_runs_through_the_config_stage(tiny_assets, tmp_path):
     assert cfg.trainer.max_actor_ckpt_to_keep == 2 and cfg.trainer.val_before_train is False
 
     luffy_items = [o for o in original if o.split("=")[0] in LUFFY_KEYS or o.split("=")[0].lstrip("+") in LUFFY_KEYS]
-    assert len(lines) - 2 == len(luffy_items) == 22  # one printed line per LUFFY key, the cap's and the scale's:
-    assert lines[-2].startswith("[mix_src] LUFFY cap mix.data.max_target_length=8192 >= data.max_response_length=8192 -> null")
+    assert len(lines) - 3 == len(luffy_items) == 22  # one printed line per LUFFY key, the cap's, scale's, entropy's:
+    assert lines[-3].startswith("[mix_src] LUFFY cap mix.data.max_target_length=8192 >= data.max_response_length=8192 -> null")
     # LUFFY's sum / 8192 per GPU, averaged over its 8 GPUs: sum / 65536 (tests/test_multirank.py checks the maths)
-    assert lines[-1].endswith("-> actor_rollout_ref.actor.loss_scale_factor=65536")
+    assert lines[-2].endswith("-> actor_rollout_ref.actor.loss_scale_factor=65536")
     assert cfg.actor_rollout_ref.actor.loss_scale_factor == 65536
+    # its entropy bonus: 0.001 x each micro-batch's token mean
+    assert lines[-1].endswith("-> mix.loss.entropy_agg=micro_batch_token_mean")
+    assert mix.loss.entropy_agg == "micro_batch_token_mean" and cfg.actor_rollout_ref.actor.entropy_coeff == 0.001
     assert "[mix_src] LUFFY key actor_rollout_ref.rollout.n_prefix -> mix.n_prefix" in lines
     assert "[mix_src] LUFFY key algorithm.grpo_use_std -> algorithm.norm_adv_by_std_in_grpo" in lines
     assert ("[mix_src] LUFFY key actor_rollout_ref.actor.loss_remove_token_mean=True -> "

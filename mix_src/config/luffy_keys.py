@@ -120,7 +120,7 @@ def translate_overrides(overrides: Sequence[str], log: Callable[[str], None] = p
                                  "trained prefix tokens with plain PPO, which mix_src does not do; use "
                                  f"{A}use_sft_multitask_loss=True (SFT on prefix tokens) or keep "
                                  "use_off_policy_loss=True (the shaped off-policy loss)")
-    out = _official_loss_scale(_fit_target_cap(out, log), log)
+    out = _official_entropy_agg(_official_loss_scale(_fit_target_cap(out, log), log), log) if seen else out
     return _official_sft_agg(out, log) if A + "use_sft_multitask_loss" in seen else out  # LUFFY's key, not ours
 
 
@@ -171,3 +171,15 @@ def _official_sft_agg(out: list[str], log: Callable[[str], None]) -> list[str]:
         return out
     log("[mix_src] LUFFY SFT term: a token mean per micro-batch -> mix.loss.sft_loss_agg=micro_batch_token_mean")
     return [*out, "mix.loss.sft_loss_agg=micro_batch_token_mean"]
+
+
+def _official_entropy_agg(out: list[str], log: Callable[[str], None]) -> list[str]:
+    """LUFFY's entropy bonus was ``entropy_coeff`` x each micro-batch's token-mean entropy (mix_actor.py:202, :226,
+    / gradient_accumulation :243): with LUFFY's keys and an ``actor.entropy_coeff`` on the command line,
+    ``mix.loss.entropy_agg`` = micro_batch_token_mean (unless set already; mix_src's default aggregates it like the
+    policy loss)."""
+    values = _values(out)
+    if A + "entropy_coeff" not in values or "mix.loss.entropy_agg" in values:
+        return out
+    log("[mix_src] LUFFY entropy bonus: a token mean per micro-batch -> mix.loss.entropy_agg=micro_batch_token_mean")
+    return [*out, "mix.loss.entropy_agg=micro_batch_token_mean"]
