@@ -78,8 +78,10 @@ def test_prepare_openr1_schema_targets_and_drop_counts(tmp_path, tokenizer_dir, 
     assert "wrote 3 rows" in printed and "dropped 5 of 8" in printed
 
     df = pd.read_parquet(out)
-    assert list(df.columns) == ["data_source", "prompt", "target", "ability", "reward_model", "extra_info"]
+    assert list(df.columns) == ["data_source", "prompt", "target", "target_lst", "ability", "reward_model", "extra_info"]
     assert df["data_source"].tolist() == ["openr1_math"] * 3 and df["ability"].tolist() == ["math"] * 3
+    # every verified generation within the cap, target first (issue #55): row 5 loses its too-long first one
+    assert [list(t) for t in df["target_lst"]] == [[T("a0"), T("b0")], [T("b1")], [T("b5")]]
     row = df.iloc[1]
     assert [m["role"] for m in row["prompt"]] == ["system", "user"]
     assert row["prompt"][0]["content"] == openr1.SYSTEM_PROMPT and row["prompt"][1]["content"] == "p1"

@@ -45,6 +45,39 @@ def normalize_target(value: Any) -> Optional[str]:
     return value if isinstance(value, str) and value.strip() else None
 
 
+# why a row's target_lst loses an item (or, for the first, gives none): counted by check_data and the dataset
+LST_NONE, LST_NOT_TEXT, LST_DUPLICATE, LST_OVER_CAP = ("null, empty or non-list target_lst", "non-text target_lst item",
+                                                       "duplicate target_lst item", "target_lst item beyond max_num_targets")
+
+
+def demonstrations(target: Optional[str], items: Any, max_num_targets: int) -> tuple[list[str], dict[str, int]]:
+    """The demonstrations a prefixed row of this prompt draws from, and why items were left out: ``target`` (already
+    :func:`normalize_target`-ed; None: none) first, then each item of the row's ``target_lst`` in order (a string, a
+    ``{content: str}`` message or LUFFY's one-message list). Non-text or blank items and repeats of an earlier item are
+    dropped and counted (an item equal to ``target`` is merged silently: OpenR1-style rows list their target again);
+    the first ``max_num_targets`` are kept (LUFFY keeps the first ``max_num_targets``,
+    luffy/verl/verl/mix_src/rl_dataset_with_target.py:166-169). A null, empty or non-list ``target_lst`` leaves the
+    row with ``target`` alone (counted). Length is not checked here (the caller's tokenizer: item dropped; a row whose
+    every item is too long: dropped)."""
+    out, why = ([target] if target else []), {}
+    items = _as_list(items)
+    if not isinstance(items, (list, tuple)) or not items:
+        why[LST_NONE] = 1
+        items = []
+    for item in items:
+        text = normalize_target(item)
+        if text is None:
+            why[LST_NOT_TEXT] = why.get(LST_NOT_TEXT, 0) + 1
+        elif text in out:
+            if text != target:
+                why[LST_DUPLICATE] = why.get(LST_DUPLICATE, 0) + 1
+        else:
+            out.append(text)
+    if len(out) > max_num_targets:
+        why[LST_OVER_CAP] = len(out) - max_num_targets
+    return out[:max_num_targets], why
+
+
 def is_episode(text: Optional[str]) -> bool:
     """A multi-turn expert episode (the tool loop's target: a JSON list of ``{role, content}`` messages,
     mix_src/rollout/agent_loop_tools.py ``parse_episode``), whose length the tool loop measures, not this check."""
@@ -85,11 +118,17 @@ class FileReport:
     first_bad: dict[str, int] = field(default_factory=dict)  # reason -> first row index
     prompts: list = field(default_factory=list)  # the kept rows' prompts (for the length check)
     targets: list = field(default_factory=list)  # the kept rows' targets as text (None: no target)
+    target_sets: Optional[list] = None  # with mix.data.use_target_lst: the kept rows' demonstrations (demonstrations)
+    lst_counts: dict = field(default_factory=dict)  # reason -> count of the target_lst items (rows) left out
 
     def summary(self, role: str) -> str:
         drops = "; ".join(f"{n} {why} (first: row {self.first_bad[why]})" for why, n in self.dropped.items())
+        lst = "; ".join(f"{n} {why}" for why, n in self.lst_counts.items())
         return (f"[mix_src.data_check] {role} {self.path}: {self.rows} rows, {len(self.kept)} kept"
-                + (f", {self.rows - len(self.kept)} dropped: {drops}" if self.dropped else ", none dropped"))
+                + (f", {self.rows - len(self.kept)} dropped: {drops}" if self.dropped else ", none dropped")
+                + ("" if self.target_sets is None else
+                   f"; target_lst: {sum(len(t) for t in self.target_sets)} demonstrations in {len(self.target_sets)} "
+                   f"rows (target first when present), left out: {lst or 'none'}"))
 
 
 def _refuse(path: str, key: str, what: str) -> MixConfigError:
@@ -155,9 +194,12 @@ def json_records(path: str) -> list:
         raise JsonLinesError(n, e) from e
 
 
-def check_file(path: str, key: str, prompt_key: str, target_key: Optional[str]) -> FileReport:
-    """Open one data file, refuse it when it is unusable, and sort its rows with :func:`row_problem`."""
-    cols, types = read_columns(path, [prompt_key, "reward_model", *([target_key] if target_key else [])], key)
+def check_file(path: str, key: str, prompt_key: str, target_key: Optional[str], lst_key: Optional[str] = None,
+               max_num_targets: int = 5) -> FileReport:
+    """Open one data file, refuse it when it is unusable, and sort its rows with :func:`row_problem`; ``lst_key``
+    (``mix.data.use_target_lst``): the rows' demonstrations too (:func:`demonstrations`), the column required."""
+    wanted = [prompt_key, "reward_model", *([target_key] if target_key else []), *([lst_key] if lst_key else [])]
+    cols, types = read_columns(path, wanted, key)
     n = len(next(iter(cols.values()))) if cols else 0
     if prompt_key not in types:
         raise _refuse(path, f"{key} (data.prompt_key={prompt_key})",
@@ -173,16 +215,31 @@ def check_file(path: str, key: str, prompt_key: str, target_key: Optional[str]) 
         raise _refuse(path, f"{key} (mix.data.target_key={target_key})",
                       f"column '{target_key}' has type {types[target_key]}; a target is a string or LUFFY's "
                       "[{role: assistant, content: str}]")
+    if lst_key and lst_key not in types:
+        raise _refuse(path, f"{key} (mix.data.use_target_lst=true)",
+                      f"no '{lst_key}' column (a list of demonstrations per row); its columns are {sorted(types)}. "
+                      "Rebuild it with scripts/data/prepare_openr1.py, set mix.data.target_lst_key, or set "
+                      "mix.data.use_target_lst=false")
+    if lst_key and not _list_like(types[lst_key]):
+        raise _refuse(path, f"{key} (mix.data.target_lst_key={lst_key})",
+                      f"column '{lst_key}' has type {types[lst_key]}; target_lst is a list of strings or of "
+                      "{role: assistant, content: str} messages per row")
     if n == 0:
         raise _refuse(path, key, "has no rows")
-    report = FileReport(path, n, [])
+    report = FileReport(path, n, [], target_sets=[] if lst_key else None)
     targets = cols.get(target_key) if target_key else None
+    lists = cols.get(lst_key) if lst_key else None
     for i, (prompt, rm) in enumerate(zip(cols[prompt_key], cols["reward_model"])):
         why = row_problem(prompt, rm)
         if why is None:
             report.kept.append(i)
             report.prompts.append(prompt)
             report.targets.append(normalize_target(targets[i]) if targets is not None else None)
+            if lists is not None:
+                texts, why_lst = demonstrations(report.targets[-1], lists[i], max_num_targets)
+                report.target_sets.append(texts)
+                for why, k in why_lst.items():
+                    report.lst_counts[why] = report.lst_counts.get(why, 0) + k
         else:
             report.dropped[why] = report.dropped.get(why, 0) + 1
             report.first_bad.setdefault(why, i)
@@ -193,6 +250,11 @@ def _text_like(arrow_type: str) -> bool:
     """A target column LUFFY's or our loader reads: strings, a message list/struct, or all nulls."""
     return arrow_type in ("string", "large_string", "null", "object") or "struct<" in arrow_type \
         or arrow_type.startswith(("list<element: string", "large_list<element: string"))
+
+
+def _list_like(arrow_type: str) -> bool:
+    """A target_lst column: a list (of strings or messages), all nulls, or JSON objects."""
+    return arrow_type in ("null", "object") or arrow_type.startswith(("list<", "large_list<"))
 
 
 # --------------------------------------------------------------------------------------- prompt length
@@ -253,14 +315,22 @@ def check_target_lengths(config: DictConfig, key: str, report: FileReport) -> se
     if cap is None or bool(target_cfg.get("truncate_targets", False)):
         return set()
     cap = int(cap)
-    candidates = [j for j, t in enumerate(report.targets)  # may not fit (a token covers at least one byte)
-                  if t and len(t.encode("utf-8")) > cap and not is_episode(t)]
+    sets = report.target_sets if report.target_sets is not None else [[t] if t else [] for t in report.targets]
+    candidates = [(j, k) for j, texts in enumerate(sets) for k, t in enumerate(texts)  # may not fit (a token
+                  if len(t.encode("utf-8")) > cap and not is_episode(t)]  # covers at least one byte)
     if not candidates:
         return set()
     exact = len(candidates) <= EXACT_TARGETS
     longer = candidates if exact else random.Random(0).sample(candidates, SAMPLED_TARGETS)
-    ids = _tokenizer(config)([report.targets[j] for j in longer], add_special_tokens=False)["input_ids"]
-    over = [report.kept[j] for j, t in zip(longer, ids) if len(t) > cap]
+    ids = _tokenizer(config)([sets[j][k] for j, k in longer], add_special_tokens=False)["input_ids"]
+    over_items = {jk for jk, t in zip(longer, ids) if len(t) > cap}
+    # a row is dropped when every one of its demonstrations is over the cap; an item over it alone is dropped
+    over = [report.kept[j] for j in sorted({j for j, _ in over_items}) if all((j, k) in over_items
+                                                                           for k in range(len(sets[j])))]
+    if report.target_sets is not None and over_items and exact:
+        print(f"[mix_src.data_check] {key} {report.path}: {len(over_items)} target_lst demonstrations are longer "
+              f"than mix.data.max_target_length={cap} tokens; the dataset drops each such item, and a row only when "
+              f"all its demonstrations are: {len(over)} rows", flush=True)
     if not over:
         return set()
     ratio = float(target_cfg.get("sample_target_ratio", 1.0))
@@ -289,13 +359,17 @@ def check_data(config: DictConfig) -> dict[str, FileReport]:
     prompt_key = str(data.get("prompt_key", "prompt"))
     mix = config.get("mix") or {}
     target_key = (mix.get("data") or {}).get("target_key", "target") if mix else None
+    mix_data = (mix.get("data") or {}) if mix else {}
+    lst_key = str(mix_data.get("target_lst_key", "target_lst")) if mix_data.get("use_target_lst") else None
+    max_num = int(mix_data.get("max_num_targets", 5) or 5)
     ours = str((data.get("custom_cls") or {}).get("name") or "") == OUR_DATASET
     check_length = bool(data.get("filter_overlong_prompts", False)) or str(data.get("truncation", "error")) != "left"
     reports: dict[str, FileReport] = {}
     for key, role in (("data.train_files", "train"), ("data.val_files", "val")):
         usable, paths = 0, data_files(data.get(key.split(".")[1]))
         for path in paths:
-            report = check_file(path, key, prompt_key, target_key if role == "train" else None)
+            train = role == "train"
+            report = check_file(path, key, prompt_key, target_key if train else None, lst_key if train else None, max_num)
             print(report.summary(role), flush=True)
             if report.dropped and not ours:
                 why, n = next(iter(report.dropped.items()))

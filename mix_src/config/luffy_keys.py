@@ -25,6 +25,9 @@ RENAMED = {
                                         "use_sft_multitask_loss", "sft_loss_coef", "alpha_lr")},
     **{D + k: "mix.data." + k for k in ("max_target_length", "sample_target_ratio")},
     R + "max_prefix_len": "mix.data.max_target_length",
+    # dead in the original (its yaml only; the dataset's tgt_input_ids_lst is never read, luffy/verl/verl/mix_src/
+    # rl_dataset_with_target.py:159-170); ours: prefixed rows draw demonstrations from target_lst
+    A + "use_target_lst": "mix.data.use_target_lst",
     R + "val_temperature": R + "val_kwargs.temperature",
     R + "n_val": R + "val_kwargs.n",
     A + "off_policy_max_clip": "mix.loss.off_max_clip",
@@ -43,7 +46,7 @@ RENAMED = {
 ANY, DEAD = None, "dead in the original"  # ANY: every value has no effect
 NO_EFFECT: dict[str, tuple[Optional[tuple[str, ...]], str]] = {
     # key: (values accepted without effect (None = any), why); any other value is refused
-    **dict.fromkeys((A + "use_off_policy_clip", A + "use_sft_reward", A + "debug", A + "use_target_lst",
+    **dict.fromkeys((A + "use_off_policy_clip", A + "use_sft_reward", A + "debug",
                      R + "prefix_reward_strategy", "algorithm.surprisal_base", D + "filter_targets",
                      D + "add_tgt_acc_upper_bound", T + "add_full_target_when_none", T + "skip_by_step"), (ANY, DEAD)),
     **dict.fromkeys((A + "off_policy_normalize", A + "off_policy_cliprange"), (ANY, "the original's token loss never reads it")),

@@ -37,6 +37,9 @@ class DataConfig:
     max_target_length: Optional[int] = None  # targets longer than this (tokens) are dropped and counted ...
     # (None: data.max_response_length - 1, so a whole target plus its EOS fits the response; see target_limit)
     truncate_targets: bool = False  # ... or truncated to it when true (also counted)
+    use_target_lst: bool = False  # several demonstrations a prompt from target_lst_key (LUFFY's actor.use_target_lst)
+    target_lst_key: str = "target_lst"  # column with a list of demonstrations (LUFFY's target_list_key)
+    max_num_targets: int = 5  # demonstrations kept a row, target first, then the list in order (LUFFY's cap)
 
     def target_limit(self, max_response_length: Optional[int]) -> int:
         """Longest target kept, in tokens: ``max_target_length``, or by default ``max_response_length - 1`` (the
@@ -239,6 +242,9 @@ class MixConfig:
         _in_range(f"{p}.data.max_target_length", self.data.max_target_length, 1, None)
         if not self.data.target_key:
             raise MixConfigError(f"{p}.data.target_key must be a non-empty column name")
+        _in_range(f"{p}.data.max_num_targets", self.data.max_num_targets, 1, None)
+        if self.data.use_target_lst and not self.data.target_lst_key:
+            raise MixConfigError(f"{p}.data.target_lst_key must be a non-empty column name")
         _registered(GROUP_FILTERS, self.filter_groups.rule)
         if self.planner.gpu is not None and self.planner.gpu not in GPUS:
             raise MixConfigError(f"{p}.planner.gpu={self.planner.gpu!r}: use one of {sorted(GPUS)} or null (the "

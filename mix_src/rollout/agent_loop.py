@@ -52,6 +52,16 @@ def row_value(kwargs: dict[str, Any], name: str) -> Any:
     return value
 
 
+def row_target(kwargs: dict[str, Any]) -> Any:
+    """The row's target: on verl's V1 trainer with ``mix.data.use_target_lst`` the session's drawn demonstration
+    (``prefix_targets``, one per session: mix_src/trainer/v1.py ``_next_train_batch``), else ``target`` (the legacy
+    base writes each row's draw there)."""
+    drawn = kwargs.get("prefix_targets")
+    if drawn is not None and kwargs.get("session_id") is not None:
+        return drawn[int(kwargs["session_id"])]
+    return kwargs.get("target")
+
+
 @register("prefix_guided")
 class PrefixGuidedAgentLoop(AgentLoopBase):
     """Single-turn agent loop whose response may start with a prefix of the off-policy target."""
@@ -135,7 +145,7 @@ class PrefixGuidedAgentLoop(AgentLoopBase):
         prompt_ids = await self.prompt_token_ids(list(kwargs["raw_prompt"]))
 
         ratio = float(row_value(kwargs, "prefix_ratio") or 0.0)
-        prefix_ids = self.target_prefix_ids(kwargs.get("target"), ratio)
+        prefix_ids = self.target_prefix_ids(row_target(kwargs), ratio)
         truncated = len(prefix_ids) > self.response_length
         prefix_ids = prefix_ids[: self.response_length]
         ends_with_eos = bool(prefix_ids) and prefix_ids[-1] == self.eos_token_id

@@ -15,7 +15,7 @@ import numpy as np
 from verl.experimental.agent_loop.agent_loop import register
 from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState, ToolAgentLoop
 
-from mix_src.rollout.agent_loop import SERVER_EXTRA_KEYS, PrefixGuidedAgentLoop, row_value
+from mix_src.rollout.agent_loop import SERVER_EXTRA_KEYS, PrefixGuidedAgentLoop, row_target, row_value
 
 
 class ExpertEpisodeError(ValueError):
@@ -83,7 +83,7 @@ class PrefixGuidedToolAgentLoop(ToolAgentLoop):
 
     async def run(self, sampling_params: dict[str, Any], priority: int = 0, **kwargs):
         self._ratio = float(row_value(kwargs, "prefix_ratio") or 0.0)
-        self._episode = parse_episode(kwargs.get("target")) if self._ratio > 0 else []
+        self._episode = parse_episode(row_target(kwargs)) if self._ratio > 0 else []
         self._prefix_flags: list[int] = []  # aligned with agent_data.response_mask: 1 = expert assistant token
         self._turn_head: list[int] = []
         self._truncated = self._served = False

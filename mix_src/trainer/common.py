@@ -13,6 +13,7 @@ from verl.utils.config import omega_conf_to_dataclass
 
 from mix_src.algo.flops import COUNTS, ModelShape, add_step_flops, rollout_flops, shape_unreadable
 from mix_src.worker.loss import MixPolicyLoss, add_combine_inputs, add_kept_token_counts, install_loss, pop_entropy_state
+from mix_src.algo.demonstrations import draw_row_targets
 from mix_src.algo.seeding import request_seeds
 from mix_src.config.run_identity import write_run_file
 from mix_src.trainer.rollout_policy import ROLLOUT_POLICIES, RolloutContext
@@ -31,12 +32,36 @@ class MixTrainerCommon:
     _entropy_state: Optional[dict] = None  # the learned entropy coefficient's state (mix.loss.use_adaptive_entropy)
     _rollout_state: Optional[dict] = None  # the rollout policy's own state (RolloutContext.state)
     _policy_step_metrics: Optional[list] = None  # the RolloutContext.metrics of this step's generation batches
+    _target_draws: Optional[dict] = None  # mix.data.use_target_lst: the draws' counts since the last step's metrics
 
     # ---- prefix seeding: keyed by (seed, global_step, gen_index), so a resumed run draws what an uninterrupted one drew
     def _row_ratios(self, num_prompts: int, gen_index: int, targets) -> np.ndarray:
         """(num_prompts * n,) prefix ratios (:func:`mix_src.trainer.stages.draw_prefix_ratios`)."""
         return draw_prefix_ratios(self.mix, num_prompts, self.n, seed=self.prefix_seed, global_step=self.global_steps,
                                   gen_index=gen_index, targets=targets)  # fmt: skip
+
+    def _draw_targets(self, target_sets, gen_index: int) -> np.ndarray:
+        """(num_prompts * n,) object array: each row's demonstration from its prompt's ``target_lst``
+        (:func:`mix_src.algo.demonstrations.draw_row_targets`, seeded from ``(seed, global_step, gen_index, 2)``: a
+        resumed run draws what an uninterrupted one drew); the counts go to :meth:`_target_draw_metrics`."""
+        rng = np.random.default_rng([self.prefix_seed, self.global_steps, gen_index, 2])
+        rows, repeated = draw_row_targets(target_sets, self.n, self.mix.n_prefix, rng)
+        draws = self._target_draws if self._target_draws is not None else {}
+        draws["repeated"] = draws.get("repeated", 0) + repeated
+        draws["prompts"] = draws.get("prompts", 0) + len(target_sets)
+        draws["demonstrations"] = draws.get("demonstrations", 0) + sum(len(s) for s in target_sets if s is not None)
+        self._target_draws = draws
+        return rows
+
+    def _target_draw_metrics(self) -> dict:
+        """``batch/target_lst_repeated_rows`` (prefixed rows that repeat a demonstration of their group: the prompt has
+        fewer than the prefixed rows) and ``batch/target_lst_mean_size`` (demonstrations per prompt), over every
+        generation batch since the last call (filter groups: several); {} without ``mix.data.use_target_lst``."""
+        draws, self._target_draws = self._target_draws, None
+        if not draws:
+            return {}
+        return {"batch/target_lst_repeated_rows": int(draws["repeated"]),
+                "batch/target_lst_mean_size": draws["demonstrations"] / max(draws["prompts"], 1)}
 
     def _row_seeds(self, num_prompts: int, gen_index: int) -> np.ndarray:
         """(num_prompts * n,) sampling seeds from ``(rollout.seed, global_step, gen_index, prompt, sample)``: a sample's

@@ -13,6 +13,9 @@ a plain string that travels with the row to the agent loop (which tokenises it, 
 * a target over ``mix.data.max_target_length`` tokens drops its row, or is truncated with
   ``mix.data.truncate_targets=true`` (a multi-turn expert episode, :func:`~mix_src.config.data_check.is_episode`,
   is measured by the tool loop instead).
+* ``mix.data.use_target_lst``: the row's demonstrations, ``target`` first then ``target_lst`` in order (at most
+  ``mix.data.max_num_targets``; :func:`~mix_src.config.data_check.demonstrations` says what is left out), travel as
+  ``target_lst``; an item over the length cap is dropped (or cut), a row only when all of them are.
 
 Every case is counted in the load's log line.
 """
@@ -32,7 +35,7 @@ from verl.utils.dataset.rl_dataset import RLHFDataset
 # agent loop here registers "prefix_guided" in that process, on every node, wherever mix_src is installed.
 from mix_src.rollout import agent_loop  # noqa: F401
 from mix_src.rollout import agent_loop_tools  # noqa: F401  (registers prefix_guided_tool, the multi-turn tool loop)
-from mix_src.config.data_check import is_episode, normalize_target, row_problem  # noqa: F401 (normalize_target re-exported)
+from mix_src.config.data_check import demonstrations, is_episode, normalize_target, row_problem  # noqa: F401 (normalize_target re-exported)
 from mix_src.config.mix_config import DataConfig
 from mix_src.trainer.stages import prompt_data_key
 
@@ -43,6 +46,9 @@ THINK_OPEN = "<think>\n"
 # The rows carry their normalised target under this name whatever ``mix.data.target_key`` says: the agent
 # loop and the trainer read it from here.
 TARGET_FIELD = "target"
+# With mix.data.use_target_lst: every row's demonstrations (a list of strings, target first; TARGET_FIELD is the
+# first), under this name whatever mix.data.target_lst_key says; the trainers draw one per row from it.
+TARGET_LST_FIELD = "target_lst"
 
 
 class RLHFDatasetWithTarget(RLHFDataset):
@@ -96,9 +102,14 @@ class RLHFDatasetWithTarget(RLHFDataset):
 
     # -- target normalisation, once per load ------------------------------------------------------------
     def _prepare_targets(self) -> None:
-        key = self.target_cfg.target_key
-        files = list(self.original_data_files)
-        if key not in self.dataframe.column_names:
+        key, cfg = self.target_cfg.target_key, self.target_cfg
+        lst_key = cfg.target_lst_key if cfg.use_target_lst else None
+        files, cols = list(self.original_data_files), self.dataframe.column_names
+        if lst_key is not None and lst_key not in cols:
+            raise ValueError(f"{files}: mix.data.use_target_lst=true but no '{lst_key}' column (a list of demonstrations "
+                             f"per row); set mix.data.target_lst_key or mix.data.use_target_lst=false. Columns present: "
+                             f"{cols}")
+        if key not in cols and lst_key is None:
             if self.require_target:
                 raise ValueError(
                     f"{files}: no '{key}' column, but mix.n_prefix != 0 needs an off-policy target per row. "
@@ -111,46 +122,68 @@ class RLHFDatasetWithTarget(RLHFDataset):
             return
 
         prompts = list(self.dataframe[self.prompt_key])
-        texts: list[Optional[str]] = [normalize_target(v) for v in self.dataframe[key]]
-        n_rows = len(texts)
-        n_invalid = sum(t is None for t in texts)
+        n_rows = len(prompts)
+        texts: list[Optional[str]] = ([normalize_target(v) for v in self.dataframe[key]] if key in cols
+                                      else [None] * n_rows)
+        lst_counts: dict[str, int] = {}
+        if lst_key is None:  # one demonstration per row: its target
+            sets = [[t] if t is not None else [] for t in texts]
+        else:  # target first, then the list (mix_src.config.data_check.demonstrations)
+            sets = []
+            for text, items in zip(texts, self.dataframe[lst_key]):
+                one, why = demonstrations(text, items, cfg.max_num_targets)
+                sets.append(one)
+                for reason, k in why.items():
+                    lst_counts[reason] = lst_counts.get(reason, 0) + k
+        n_invalid = sum(not one for one in sets)
 
         # strip a leading "<think>\n" when the templated prompt already ends with it (LUFFY's 16k-think models)
         n_think = 0
-        for i, text in enumerate(texts):
-            if text is not None and text.startswith(THINK_OPEN) and self._prompt_ends_with_think(prompts[i]):
-                texts[i] = text[len(THINK_OPEN) :]
-                n_think += 1
+        for i, one in enumerate(sets):
+            if any(t.startswith(THINK_OPEN) for t in one) and self._prompt_ends_with_think(prompts[i]):
+                n_think += sum(t.startswith(THINK_OPEN) for t in one)
+                sets[i] = [t[len(THINK_OPEN):] if t.startswith(THINK_OPEN) else t for t in one]
 
-        # sample_target_ratio: keep each target with this probability, drawn once per row (seeded)
+        # sample_target_ratio: each row keeps its demonstrations with this probability, drawn once per row (seeded)
         n_unsampled = 0
-        if self.target_cfg.sample_target_ratio < 1.0:
+        if cfg.sample_target_ratio < 1.0:
             seed = self.config.get("seed", None)
-            keep = np.random.default_rng(0 if seed is None else int(seed)).random(n_rows) < self.target_cfg.sample_target_ratio
+            keep = np.random.default_rng(0 if seed is None else int(seed)).random(n_rows) < cfg.sample_target_ratio
             for i in np.flatnonzero(~keep):
-                if texts[i] is not None:
-                    texts[i] = None
+                if sets[i]:
+                    sets[i] = []
                     n_unsampled += 1
 
-        # length check under the policy's tokenizer
-        max_len = self.target_cfg.target_limit(self.config.get("max_response_length"))  # default: response - 1
-        idx = [i for i, t in enumerate(texts) if t is not None and not is_episode(t)]  # episodes: the tool loop's
+        # length check under the policy's tokenizer: an item over the cap is dropped (or cut); a row whose every
+        # demonstration is over it is dropped
+        max_len = cfg.target_limit(self.config.get("max_response_length"))  # default: response - 1
+        idx = [(i, k) for i, one in enumerate(sets) for k, t in enumerate(one) if not is_episode(t)]  # episodes: the tool loop's
         enc = {"input_ids": [], "offset_mapping": []}  # no target left (sample_target_ratio=0, all null): on-policy only
         if idx:
-            enc = self.tokenizer([texts[i] for i in idx], add_special_tokens=False,
-                                 return_offsets_mapping=self.target_cfg.truncate_targets)
+            enc = self.tokenizer([sets[i][k] for i, k in idx], add_special_tokens=False,
+                                 return_offsets_mapping=cfg.truncate_targets)
         too_long = [j for j, ids in enumerate(enc["input_ids"]) if len(ids) > max_len]
-        n_truncated, drop_rows = 0, set()
-        if self.target_cfg.truncate_targets:
+        n_truncated, drop_rows, n_items_dropped = 0, set(), 0
+        if cfg.truncate_targets:
             for j in too_long:  # cut after the max_len-th token's last character
-                texts[idx[j]] = texts[idx[j]][: enc["offset_mapping"][j][max_len - 1][1]]
+                i, k = idx[j]
+                sets[i][k] = sets[i][k][: enc["offset_mapping"][j][max_len - 1][1]]
             n_truncated = len(too_long)
         else:
-            drop_rows = {idx[j] for j in too_long}
+            over = {idx[j] for j in too_long}
+            for i in {i for i, _ in over}:
+                kept = [t for k, t in enumerate(sets[i]) if (i, k) not in over]
+                n_items_dropped += len(sets[i]) - len(kept)
+                if not kept:
+                    drop_rows.add(i)
+                sets[i] = kept
 
-        final = ["" if t is None else t for t in texts]
-        stale = [c for c in {key, TARGET_FIELD} if c in self.dataframe.column_names]
+        final = [one[0] if one else "" for one in sets]
+        stale = [c for c in {key, TARGET_FIELD, *([lst_key, TARGET_LST_FIELD] if lst_key else [])}
+                 if c in self.dataframe.column_names]
         self.dataframe = self.dataframe.remove_columns(stale).add_column(TARGET_FIELD, final)
+        if lst_key is not None:
+            self.dataframe = self.dataframe.add_column(TARGET_LST_FIELD, [list(one) for one in sets])
         if drop_rows:
             self.dataframe = self.dataframe.select([i for i in range(n_rows) if i not in drop_rows])
 
@@ -161,10 +194,17 @@ class RLHFDatasetWithTarget(RLHFDataset):
         msg = (
             f"[mix_src.trainer.dataset] {files}: {n_rows} rows; {self.target_stats['with_target']} with a target; "
             f"{n_invalid} empty/non-string targets -> on-policy only; {n_unsampled} targets not sampled "
-            f"(mix.data.sample_target_ratio={self.target_cfg.sample_target_ratio}); "
+            f"(mix.data.sample_target_ratio={cfg.sample_target_ratio}); "
             f"{len(drop_rows)} rows dropped for targets over mix.data.max_target_length={max_len} tokens; "
             f"{n_truncated} targets truncated to it; '<think>\\n' stripped from {n_think}"
         )
+        if lst_key is not None:
+            kept_sets = [one for i, one in enumerate(sets) if i not in drop_rows]
+            self.target_stats.update({"demonstrations": sum(map(len, kept_sets)), "items_too_long": n_items_dropped,
+                                      **{f"lst: {why}": k for why, k in lst_counts.items()}})
+            msg += (f"; target_lst ({lst_key}, target first, at most mix.data.max_num_targets={cfg.max_num_targets}): "
+                    f"{self.target_stats['demonstrations']} demonstrations, {n_items_dropped} over the length dropped, "
+                    + ", ".join(f"{k} {why}" for why, k in lst_counts.items()))
         print(msg, flush=True)
         logger.info(msg)
 

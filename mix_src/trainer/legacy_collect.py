@@ -17,7 +17,7 @@ from verl.utils.debug import marked_timer
 
 from mix_src.algo.filter_groups import filter_groups, plan_train_batch
 from mix_src.algo.flops import lengths_from_masks
-from mix_src.trainer.dataset import TARGET_FIELD
+from mix_src.trainer.dataset import TARGET_FIELD, TARGET_LST_FIELD
 from mix_src.trainer.rollout_policy import solved as rows_solved
 from mix_src.trainer.stages import (FilterGroupsExhausted, filter_metric_values, luffy_metrics, pass_arguments,
                                     prefix_mask_tensor)  # fmt: skip
@@ -93,9 +93,12 @@ class LegacyCollect:
         batch = DataProto.from_single_dict(batch_dict)
         batch.meta_info["temperature"] = self.config.actor_rollout_ref.rollout.temperature
         batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
+        target_sets = batch.non_tensor_batch.pop(TARGET_LST_FIELD, None) if self.mix.data.use_target_lst else None
         gen_batch = self._get_gen_batch(batch)
         gen_batch.meta_info["global_steps"] = self.global_steps
         gen_batch = gen_batch.repeat(repeat_times=self.n, interleave=True)
+        if target_sets is not None:
+            gen_batch.non_tensor_batch[TARGET_FIELD] = self._draw_targets(target_sets, gen_index)
         gen_batch.non_tensor_batch["rollout_seed"] = self._row_seeds(len(batch), gen_index)
         batch = batch.repeat(repeat_times=self.n, interleave=True)
         passes: list[tuple[dict, int]] = []  # (timing, rows) of each pass the rollout policy makes
@@ -168,6 +171,7 @@ class LegacyCollect:
     def _add_rollout_metrics(self, batch: DataProto, metrics: dict) -> None:
         """LUFFY's solve metrics over the rows the step trains on (after filtering), as on V1 (stages.luffy_metrics)."""
         rows = batch.non_tensor_batch
+        metrics.update(self._target_draw_metrics())
         metrics.update(luffy_metrics(rows_solved(batch), batch.batch["prefix_mask"], batch.batch["response_mask"],
                                      rows["uid"], rows["prefix_ratio"], rows.get("prefix_truncated"), rows.get("ungradable")))
 

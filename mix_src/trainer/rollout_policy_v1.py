@@ -29,6 +29,9 @@ __all__ = ["TQ_KEY", "V1PolicyRunner"]
 TQ_KEY = "__tq_key__"  # non-tensor column of a pass's rows: the row's TransferQueue key
 PROMPT_RECORD = "__v1_prompt__"  # non-tensor column of ctx.records(): the row's prompt (a one-row TensorDict)
 PARTITION = "train"
+# with mix.data.use_target_lst: a prompt's n drawn demonstrations, one per session (mix_src/rollout/agent_loop.py
+# row_target); a pass's single-session rows get their own row's
+PREFIX_TARGETS = "prefix_targets"
 # the tensors of a pass's rows (V1PolicyRunner._view); any other tensor of the rows a policy returns is its own
 VIEW_TENSORS = {"response_mask", "token_level_scores", "prefix_mask", "responses", "prompts", "attention_mask",
                 "rollout_log_probs"}
@@ -53,6 +56,9 @@ class V1PolicyRunner:
         view = {"uid": row_uid}
         if TARGET_FIELD in batch.keys():
             view[TARGET_FIELD] = np.array([t for t in _column(batch, TARGET_FIELD) for _ in range(n)], dtype=object)
+        drawn = PREFIX_TARGETS in batch.keys()  # each row's own demonstration: passed to every pass explicitly
+        if drawn:
+            view[TARGET_FIELD] = np.array([t for ts in _column(batch, PREFIX_TARGETS) for t in ts], dtype=object)
         prompt_rows = np.repeat(np.arange(P), n)
 
         def records(rows) -> Any:
@@ -71,6 +77,8 @@ class V1PolicyRunner:
                 idx = np.arange(n * P) if rows is None else np.asarray(rows, dtype=np.int64)
                 tds = [tu.index_select_tensor_dict(batch, [int(prompt_rows[r])]) for r in idx]
                 seeds, group_uids = base_seeds[idx], list(row_uid[idx])
+            if targets is None and drawn:
+                targets = (prompts.non_tensor_batch[TARGET_FIELD] if prompts is not None else view[TARGET_FIELD][idx])
             pass_ratios, targets, seeds = pass_arguments(pass_ratios, targets, seeds, self.trainer.global_steps,
                                                          self._passes, rows is not None, prompts is not None)
             out = self._run_pass(tds, pass_ratios, seeds, targets)
@@ -97,6 +105,8 @@ class V1PolicyRunner:
         tu.assign_non_tensor_stack(sub, "rollout_seeds", [[int(s)] for s in seeds])
         if targets is not None:
             tu.assign_non_tensor_stack(sub, TARGET_FIELD, [str(t) for t in targets])
+            if PREFIX_TARGETS in sub.keys():  # the prompt's n draws: this single-session row reads its own
+                tu.assign_non_tensor_stack(sub, PREFIX_TARGETS, [[str(t)] for t in targets])
         tu.assign_non_tensor_data(sub, "__rollout_n__", 1)
         tu.assign_non_tensor_data(sub, "global_steps", int(self.trainer.global_steps))
         self.manager.generate_sequences(sub)

@@ -33,11 +33,11 @@ from verl.workers.utils.padding import response_to_nested
 
 from mix_src.algo.row_loss import SFT_ROW, SFT_TOKENS
 from mix_src.trainer import adv_estimators  # noqa: F401  (registers grpo_split with verl)
-from mix_src.trainer.dataset import TARGET_FIELD
+from mix_src.trainer.dataset import TARGET_FIELD, TARGET_LST_FIELD
 from mix_src.compat import swapped
 from mix_src.config.mix_config import MixConfig, validate_mix_config
 from mix_src.trainer.rollout_policy import streams_on_v1
-from mix_src.trainer.rollout_policy_v1 import V1PolicyRunner
+from mix_src.trainer.rollout_policy_v1 import PREFIX_TARGETS, V1PolicyRunner
 from mix_src.trainer.stages import (length_clip_metrics, luffy_advantage_stage, luffy_metrics, on_policy_rollout_correction,
                             on_policy_rollout_metrics, solved_rows, start_data_epoch)  # fmt: skip
 from mix_src.trainer.common import MixTrainerCommon
@@ -234,6 +234,10 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
         self._fetch_prompts += len(batch)
         targets = batch.get(TARGET_FIELD, None) if TARGET_FIELD in batch.keys() else None  # the dataset's normalised target
         targets = None if targets is None else [t for t in targets.tolist() for _ in range(self.n)]
+        if self.mix.data.use_target_lst and TARGET_LST_FIELD in batch.keys():  # one drawn demonstration per session
+            targets = list(self._draw_targets(batch.get(TARGET_LST_FIELD).tolist(), self._fetch_index))
+            tu.assign_non_tensor_stack(batch, PREFIX_TARGETS, [targets[i * self.n:(i + 1) * self.n]
+                                                               for i in range(len(batch))])
         ratios = self._row_ratios(len(batch), self._fetch_index, targets)
         seeds = self._row_seeds(len(batch), self._fetch_index)
         self._fetch_index += 1
@@ -299,6 +303,7 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
     def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
         super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
         metrics.update(self._luffy_metrics(batch))
+        metrics.update(self._target_draw_metrics())  # over the generation batches fetched since the last step
         metrics.update(self._policy_metrics)  # rollout_policy/passes, rollout_policy/rows_generated
         metrics.update(self._pop_policy_metrics())  # the rollout policy's own (RolloutContext.metrics)
         self._policy_metrics.clear()

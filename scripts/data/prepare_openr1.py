@@ -3,8 +3,8 @@
 Input rows need ``problem``, ``answer`` and ``generations`` (list of str); when the columns
 ``correctness_math_verify`` and ``is_reasoning_complete`` (lists of bool, one per generation) exist, only
 generations marked correct **and** complete are candidates. The target is the first candidate that is
-non-empty and, with ``--tokenizer``, at most ``--max-target-tokens`` tokens long (LUFFY's v6 filter).
-Rows without one are dropped and **counted by reason**.
+non-empty and, with ``--tokenizer``, at most ``--max-target-tokens`` tokens long (LUFFY's v6 filter); every such
+candidate (distinct, in order) is kept in ``target_lst``. Rows without one are dropped and **counted by reason**.
 
 Output columns (see data/README.md)::
 
@@ -12,6 +12,8 @@ Output columns (see data/README.md)::
     prompt        list[message]  [system, user]: LUFFY's system prompt + the raw problem
                                  (--no-system-prompt: one user message with a "\\boxed{}" instruction)
     target        list[message]  [{"role": "assistant", "content": <the chosen generation>}]
+    target_lst    list[str]      every candidate within the length cap, distinct, in order (target first):
+                                 the demonstrations mix.data.use_target_lst=true draws from (LUFFY's column name)
     ability       str            "math"
     reward_model  {style, ground_truth}  {"rule", answer}
     extra_info    {split, index, source_index}  index = row in the output, source_index = row in the input
@@ -259,22 +261,16 @@ def prepare(df, *, max_target_tokens: int | None, tokenizer: str | None, system_
             continue
         candidates.append((i, cands))
 
-    # length filter: tokenize first candidates in batches, later ones only when needed
-    chosen: dict[int, str] = {}
-    pending = candidates
-    depth = 0
-    while pending:
-        texts = [c[depth] for _, c in pending]
-        lens = lengths.many(texts) if max_target_tokens else [0] * len(texts)
-        nxt = []
-        for (i, cands), text, n in zip(pending, texts, lens):
-            if not max_target_tokens or n <= max_target_tokens:
-                chosen[i] = text
-            elif depth + 1 < len(cands):
-                nxt.append((i, cands))
-            else:
-                drops[f"every candidate longer than {max_target_tokens} tokens"] += 1
-        pending, depth = nxt, depth + 1
+    # length filter: every candidate tokenised; a row keeps the distinct ones within the cap, in order
+    texts = [t for _, cands in candidates for t in cands]
+    lens = iter(lengths.many(texts) if max_target_tokens else [0] * len(texts))
+    chosen: dict[int, list[str]] = {}
+    for i, cands in candidates:
+        fit = [t for t in cands if next(lens) <= max_target_tokens] if max_target_tokens else list(cands)
+        if fit:
+            chosen[i] = list(dict.fromkeys(fit))
+        else:
+            drops[f"every candidate longer than {max_target_tokens} tokens"] += 1
 
     records = df.to_dict("records")
     rows = []
@@ -283,7 +279,8 @@ def prepare(df, *, max_target_tokens: int | None, tokenizer: str | None, system_
         rows.append({
             "data_source": data_source,
             "prompt": make_prompt(r["problem"], system_prompt),
-            "target": [{"role": "assistant", "content": chosen[i]}],
+            "target": [{"role": "assistant", "content": chosen[i][0]}],
+            "target_lst": chosen[i],
             "ability": "math",
             "reward_model": {"style": "rule", "ground_truth": answer_text(r["answer"])},
             "extra_info": {"split": split, "index": len(rows), "source_index": i},
