@@ -101,8 +101,8 @@ class Visit:
             rec["seconds"] = round(time.monotonic() - start, 1)
             self.record["steps"].append(rec)
             self.save()
-            print(f"[visit] {name}: {rec['status']} in {rec['seconds']} s" + (f": {rec['reason']}" if "reason" in rec
-                                                                              else ""), flush=True)
+            said = f": {rec['reason']}" if "reason" in rec else ""
+            print(f"[visit] {name}: {rec['status']} in {rec['seconds']} s{said}", flush=True)
         return rec
 
     def skip(self, name: str, why: str) -> None:
@@ -116,7 +116,8 @@ class Visit:
 
 def sh(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> tuple[int, str]:
     """Run ``cmd`` from the repository root in its own session, its output appended to ``log`` as it comes;
-    (exit code, that output). On a timeout its whole session is killed (a smoke run's Ray cluster too): 124."""
+    (exit code, that output). On a timeout its session is killed: 124 (the smoke kills its own runs' sessions, their
+    Ray clusters included, at its shorter per-run timeout)."""
     with open(log, "a") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
