@@ -2,8 +2,9 @@
 
 Unit tests check the seed derivation and that the hf sampler's output for a request depends on its seed and
 prompt only (not on the requests batched with it). The end-to-end check -- the cpu_tiny recipe twice with the
-same seeds, every logged metric compared except timing/throughput, step by step -- rides on the recipe's smoke run
-(tests/test_recipes.py::test_cpu_tiny_demo_trains_plots_and_reproduces).
+same seeds, every logged metric compared except timing/throughput, step by step -- is in the opt-in tier
+(tests/test_recipes.py::test_cpu_tiny_demo_reproduces_seeded); in make test the guards (tests/test_guard.py) compare
+seeded runs with a record.
 """
 
 from __future__ import annotations
