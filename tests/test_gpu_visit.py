@@ -203,3 +203,17 @@ def test_visit_runs_end_to_end_on_the_cpu_backend(tmp_path):
         names = tar.getnames()
     assert "visit/visit.json" in names and "visit/smoke.log" in names
     assert not any(n.endswith((".safetensors", ".parquet")) or "/checkpoints" in n for n in names)
+
+
+def test_random_model_runs_are_offline(monkeypatch, tmp_path):
+    """``random:`` turns the Hub off for the smoke's runs: HF_HUB_OFFLINE and TRANSFORMERS_OFFLINE in their
+    environment (huggingface_hub then raises on any download instead of reaching the network)."""
+    from scripts.gpu import random_model, smoke
+
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):  # setenv first: the suite's value comes back afterwards
+        monkeypatch.setenv(key, "0")
+        monkeypatch.delenv(key)
+    assert "HF_HUB_OFFLINE" not in smoke.environment("gpu", tmp_path / "m.jsonl")
+    random_model.offline()
+    env = smoke.environment("gpu", tmp_path / "m.jsonl")
+    assert (env["HF_HUB_OFFLINE"], env["TRANSFORMERS_OFFLINE"]) == ("1", "1")
