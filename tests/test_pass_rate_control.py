@@ -114,5 +114,6 @@ def test_state_saved_and_restored_continues_identically():
     twin = copy.deepcopy(state)
     for st in (state, restored, twin):
         for key, side, c in (("p0", HEAD_START, 0.7), ("p1", HANDICAP, 0.8), ("p3", HANDICAP, 0.3)):
-            st.setdefault("trace", []).append(closed_loop(side, c, 0.2, s, visits=20, group=8, seed=2, state=st, key=key))
+            trace = closed_loop(side, c, 0.2, s, visits=20, group=8, seed=2, state=st, key=key)
+            st.setdefault("trace", []).append(trace)
     assert restored == state == twin  # every ratio, rate and visit count, and every pass rate on the way

@@ -65,10 +65,15 @@ def scripted(unaided, guided_rate, *, targets=None, failure_prefixes=False, n_pr
     options = {NAME: {"failure_prefixes": failure_prefixes, **settings}}
     mix = mix_config_from_dict({"n_prefix": n_prefix, "plugins": [str(PLUGIN)], "plugin_options": options,
                                "rollout_policy": NAME})
-    batch = DataProto.from_dict(tensors={"row": torch.arange(B)},
-                                non_tensors={"target": np.asarray([t for t in targets for _ in range(N)], dtype=object)})
+    rows_target = np.asarray([t for t in targets for _ in range(N)], dtype=object)
+    batch = DataProto.from_dict(tensors={"row": torch.arange(B)})  # as on the legacy base: no target column here ...
+
+    def records(rows):  # ... but in the rows' records
+        return DataProto.from_dict(non_tensors={"target": rows_target[np.asarray(rows)]})
+
     ctx = RolloutContext(batch=batch, n=N, global_step=1, mix=mix, generate=generate, prefix_ratios=lambda: None,
-                         rng=np.random.default_rng(0), state={} if state is None else state, tokenizer=Tok())
+                         rng=np.random.default_rng(0), records=records, state={} if state is None else state,
+                         tokenizer=Tok())
     return ctx, calls
 
 
@@ -189,7 +194,8 @@ def test_policy_metrics_reach_the_step_metrics_through_the_trainer():
         ctx, _ = scripted(unaided, lambda i, r, t: 0.5)
         trainer.mix, trainer.n, trainer.global_steps, trainer.prefix_seed = ctx.mix, N, 1, 0
         trainer._rollout_state = {}
-        trainer._run_rollout_policy(ctx.batch, 0, generate=ctx.generate, prefix_ratios=ctx.prefix_ratios)
+        trainer._run_rollout_policy(ctx.batch, 0, generate=ctx.generate, prefix_ratios=ctx.prefix_ratios,
+                                    records=ctx.records)
     m = trainer._pop_policy_metrics()
     assert m[f"{NAME}/pass_rate_before"] == 0.25 and m[f"{NAME}/head_start_groups"] == 0.5  # means over the 2
     assert f"{NAME}/head_start_ratio" in m and trainer._pop_policy_metrics() == {}

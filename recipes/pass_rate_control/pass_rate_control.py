@@ -42,7 +42,8 @@ from mix_src.algo.pass_rate_control import (HANDICAP, HEAD_START, ControlSetting
 from mix_src.algo.prefix_select import register_prefix_token_select
 from mix_src.extend import EntryConfigError, Setting, flag, number
 from mix_src.trainer.dataset import TARGET_FIELD
-from mix_src.trainer.rollout_policy import ROLLOUT_POLICIES, RolloutContext, register_rollout_policy, replace_rows, solved
+from mix_src.trainer.rollout_policy import (ROLLOUT_POLICIES, RolloutContext, register_rollout_policy, replace_rows,
+                                            solved)  # fmt: skip
 
 NAME = "pass_rate_control"
 INFORMATIVE = (0.25, 0.75)  # the issue's informative band for the metrics, whatever the controller's band
@@ -68,10 +69,13 @@ def control_settings(opts: dict) -> ControlSettings:
 
 
 def demonstrations(ctx: RolloutContext, rows: np.ndarray) -> list:
-    """The one place a head start's demonstration is drawn: the rows' ``target`` (a non-empty string, else None).
-    The trainer fills that column per row; the several-demonstrations column (``target_lst``, issue #55) plugs in
-    here when the trainer writes each row's drawn demonstration into it."""
-    col = ctx.batch.non_tensor_batch.get(TARGET_FIELD)
+    """The one place a head start's demonstration is drawn: the rows' ``target`` (a non-empty string, else None),
+    read from ``ctx.records(rows)`` (the legacy base keeps the target with the generation inputs, not in
+    ``ctx.batch``; V1 shows it in both). The several-demonstrations column (``target_lst``, issue #55) plugs in here:
+    the records carry the row's data columns."""
+    source = ctx.batch if ctx.records is None else ctx.records(np.asarray(rows, dtype=np.int64))
+    rows = np.arange(len(rows)) if ctx.records is not None else rows
+    col = source.non_tensor_batch.get(TARGET_FIELD)
     if col is None:
         return [None] * len(rows)
     return [t if isinstance(t, str) and t else None for t in (col[int(r)] for r in rows)]
@@ -120,11 +124,11 @@ def pass_rate_control(ctx: RolloutContext):
     before = ok.mean(axis=1)
     keys = [_prompt_key(first, g * n) for g in range(len(before))]
     k = n if ctx.mix.n_prefix == -1 else int(ctx.mix.n_prefix)
-    demos = demonstrations(ctx, np.arange(len(first)))
+    demos = demonstrations(ctx, np.arange(len(before)) * n)  # one per prompt (its first row)
     rows, ratios, targets, steered = [], [], [], []  # steered: (group, side, ratio)
     for g, key in enumerate(keys):
         side = side_for(float(before[g]), s)
-        source = _source(side, demos[g * n], state["failures"].get(key), opts)
+        source = _source(side, demos[g], state["failures"].get(key), opts)
         if source is None:
             continue
         ratio = current_ratio(state, key, side, s)
@@ -174,7 +178,8 @@ def _metrics(before: np.ndarray, after: np.ndarray, steered: list, out, rows: li
     m = {f"{NAME}/pass_rate_before": float(before.mean()), f"{NAME}/pass_rate_after": float(after.mean()),
          f"{NAME}/informative_before": float(((before >= lo) & (before <= hi)).mean()),
          f"{NAME}/informative_after": float(((after >= lo) & (after <= hi)).mean()),
-         f"{NAME}/guided_rows": len(rows), f"{NAME}/prompts_tracked": len(set(state[HEAD_START]) | set(state[HANDICAP]))}
+         f"{NAME}/guided_rows": len(rows),
+         f"{NAME}/prompts_tracked": len(set(state[HEAD_START]) | set(state[HANDICAP]))}
     for side in (HEAD_START, HANDICAP):
         used = [r for _, sd, r in steered if sd == side]
         m[f"{NAME}/{side}_groups"] = len(used)
