@@ -291,6 +291,9 @@ def test_hpt_equals_official_on_n_ranks(ranks, kind):
     padded = zero_advantages(padded)
     split, ga, micro_rows = split_of(kind, padded, ranks)
     keep_set = set(keep)
+    if ranks == 8:  # verl's balancing spreads an SFT prompt's copies over ranks (what f270849's recipe weighed N times)
+        copies = set(range(GROUP))  # prompt 0 is an SFT prompt
+        assert sum(any(int(r) in copies for mb in rank for r in mb) for rank in split) > 1
     official_split = [[mb[torch.tensor([int(r) in keep_set for r in mb], dtype=torch.bool)] for mb in rank]
                       for rank in split]  # fmt: skip
     ours = recipe_loss("hpt", kind)
