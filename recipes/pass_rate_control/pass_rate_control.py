@@ -72,7 +72,8 @@ def demonstrations(ctx: RolloutContext, rows: np.ndarray) -> list:
     """The one place a head start's demonstration is drawn: the rows' ``target`` (a non-empty string, else None),
     read from ``ctx.records(rows)`` (the legacy base keeps the target with the generation inputs, not in
     ``ctx.batch``; V1 shows it in both). The several-demonstrations column (``target_lst``, issue #55) plugs in here:
-    the records carry the row's data columns."""
+    the legacy base writes each prefixed row's drawn demonstration into the row's ``target`` (the records), so a head
+    start's rows take distinct demonstrations there; V1's records carry the prompt's ``target``."""
     source = ctx.batch if ctx.records is None else ctx.records(np.asarray(rows, dtype=np.int64))
     rows = np.arange(len(rows)) if ctx.records is not None else rows
     col = source.non_tensor_batch.get(TARGET_FIELD)
@@ -139,7 +140,7 @@ def pass_rate_control(ctx: RolloutContext):
         chosen = [g * n + j for j in range(n) if bool(ok[g, j]) == (side == HANDICAP)][:k]
         rows += chosen
         ratios += [ratio] * len(chosen)
-        targets += [source] * len(chosen)
+        targets += [source] * len(chosen) if side == HANDICAP else [d or source for d in demonstrations(ctx, chosen)]
     out = first
     if rows:
         out = replace_rows(first, np.asarray(rows), ctx.generate(np.asarray(ratios), np.asarray(rows), targets=targets))
