@@ -17,9 +17,11 @@ from verl import DataProto
 
 from mix_src.algo.prefix_select import PREFIX_TOKEN_SELECTS, PrefixTokenView, select_prefix_tokens
 from mix_src.config.mix_config import mix_config_from_dict
+from mix_src.extend import load_plugins
 from mix_src.trainer.rollout_policy import ROLLOUT_POLICIES, RolloutContext
 
 PLUGIN = Path(__file__).resolve().parents[1] / "recipes" / "pass_rate_control" / "pass_rate_control.py"
+load_plugins([str(PLUGIN)])  # once, at import (its verl imports are the file's, not a test's, time)
 N, L, NAME = 4, 6, "pass_rate_control"
 
 
