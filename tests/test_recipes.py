@@ -28,7 +28,7 @@ PLOT_SCRIPT = REPO_ROOT / "scripts" / "plot_metrics.py"
 GPU_RECIPES = [
     "luffy_zero", "on_policy_grpo", "rl_with_sft_loss", "sft_then_rl",
     "dapo_filter", "luffy_filter", "prefix_curriculum", "guide_on_failure", "hpt", "chord", "prefix_rft", "exgrpo",
-    "guided_gspo", "pass_rate_control",
+    "guided_gspo", "pass_rate_control", "prefix_rl",
 ]  # fmt: skip
 RECIPES = [*GPU_RECIPES, "cpu_tiny", "toy_calculator"]
 
@@ -116,6 +116,12 @@ EXPECTED = {
         "actor_rollout_ref.rollout.multi_turn.format": "hermes", "algorithm.filter_groups.enable": True,
         "algorithm.filter_groups.metric": "acc", "reward.custom_reward_function.path": "pkg://mix_src.rollout.environments",
         "mix.loss.off_policy_reshape": "p_div_p", "mix.loss.loss_remove_clip": True, "trainer.device": "cpu",
+    },
+    "prefix_rl": {  # PrefixRL: the group shares one prefix, which is context (out of the loss), target_lst on
+        "mix.n_prefix": -1, "mix.prefix_share_across_samples": True, "mix.loss.prefix_tokens": "context",
+        "mix.data.use_target_lst": True, "mix.max_prefix_ratio": 0.9, "mix.loss.loss_remove_clip": False,
+        "actor_rollout_ref.actor.loss_agg_mode": "token-mean", "mix.loss.loss_agg_mode": None,
+        "actor_rollout_ref.actor.entropy_coeff": 0.0,
     },
     "cpu_tiny": {
         "mix.n_prefix": 1, "mix.min_prefix_ratio": 1.0, "actor_rollout_ref.rollout.name": "hf",

@@ -64,6 +64,11 @@ def test_fewer_demonstrations_than_prefixed_rows_cycle_and_are_counted():
     assert draw_demonstration_indices([2], 5, 0, np.random.default_rng(1))[1] == 0  # no prefixed row: no repeat
 
 
+def test_one_prefix_per_group_takes_one_demonstration():
+    idx, repeated = draw_demonstration_indices([3, 1], 4, -1, np.random.default_rng(2), shared=True)
+    assert len(set(idx[:4].tolist())) == 1 and idx[4:].tolist() == [0] * 4 and repeated == 0
+
+
 def test_row_targets_from_sets():
     rows, repeated = draw_row_targets(np.array([["x", "y"], []], dtype=object), 2, 2, np.random.default_rng(0))
     assert sorted(rows[:2].tolist()) == ["x", "y"] and rows[2:].tolist() == ["", ""] and repeated == 0

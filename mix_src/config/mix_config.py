@@ -51,6 +51,15 @@ class DataConfig:
         return int(max_response_length) - 1 if max_response_length else 2**31 - 1
 
 
+# mix.loss.prefix_tokens: how prefix (demonstration) tokens enter the actor update
+PREFIX_TOKENS = {
+    "off_policy": "LUFFY: the shaped off-policy term -A*f(p) on prefix tokens, counted with the on-policy tokens",
+    "context": "PrefixRL (arXiv 2601.18795): prefix tokens are context, as if part of the prompt; only the "
+               "continuation is trained (the update's response_mask excludes them: verl's token count, entropy and "
+               "KL terms too)",
+}
+
+
 @dataclass
 class LossConfig:
     """``mix.loss``: the actor loss on the worker (:mod:`mix_src.worker.loss`; formulas in core_alg and the README).
@@ -86,6 +95,8 @@ class LossConfig:
     entropy_coeff_max: Optional[float] = None  # cap of the learned coefficient
     prefix_token_select: Optional[str] = None  # which prefix tokens keep their advantage: a name in mix_src.algo.prefix_select
     prefix_token_select_ratio: Optional[float] = None  # older spelling of mix.plugin_options.<select>.ratio; None: unset
+    prefix_tokens: str = "off_policy"  # off_policy: LUFFY's shaped term on prefix tokens; context: PrefixRL, out of
+    # the loss (removed from the update's response_mask: no term, no token count, no entropy, no KL; see PREFIX_TOKENS)
 
     def _resolve_sft_loss_agg(self, p: str) -> None:
         """sft_loss_agg aggregates the SFT term of row_loss or use_sft_multitask_loss; None picks each one's default
@@ -153,6 +164,16 @@ class LossConfig:
         if self.use_sft_multitask_loss:
             self._refuse_changed(lambda k: k.startswith("off_"), f"{p}.use_sft_multitask_loss replaces the off-policy "
                                  "loss", "remove them or turn use_sft_multitask_loss off")
+
+        if self.prefix_tokens not in PREFIX_TOKENS:
+            raise MixConfigError(f"{p}.prefix_tokens={self.prefix_tokens!r}: use one of {list(PREFIX_TOKENS)}")
+        if self.prefix_tokens == "context":
+            why = (f"{p}.prefix_tokens=context (PrefixRL) takes the prefix tokens out of the loss (their settings have "
+                   "nothing to act on; all_max_clip's and the row losses' token counts are taken before)")
+            self._refuse_changed(lambda k: k.startswith("off_") or k in (
+                "all_max_clip", "use_sft_multitask_loss", "row_loss", "combine", "prefix_token_select",
+                "off_policy_behaviour") and k not in ("off_policy_reshape_gamma", "off_policy_reshape_weight",
+                                                     "off_policy_reshape_pow_exp"), why)
 
     def _refuse_changed(self, chosen: Callable[[str], bool], why: str, remedy: str = "leave them at their defaults"):
         """Refuse the ``chosen`` fields set away from their defaults, which ``why`` says the loss would ignore."""

@@ -45,7 +45,8 @@ class MixTrainerCommon:
         (:func:`mix_src.algo.demonstrations.draw_row_targets`, seeded from ``(seed, global_step, gen_index, 2)``: a
         resumed run draws what an uninterrupted one drew); the counts go to :meth:`_target_draw_metrics`."""
         rng = np.random.default_rng([self.prefix_seed, self.global_steps, gen_index, 2])
-        rows, repeated = draw_row_targets(target_sets, self.n, self.mix.n_prefix, rng)
+        rows, repeated = draw_row_targets(target_sets, self.n, self.mix.n_prefix, rng,
+                                          shared=self.mix.prefix_share_across_samples)
         draws = self._target_draws if self._target_draws is not None else {}
         draws["repeated"] = draws.get("repeated", 0) + repeated
         draws["prompts"] = draws.get("prompts", 0) + len(target_sets)

@@ -37,6 +37,7 @@ from mix_src.config.mix_config import MixConfig
 from mix_src.trainer.common import MixTrainerCommon
 from mix_src.trainer.legacy_collect import LegacyCollect, merge_rollout_timing  # noqa: F401  (re-exported)
 from mix_src.trainer.stages import MIX_STATE_FILE, FilterGroupsExhausted  # noqa: F401  (re-exported)
+from mix_src.trainer.stages import prefix_context_mask
 from mix_src.trainer.stages import (length_clip_metrics, luffy_advantage_stage, on_policy_rollout_correction,
                                     on_policy_rollout_metrics, start_data_epoch)  # fmt: skip
 
@@ -70,7 +71,12 @@ class MIXRayPPOTrainer(LegacyCollect, MixTrainerCommon, RayPPOTrainer):
         return super()._compute_values(worker_view(batch))
 
     def _update_actor(self, batch: DataProto) -> DataProto:
-        return super()._update_actor(worker_view(batch))
+        view = worker_view(batch)
+        if self.mix.loss.prefix_tokens == "context":  # PrefixRL: prefix tokens out of the update (stages.prefix_context_mask)
+            view = DataProto(batch=view.batch.clone(recurse=False), non_tensor_batch=view.non_tensor_batch,
+                             meta_info=view.meta_info)
+            view.batch["response_mask"] = prefix_context_mask(batch.batch["response_mask"], batch.batch["prefix_mask"])
+        return super()._update_actor(view)
 
     def _update_critic(self, batch: DataProto) -> DataProto:
         return super()._update_critic(worker_view(batch))

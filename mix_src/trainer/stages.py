@@ -19,7 +19,7 @@ from mix_src.algo.prefix import compute_prefix_ratios
 
 __all__ = ["MIX_STATE_FILE", "FilterGroupsExhausted", "DATA_DROP", "DATA_EPOCH", "SUMMED_REWARD_METRICS",
            "draw_prefix_ratios", "filter_metric_values", "length_clip_metrics", "luffy_advantage_stage",
-           "luffy_advantages", "luffy_metrics", "pass_arguments", "on_policy_rollout_metrics",
+           "luffy_advantages", "luffy_metrics", "pass_arguments", "prefix_context_mask", "on_policy_rollout_metrics",
            "on_policy_rollout_correction", "prefix_mask_tensor", "prompt_data_key", "solved_rows", "start_data_epoch"]
 
 
@@ -271,3 +271,11 @@ def start_data_epoch(dataloader: Any, dataset: Any, state: dict) -> Optional[int
                         "(data.custom_cls, set by mix_src's configs)")
     return leave_out(set(state[DATA_EPOCH]))
 
+
+def prefix_context_mask(response_mask: torch.Tensor, prefix_mask: torch.Tensor) -> torch.Tensor:
+    """``mix.loss.prefix_tokens=context`` (PrefixRL, arXiv 2601.18795: condition on the prefix, train the continuation):
+    the update's (bsz, L) ``response_mask`` without the prefix tokens, same dtype. verl's engine counts a mini-batch's
+    tokens from it (``loss_mask``, verl/workers/utils/padding.py ``left_right_2_no_padding``; fsdp
+    ``transformer_impl.py`` ``batch_num_tokens``) and the worker loss takes its policy, entropy and KL terms over it,
+    so a prefix token is in none of them, as a prompt token is not."""
+    return response_mask * (~prefix_mask.bool()).to(response_mask.dtype)

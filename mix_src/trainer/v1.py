@@ -38,6 +38,7 @@ from mix_src.compat import swapped
 from mix_src.config.mix_config import MixConfig, validate_mix_config
 from mix_src.trainer.rollout_policy import streams_on_v1
 from mix_src.trainer.rollout_policy_v1 import PREFIX_TARGETS, V1PolicyRunner
+from mix_src.trainer.stages import prefix_context_mask
 from mix_src.trainer.stages import (length_clip_metrics, luffy_advantage_stage, luffy_metrics, on_policy_rollout_correction,
                             on_policy_rollout_metrics, solved_rows, start_data_epoch)  # fmt: skip
 from mix_src.trainer.common import MixTrainerCommon
@@ -96,8 +97,28 @@ class MixV1Mixin(V1ReplayBufferRules, MixTrainerCommon):
             return verl_reduce(output)
 
         batch = self._add_update_inputs(batch)
-        with swapped(trainer_base, "reduce_metrics", reduce, patch="v1.reduce_metrics"):
-            return super()._update_actor(batch, metrics)
+        restore = self._prefix_as_context(batch)
+        try:
+            with swapped(trainer_base, "reduce_metrics", reduce, patch="v1.reduce_metrics"):
+                return super()._update_actor(batch, metrics)
+        finally:
+            if restore is not None:
+                tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=restore)
+
+    def _prefix_as_context(self, batch) -> Optional[TensorDict]:
+        """``mix.loss.prefix_tokens=context`` (PrefixRL): the rows' ``response_mask`` and ``loss_mask`` (verl's engine
+        counts tokens from the latter, ``agent_loop_tq.py`` 199) in TransferQueue without the prefix tokens for the
+        update (:func:`~mix_src.trainer.stages.prefix_context_mask`); returns the originals to put back after it (the
+        step's metrics read them), or None."""
+        if self.mix.loss.prefix_tokens != "context":
+            return None
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                               select_fields=["response_mask", "loss_mask", "prefix_mask"])
+        nested, padded = data["response_mask"], data.select("response_mask", "prefix_mask").to_padded_tensor()
+        masked = response_to_nested(prefix_context_mask(padded["response_mask"], padded["prefix_mask"]), nested)
+        tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
+                        fields=TensorDict({"response_mask": masked, "loss_mask": masked}, batch_size=len(batch)))
+        return TensorDict({"response_mask": nested, "loss_mask": data["loss_mask"]}, batch_size=len(batch))
 
     def _add_update_inputs(self, batch):
         """:meth:`MixTrainerCommon._add_loss_inputs` on the rows' TransferQueue fields in verl's mini-batch order
