@@ -284,12 +284,12 @@ def test_rollout_policy_replaces_whole_groups_and_marks_them():
     assert len(calls) == 2 and calls[0][1].tolist() == [0.0] * 12
     assert calls[1][0].tolist() == [4, 5, 6, 7] and calls[1][1].tolist() == [1.0] * 4  # whole target + EOS
     assert out.batch["row"].tolist() == list(range(12))
-    assert out.batch[SFT_ROW].tolist() == [0.0] * 4 + [1.0] * 4 + [0.0] * 4
-    # one live target row per SFT prompt, as the official: the copies 1..n-1 carry no token (hpt.drop_copies)
-    assert out.batch["prefix_mask"].any(-1).tolist() == [False] * 4 + [True] + [False] * 3 + [False] * 4
+    # one SFT row per SFT prompt, as the official; its copies SFT_COPY (-1): no term counts them (hpt.drop_copies)
+    assert out.batch[SFT_ROW].tolist() == [0.0] * 4 + [1.0] + [-1.0] * 3 + [0.0] * 4
+    assert out.batch["prefix_mask"].any(-1).tolist() == [False] * 4 + [True] * 4 + [False] * 4
     # gate 1: prompt 0 (1 solved) switches to SFT as well
     ctx, calls = scripted_context(solved, gate=1)
-    assert ROLLOUT_POLICIES.get("hpt")(ctx).batch[SFT_ROW].tolist() == [1.0] * 12
+    assert ROLLOUT_POLICIES.get("hpt")(ctx).batch[SFT_ROW].tolist() == ([1.0] + [-1.0] * 3) * 3
     # every prompt solved once or more, gate 0: one pass, no SFT row, the field still there
     ctx, calls = scripted_context([1, 0, 0, 0] * 3)
     out = ROLLOUT_POLICIES.get("hpt")(ctx)
@@ -368,7 +368,7 @@ def check_hpt_run(base: str, result) -> None:
     for m in result.metrics:
         if base == "v1":
             assert m["rollout_policy/passes"] == 2 and m["rollout_policy/rows_generated"] == 2 * 4 * N
-        assert m["batch/off_policy_rows"] == 4  # every group became one live target row (SFT; its copies carry no token)
+        assert m["batch/off_policy_rows"] == 4 * N  # every group became N target rows (1 SFT row + N - 1 SFT_COPY rows)
         assert np.isfinite(m["actor/sft_loss"]) and m["actor/sft_loss"] > 0
         # no RL row: the policy term is exactly the SFT term (coefficient 1), the on-policy loss is 0
         assert m["actor/pg_loss"] == pytest.approx(m["actor/sft_loss"], rel=1e-5)

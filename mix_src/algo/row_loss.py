@@ -22,15 +22,24 @@ import torch
 
 from mix_src.extend import Registry
 
-__all__ = ["ROW_LOSSES", "SFT_AGGS", "SFT_ROW", "SFT_TOKENS", "SftScale", "register_row_loss", "sft_micro_batch_mean",
+__all__ = ["ROW_LOSSES", "SFT_AGGS", "SFT_COPY", "SFT_ROW", "SFT_TOKENS", "SftScale", "register_row_loss", "sft_micro_batch_mean",
            "sft_rows"]
 
-SFT_ROW = "sft_row"  # (bsz,) float 0/1: the row is trained with SFT (set by a rollout policy)
+SFT_ROW = "sft_row"  # (bsz,) float 0/1: the row is trained with SFT (set by a rollout policy); SFT_COPY: see below
+# sft_row = SFT_COPY: a copy of an SFT row that no term counts (its response_mask is taken as all zero by the worker
+# loss and the driver's counts): HPT's official keeps one target row per SFT prompt where verl's batch keeps n rows
+SFT_COPY = -1.0
 SFT_TOKENS = "mix_sft_tokens"  # (bsz,) float: the SFT tokens of the row's global mini-batch
 
 RowLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 ROW_LOSSES: Registry[RowLoss] = Registry("row loss", "mix.loss.row_loss")
 register_row_loss = ROW_LOSSES.register
+
+
+def row_marks(sft_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(live, sft) (bsz,) bool of a ``sft_row`` field: live = not an SFT_COPY, sft = an SFT row (value > 0)."""
+    sft_row = sft_row.reshape(-1)
+    return sft_row != SFT_COPY, sft_row > 0
 
 
 @register_row_loss("sft_rows", reads=("mix.loss.sft_loss_coef", "mix.loss.loss_agg_mode"))

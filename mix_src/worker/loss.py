@@ -42,7 +42,7 @@ from mix_src.worker.onpolicy_losses import mode_entry, on_policy_config, on_poli
 from mix_src.config.mix_config import LossConfig as MixLossConfig  # the `mix.loss` section, checked when built
 from mix_src.algo.prefix_select import PREFIX_TOKEN_SELECTS, PrefixTokenView, select_prefix_tokens
 from mix_src.algo.off_policy_behaviour import BEHAVIOUR_LOG_PROB, OFF_POLICY_BEHAVIOURS
-from mix_src.algo.row_loss import ROW_LOSSES, SFT_AGGS, SFT_ROW, SFT_TOKENS, SftScale
+from mix_src.algo.row_loss import ROW_LOSSES, SFT_AGGS, SFT_ROW, SFT_TOKENS, SftScale, row_marks
 
 __all__ = ["COMBINE_FIELDS", "ENTROPY_STATE", "KEPT_TOKENS", "MixLossConfig", "MixPolicyLoss", "REMOVE_CLIP",
            "add_combine_inputs", "add_kept_token_counts", "add_sft_token_counts", "pop_entropy_state"]
@@ -187,6 +187,9 @@ class MixPolicyLoss:
         fields += [k for k in ("rollout_is_weights", "ref_log_prob", BEHAVIOUR_LOG_PROB) if k in data.keys()]
         batch = data.select(*fields).to_padded_tensor()
         response_mask = batch["response_mask"].to(bool)
+        if mix.row_loss is not None:  # SFT_COPY rows carry no token (mix_src/algo/row_loss.py)
+            live, sft_row = row_marks(data[SFT_ROW].to(response_mask.device))
+            response_mask = response_mask & live[:, None]
         if batch["prefix_mask"].shape != response_mask.shape:
             raise ValueError(f"prefix_mask has shape {tuple(batch['prefix_mask'].shape)}; it must match response_mask "
                              f"{tuple(response_mask.shape)} (bsz, response_len)")
@@ -206,7 +209,6 @@ class MixPolicyLoss:
                 ctx.prefix_mask = torch.zeros_like(ctx.prefix_mask)
         ctx.rl_mask, sft_mask = response_mask, None
         if mix.row_loss is not None:  # the rows' own choice ('sft_row' (bsz,): checked by add_sft_token_counts)
-            sft_row = data[SFT_ROW].to(response_mask.device).bool().reshape(-1)
             ctx.rl_mask, sft_mask = ROW_LOSSES.get(mix.row_loss)(response_mask, ctx.prefix_mask, sft_row)
         elif mix.use_sft_multitask_loss:  # the prefix tokens take the SFT term, the on-policy rows PPO-clip
             sft_mask = ctx.prefix_mask

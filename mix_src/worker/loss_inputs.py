@@ -14,7 +14,7 @@ import torch
 
 from mix_src.algo.core_alg import kept_tokens_per_mini_batch
 from mix_src.config.mix_config import LossConfig as MixLossConfig
-from mix_src.algo.row_loss import ROW_LOSSES, SFT_ROW, SFT_TOKENS
+from mix_src.algo.row_loss import ROW_LOSSES, SFT_ROW, SFT_TOKENS, row_marks
 
 __all__ = ["COMBINE_FIELDS", "ENTROPY_STATE", "KEPT_TOKENS", "REMOVE_CLIP", "add_combine_inputs", "add_kept_token_counts",
            "add_sft_token_counts", "pop_entropy_state", "uses_kept_token_counts"]  # fmt: skip
@@ -71,9 +71,10 @@ def add_sft_token_counts(batch, config, mix: MixLossConfig, dp_size: Callable[[]
     if SFT_ROW not in batch.batch.keys():
         raise KeyError(f"mix.loss.row_loss={mix.row_loss!r} needs the per-row field '{SFT_ROW}' in the batch; it is "
                        "set by a rollout policy that marks SFT rows (e.g. recipes/hpt: mix.rollout_policy=hpt)")
-    response_mask = batch.batch["response_mask"].bool()
+    live, sft_row = row_marks(batch.batch[SFT_ROW])  # SFT_COPY rows carry no token
+    response_mask = batch.batch["response_mask"].bool() & live[:, None]
     _, sft_mask = ROW_LOSSES.get(mix.row_loss)(response_mask, batch.batch["prefix_mask"].bool() & response_mask,
-                                               batch.batch[SFT_ROW].bool())  # fmt: skip
+                                               sft_row)  # fmt: skip
     batch.batch[SFT_TOKENS] = _per_mini_batch(sft_mask, config, dp_size())
 
 

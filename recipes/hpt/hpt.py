@@ -16,9 +16,9 @@ Per generation batch:
 The loss is the core's row loss ``mix.loss.row_loss=sft_rows`` (mix_src/algo/row_loss.py): the policy loss on the
 RL rows + ``sft_loss_coef`` x the token-mean NLL of the SFT rows. The official code keeps one target row per SFT
 prompt (its trainer removes the prompt's on-policy rows and adds one off-policy row). verl's batch keeps ``n`` rows
-per prompt, so the group keeps its ``n`` rows but only the first carries the target's tokens: the other ``n - 1``
-get an all-zero ``response_mask`` (and ``prefix_mask``), so no term counts them and, wherever verl's balancing puts
-them, each SFT prompt weighs one row's tokens in one micro-batch, as the official (README: every difference). Settings: ``mix.plugin_options.hpt.switch_gate`` (default 0).
+per prompt, so the group keeps its ``n`` rows, but only the first is an SFT row: the other ``n - 1`` (copies of it)
+are marked ``sft_row`` = SFT_COPY, which no loss term or count sees (mix_src/algo/row_loss.py), so wherever verl's
+balancing puts them each SFT prompt weighs one row's tokens in one micro-batch, as the official (README: every difference). Settings: ``mix.plugin_options.hpt.switch_gate`` (default 0).
 Load it with ``mix.plugins=[recipes/hpt/hpt.py] mix.rollout_policy=hpt mix.loss.row_loss=sft_rows``.
 """
 
@@ -29,7 +29,7 @@ import torch
 
 from mix_src.extend import EntryConfigError, integer
 from mix_src.trainer.rollout_policy import ROLLOUT_POLICIES, RolloutContext, register_rollout_policy, replace_rows, solved
-from mix_src.algo.row_loss import SFT_ROW
+from mix_src.algo.row_loss import SFT_COPY, SFT_ROW
 
 NAME = "hpt"
 SETTINGS = {"switch_gate": integer(0, -1)}  # the official exp_scripts/train.sh (Qwen2.5-Math): SWITCH_GATE=0
@@ -86,11 +86,8 @@ def hpt(ctx: RolloutContext):
 
 def drop_copies(batch, sft_prompts: np.ndarray, n: int):
     """The official keeps one target row per SFT prompt: the rows 1..n-1 of each SFT prompt's group (copies of row 0)
-    get an all-zero response_mask and prefix_mask, so no loss term, count or aggregation sees them."""
+    are marked SFT_COPY in ``sft_row`` (a per-row field both trainer bases carry to the worker loss)."""
     copies = np.flatnonzero((np.arange(len(sft_prompts) * n) % n > 0) & np.repeat(sft_prompts, n))
     if copies.size:
-        index = torch.as_tensor(copies)
-        for key in ("response_mask", "prefix_mask"):  # both always there in the trainer (RolloutContext.generate)
-            if key in batch.batch.keys():
-                batch.batch[key][index] = 0
+        batch.batch[SFT_ROW][torch.as_tensor(copies)] = SFT_COPY
     return batch
