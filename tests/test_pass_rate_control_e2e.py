@@ -48,7 +48,7 @@ def check_run(base: str, result) -> None:
         assert m[f"{NAME}/guided_rows"] == PROMPTS * N and m[f"{NAME}/prefix_tokens"] > 0
         assert 0.0 <= m[f"{NAME}/pass_rate_after"] <= 1.0 and 0.0 <= m[f"{NAME}/informative_after"] <= 1.0
         assert m["batch/off_policy_rows"] == PROMPTS * N  # every row replaced by a head-start row
-        assert m["actor/prefix_kept_frac"] == 0.0  # replay_masked: no replayed token keeps its advantage
+        assert m["actor/off_policy_prob"] == 0  # prefix_tokens=context: no replayed token in the loss
         if base == "v1":
             assert m["rollout_policy/passes"] == 2 and m["rollout_policy/rows_generated"] == 2 * PROMPTS * N
     folder = Path(result.log_path).parent / f"{CKPT}_{base}" / "global_step_2"

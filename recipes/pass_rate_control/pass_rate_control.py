@@ -18,10 +18,10 @@ Per generation batch (P prompts x n samples), rollout policy ``pass_rate_control
 
 A prompt is keyed by its prompt token ids (both bases show them in a pass's rows). The state (ratios, recent rates,
 visits, stored failures) is ``ctx.state["pass_rate_control"]``: saved in ``mix_state.pt`` with each checkpoint and
-restored on resume. The replayed tokens carry ``prefix_mask``; the recipe masks them from the loss with the prefix
-token selection ``replay_masked`` (below: advantage 0 on every prefix token, so no gradient flows through them; they
-stay in the loss's token count, which under ``luffy-token-sum-norm`` is a constant and under token-mean a larger
-denominator). Settings: ``mix.plugin_options.pass_rate_control`` (:data:`SETTINGS`).
+restored on resume. The replayed tokens carry ``prefix_mask``; the recipe masks them from the loss with
+``mix.loss.prefix_tokens=context`` (out of the policy term, the token count, the entropy and the KL terms). An
+alternative kept here, the prefix token selection ``replay_masked``, gives them advantage 0 but leaves them in the
+token count and the entropy mean. Settings: ``mix.plugin_options.pass_rate_control`` (:data:`SETTINGS`).
 
 Per-step metrics (``pass_rate_control/*``): ``pass_rate_before`` / ``pass_rate_after`` (mean over groups),
 ``informative_before`` / ``informative_after`` (share of groups with a pass rate in [0.25, 0.75]),
