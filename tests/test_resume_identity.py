@@ -17,7 +17,7 @@ import pytest
 from composed import compose_mix
 from e2e import PARTIAL_PREFIX_CKPT, batch_result, batch_run, partial_prefix_saved
 from mix_src.config.mix_config import MixConfigError
-from mix_src.config.run_identity import RUN_FILE, check_resume, identity, write_run_file
+from mix_src.config.run_identity import RUN_FILE, check_resume, write_run_file
 from test_mix_trainer_v1 import CARRY_OVER, CARRY_OVER_CKPT, carry_over_run
 
 MAIN = ["+backend=cpu", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", "mix.n_prefix=1",
@@ -102,21 +102,28 @@ batch_run("legacy", "partial_prefix", partial_prefix_saved, [HERE + "test_legacy
 batch_run("v1", "carry_over", carry_over_run, [HERE + "test_v1_checkpoint_is_resumed_only_by_its_run"])
 
 
-def _refusals(overrides: list[str], folder) -> None:
+def _refusals(overrides: list[str], folder, mode: str = "gspo") -> None:
+    """The run's own overrides again through the whole pre-Ray stage: with another loss_mode (one its mix.loss knobs
+    allow), unchanged, and with more steps."""
     from mix_src.main_mix_ppo import config_stage
 
-    saved = json.loads((folder / RUN_FILE).read_text())
-    assert saved["identity"] == identity(compose_mix(overrides))  # what the trainer wrote is this run's identity
-    with pytest.raises(MixConfigError, match=r"policy_loss\.loss_mode: checkpoint 'vanilla', this run 'gspo'"):
-        config_stage(compose_mix([*overrides, GSPO]))
+    saved = json.loads((folder / RUN_FILE).read_text())  # written by the trainer, inside Ray
+    assert saved["identity"]["actor_rollout_ref.actor.policy_loss.loss_mode"] == "vanilla"
+    assert saved["config"]["trainer"]["default_local_dir"] == str(folder.parent)
+    with pytest.raises(MixConfigError, match=rf"policy_loss\.loss_mode: checkpoint 'vanilla', this run '{mode}'"):
+        config_stage(compose_mix([*overrides, f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}"]))
     with pytest.raises(MixConfigError, match="nothing to train"):
         config_stage(compose_mix(overrides))
+    # the same run with more steps passes the whole stage: the identity the trainer saved is the one checked here
+    more = [o for o in overrides if not o.startswith("trainer.total_training_steps=")]
+    config_stage(compose_mix([*more, "trainer.total_training_steps=3"]))
 
 
 def test_legacy_checkpoint_is_resumed_only_by_its_run(tiny_assets, legacy_batch):
     result = batch_result(legacy_batch, "partial_prefix")
     batch_dir = result.log_path.parent
-    _refusals(partial_prefix_saved(tiny_assets, batch_dir), batch_dir / PARTIAL_PREFIX_CKPT / "global_step_2")
+    # cispo: the run's mix.loss.all_max_clip refuses gspo (a sequence ratio) before the identity is compared
+    _refusals(partial_prefix_saved(tiny_assets, batch_dir), batch_dir / PARTIAL_PREFIX_CKPT / "global_step_2", "cispo")
 
 
 def test_v1_checkpoint_is_resumed_only_by_its_run(tiny_assets, v1_batch):
