@@ -21,6 +21,7 @@ from mix_src.algo.prefix import PREFIX_STRATEGIES
 from mix_src.algo.prefix_select import PREFIX_TOKEN_SELECTS
 from mix_src.extend import _REGISTRIES, load_plugins
 from mix_src.trainer.rollout_policy import ROLLOUT_POLICIES
+from mix_src.trainer import self_guided  # noqa: F401  (registers the rollout policy self_guided)
 from mix_src.algo.row_loss import ROW_LOSSES, SFT_AGGS
 
 
