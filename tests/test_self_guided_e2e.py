@@ -9,10 +9,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from e2e import MIX_CPU, batch_result, batch_run, tiny_overrides
-import pandas as pd
 
 QUARTER_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
@@ -46,7 +46,7 @@ V1_RUN = batch_run("v1", "self_guided_v1", lambda a, d: _run(a, d, "trainer.use_
 def _check(run) -> None:
     metrics = run.metrics
     assert [m["step"] for m in metrics] == [1, 2]
-    assert metrics[0]["rollout_policy/self_pool_size"] > 0  # the parity reward's successes were stored
+    assert metrics[0]["rollout_policy/self_pool_size"] > 0  # the reward's successes were stored
     for m in metrics:
         assert math.isfinite(m["actor/pg_loss"])
         # a guided prompt regenerates n_prefix=2 rows from its stored successes
