@@ -5,7 +5,8 @@ CPU backend and a ``target_lst`` file (tests/test_target_lst_e2e.py ``_lst_file`
 on odd ones); the reward is the response length's parity (the random tiny model earns it about half the time, so
 advantages are non-zero and the continuation really updates).
 
-What the runs show: every group shares one prefix (``prefix_share_across_samples``: one demonstration per prompt, no
+These two runs are also CI's 2-step runs of a ``target_lst`` file on both bases (one shared draw per prompt); the
+per-row distinct draws on both bases are tests/test_target_lst_e2e.py's opt-in runs. What the runs show: every group shares one prefix (``prefix_share_across_samples``: one demonstration per prompt, no
 repeat counted), prefixes are used (``batch/prefix_token_frac > 0``), and no prefix token reaches the loss
 (``actor/off_policy_prob == 0``: the worker saw no prefix token, tests/test_prefix_rl.py checks the count by hand)."""
 
@@ -48,7 +49,8 @@ def recipe_overrides() -> list[str]:
     """The recipe's composed ``mix`` and ``algorithm`` sections and its actor loss keys, as Hydra overrides."""
     cfg = composed.compose("config", [], config_dir=RECIPE)
     OmegaConf.resolve(cfg)
-    out = [o for key in ("mix", "algorithm") for o in _leaves(key, OmegaConf.to_container(cfg[key]))]
+    out = [o for key in ("mix", "algorithm") for o in _leaves(key, OmegaConf.to_container(cfg[key]))
+           if o != "mix.plugins=[]"]  # a Ray-level key (tests/e2e.py RAY_LEVEL): given, it would restart the cluster
     actor = cfg.actor_rollout_ref.actor
     return out + [o for k in ACTOR_LOSS_KEYS for o in _leaves(f"actor_rollout_ref.actor.{k}", actor[k])]
 

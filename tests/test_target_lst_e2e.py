@@ -1,4 +1,5 @@
-"""A ``target_lst`` file trains 2 steps on both trainer bases (issue #55 item 1), as runs of the legacy and V1 batches
+"""A ``target_lst`` file trains 2 steps on both trainer bases with per-row draws (issue #55 item 1), as opt-in runs of
+the legacy and V1 batches
 (tests/conftest.py ``legacy_batch``, ``v1_batch``: one process and one Ray cluster for several test files' runs).
 
 The tiny train file, read in order (``data.shuffle=false``), with ``target_lst`` = three correct demonstrations of
@@ -18,7 +19,9 @@ import pytest
 
 from e2e import MIX_CPU, batch_result, batch_run, tiny_overrides
 
-pytestmark = pytest.mark.ray
+# opt-in (make test-extra): #55's 3-minute budget keeps CI to tests/test_prefix_rl_e2e.py's two runs, which train a
+# target_lst file on both bases too (one shared draw per prompt); these add the per-row distinct draws
+pytestmark = [pytest.mark.ray, pytest.mark.extra]
 
 LUFFY = ["mix.n_prefix=2", "mix.min_prefix_ratio=1.0", "mix.max_prefix_ratio=1.0", "algorithm.adv_estimator=grpo_split",
          "mix.data.use_target_lst=true"]  # fmt: skip
