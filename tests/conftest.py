@@ -180,6 +180,8 @@ SLOW = {
     # #51-#56 (this round)
     "test_gpu_visit.py::test_random_tiny_loads_offline_and_every_id_decodes": "7-18 s: builds the tiny random model "
     "and its 151,936-id tokenizer, decodes every id",
+    "test_self_sample.py::test_tiny_assets_on_cpu_write_target_lst_flops_and_pass_rates": "6-10.6 s: samples with "
+    "the tiny model",
 }  # fmt: skip
 
 
