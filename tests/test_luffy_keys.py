@@ -164,3 +164,14 @@ def test_our_own_sft_key_keeps_our_weighting():
     (the guard's recorded runs set it and were re-weighted when the translation read it too)."""
     out = translate_overrides(["mix.loss.use_sft_multitask_loss=true"], log=lambda _: None)
     assert out == ["mix.loss.use_sft_multitask_loss=true"]
+
+
+def test_verls_own_resume_key_is_no_luffy_command_line():
+    """trainer.resume_from_path is a LUFFY key and verl's: alone it must not turn a verl run's entropy into LUFFY's
+    per-micro-batch mean (a resumed run would train under another loss than the run it resumes)."""
+    out = translate_overrides(["actor_rollout_ref.actor.entropy_coeff=0.01", "trainer.resume_from_path=/x/global_step_1"],
+                              log=lambda _: None)  # fmt: skip
+    assert not any(o.startswith("mix.loss.entropy_agg") for o in out), out
+    luffy = translate_overrides(["actor_rollout_ref.actor.entropy_coeff=0.01",
+                                 "actor_rollout_ref.actor.loss_remove_token_mean=True"], log=lambda _: None)
+    assert "mix.loss.entropy_agg=micro_batch_token_mean" in luffy

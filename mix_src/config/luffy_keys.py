@@ -77,6 +77,7 @@ CONVERTED: dict[str, Callable[[str], Optional[tuple[str, str]]]] = {
 }
 
 LUFFY_KEYS = sorted({*RENAMED, *NO_EFFECT, *CONVERTED})
+VERL_TOO = frozenset({T + "resume_from_path"})  # LUFFY keys that verl 0.9.1 has too, with the same meaning
 
 
 def _bool(value: str) -> bool:
@@ -123,7 +124,11 @@ def translate_overrides(overrides: Sequence[str], log: Callable[[str], None] = p
                                  "trained prefix tokens with plain PPO, which mix_src does not do; use "
                                  f"{A}use_sft_multitask_loss=True (SFT on prefix tokens) or keep "
                                  "use_off_policy_loss=True (the shaped off-policy loss)")
-    out = _official_entropy_agg(_official_loss_scale(_fit_target_cap(out, log), log), log) if seen else out
+    # LUFFY's entropy form only for a LUFFY command line: trainer.resume_from_path is verl's key too (a verl run that
+    # resumes would otherwise change its entropy aggregation, and its resume check refuse it)
+    luffy_only = {k for k in seen if k not in VERL_TOO}
+    out = _official_loss_scale(_fit_target_cap(out, log), log)
+    out = _official_entropy_agg(out, log) if luffy_only else out
     return _official_sft_agg(out, log) if A + "use_sft_multitask_loss" in seen else out  # LUFFY's key, not ours
 
 
