@@ -31,7 +31,6 @@ groups), ``guided_rows``, ``prefix_tokens`` (mean replayed tokens of a guided ro
 
 from __future__ import annotations
 
-import hashlib
 from typing import Optional
 
 import numpy as np
@@ -42,6 +41,7 @@ from mix_src.algo.pass_rate_control import (HANDICAP, HEAD_START, ControlSetting
 from mix_src.algo.prefix_select import register_prefix_token_select
 from mix_src.extend import EntryConfigError, Setting, flag, number
 from mix_src.trainer.dataset import TARGET_FIELD
+from mix_src.trainer.self_guided import prompt_key as _prompt_key, response_text as _response_text
 from mix_src.trainer.rollout_policy import (ROLLOUT_POLICIES, RolloutContext, register_rollout_policy, replace_rows,
                                             solved)  # fmt: skip
 
@@ -80,21 +80,6 @@ def demonstrations(ctx: RolloutContext, rows: np.ndarray) -> list:
     if col is None:
         return [None] * len(rows)
     return [t if isinstance(t, str) and t else None for t in (col[int(r)] for r in rows)]
-
-
-def _prompt_key(rows, row: int) -> str:
-    """A prompt's identity across steps: a hash of its token ids (the generated row's ``prompts``, masked)."""
-    ids = rows.batch["prompts"][row]
-    mask = rows.batch["attention_mask"][row, : ids.shape[-1]].bool()
-    return hashlib.sha1(ids[mask].numpy().astype(np.int64).tobytes()).hexdigest()
-
-
-def _response_text(tokenizer, rows, row: int) -> str:
-    """A generated row's response as a target string (its EOS dropped: the agent loop appends one)."""
-    ids = rows.batch["responses"][row][rows.batch["response_mask"][row].bool()].tolist()
-    if ids and ids[-1] == tokenizer.eos_token_id:
-        ids = ids[:-1]
-    return tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def _check(config) -> None:
