@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import ULPS, fingerprint, fingerprint_diff, pin_environment, within_ulps
+from kernels import F32_EPS, ULPS, fingerprint, fingerprint_diff, pin_environment, within_ulps
 
 
 def test_pin_sets_only_what_the_environment_leaves_unset():
@@ -43,7 +43,7 @@ def test_fingerprint_diff_names_each_differing_key():
 
 def test_within_ulps_is_relative_to_the_tensors_scale():
     want = torch.tensor([1.0, 1e-3, 0.0])
-    eps = 1.1920928955078125e-07
+    eps = F32_EPS
     assert within_ulps(want + torch.tensor([0.0, ULPS * eps * 0.99, 0.0]), want)  # 0.99 x tolerance of the scale 1.0
     assert not within_ulps(want + torch.tensor([0.0, 0.0, ULPS * eps * 2]), want)
     assert within_ulps(torch.tensor([math.nan, 1.0]), torch.tensor([math.nan, 1.0]))
@@ -72,7 +72,7 @@ def test_the_run_guard_sees_one_ulp_where_exact_and_a_change_beyond_the_toleranc
     assert one_ulp != want
     assert len(test_guard.differences("legacy", recorded, moved(one_ulp), exact=True)) == 1
     assert test_guard.differences("legacy", recorded, moved(one_ulp), exact=False) == []
-    step = abs(want) * 1.1920928955078125e-07
+    step = abs(want) * F32_EPS
     assert test_guard.differences("legacy", recorded, moved(want + 0.99 * ULPS * step), exact=False) == []
     assert len(test_guard.differences("legacy", recorded, moved(want + 2 * ULPS * step), exact=False)) == 1
     extra = [dict(m) for m in recorded]

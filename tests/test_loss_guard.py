@@ -32,7 +32,7 @@ from mix_src.algo.core_alg import compute_token_on_off_policy_loss, kept_tokens_
 from mix_src.worker.loss import REMOVE_CLIP, MixPolicyLoss
 from mix_src.algo.off_policy_behaviour import BEHAVIOUR_LOG_PROB
 from mix_src.algo.row_loss import ROW_LOSSES, SFT_ROW, SFT_TOKENS
-from kernels import ULPS, fingerprint, fingerprint_diff, within_ulps
+from kernels import F32_EPS, ULPS, fingerprint, fingerprint_diff, within_ulps
 from test_loss import CONFIGS, BigramLM, actor_config, add_kept_counts, make_batch, run_mini_batch
 from test_onpolicy_losses import mode_config
 
@@ -252,7 +252,7 @@ def test_the_guard_sees_a_one_ulp_change_where_exact_and_a_change_beyond_the_tol
     one_ulp[case][name][0, 0] = torch.nextafter(want[0, 0], torch.tensor(math.inf))
     assert len(compare(recorded, one_ulp, exact=True)) == 1
     assert compare(recorded, one_ulp, exact=False) == []
-    scale = want.abs().max().item() * 1.1920928955078125e-07
+    scale = want.abs().max().item() * F32_EPS
     for factor, caught in ((ULPS * 0.99, False), (ULPS * 2, True)):
         moved = {c: dict(t) for c, t in recorded.items()}
         moved[case][name] = want.clone()

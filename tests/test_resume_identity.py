@@ -39,7 +39,7 @@ def saved_run(tmp_path, *overrides, step=2):
 def test_a_checkpoint_of_another_loss_mode_is_refused_naming_the_key_and_the_ways_out(tmp_path):
     where = saved_run(tmp_path)
     with pytest.raises(MixConfigError, match=r"policy_loss\.loss_mode: checkpoint 'vanilla', this run 'gspo'") as e:
-        check_resume(compose_mix(MAIN + [where, GSPO]), total_steps=4)
+        check_resume(compose_mix(MAIN + [where, GSPO]), count_steps=lambda _: 4)
     for way in ("trainer.resume_mode=disable", "trainer.experiment_name", "trainer.resume_from_path"):
         assert way in str(e.value)
 
@@ -47,7 +47,7 @@ def test_a_checkpoint_of_another_loss_mode_is_refused_naming_the_key_and_the_way
 def test_a_finished_run_is_refused_with_nothing_to_train(tmp_path, capsys):
     where = saved_run(tmp_path)
     with pytest.raises(MixConfigError, match="nothing to train: .* at step 2, and this run has 2 steps"):
-        check_resume(compose_mix(MAIN + [where]), total_steps=2)
+        check_resume(compose_mix(MAIN + [where]), count_steps=lambda _: 2)
     assert re.search(r"\[mix_src\] resuming from .*global_step_2 \(step 2 of 2", capsys.readouterr().out)
 
 
@@ -55,7 +55,7 @@ def test_the_same_run_resumes_with_one_line_and_layout_keys_may_change(tmp_path,
     where = saved_run(tmp_path)
     layout = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.use_dynamic_bsz=true",
               "trainer.total_training_steps=4", "mix.flops_budget=1e12", "trainer.save_freq=3"]  # fmt: skip
-    folder = check_resume(compose_mix(MAIN + [where, *layout]), total_steps=4)
+    folder = check_resume(compose_mix(MAIN + [where, *layout]), count_steps=lambda _: 4)
     assert folder.endswith("global_step_2")
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[mix_src]")]
     assert len(lines) == 1 and "step 2 of 4" in lines[0]
@@ -74,15 +74,16 @@ def test_the_same_run_resumes_with_one_line_and_layout_keys_may_change(tmp_path,
 def test_each_identity_key_is_compared(tmp_path, override, key):
     where = saved_run(tmp_path)
     with pytest.raises(MixConfigError, match=re.escape(key)):
-        check_resume(compose_mix(MAIN + [where, override]), total_steps=4)
+        check_resume(compose_mix(MAIN + [where, override]), count_steps=lambda _: 4)
 
 
 def test_disable_and_no_checkpoint_start_afresh_and_an_old_checkpoint_resumes_with_a_warning(tmp_path, capsys):
     where = saved_run(tmp_path)
-    assert check_resume(compose_mix(MAIN + [where, GSPO, "trainer.resume_mode=disable"]), total_steps=4) is None
-    assert check_resume(compose_mix(MAIN + [f"trainer.default_local_dir={tmp_path / 'none'}"]), total_steps=4) is None
+    four = lambda _: 4  # noqa: E731
+    assert check_resume(compose_mix(MAIN + [where, GSPO, "trainer.resume_mode=disable"]), count_steps=four) is None
+    assert check_resume(compose_mix(MAIN + [f"trainer.default_local_dir={tmp_path / 'none'}"]), count_steps=four) is None
     (tmp_path / "ckpt" / "global_step_2" / RUN_FILE).unlink()  # a checkpoint written before this check
-    assert check_resume(compose_mix(MAIN + [where, GSPO]), total_steps=4).endswith("global_step_2")
+    assert check_resume(compose_mix(MAIN + [where, GSPO]), count_steps=lambda _: 4).endswith("global_step_2")
     assert f"has no {RUN_FILE}" in capsys.readouterr().out
 
 
@@ -91,7 +92,7 @@ def test_resume_path_is_checked_too(tmp_path):
     step = tmp_path / "ckpt" / "global_step_2"
     cfg = compose_mix(MAIN + ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={step}", GSPO])
     with pytest.raises(MixConfigError, match="loss_mode"):
-        check_resume(cfg, total_steps=4)
+        check_resume(cfg, count_steps=lambda _: 4)
 
 
 # ---- the checkpoints real runs wrote, both bases -----------------------------------------------------------------

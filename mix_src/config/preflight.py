@@ -10,7 +10,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mix_src.compat import check_all as check_patch_versions
-from mix_src.config.resources import check_checkpoint_dir, total_steps
+from mix_src.config.resources import check_checkpoint_dir
 from mix_src.config.run_identity import check_resume
 from mix_src.config.data_check import check_data, data_files
 from mix_src.config.batch_check import check_batch_arithmetic
@@ -33,7 +33,7 @@ def run(config: DictConfig) -> Any:
     check_data(config)  # 4. data contents: bad files refused, bad rows dropped and counted (data_check.py)
     check_batch_arithmetic(config)  # 5. batch arithmetic verl checks only inside Ray (batch_check.py)
     check_checkpoint_dir(config)  # 6. resources: checkpoint directory created, written to, free space (resources.py)
-    check_resume(config, total_steps(config))  # 6. the checkpoint it would resume: this run's, steps left (run_identity.py)
+    check_resume(config)  # 6. the checkpoint it would resume: this run's, steps left (run_identity.py)
     check_memory(config)  # 6. fp32 states vs GPU memory refused, the peak estimate printed (mix_src/planner/check.py)
     return mix
 

@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
 from mix_src.config.mix_config import MixConfigError
+from mix_src.config.resources import total_steps
 
 RUN_FILE = "mix_run.json"  # in each global_step_<n> folder, beside verl's actor/ and data.pt
 IDENTITY = (
@@ -105,9 +106,10 @@ def resumed_folder(config: DictConfig) -> Optional[str]:
     return find_latest_ckpt_path(root) if os.path.isdir(root) else None
 
 
-def check_resume(config: DictConfig, total_steps: Optional[int]) -> Optional[str]:
+def check_resume(config: DictConfig, count_steps: Callable[[DictConfig], Optional[int]] = total_steps) -> Optional[str]:
     """Before Ray: the folder a run would resume, checked (module docstring). Prints one line when it resumes;
-    returns that folder (None: the run starts afresh)."""
+    returns that folder (None: the run starts afresh). The run's steps (``count_steps``: resources.total_steps, which
+    may read the training files' footers) are counted only when there is a checkpoint to resume."""
     folder = resumed_folder(config)
     if folder is None:
         return None
@@ -115,6 +117,7 @@ def check_resume(config: DictConfig, total_steps: Optional[int]) -> Optional[str
         step = int(folder.rstrip("/").split("global_step_")[-1])
     except ValueError:
         return folder  # verl refuses a resume path without global_step_ itself
+    total_steps = count_steps(config)
     of = "" if total_steps is None else f" of {total_steps}"
     print(f"[mix_src] resuming from {folder} (step {step}{of}; trainer.resume_mode={config.trainer.resume_mode})")
     record = os.path.join(folder, RUN_FILE)
