@@ -136,7 +136,7 @@ def test_tiny_grid_end_to_end(tmp_path):
 
 
 @pytest.mark.parametrize("task", sorted(cmp.TASKS))
-@pytest.mark.parametrize("method", ["luffy", "grpo", "guide_on_failure"])
+@pytest.mark.parametrize("method", ["luffy", "grpo", "guide_on_failure", "prefix_rl", "pass_rate_control"])
 def test_rl_runs_compose_and_validate(method, task):
     """What the harness passes run.sh for every RL launch method on every task composes and passes mix_src's checks."""
     from mix_src.config.mix_config import validate_mix_config

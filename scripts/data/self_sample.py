@@ -5,7 +5,14 @@ reads them, ``recipes/prefix_rl`` draws its prefixes from them). Reports the gen
 mix_src/algo/flops.py, ``rollout_flops``: ``F(P + R)`` per sample) and the pass rate per prompt.
 
     python -m scripts.data.self_sample --model ckpt/ --input data/openr1.parquet --output data/self.parquet \\
-        [--k 8] [--temperature 1.0] [--max-new-tokens 8192] [--backend auto|vllm|cpu] [--seed 0]
+        [--k 8] [--temperature 1.0] [--max-new-tokens 8192] [--backend auto|vllm|cpu] [--seed 0] \\
+        [--reward-path pkg://my.module --reward-name compute_score] [--drop-target]
+
+The reward is the training run's: math-verify's (mix_src/rewards, the default) or the run's custom reward function,
+given as verl's ``reward.custom_reward_function.path`` / ``.name`` (a file or ``pkg://module``, loaded by verl's own
+``load_extern_object``; it returns a dict with ``acc`` or ``score``, or a number). ``--drop-target`` writes ``target``
+as null, so that the model's own verified samples are the only guidance (PrefixRL's self-improvement setting); by
+default the input's ``target`` is kept and joins the drawn set.
 
 Backends: ``cpu`` is the CPU backend's own sampler (mix_src/cpu/sampling.py ``generate_batch``: one seeded generator
 per sample, seed = ``seed * 1e6 + row * k + j``, so a sample does not depend on its batch-mates); ``vllm`` is
@@ -70,6 +77,33 @@ def keep_verified(samples: list[list[tuple[str, list[int]]]], records: list[dict
     return verified, passed / k
 
 
+def custom_scorer(path: str, name: str):
+    """records of a custom verl reward function ``name`` in ``path`` (verl's ``load_extern_object``: a file or
+    ``pkg://module``), in :func:`scripts.eval.evaluate.score_samples`'s shape (what :func:`keep_verified` reads)."""
+    from verl.utils.import_utils import load_extern_object
+
+    fn = load_extern_object(path, name)
+
+    def score(rows: list[dict], samples: list[list[tuple[str, int]]]) -> list[dict]:
+        out = []
+        for i, s in enumerate(samples):
+            for j, (text, _n) in enumerate(s):
+                r = fn(rows[i]["data_source"], text, rows[i]["reward_model"].get("ground_truth"), rows[i]["extra_info"])
+                acc = float(r.get("acc", r.get("score", 0.0))) if isinstance(r, dict) else float(r)
+                out.append({"row": i, "sample": j, "response": text, "acc": acc})
+        return out
+
+    return score
+
+
+def pass_at_k(correct: np.ndarray, n: int, ks) -> dict[int, float]:
+    """The unbiased pass@k estimator (Chen et al. 2021, arXiv 2107.03374, eq. 1) averaged over prompts:
+    ``1 - C(n - c, k) / C(n, k)`` per prompt with ``c`` of its ``n`` samples correct; ``ks`` <= n."""
+    from math import comb
+
+    return {k: float(np.mean([1.0 - comb(n - int(c), k) / comb(n, k) for c in correct])) for k in ks if k <= n}
+
+
 def generation_flops(model_path: str, prompt_lens, response_lens) -> dict[str, float]:
     from transformers import AutoConfig
 
@@ -95,6 +129,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch-size", type=int, default=16, help="samples per CPU sampler call")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=5.0, help="grading deadline per sample, seconds")
+    p.add_argument("--reward-path", default=None,
+                   help="the run's custom reward (verl's reward.custom_reward_function.path; default: math-verify)")
+    p.add_argument("--reward-name", default="compute_score", help="its function (reward.custom_reward_function.name)")
+    p.add_argument("--drop-target", action="store_true",
+                   help="write target as null: only the verified samples guide (PrefixRL's self-sourced setting)")
     a = p.parse_args(argv)
     for name in ("k", "max_new_tokens", "batch_size"):
         if getattr(a, name) < 1:
@@ -133,8 +172,12 @@ def main(argv: list[str] | None = None) -> dict:
                              max_new_tokens=a.max_new_tokens, seed=a.seed, tensor_parallel_size=1,
                              tokenizer_path=a.tokenizer or a.model)
         samples = [[(text, [0] * n) for text, n in s] for s in gen(prompts)]
-    starts, require_think = think_settings(prompts, rows, "auto")
-    records = score_samples(rows, [[(t, len(ids)) for t, ids in s] for s in samples], starts, require_think, a.timeout)
+    graded = [[(t, len(ids)) for t, ids in s] for s in samples]
+    if a.reward_path:
+        records = custom_scorer(a.reward_path, a.reward_name)(rows, graded)
+    else:
+        starts, require_think = think_settings(prompts, rows, "auto")
+        records = score_samples(rows, graded, starts, require_think, a.timeout)
     verified, rates = keep_verified(samples, records, a.k)
     prompt_lens = [len(tokenizer(pr, add_special_tokens=False)["input_ids"]) for pr, s in zip(prompts, samples) for _ in s]
     response_lens = [len(ids) for s in samples for _, ids in s]
@@ -143,15 +186,22 @@ def main(argv: list[str] | None = None) -> dict:
     df = df.copy()
     df["target_lst"] = verified
     df["self_pass_rate"] = rates
+    if a.drop_target:
+        df["target"] = None
+    os.makedirs(os.path.dirname(os.path.abspath(a.output)), exist_ok=True)
     df.to_parquet(a.output)
     summary = {"input": a.input, "output": a.output, "backend": backend, "k": a.k, "prompts": len(rows),
                "samples": len(response_lens), "verified": int(round(float(rates.sum()) * a.k)),
                "prompts_with_a_trace": int(sum(bool(v) for v in verified)), "pass_rate_mean": float(rates.mean()),
-               "pass_rate_per_prompt": [float(r) for r in rates], "flops": flops, "seconds": time.time() - start}
+               "pass_rate_per_prompt": [float(r) for r in rates],
+               "pass_at_k": pass_at_k(np.rint(rates * a.k), a.k, sorted({1, 2, 4, 8, 16, 32, 64, a.k})),
+               "reward": f"{a.reward_path}:{a.reward_name}" if a.reward_path else "math-verify (mix_src.rewards)",
+               "target_dropped": a.drop_target, "flops": flops, "seconds": time.time() - start}
     with open(a.summary or os.path.splitext(a.output)[0] + ".json", "w") as f:
         json.dump(summary, f, indent=1)
     print(f"[self_sample] {len(rows)} prompts x {a.k} samples ({backend}): {summary['verified']} verified, "
-          f"{summary['prompts_with_a_trace']} prompts with a trace, mean pass rate {summary['pass_rate_mean']:.3f}; "
+          f"{summary['prompts_with_a_trace']} prompts with a trace, mean pass rate {summary['pass_rate_mean']:.3f}, "
+          f"pass@{a.k} {summary['pass_at_k'][a.k]:.3f}; "
           f"generation FLOPs {flops['full']:.4g} (full), {flops['6n']:.4g} (6n); wrote {a.output}")
     return summary
 

@@ -15,7 +15,8 @@ its folder and is not re-run while the grid's budget and evaluations and the run
 ``plugins: [mix.plugins paths relative to the repository root]`` and ``overrides: [Hydra key=value strings
 applied on top of the toy task's base settings]``, optional ``kind: rl`` (default). Built-in kinds: ``sft``
 (the name ``sft``) and ``sft_rl`` (a compare.yaml with ``kind: sft_rl``, ``rl_method: <an rl method>`` and
-``sft_fraction``). Short names: :data:`ALIASES`.
+``sft_fraction``). Short names: :data:`ALIASES`. ``self_source: {k: K}`` (kind rl): the run trains on its own
+model's verified samples, their sampling FLOPs charged to it (:mod:`scripts.experiments.compare_guidance`).
 
 **Matched compute, enforced.** ``--budget`` is training FLOPs (``--count full``: 6N + attention + LM head, or
 ``6n``; formulas in :mod:`mix_src.algo.flops`), counted by each run from its own tokens. RL runs get
@@ -60,6 +61,7 @@ import yaml
 from scripts.experiments.toy_tasks import addition as addition_task
 from scripts.experiments.toy_tasks import sort as sort_task
 from mix_src.algo.flops import ModelShape, forward_flops, sft_step_flops
+from scripts.experiments import compare_guidance as cg
 from scripts.experiments import toy_addition as ta
 from scripts.experiments import toy_sort as ts
 
@@ -113,6 +115,7 @@ class Method:
     overrides: list = field(default_factory=list)
     rl_method: str = ""  # sft_rl: the RL method of the second phase
     sft_fraction: float = 0.5
+    self_source: dict | None = None  # {k, temperature}: scripts/experiments/compare_guidance.py
 
 
 def load_method(name: str, recipes_dir: str = os.path.join(REPO_ROOT, "recipes")) -> Method:
@@ -127,9 +130,10 @@ def load_method(name: str, recipes_dir: str = os.path.join(REPO_ROOT, "recipes")
                          f"(aliases {ALIASES}). A method is runnable when recipes/<name>/compare.yaml exists.")
     with open(path) as f:
         spec = yaml.safe_load(f) or {}
-    unknown = set(spec) - {"kind", "plugins", "overrides", "rl_method", "sft_fraction"}
+    unknown = set(spec) - {"kind", "plugins", "overrides", "rl_method", "sft_fraction", "self_source"}
     if unknown:
-        raise SystemExit(f"{path}: unknown keys {sorted(unknown)} (known: kind, plugins, overrides, rl_method, sft_fraction)")
+        raise SystemExit(f"{path}: unknown keys {sorted(unknown)} (known: kind, plugins, overrides, rl_method, "
+                         "sft_fraction, self_source)")
     kind = spec.get("kind", "rl")
     if kind not in ("rl", "sft", "sft_rl"):
         raise SystemExit(f"{path}: kind={kind!r}; use rl, sft or sft_rl")
@@ -141,7 +145,9 @@ def load_method(name: str, recipes_dir: str = os.path.join(REPO_ROOT, "recipes")
         if not os.path.exists(p):
             raise SystemExit(f"{path}: plugin {p} does not exist")
     m = Method(name, kind, plugins, list(spec.get("overrides", [])), spec.get("rl_method", ""),
-               float(spec.get("sft_fraction", 0.5)))
+               float(spec.get("sft_fraction", 0.5)), cg.check_self_source(spec.get("self_source"), path))
+    if m.self_source and kind != "rl":
+        raise SystemExit(f"{path}: self_source is for kind rl, not {kind}")
     if kind == "sft_rl":
         if not m.rl_method or load_method(m.rl_method, recipes_dir).kind != "rl":
             raise SystemExit(f"{path}: kind sft_rl needs rl_method: <a method of kind rl>")
@@ -155,7 +161,9 @@ def run_overrides(task: Task, method: Method, rl_overrides=()) -> list[str]:
     if method.kind == "sft":
         return []
     rl = load_method(method.rl_method) if method.kind == "sft_rl" else method
-    return [*task.overrides, *rl_overrides, *rl_args(rl)]
+    sourced = [] if not rl.self_source else [  # a record of the train file (run_rl passes it as TRAIN_FILES)
+        f"data.train_files=<self-sourced, k={rl.self_source['k']}, temperature={rl.self_source['temperature']:g}>"]
+    return [*task.overrides, *rl_overrides, *rl_args(rl), *sourced]
 
 
 def reusable(rec: dict, a, overrides: list[str]) -> bool:
@@ -263,12 +271,13 @@ def _fresh(rdir: str) -> None:
 
 
 def run_rl(task: Task, assets: dict, method: Method, seed: int, budget: float, count: str, test_freq: int, rdir: str,
-           wrap: list[str], model_path: str | None = None, flops_offset: dict | None = None, extra: tuple = ()) -> dict:
+           wrap: list[str], model_path: str | None = None, flops_offset: dict | None = None, extra: tuple = (),
+           train_file: str | None = None) -> dict:
     """One RL run to ``budget`` FLOPs; returns its record (curves over FLOPs and steps)."""
     _fresh(rdir)
     env = {**task.env, "STEPS": str(RL_STEP_CAP), "EVAL_EVERY": str(test_freq), "OUTPUT_DIR": rdir,
            "ASSETS_DIR": os.path.dirname(assets["train"]), "MODEL_PATH": model_path or assets["model"],
-           "TRAIN_FILES": assets["train"], "VAL_FILES": f"[{assets['heldout']},{assets['ood']}]",
+           "TRAIN_FILES": train_file or assets["train"], "VAL_FILES": f"[{assets['heldout']},{assets['ood']}]",
            "LOGGER": "[console,file]"}
     cmd = ["bash", RUN_SH, "on_policy_grpo", str(seed), *task.overrides, *extra, *rl_args(method),
            f"mix.flops_budget={budget:.6e}", f"mix.flops_count={count}", "trainer.save_freq=-1"]
@@ -288,7 +297,8 @@ def run_rl(task: Task, assets: dict, method: Method, seed: int, budget: float, c
     lm = metrics[last]
     return {"kind": "rl", "wall_s": round(wall, 1), "steps": last, "evals": evals,
             "flops": {c: off[c] + lm[f"flops/total_{c}"] for c in ("6n", "full")},
-            "last_step_flops": {c: lm[f"flops/step_{c}"] for c in ("6n", "full")}}
+            "last_step_flops": {c: lm[f"flops/step_{c}"] for c in ("6n", "full")},
+            "informative": cg.informative(metrics)}
 
 
 def _opt_steps_per_rl_step(overrides=()) -> int:
@@ -327,12 +337,15 @@ def run_sft(task: Task, assets: dict, seed: int, steps: int, save_freq: int, ste
 def base_eval(task: Task, assets: dict) -> dict:
     """Greedy held-out / OOD accuracy and the sampled success rate p of the base (cached next to the base)."""
     path = os.path.join(assets["model"], "compare_base_eval.json")
-    if os.path.exists(path):
+    if os.path.exists(path) and "pass_at_k" in json.load(open(path)):
         return json.load(open(path))
     tok = ta.load_tokenizer(assets["tokenizer"])
     h = ts.evaluate_rows(assets["model"], tok, assets["heldout"], task.compute_score, task.max_new_tokens, samples=8)
     o = ts.evaluate_rows(assets["model"], tok, assets["ood"], task.compute_score, task.max_new_tokens)
-    res = {"heldout": h["acc"], "ood": o["acc"], "sampled_p": h["sampled_p"], "n_heldout": h["n"], "n_ood": o["n"]}
+    from scripts.data.self_sample import pass_at_k
+
+    res = {"heldout": h["acc"], "ood": o["acc"], "sampled_p": h["sampled_p"], "n_heldout": h["n"], "n_ood": o["n"],
+           "pass_at_k": {str(k): v for k, v in pass_at_k(h["correct_per_problem"], 8, [1, 2, 4, 8]).items()}}
     json.dump(res, open(path, "w"))
     return res
 
@@ -406,7 +419,8 @@ def summarize(results: dict, tasks: list[str], methods: list[str], seeds: list[i
         n_eval = {"heldout": base[tname]["n_heldout"], "ood": base[tname]["n_ood"]}
         lines += [f"### task `{tname}` — equal FLOPs (mean of each run's last {k} evaluations)", "",
                   f"Base model: greedy held-out {_pct(base[tname]['heldout'])}%, OOD {_pct(base[tname]['ood'])}%, "
-                  f"sampled success rate p = {_pct(base[tname]['sampled_p'])}% (8 samples x {n_eval['heldout']} problems).", "",
+                  f"sampled success rate p = {_pct(base[tname]['sampled_p'])}% (8 samples x {n_eval['heldout']} problems), "
+                  + ", ".join(f"pass@{k} {100 * v:.2f}%" for k, v in base[tname].get("pass_at_k", {}).items()) + ".", "",
                   "| method | held-out: mean [95% CI] | OOD: mean [95% CI] | n | seed sd (held-out / OOD) | eval SE (held-out / OOD) | FLOPs (full, mean) | wall s (mean) |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for m in methods:
@@ -531,7 +545,8 @@ def main(argv=None) -> int:
                               a.pretrain_steps)
         base[tname] = base_eval(task, assets)
         print(f"[compare] {tname}: base greedy held-out {_pct(base[tname]['heldout'])}%, OOD {_pct(base[tname]['ood'])}%, "
-              f"sampled success rate p = {_pct(base[tname]['sampled_p'])}%", flush=True)
+              f"sampled success rate p = {_pct(base[tname]['sampled_p'])}%, held-out pass@k (8 samples): "
+              + ", ".join(f"pass@{k} {100 * v:.2f}%" for k, v in base[tname]["pass_at_k"].items()), flush=True)
         shape = model_shape(assets["model"])
         lens = sft_sequence_lengths(assets["train"], assets["tokenizer"])
         mean_len = sum(lens) / len(lens)
@@ -564,7 +579,9 @@ def main(argv=None) -> int:
                 mname, seed, rdir, done = job
                 m = methods[mname]
                 launched_on = git_commit()  # the tree run.sh starts from (a grid can outlive several commits)
-                if m.kind == "rl":
+                if m.kind == "rl" and m.self_source:  # sample, keep the verified, charge the sampling
+                    rec = cg.run_self_sourced(run_rl, launch, task, assets, m, seed, a, test_freq, rdir, wrap)
+                elif m.kind == "rl":
                     rec = run_rl(task, assets, m, seed, a.budget, a.count, test_freq, rdir, wrap, extra=tuple(a.rl_overrides))
                 elif m.kind == "sft":
                     rec = run_sft(task, assets, seed, sft_steps, save_freq, step_fl, rdir, wrap, plans[tname]["sft_tokens_per_step"])
@@ -583,6 +600,7 @@ def main(argv=None) -> int:
             run_jobs(one, todo, a.jobs)
     names = list(a.methods)
     md, stats = summarize(results, a.tasks, names, a.seeds, a.last_k, a.baseline, base)
+    md += "\n" + cg.guidance_table(results, a.tasks, names, a.seeds, a.budget, a.count)
     commit = git_commit()
     run_commits = sorted({r.get("commit", "unrecorded") for t in results.values() for m in t.values() for r in m.values()})
     wall = time.time() - t_start

@@ -109,6 +109,7 @@ def evaluate_rows(model, tokenizer, parquet: str, compute_score, max_new_tokens:
         sampled = run(True, samples)
         out["sampled_p"] = sum(sampled) / len(sampled)
         out["samples_per_problem"] = samples
+        out["correct_per_problem"] = [int(sum(sampled[i * samples:(i + 1) * samples])) for i in range(len(prompts))]
     return out
 
 
