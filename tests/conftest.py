@@ -182,6 +182,10 @@ SLOW = {
     "and its 151,936-id tokenizer, decodes every id",
     "test_self_sample.py::test_tiny_assets_on_cpu_write_target_lst_flops_and_pass_rates": "6-10.6 s: samples with "
     "the tiny model",
+    "test_self_sample.py::test_a_custom_reward_grades_and_drop_target_leaves_only_the_verified_samples": "2-5 s: samples "
+    "with the tiny model",
+    "test_compare_guidance.py::test_the_sampling_is_charged_to_the_run_and_made_once": "7.4 s: the data command in a "
+    "subprocess with the tiny model",
     # #53 (at load 9-12 on the 2-core machine)
     "test_wheelhouse.py::test_fetch_takes_torch_at_hand_or_from_the_cpu_index": "7.4 s: four pip runs",
     "test_wheelhouse.py::test_pieces_install_with_no_index_over_a_hosts_packages": "4.0 s: pack, a venv, pip",
