@@ -7,7 +7,8 @@ Per generation batch:
 1. pass 1: every row on-policy (ratio 0);
 2. the solved rows' responses (decoded, EOS dropped) join the pool of their prompt (mix_src/algo/self_pool.py:
    ``per_prompt`` / ``total`` caps), keyed by a hash of the prompt's token ids; the pool lives in
-   ``RolloutContext.state`` and so in ``mix_state.pt``, restored exactly on resume;
+   ``RolloutContext.state`` and so in ``mix_state.pt``, restored exactly on resume (a resumed run's step equals the
+   uninterrupted run's on both bases: tests/test_self_guided_resume.py);
 3. a prompt whose ``n`` rows all failed and whose pool holds entries: rows ``0 .. k-1`` (``k = mix.n_prefix``, -1 = n)
    are generated again, each from a prefix of a stored success (distinct ones while they last:
    mix_src/algo/demonstrations.py ``draw_row_targets``, seeded from ``ctx.rng``) with the ratio of
