@@ -31,8 +31,8 @@ PER_PROMPT = 2  # test_self_guided_e2e.SELF's +mix.plugin_options.self_guided.pe
 V1 = ["trainer.use_v1=true", "trainer.v1.trainer_mode=sync"]
 # not compared: wall-clock timings and what follows from them, memory counters (tests/test_bases_equivalence.py)
 UNCOMPARED = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/", "agent_loop/", "timing/")
-# the actor's float32 forward/backward passes: the same batch and weights, so expected bit-identical; a tolerance
-# only for the last bits (tests/test_bases_equivalence.py measured up to 1e-7 relative across the two bases)
+# the actor's float32 forward/backward passes: the same batch and weights, bit-identical in both measured runs (both
+# bases, load 2 and 9); a tolerance only for the last bits (tests/test_bases_equivalence.py: 1e-7 across the bases)
 ACTOR_FLOATS = ("actor/", "training/rollout_", "rollout_corr/")
 
 
@@ -72,7 +72,7 @@ def _check(results: dict, saved_name: str, resumed_name: str) -> None:
     batch_dir = full.log_path.parent
     assert [m["step"] for m in full.metrics] == [1, 2, 3]
     assert [m["step"] for m in resumed.metrics] == [3]  # resumed after step 2
-    one, two, three = full.metrics
+    one, _, three = full.metrics
     # the pool matters at step 3: a prompt whose 4 rows all failed is guided, from successes stored at steps 1-2
     # (a group that failed at step 3 added nothing then); each guided prompt regenerates n_prefix=2 rows
     assert one["rollout_policy/self_pool_size"] > 0 and three["rollout_policy/self_guided_prompts"] > 0
