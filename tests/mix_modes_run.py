@@ -128,6 +128,10 @@ def main(path: str) -> int:
     from mix_src.main_mix_ppo import run_mix_ppo
 
     runs = json.loads(open(path).read())
+    try:  # vLLM sets environment variables when first imported (vllm/env_override.py), inside the batch's first run
+        import vllm.env_override  # noqa: F401  # that does; imported here they are every run's, not the first's alone,
+    except ImportError:  # so the reset below does not make the second run's Ray-level environment differ (a restart)
+        pass
     pristine = dict(os.environ)
     cluster = Cluster()
     main_ppo.run_ppo = _run_ppo_in(cluster, main_ppo.run_ppo)  # run_mix_ppo imports it from there at each call
