@@ -19,11 +19,11 @@ from scripts.experiments import compare_guidance as cg
 
 def test_prefix_rl_self_sources_and_bad_self_source_specs_are_refused(tmp_path):
     m = cmp.load_method("prefix_rl")
-    assert m.kind == "rl" and m.self_source == {"k": 4, "temperature": 1.0}
+    assert m.kind == "rl" and m.self_source == {"k": 4, "temperature": 1.0, "rows": 512}
     assert "mix.data.use_target_lst=true" in m.overrides and "mix.loss.prefix_tokens=context" in m.overrides
     # the self-sourced train file is part of what makes a finished run reusable
-    assert cmp.run_overrides(cmp.TASKS["addition"], m)[-1] == "data.train_files=<self-sourced, k=4, temperature=1>"
-    for bad in ("self_source: 4", "self_source: {k: 0}", "self_source: {n: 4}", "self_source: {k: 2, temperature: 0}",
+    assert cmp.run_overrides(cmp.TASKS["addition"], m)[-1] == "data.train_files=<self-sourced, k=4, temperature=1, rows=512>"
+    for bad in ("self_source: 4", "self_source: {k: 0}", "self_source: {n: 4}", "self_source: {k: 2, temperature: 0}", "self_source: {k: 2, rows: 0}",
                 "{kind: sft_rl, rl_method: grpo, self_source: {k: 2}}"):
         (tmp_path / "m").mkdir(exist_ok=True)
         (tmp_path / "m" / "compare.yaml").write_text(bad)
@@ -49,14 +49,17 @@ def test_the_sampling_is_charged_to_the_run_and_made_once(tiny_assets, tmp_path)
         return cmp.launch(cmd, env, rdir, wrap)
 
     a = argparse.Namespace(out=str(tmp_path), budget=1e12, count="full", rl_overrides=[])
-    m = cmp.Method("prefix_rl", "rl", self_source={"k": 2, "temperature": 1.0})
+    m = cmp.Method("prefix_rl", "rl", self_source={"k": 2, "temperature": 1.0, "rows": 8})
     rec = cg.run_self_sourced(recorder, launch, _task(tmp_path), tiny_assets, m, 3, a, 1, str(tmp_path / "run"), [])
     src = rec["self_source"]
     assert calls[0]["offset"] == src["flops"] and src["flops"]["full"] > 0
     assert calls[0]["budget"] == pytest.approx(1e12 - src["flops"]["full"])  # the RL part gets the rest
     assert rec["flops"]["full"] == src["flops"]["full"] + 1.0
     df = pd.read_parquet(calls[0]["train_file"])
-    assert df["target"].isna().all() and "target_lst" in df and src["samples"] == 2 * len(df)
+    assert df["target"].isna().all() and "target_lst" in df and src["samples"] == 2 * len(df) == 2 * 8
+    # rows: a seeded random 8 of the 32 training prompts are sampled and are the run's training file
+    full = pd.read_parquet(tiny_assets["train"])
+    assert len(full) == 32 and set(df["extra_info"].map(lambda e: e["index"])) <= set(full["extra_info"].map(lambda e: e["index"]))
     assert launched[0][launched[0].index("--seed") + 1] == "3" and "--drop-target" in launched[0]
     assert "pkg://scripts.experiments.toy_tasks.addition" in launched[0]  # the task's own reward
     # made once: a second run of the same (task, k, temperature, seed) reuses the file and its charge

@@ -162,7 +162,8 @@ def run_overrides(task: Task, method: Method, rl_overrides=()) -> list[str]:
         return []
     rl = load_method(method.rl_method) if method.kind == "sft_rl" else method
     sourced = [] if not rl.self_source else [  # a record of the train file (run_rl passes it as TRAIN_FILES)
-        f"data.train_files=<self-sourced, k={rl.self_source['k']}, temperature={rl.self_source['temperature']:g}>"]
+        f"data.train_files=<self-sourced, k={rl.self_source['k']}, temperature={rl.self_source['temperature']:g}, "
+        f"rows={rl.self_source.get('rows') or 'all'}>"]
     return [*task.overrides, *rl_overrides, *rl_args(rl), *sourced]
 
 

@@ -1,7 +1,9 @@
 """What the comparison harness (scripts/experiments/compare.py) needs for guidance methods (issues #55, #56):
 
-* **Self-sourced traces, charged.** A method whose ``compare.yaml`` has ``self_source: {k: K[, temperature: T]}``
-  trains on the task's training file rewritten by ``python -m scripts.data.self_sample`` (the data command users run):
+* **Self-sourced traces, charged.** A method whose ``compare.yaml`` has ``self_source: {k: K[, temperature: T][, rows:
+  N]}`` trains on the task's training file (``rows``: a random N of its rows, drawn with the run's seed, so that the
+  sampling fits the budget: the sort task has 4,096 prompts, a run sees about 256) rewritten by
+  ``python -m scripts.data.self_sample`` (the data command users run):
   ``K`` samples a prompt from the run's own starting model (the CPU backend's sampler, seeded with the run's seed), the
   ones the task's reward verifies as each row's ``target_lst``, the expert ``target`` dropped (``--drop-target``: the
   model's own successes are the only guidance, PrefixRL's self-improvement setting, arXiv 2601.18795). The sampling's
@@ -24,7 +26,7 @@ import math
 import os
 import sys
 
-SELF_SOURCE_KEYS = {"k", "temperature"}
+SELF_SOURCE_KEYS = {"k", "temperature", "rows"}
 
 
 def check_self_source(spec, path: str) -> dict | None:
@@ -33,28 +35,39 @@ def check_self_source(spec, path: str) -> dict | None:
         return None
     if not isinstance(spec, dict) or set(spec) - SELF_SOURCE_KEYS or "k" not in spec:
         raise SystemExit(f"{path}: self_source must be a mapping with k (samples per prompt) and optionally "
-                         f"temperature, got {spec!r}")
-    k, temp = spec["k"], spec.get("temperature", 1.0)
-    if not isinstance(k, int) or k < 1 or not isinstance(temp, (int, float)) or not temp > 0:
-        raise SystemExit(f"{path}: self_source needs an integer k >= 1 and temperature > 0, got {spec!r}")
-    return {"k": k, "temperature": float(temp)}
+                         f"temperature and rows, got {spec!r}")
+    k, temp, rows = spec["k"], spec.get("temperature", 1.0), spec.get("rows")
+    if not isinstance(k, int) or k < 1 or not isinstance(temp, (int, float)) or not temp > 0 or not (
+            rows is None or (isinstance(rows, int) and rows >= 1)):
+        raise SystemExit(f"{path}: self_source needs an integer k >= 1, temperature > 0 and rows (optional) an "
+                         f"integer >= 1, got {spec!r}")
+    return {"k": k, "temperature": float(temp), "rows": rows}
 
 
 def self_source(task, assets: dict, spec: dict, seed: int, out: str, launch, wrap: list[str]) -> dict:
     """The self-sourced training file of (task, spec, seed), made once by ``scripts.data.self_sample``; returns its
     summary (``output``: the parquet, ``flops``: {6n, full}, ``pass_at_k``, ``prompts_with_a_trace``, ...)."""
-    folder = os.path.join(out, "self_source", task.name, f"k{spec['k']}_t{spec['temperature']:g}_seed{seed}")
+    import pandas as pd
+
+    rows = spec.get("rows")
+    folder = os.path.join(out, "self_source", task.name,
+                          f"k{spec['k']}_t{spec['temperature']:g}" + (f"_rows{rows}" if rows else "") + f"_seed{seed}")
     parquet, summary_path = os.path.join(folder, "self.parquet"), os.path.join(folder, "self.json")
     reward = "pkg://" + task.compute_score.__module__  # the task's training reward (reward.custom_reward_function)
-    want = {"k": spec["k"], "input": assets["train"], "reward": f"{reward}:compute_score", "target_dropped": True}
+    source = assets["train"]
+    if rows and rows < len(pd.read_parquet(assets["train"], columns=["data_source"])):
+        source = os.path.join(folder, "rows.parquet")  # the run's training prompts: a seeded random subset
+    want = {"k": spec["k"], "input": source, "reward": f"{reward}:compute_score", "target_dropped": True}
     if os.path.exists(summary_path):
         summary = json.load(open(summary_path))
         if {key: summary.get(key) for key in want} == want and summary.get("model") == assets["model"] \
                 and summary.get("seed") == seed and summary.get("temperature") == spec["temperature"]:
             return summary
     os.makedirs(folder, exist_ok=True)
+    if source != assets["train"]:
+        pd.read_parquet(assets["train"]).sample(n=rows, random_state=seed).sort_index().to_parquet(source)
     cmd = [sys.executable, "-m", "scripts.data.self_sample", "--model", assets["model"], "--tokenizer", assets["tokenizer"],
-           "--input", assets["train"], "--output", parquet, "--k", str(spec["k"]),
+           "--input", source, "--output", parquet, "--k", str(spec["k"]),
            "--temperature", str(spec["temperature"]), "--max-new-tokens", str(task.max_response_length),
            "--backend", "cpu", "--seed", str(seed), "--batch-size", "256", "--reward-path", reward, "--drop-target"]
     wall = launch(cmd, {"OMP_NUM_THREADS": "1"}, folder, wrap)
