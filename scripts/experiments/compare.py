@@ -164,7 +164,7 @@ def run_overrides(task: Task, method: Method, rl_overrides=()) -> list[str]:
     sourced = [] if not rl.self_source else [  # a record of the train file (run_rl passes it as TRAIN_FILES)
         f"data.train_files=<self-sourced, k={rl.self_source['k']}, temperature={rl.self_source['temperature']:g}, "
         f"rows={rl.self_source.get('rows') or 'all'}>"]
-    return [*task.overrides, *rl_overrides, *rl_args(rl), *sourced]
+    return [*task.overrides, *rl_args(rl), *rl_overrides, *sourced]
 
 
 def reusable(rec: dict, a, overrides: list[str]) -> bool:
@@ -280,7 +280,7 @@ def run_rl(task: Task, assets: dict, method: Method, seed: int, budget: float, c
            "ASSETS_DIR": os.path.dirname(assets["train"]), "MODEL_PATH": model_path or assets["model"],
            "TRAIN_FILES": train_file or assets["train"], "VAL_FILES": f"[{assets['heldout']},{assets['ood']}]",
            "LOGGER": "[console,file]"}
-    cmd = ["bash", RUN_SH, "on_policy_grpo", str(seed), *task.overrides, *extra, *rl_args(method),
+    cmd = ["bash", RUN_SH, "on_policy_grpo", str(seed), *task.overrides, *rl_args(method), *extra,  # the grid's last
            f"mix.flops_budget={budget:.6e}", f"mix.flops_count={count}", "trainer.save_freq=-1"]
     wall = launch(cmd, env, rdir, wrap)
     metrics = read_metrics(os.path.join(rdir, "metrics.jsonl"))
@@ -522,7 +522,8 @@ def main(argv=None) -> int:
     p.add_argument("--wrap", default=None, help="command prefix for each run (default: env COMPARE_RUN_WRAPPER)")
     p.add_argument("--jobs", type=int, default=1,
                    help="runs at a time (each its own Ray cluster or torchrun); scripts/experiments/README.md: measured speed-up here")
-    p.add_argument("--rl-overrides", nargs="*", default=[], help="Hydra overrides added to every RL run (tests: smaller batches)")
+    p.add_argument("--rl-overrides", nargs="*", default=[],
+                   help="Hydra overrides added to every RL run, after the method's own (tests: smaller batches; ablations)")
     p.add_argument("--pretrain-steps", type=int, default=None, help="base pre-training steps (tests: a barely trained base)")
     a = p.parse_args(argv)
     if a.jobs < 1:
