@@ -117,3 +117,37 @@ def test_state_saved_and_restored_continues_identically():
             trace = closed_loop(side, c, 0.2, s, visits=20, group=8, seed=2, state=st, key=key)
             st.setdefault("trace", []).append(trace)
     assert restored == state == twin  # every ratio, rate and visit count, and every pass rate on the way
+
+
+def test_pooled_an_unseen_prompt_starts_from_the_seen_prompts_mean_ratio():
+    s, pooled = ControlSettings(gain=0.4), ControlSettings(gain=0.4, pooled=True)
+    state = new_state()
+    assert observe(state, "a", HEAD_START, 0.0, pooled) == pytest.approx(0.7)  # none seen: init 0.5, + 0.4 * 0.5
+    assert observe(state, "b", HEAD_START, 1.0, pooled) == pytest.approx(0.5)  # starts at a's 0.7, - 0.4 * 0.5
+    assert observe(state, "c", HEAD_START, 0.0, pooled) == pytest.approx(0.8)  # starts at mean(0.7, 0.5) = 0.6
+    assert current_ratio(state, "new", HEAD_START, pooled) == pytest.approx((0.7 + 0.5 + 0.8) / 3)
+    assert current_ratio(state, "new", HEAD_START, s) == 0.5  # per prompt alone: init_ratio
+    assert current_ratio(state, "new", HANDICAP, pooled) == 0.5  # no prompt seen on that side yet
+    assert state["pooled"][HEAD_START] == [pytest.approx(2.0), 3]
+    # a state saved before the pool existed rebuilds it from its entries
+    old = {side: copy.deepcopy(state[side]) for side in (HEAD_START, HANDICAP)}
+    assert current_ratio(old, "new", HEAD_START, pooled) == pytest.approx(2.0 / 3)
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+def test_prompts_seen_once_are_steered_only_when_pooled(pooled):
+    """The toy grid's regime (issue #56): every step brings 32 prompts never seen before (one draw each, under one
+    epoch), all with one pass-rate curve below the band at init_ratio (p(0.5) = 0.12). Per prompt alone, every group
+    keeps p(init_ratio); pooled, the groups of step 2 on are in the band. As in the policy, a step's ratios are all
+    read before its groups are observed (recipes/pass_rate_control/pass_rate_control.py)."""
+    s, f, state = ControlSettings(pooled=pooled), curve(HEAD_START, 0.7, 0.1), new_state()
+    means = []
+    for step in range(6):
+        keys = [f"{step}-{i}" for i in range(32)]
+        rates = [f(current_ratio(state, key, HEAD_START, s)) for key in keys]
+        ratios = [current_ratio(state, key, HEAD_START, s) for key in keys]
+        for key, p, r in zip(keys, rates, ratios):
+            observe(state, key, HEAD_START, p, s, ratio=r)
+        means.append(float(np.mean(rates)))
+    assert not in_band(means[0])
+    assert all(in_band(m) for m in means[1:]) if pooled else all(m == means[0] for m in means)

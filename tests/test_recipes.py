@@ -107,7 +107,8 @@ EXPECTED = {
         "mix.rollout_policy": "pass_rate_control", "mix.n_prefix": -1, "mix.loss.prefix_tokens": "context",
         "mix.loss.loss_remove_clip": False, "algorithm.adv_estimator": "grpo", "algorithm.norm_adv_by_std_in_grpo": True,
         "mix.plugin_options": {"pass_rate_control": {"target": 0.5, "band_low": 0.25, "band_high": 0.75, "gain": 0.5,
-                                                     "init_ratio": 0.5, "smoothing": 0.0, "failure_prefixes": False}},
+                                                     "init_ratio": 0.5, "smoothing": 0.0, "failure_prefixes": False,
+                                                     "pooled": False}},
         "data.train_batch_size": 128, "actor_rollout_ref.rollout.n": 8,
     },
     "toy_calculator": {

@@ -14,13 +14,19 @@ the prefix ratio, with every parameter a setting (:class:`ControlSettings`). For
     ratio  <- clip(ratio + sign(s) * gain * (target - rate), min_ratio, max_ratio)
 
 sign(head_start) = +1 (a longer successful prefix raises the pass rate), sign(handicap) = -1 (a longer failing
-prefix lowers it). A prompt's first ratio on a side is ``init_ratio``. With a pass-rate curve p(ratio) whose slope
+prefix lowers it). A prompt's first ratio on a side is ``init_ratio``, or with ``pooled`` (ours, off by default) the
+mean current ratio of the prompts already seen on that side (``init_ratio`` while none is): in a run that draws each
+prompt about once (a large prompt set, under two epochs) the per-prompt rule never reaches a second visit, and every
+head start would use ``init_ratio`` (measured: scripts/experiments/README.md, issue #56's grid); pooled, the prompts
+seen so far steer the ones not yet seen. With a pass-rate curve p(ratio) whose slope
 stays below 2 / gain the loop settles at p = target (tests/test_pass_rate_control.py drives simulated prompts from
 below and from above into [band_low, band_high]). Which side a group is steered to: :func:`side_for` (below the
 band: head start; above it: handicap; inside: none).
 
-The state is a plain dict ``{"head_start": {key: entry}, "handicap": {key: entry}}`` with
-``entry = {"ratio": float, "rate": float, "visits": int}`` (keys: strings): picklable, saved and restored exactly.
+The state is a plain dict ``{"head_start": {key: entry}, "handicap": {key: entry}, "pooled": {side: [sum, count]}}``
+with ``entry = {"ratio": float, "rate": float, "visits": int}`` (keys: strings) and per side the running sum and count
+of the entries' current ratios: picklable, saved and restored exactly (a state saved without ``pooled`` rebuilds it
+from its entries).
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ class ControlSettings:
     target: the pass rate the controller steers to (the paper: 0.5). band_low, band_high: a group is steered when its
     unaided pass rate is outside [band_low, band_high] (the issue's informative band 0.25-0.75). gain: ratio change
     per unit of pass-rate error. init_ratio: a prompt's first ratio on a side. min_ratio, max_ratio: the ratio's range.
-    smoothing: weight of the previous recent pass rate (0 = the latest group's rate alone)."""
+    smoothing: weight of the previous recent pass rate (0 = the latest group's rate alone). pooled: an unseen prompt's
+    first ratio is the mean current ratio of the prompts seen on its side (False: ``init_ratio``)."""
 
     target: float = 0.5
     band_low: float = 0.25
@@ -53,6 +60,7 @@ class ControlSettings:
     min_ratio: float = 0.0
     max_ratio: float = 1.0
     smoothing: float = 0.0
+    pooled: bool = False
 
     def __post_init__(self):
         if not 0.0 <= self.band_low <= self.target <= self.band_high <= 1.0:
@@ -69,7 +77,15 @@ class ControlSettings:
 
 def new_state() -> dict:
     """An empty controller state."""
-    return {side: {} for side in SIDES}
+    return {**{side: {} for side in SIDES}, "pooled": {side: [0.0, 0] for side in SIDES}}
+
+
+def _pool(state: dict, side: str) -> list:
+    """[sum, count] of the current ratios of the prompts seen on ``side`` (rebuilt for a state saved without it)."""
+    pooled = state.setdefault("pooled", {})
+    if side not in pooled:
+        pooled[side] = [float(sum(e["ratio"] for e in state[side].values())), len(state[side])]
+    return pooled[side]
 
 
 def side_for(pass_rate: float, s: ControlSettings) -> Optional[str]:
@@ -83,22 +99,32 @@ def side_for(pass_rate: float, s: ControlSettings) -> Optional[str]:
 
 
 def current_ratio(state: dict, key: str, side: str, s: ControlSettings) -> float:
-    """The prefix ratio prompt ``key`` gets next on ``side`` (``init_ratio`` before its first visit)."""
+    """The prefix ratio prompt ``key`` gets next on ``side`` (before its first visit: ``init_ratio``, or with ``pooled``
+    the mean ratio of the prompts seen on ``side`` when there is one)."""
     entry = state[side].get(key)
-    return s.init_ratio if entry is None else float(entry["ratio"])
+    if entry is not None:
+        return float(entry["ratio"])
+    total, count = _pool(state, side)
+    return min(max(total / count, s.min_ratio), s.max_ratio) if s.pooled and count else s.init_ratio
 
 
-def observe(state: dict, key: str, side: str, pass_rate: float, s: ControlSettings) -> float:
+def observe(state: dict, key: str, side: str, pass_rate: float, s: ControlSettings,
+            ratio: Optional[float] = None) -> float:
     """One controller step: prompt ``key``'s group reached ``pass_rate`` with the ratio :func:`current_ratio` gave on
-    ``side``; updates ``state`` (the module docstring's rule) and returns the next ratio."""
+    ``side`` (``ratio``: that ratio, read before the batch's other groups were observed; a pooled start moves with
+    every observation); updates ``state`` (the module docstring's rule) and returns the next ratio."""
     if not 0.0 <= pass_rate <= 1.0:
         raise ValueError(f"pass-rate control: a pass rate is in [0, 1], got {pass_rate!r}")
-    entry = state[side].get(key)
-    if entry is None:
-        entry = state[side][key] = {"ratio": s.init_ratio, "rate": float(pass_rate), "visits": 0}
+    pool, entry = _pool(state, side), state[side].get(key)
+    if entry is None:  # the ratio it was given
+        entry = {"ratio": current_ratio(state, key, side, s) if ratio is None else float(ratio),
+                 "rate": float(pass_rate), "visits": 0}
+        state[side][key] = entry
+        pool[0], pool[1] = pool[0] + entry["ratio"], pool[1] + 1
     else:
         entry["rate"] = s.smoothing * entry["rate"] + (1.0 - s.smoothing) * float(pass_rate)
     step = _SIGN[side] * s.gain * (s.target - entry["rate"])
-    entry["ratio"] = min(max(entry["ratio"] + step, s.min_ratio), s.max_ratio)
+    old, entry["ratio"] = entry["ratio"], min(max(entry["ratio"] + step, s.min_ratio), s.max_ratio)
+    pool[0] += entry["ratio"] - old
     entry["visits"] += 1
     return entry["ratio"]

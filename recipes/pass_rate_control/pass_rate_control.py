@@ -56,6 +56,7 @@ SETTINGS = {  # ControlSettings' fields (its checks across keys run in _check) +
     "min_ratio": number(0.0, 0.0, 1.0),
     "max_ratio": number(1.0, 0.0, 1.0),
     "smoothing": Setting(0.0, lambda v: number(0).ok(v) and v < 1, "a number in [0, 1)"),  # EMA of the pass rate
+    "pooled": flag(False),  # an unseen prompt starts from the seen prompts' mean ratio (ours; ControlSettings)
     "failure_prefixes": flag(False),  # handicaps from the model's own stored failures (the paper's other side)
 }
 
@@ -65,7 +66,8 @@ def options(mix) -> dict:
 
 
 def control_settings(opts: dict) -> ControlSettings:
-    return ControlSettings(**{k: float(opts[k]) for k in ControlSettings.__dataclass_fields__})
+    return ControlSettings(**{k: bool(opts[k]) if k == "pooled" else float(opts[k])
+                              for k in ControlSettings.__dataclass_fields__})
 
 
 def demonstrations(ctx: RolloutContext, rows: np.ndarray) -> list:
@@ -131,7 +133,7 @@ def pass_rate_control(ctx: RolloutContext):
         out = replace_rows(first, np.asarray(rows), ctx.generate(np.asarray(ratios), np.asarray(rows), targets=targets))
     after = solved(out).reshape(-1, n).mean(axis=1)
     for g, side, ratio in steered:
-        observe(state, keys[g], side, float(after[g] if ratio > 0 else before[g]), s)
+        observe(state, keys[g], side, float(after[g] if ratio > 0 else before[g]), s, ratio=ratio)
     if opts["failure_prefixes"]:
         _store_failures(ctx, state, first, ok, keys)
     ctx.metrics.update(_metrics(before, after, steered, out, rows, state))
