@@ -149,3 +149,18 @@ def test_rl_runs_compose_and_validate(method, task):
     assert mix.flops_budget == 1e12
     if task == "sort":
         assert cfg.reward.custom_reward_function.path == "pkg://scripts.experiments.toy_tasks.sort" and cfg.data.max_response_length == 24
+
+
+def test_a_run_that_lost_its_rendezvous_port_is_started_again_and_other_failures_raise(tmp_path):
+    """The tiny grid's --jobs 2 lost a run to EADDRINUSE (a port taken between its choice and its bind, on a fresh
+    clone of 4b04fae): such a run failed before training and is started once more; any other failure raises."""
+    marker = tmp_path / "tried"
+    clash = ["bash", "-c", f"if [ -e {marker} ]; then echo ok; else touch {marker}; "
+             "echo 'DistNetworkError: address already in use, name: EADDRINUSE'; exit 1; fi"]
+    assert cmp.launch(clash, {}, str(tmp_path), []) >= 0
+    assert (tmp_path / "run.log").read_text() == "ok\n" and "EADDRINUSE" in (tmp_path / "run.attempt1.log").read_text()
+    with pytest.raises(RuntimeError, match="rc=3"):
+        cmp.launch(["bash", "-c", "echo other; exit 3"], {}, str(tmp_path), [])
+    marker.unlink()
+    with pytest.raises(RuntimeError, match="EADDRINUSE"):  # only once more
+        cmp.launch(clash[:2] + [clash[2].replace("then echo ok", "then echo EADDRINUSE; exit 1")], {}, str(tmp_path), [])

@@ -214,17 +214,31 @@ def _wrapper(arg: str | None) -> list[str]:
     return shlex.split(w) if w else []
 
 
-def launch(cmd: list[str], env: dict, rdir: str, wrap: list[str]) -> float:
+PORT_CLASH = "EADDRINUSE"  # torch.distributed's rendezvous lost a free port to another run started beside it
+
+
+def launch(cmd: list[str], env: dict, rdir: str, wrap: list[str], attempts: int = 2) -> float:
+    """Run ``cmd`` (its output in ``rdir/run.log``); returns its wall time. A run that failed because its
+    torch.distributed rendezvous port was taken meanwhile by another run of the grid (``--jobs`` > 1, or a test
+    beside it) is started again, up to ``attempts`` times in all: it failed before training (the first attempt's log
+    is kept as ``run.attempt1.log``). Any other failure raises with the log's tail."""
     log = os.path.join(rdir, "run.log")
     print(f"[compare] {' '.join(wrap + cmd)}  (log {log})", flush=True)
-    t0 = time.time()
-    with open(log, "w") as f:
-        env = {"PYTHON": sys.executable, **os.environ, **env}  # run.sh's interpreter: this one unless PYTHON is set
-        rc = subprocess.call(wrap + cmd, cwd=REPO_ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-    total = time.time() - t0
-    if rc != 0:
-        tail = open(log, errors="replace").read().splitlines()[-40:]
-        raise RuntimeError(f"run failed (rc={rc}); log {log}:\n" + "\n".join(tail))
+    for attempt in range(1, attempts + 1):
+        t0 = time.time()
+        with open(log, "w") as f:
+            full = {"PYTHON": sys.executable, **os.environ, **env}  # run.sh's interpreter: this one unless PYTHON is set
+            rc = subprocess.call(wrap + cmd, cwd=REPO_ROOT, env=full, stdout=f, stderr=subprocess.STDOUT)
+        total = time.time() - t0
+        if rc == 0:
+            break
+        text = open(log, errors="replace").read()
+        if PORT_CLASH in text and attempt < attempts:
+            os.replace(log, os.path.join(rdir, f"run.attempt{attempt}.log"))
+            print(f"[compare] {rdir}: a rendezvous port was taken by another process ({PORT_CLASH}); starting again",
+                  flush=True)
+            continue
+        raise RuntimeError(f"run failed (rc={rc}); log {log}:\n" + "\n".join(text.splitlines()[-40:]))
     own = os.path.join(rdir, "wall_seconds.txt")  # run.sh's own wall time: without a wrapper's wait (a lock)
     return float(open(own).read()) if os.path.exists(own) else total
 
