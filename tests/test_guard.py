@@ -51,8 +51,8 @@ UNGUARDED = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/", "agent
 # while every other metric of those steps, the losses and grad norm included, was identical: not a change of
 # what trains. The legacy base compares it bit for bit. V1's actor/entropy likewise (one run of make test on a fresh
 # clone of ead2045, this 2-core machine, kernel fingerprint equal to the record's: step 1 4.659034729003906 against the
-# recorded 4.6590352058410645, one float32 ulp, every other metric of the run identical; the runs before and after
-# it at 4b04fae matched bit for bit).
+# recorded 4.6590352058410645, one float32 ulp, every other metric of the run identical; the run before it, at
+# 4b04fae, matched bit for bit).
 NEAR = {"v1_sync": {"actor/on_policy_prob": 1e-6, "actor/entropy": 1e-6}}
 
 
