@@ -421,6 +421,11 @@ def binomial_se(p: float, n: int) -> float:
     return math.sqrt(max(p * (1 - p), 0.0) / n) if n else float("nan")
 
 
+def _pass_at_k_text(base: dict) -> str:
+    """The base's held-out pass@k (base_eval), as printed and tabled."""
+    return ", ".join(f"pass@{k} {100 * v:.2f}%" for k, v in base.get("pass_at_k", {}).items())
+
+
 def _pct(x: float) -> str:
     return "n/a" if x != x else f"{100 * x:.1f}"
 
@@ -435,7 +440,7 @@ def summarize(results: dict, tasks: list[str], methods: list[str], seeds: list[i
         lines += [f"### task `{tname}` — equal FLOPs (mean of each run's last {k} evaluations)", "",
                   f"Base model: greedy held-out {_pct(base[tname]['heldout'])}%, OOD {_pct(base[tname]['ood'])}%, "
                   f"sampled success rate p = {_pct(base[tname]['sampled_p'])}% (8 samples x {n_eval['heldout']} problems), "
-                  + ", ".join(f"pass@{k} {100 * v:.2f}%" for k, v in base[tname].get("pass_at_k", {}).items()) + ".", "",
+                  + _pass_at_k_text(base[tname]) + ".", "",
                   "| method | held-out: mean [95% CI] | OOD: mean [95% CI] | n | seed sd (held-out / OOD) | eval SE (held-out / OOD) | FLOPs (full, mean) | wall s (mean) |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for m in methods:
@@ -562,7 +567,7 @@ def main(argv=None) -> int:
         base[tname] = base_eval(task, assets)
         print(f"[compare] {tname}: base greedy held-out {_pct(base[tname]['heldout'])}%, OOD {_pct(base[tname]['ood'])}%, "
               f"sampled success rate p = {_pct(base[tname]['sampled_p'])}%, held-out pass@k (8 samples): "
-              + ", ".join(f"pass@{k} {100 * v:.2f}%" for k, v in base[tname]["pass_at_k"].items()), flush=True)
+              + _pass_at_k_text(base[tname]), flush=True)
         shape = model_shape(assets["model"])
         lens = sft_sequence_lengths(assets["train"], assets["tokenizer"])
         mean_len = sum(lens) / len(lens)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 
+from mix_src.algo.prefix import build_prefix
 from scripts.experiments import toy_addition as ta
 from scripts.experiments.toy_sort import _prompt_ids
 
@@ -36,9 +36,10 @@ def curve(model_dir: str, tokenizer_dir: str, parquet: str, compute_score, ratio
         solved = per_row = 0
         rates = []
         for _, row in df.iterrows():
-            target = tok(row["target"][0]["content"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            h = min(int(math.floor(r * len(target))), len(target) - 1)  # a continuation is left (ratio < 1)
-            ids = torch.tensor([_prompt_ids(tok, row["prompt"][0]["content"]) + target[:h]])
+            target = tok(row["target"][0]["content"], add_special_tokens=False)["input_ids"]
+            prefix = build_prefix(target, r, tok.eos_token_id)[: len(target)]  # a continuation is left (ratio 1: EOS)
+            h = len(prefix)
+            ids = torch.tensor([_prompt_ids(tok, row["prompt"][0]["content"]) + prefix])
             with torch.no_grad():
                 gen = model.generate(input_ids=ids.repeat(samples, 1), attention_mask=torch.ones_like(ids).repeat(samples, 1),
                                      do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
